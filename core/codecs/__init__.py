@@ -1,0 +1,19 @@
+"""Codecs: composable, self-describing stages that turn a tensor chunk into bytes and back.
+
+Importing this package registers every codec, so ``codec_from_dict`` / ``Pipeline.from_list``
+can rebuild any pipeline a manifest names.
+"""
+from .base import ArrayCodec, BytesCodec, EncodeStats, codec_from_dict, register
+from .cast import CastCodec
+from .int8_block import Int8BlockCodec
+from .pipeline import Pipeline, lossless_pipeline, pipeline_for_rule
+from .raw import RawCodec, dtype_itemsize
+from .shuffle import ShuffleCodec
+from .uniform import UniformCodec
+from .zstd import ZstdCodec
+
+__all__ = [
+    "ArrayCodec", "BytesCodec", "EncodeStats", "codec_from_dict", "register",
+    "RawCodec", "CastCodec", "UniformCodec", "Int8BlockCodec", "ShuffleCodec", "ZstdCodec",
+    "Pipeline", "lossless_pipeline", "pipeline_for_rule", "dtype_itemsize",
+]

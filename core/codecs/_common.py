@@ -1,0 +1,138 @@
+"""Helpers shared by the codecs: byte views of tensors, directed rounding, error statistics.
+
+Everything here is pure and thread-safe; the heavy lifting is torch/numpy code that releases the GIL.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+from ..quant_rules import QUANTIZABLE_DTYPES  # the float dtypes lossy codecs take (one definition)
+from .base import EncodeStats
+
+#: Elements the lossy codecs process at once. Temporaries are a few times this many floats (a few
+#: MB, the greedy search ~16 bytes per element); smaller blocks lose to the fixed cost of each
+#: torch call (~5-10 us here), larger ones to cache misses.
+BLOCK_ELEMS = 1 << 18
+
+_SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+def scale_dtype(name: str) -> torch.dtype:
+    """``"fp16"``/``"fp32"`` -> torch dtype; ValueError otherwise (becomes FormatError on decode)."""
+    try:
+        return _SCALE_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"scale_dtype must be 'fp16' or 'fp32', got {name!r}") from None
+
+
+def check_int(value: object, name: str, low: int, high: int | None = None) -> int:
+    """Validate an integer codec parameter (bools are refused: they are ints to Python)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return value
+
+
+def check_shape(shape: object) -> tuple[int, int]:
+    """A decode ``shape`` must be two non-negative ints (a manifest is untrusted input)."""
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise FormatError(f"chunk shape must be two non-negative integers, got {shape!r}")
+    return int(shape[0]), int(shape[1])
+
+
+def tensor_bytes(array: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included).
+
+    The view aliases the tensor's storage: it is valid only while the tensor is neither freed nor
+    mutated (the engine encodes from staging buffers it does not reuse before the chunk is stored).
+    """
+    flat = array.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def bytes_to_uint8(data: bytes | memoryview | bytearray) -> torch.Tensor:
+    """A writable, 16-byte aligned uint8 tensor over ``data``; copies only when it has to.
+
+    Read-only buffers (``bytes`` from zstd) are copied because torch tensors must be writable;
+    misaligned buffers are copied so that wider dtype views never see unaligned elements.
+    """
+    if memoryview(data).nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    if not arr.flags.writeable or arr.ctypes.data % 16:
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def typed_view(buf: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A torch ``dtype`` view of a 1-D uint8 numpy slice (writes go through to ``buf``)."""
+    if buf.size == 0:  # torch refuses dtype views of empty numpy arrays (stride 0)
+        return torch.empty(0, dtype=dtype)
+    return torch.from_numpy(buf).view(dtype)
+
+
+def require_quantizable(array: torch.Tensor, codec: str) -> None:
+    """Lossy codecs take 2-D float16/bfloat16/float32/float64 CPU tensors only."""
+    if array.dtype not in QUANTIZABLE_DTYPES:
+        raise ValueError(f"{codec}: cannot encode dtype {array.dtype} (floating point only)")
+    if array.dim() != 2:
+        raise ValueError(f"{codec}: expected a 2-D tensor, got shape {tuple(array.shape)}")
+
+
+def require_finite(values: torch.Tensor, codec: str) -> None:
+    """Raise ValueError if ``values`` holds inf/nan: the engine then stores the tensor lossless.
+
+    Quantizing inf/nan would turn them into finite garbage (or poison a whole row's scale).
+    min/max propagate nan and expose infs, and are much faster than ``isfinite().all()``.
+    """
+    if values.numel() and not (math.isfinite(float(values.amin())) and math.isfinite(float(values.amax()))):
+        raise ValueError(f"{codec}: input contains inf or nan; it cannot be quantized")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 inputs are processed in float64, everything else in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def round_directed(x64: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """Round float64 values to ``dtype`` towards +inf (``up``) or -inf, so stored parameters
+    never shrink the range they must cover. ValueError if a value is not representable."""
+    r = x64.to(dtype)
+    back = r.to(torch.float64)
+    wrong = back < x64 if up else back > x64
+    if bool(wrong.any()):
+        target = torch.full_like(r, float("inf") if up else float("-inf"))
+        r = torch.where(wrong, torch.nextafter(r, target), r)
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"quantization parameters overflow {dtype}; use a wider scale dtype")
+    return r
+
+
+def block_stats(ref: torch.Tensor, recon: torch.Tensor) -> EncodeStats:
+    """Error statistics of one block: ``recon`` (as decode returns it) against ``ref``.
+
+    Works in float64 for float64 inputs and float32 otherwise (the difference of nearby floats is
+    exact; a block is small enough that float32 sums lose nothing that matters for a statistic);
+    the caller sums blocks in Python floats (float64).
+    """
+    if ref.numel() == 0:
+        return EncodeStats()
+    cdt = compute_dtype(ref.dtype)
+    r = ref.to(cdt).reshape(-1)
+    err = recon.to(cdt).reshape(-1) - r
+    max_abs = max(float(err.amax()), -float(err.amin()))  # faster than abs().max() or inf-norm
+    return EncodeStats(max_abs, float(torch.dot(err, err)), float(torch.dot(r, r)))
+
+
+def format_guard(nbytes: int, expected: int, codec: str) -> None:
+    """FormatError unless an encoded buffer has exactly the size its shape implies."""
+    if nbytes != expected:
+        raise FormatError(f"{codec}: encoded data has {nbytes} bytes, expected {expected}")

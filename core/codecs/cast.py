@@ -1,0 +1,74 @@
+"""``cast``: lossy down-cast of floating tensors to bfloat16 or float16."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import FormatError
+from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, block_stats, bytes_to_uint8, check_shape,
+                      format_guard, require_finite, require_quantizable, tensor_bytes)
+from .base import ArrayCodec, EncodeStats, register
+
+_TARGETS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register
+@dataclass(frozen=True)
+class CastCodec(ArrayCodec):
+    """Stores ``to`` (``"bfloat16"`` or ``"float16"``) values; decode casts back to the original dtype.
+
+    Error: round-to-nearest of the target dtype (relative 2^-9 for bfloat16, 2^-12 for float16).
+    ``encode`` raises ValueError for inf/nan input and for values that overflow float16, so the
+    engine stores such tensors lossless instead of silently producing inf.
+    """
+
+    to: str = "bfloat16"
+
+    name = "cast"
+    version = 1
+    lossy = True
+
+    def __post_init__(self) -> None:
+        if self.to not in _TARGETS:
+            raise ValueError(f"cast: 'to' must be one of {sorted(_TARGETS)}, got {self.to!r}")
+
+    @classmethod
+    def from_params(cls, **params: Any) -> "CastCodec":
+        return cls(**params)
+
+    @property
+    def target(self) -> torch.dtype:
+        return _TARGETS[self.to]
+
+    def encode(self, array: torch.Tensor) -> tuple[memoryview, EncodeStats]:
+        require_quantizable(array, self.name)
+        flat = array.detach().contiguous().reshape(-1)
+        out = torch.empty(flat.shape, dtype=self.target)
+        stats = EncodeStats()
+        # Block-wise so that the finite checks and error statistics need only cache-sized temporaries.
+        for start in range(0, flat.numel(), BLOCK_ELEMS):
+            ref = flat[start:start + BLOCK_ELEMS]
+            require_finite(ref, self.name)
+            low = out[start:start + BLOCK_ELEMS]
+            low.copy_(ref)
+            require_finite(low, f"{self.name} to {self.to} (overflow)")
+            stats = stats.merge(block_stats(ref, low))
+        return tensor_bytes(out), stats
+
+    def decode(self, data: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = check_shape(shape)
+        if dtype not in QUANTIZABLE_DTYPES:
+            raise FormatError(f"cast: cannot decode to dtype {dtype}")
+        format_guard(memoryview(data).nbytes, rows * cols * 2, self.name)
+        if rows * cols == 0:
+            return torch.empty((rows, cols), dtype=dtype)
+        low = bytes_to_uint8(data).view(self.target).view(rows, cols)
+        return low.to(dtype).contiguous()
+
+    def encoded_itemsize(self, dtype: torch.dtype) -> int:
+        return 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "to": self.to}

@@ -1,0 +1,71 @@
+"""``shuffle``: byte-shuffle (byte 0 of every element, then byte 1, ...), as in Blosc and ZipNN.
+
+Grouping the exponent bytes of floats together makes them compress far better with zstd. A data
+length that is not a multiple of ``itemsize`` leaves its last ``len % itemsize`` bytes unshuffled
+at the end. numpy does the transposing copy (it releases the GIL for it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+from ._common import check_int
+from .base import BytesCodec, register
+
+# Elements per piece: the piece's source and destination bytes stay in cache.
+_PIECE = 1 << 15
+
+
+@register
+@dataclass(frozen=True)
+class ShuffleCodec(BytesCodec):
+    """Byte-shuffle with element size ``itemsize`` (1 = identity)."""
+
+    itemsize: int = 4
+
+    name = "shuffle"
+    version = 1
+
+    def __post_init__(self) -> None:
+        check_int(self.itemsize, "itemsize", 1, 64)
+
+    @classmethod
+    def from_params(cls, **params: Any) -> "ShuffleCodec":
+        return cls(**params)
+
+    def encode(self, data: bytes | memoryview) -> bytes | memoryview:
+        return _transpose(data, self.itemsize, forward=True)
+
+    def decode(self, data: bytes | memoryview, max_output: int) -> bytes | memoryview:
+        if memoryview(data).nbytes > max_output:
+            raise FormatError(f"shuffle: {memoryview(data).nbytes} bytes exceed the limit of {max_output}")
+        return _transpose(data, self.itemsize, forward=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "itemsize": self.itemsize}
+
+
+def _transpose(data: bytes | memoryview, itemsize: int, forward: bool) -> bytes | memoryview:
+    """Shuffle (``forward``) or unshuffle ``data`` into a new buffer; itemsize 1 returns ``data``."""
+    if itemsize == 1:
+        return data
+    src = np.frombuffer(data, dtype=np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
+    n = src.size // itemsize
+    out = np.empty_like(src)
+    # Shuffled layout: plane b (byte b of every element) is [b*n, (b+1)*n). One byte column at a
+    # time, in cache-sized pieces: numpy's strided 1-D copies beat its 2-D transposing copy ~4x
+    # when unshuffling.
+    planes = (out if forward else src)[:n * itemsize].reshape(itemsize, n)
+    elems = (src if forward else out)[:n * itemsize].reshape(n, itemsize)
+    for a in range(0, n, _PIECE):
+        b = min(a + _PIECE, n)
+        for k in range(itemsize):
+            if forward:
+                planes[k, a:b] = elems[a:b, k]
+            else:
+                elems[a:b, k] = planes[k, a:b]
+    out[n * itemsize:] = src[n * itemsize:]
+    return memoryview(out)

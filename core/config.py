@@ -1,0 +1,323 @@
+"""All of checkrun's settings in one explicit dataclass tree (no hidden environment knobs).
+
+``EngineConfig.from_dict`` / ``from_yaml`` validate every key and type and name the dotted key
+of anything wrong; ``to_dict`` gives back plain data that ``from_dict`` accepts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from .errors import ConfigError
+
+ChainPolicy = Literal["intermittent", "one_shot", "consecutive"]
+QuantMethod = Literal["uniform", "adaptive", "bf16", "fp16", "int8_block"]
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How tensor chunks are encoded when no quantization rule applies (lossless)."""
+
+    zstd_level: int = 1
+    """zstd level (1 is fast and, after byte-shuffle, within a few % of higher levels)."""
+    zstd_threads: int = 0
+    """zstd worker threads per chunk (0 = compress on the calling worker thread)."""
+    shuffle: bool = True
+    """Group the bytes of each element before zstd (ZipNN/Blosc style); pays ~1.2x on floats."""
+    compress: bool = True
+    """Set False to store raw bytes (still chunked, content-addressed and checksummed)."""
+    chunk_bytes: int = 16 * 1024 * 1024
+    """Target size of one chunk of raw tensor data; the unit of dedup, parallelism and retries."""
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries with exponential backoff for transient storage errors."""
+
+    max_attempts: int = 5
+    initial_backoff_seconds: float = 0.1
+    max_backoff_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where and how bytes are moved."""
+
+    storage_options: dict = field(default_factory=dict)
+    """Passed to fsspec for every call (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``)."""
+    io_threads: int = 4
+    """Parallel blob reads/writes."""
+    fsync: bool = True
+    """fsync blobs and manifests on local filesystems before the commit rename."""
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+
+@dataclass(frozen=True)
+class SavingConfig:
+    """The asynchronous save pipeline."""
+
+    asynchronous: bool = True
+    """False: ``save`` returns only after the checkpoint is committed."""
+    max_pending: int = 1
+    """Saves in flight at once; a further ``save`` waits (backpressure)."""
+    staging_budget_bytes: Optional[int] = None
+    """Cap on host staging memory; None = whatever ``max_pending`` snapshots need."""
+    workers: int = 2
+    """Threads that hash, encode and upload chunks in the background."""
+    pin_memory: bool = True
+    """Use pinned staging buffers for CUDA tensors (ignored on CPU-only machines)."""
+    sigterm_grace_seconds: Optional[float] = 30.0
+    """On SIGTERM, wait this long for pending saves to commit; None = install no handler."""
+
+
+@dataclass(frozen=True)
+class IncrementalConfig:
+    """Write only what changed since the previous save to the same directory."""
+
+    enabled: bool = True
+    policy: ChainPolicy = "intermittent"
+    """``one_shot``: delta vs the last full base; ``consecutive``: delta vs the previous save;
+    ``intermittent``: one-shot deltas, new base when predicted cheaper (Check-N-Run)."""
+    max_chain: int = 8
+    """Most deltas on top of one base before a new full base is taken."""
+    row_delta_min_rows: int = 1024
+    """2-D tensors with at least this many rows get row-level deltas; others chunk-level dedup."""
+    rebase_ratio: float = 0.5
+    """intermittent: take a new base when the delta would exceed this fraction of a full save."""
+    row_delta_keys: tuple = ("*",)
+    """Glob patterns (on the flattened key) of tensors eligible for row deltas."""
+
+
+@dataclass(frozen=True)
+class QuantRule:
+    """Opt-in lossy encoding for the tensors whose flattened key matches ``pattern``."""
+
+    pattern: str
+    method: QuantMethod = "uniform"
+    bits: int = 4
+    """uniform: 2, 3, 4 or 8."""
+    dtype: Optional[str] = None
+    """Only match tensors of this dtype (e.g. ``"float32"``)."""
+    min_numel: int = 1024
+    """Tensors with fewer elements are stored lossless."""
+    greedy: bool = True
+    """uniform: greedy range search per row (Guan et al. 2019)."""
+    scale_dtype: Literal["fp16", "fp32"] = "fp16"
+    block_size: int = 256
+    """Block length for 1-D tensors (uniform) and for int8_block."""
+    expected_restores: int = 1
+    """adaptive: 2 bits for 1 restore, 3 up to 3, 4 up to 20, 8 beyond."""
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """What to keep and when unreferenced blobs may be deleted."""
+
+    keep_last: Optional[int] = None
+    """Keep this many newest committed checkpoints in a directory (None = keep all)."""
+    gc_grace_seconds: float = 3600.0
+    """Blobs younger than this are never collected (protects concurrent saves)."""
+    gc_after_save: bool = True
+    """Run garbage collection after retention removed a checkpoint."""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Loading safety."""
+
+    allowed_globals: tuple = ()
+    """Extra ``module.QualName`` types allowed when loading with ``weights_only=True``."""
+    max_blob_bytes: int = 1 << 34
+    """Refuse any blob or chunk whose declared size exceeds this (hostile manifests)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of checkrun. Build with ``EngineConfig()``, ``from_dict`` or ``from_yaml``."""
+
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    saving: SavingConfig = field(default_factory=SavingConfig)
+    incremental: IncrementalConfig = field(default_factory=IncrementalConfig)
+    quantization: tuple = ()
+    """Tuple of ``QuantRule``; first match wins; empty = lossless."""
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "EngineConfig":
+        """Build from plain data; unknown keys and wrong types raise ConfigError naming the key."""
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, section: str | None = None) -> "EngineConfig":
+        """Read a YAML file (optionally one top-level ``section`` of it, e.g. ``checkpointing``)."""
+        import yaml
+
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+        if section is not None:
+            data = data.get(section) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def to_dict(self) -> dict:
+        """Plain data (lists for tuples) that ``from_dict`` turns back into an equal config."""
+        return _to_plain(self)
+
+    def replace(self, **overrides: Any) -> "EngineConfig":
+        """A copy with dotted-key overrides, e.g. ``replace(**{"retention.keep_last": 3})``."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                if not isinstance(node.get(p), dict):
+                    raise ConfigError(f"unknown config key {dotted!r}")
+                node = node[p]
+            node[leaf] = value
+        return EngineConfig.from_dict(data)
+
+
+def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineConfig:
+    """Accept an EngineConfig, a dict, a YAML path or None (defaults)."""
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, EngineConfig):
+        return config
+    if isinstance(config, dict):
+        return EngineConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return EngineConfig.from_yaml(config)
+    raise ConfigError(f"config must be EngineConfig, dict, YAML path or None, not {type(config).__name__}")
+
+
+_TUPLE_ITEM_TYPES = {("EngineConfig", "quantization"): QuantRule}
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {dotted!r} (known: {', '.join(sorted(names))})")
+        item_type = _TUPLE_ITEM_TYPES.get((cls.__name__, key))
+        kwargs[key] = _check(hints[key], value, dotted, item_type)
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix or 'config'}: missing required key(s) {', '.join(missing)}")
+    obj = cls(**kwargs)
+    _validate_values(obj, prefix)
+    return obj
+
+
+def _check(tp: Any, value: Any, dotted: str, item_type: type | None = None) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check(arg, value, dotted)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{dotted}: invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{dotted}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, dotted + ".")
+    if tp is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{dotted}: expected a list, got {type(value).__name__}")
+        if item_type is not None:
+            return tuple(_build(item_type, v, f"{dotted}[{i}].") for i, v in enumerate(value))
+        for i, v in enumerate(value):
+            if not isinstance(v, str):
+                raise ConfigError(f"{dotted}[{i}]: expected a string, got {type(v).__name__}")
+        return tuple(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{dotted}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{dotted}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{dotted}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{dotted}: expected a string, got {value!r}")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    raise ConfigError(f"{dotted}: unsupported config type {tp!r}")  # pragma: no cover
+
+
+_POSITIVE = {
+    "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
+    "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
+}
+_NON_NEGATIVE = {"compression.zstd_threads", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
+
+
+def _validate_values(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        dotted = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)
+        if dotted in _POSITIVE and value <= 0:
+            raise ConfigError(f"{dotted}: must be > 0, got {value!r}")
+        if dotted in _NON_NEGATIVE and value < 0:
+            raise ConfigError(f"{dotted}: must be >= 0, got {value!r}")
+    if isinstance(obj, RetentionConfig) and obj.keep_last is not None and obj.keep_last < 1:
+        raise ConfigError(f"{prefix}keep_last: must be >= 1 or null, got {obj.keep_last!r}")
+    if isinstance(obj, QuantRule):
+        if obj.method == "uniform" and obj.bits not in (2, 3, 4, 8):
+            raise ConfigError(f"{prefix}bits: uniform supports 2, 3, 4 or 8 bits, got {obj.bits!r}")
+        if obj.block_size <= 0 or obj.expected_restores < 1:
+            raise ConfigError(f"{prefix}: block_size and expected_restores must be positive")
+    if isinstance(obj, IncrementalConfig) and not 0 < obj.rebase_ratio <= 1:
+        raise ConfigError(f"{prefix}rebase_ratio: must be in (0, 1], got {obj.rebase_ratio!r}")
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj

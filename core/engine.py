@@ -1,0 +1,405 @@
+"""CheckpointEngine: the public entry point of checkrun.
+
+Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are
+called from the training thread (any one thread at a time). Each save's background part runs on one
+coordinator thread in submission order (so saves to one path commit in order), fanning chunk work out
+to a pool of ``saving.workers`` threads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from . import lifecycle
+from .capture import Snapshot, take_snapshot
+from .config import EngineConfig, coerce_config
+from .errors import BackgroundSaveError, CheckrunError
+from .handles import SaveHandle, SaveInfo
+from .manifest import Manifest
+from .quant_rules import RuleMatcher
+from .reader import VerifyReport, load_manifest_state, read_manifest, verify_manifest
+from .retention import CheckpointEntry, GCReport, apply_retention, collect_garbage, list_checkpoints
+from .staging import BufferPool, Copier, MemoryBudget
+from .storage import Store
+from .streams import DirState, RowStream, row_eligible
+from .writer import SnapshotWriter
+
+import torch
+
+log = logging.getLogger("ckpt_core")
+PathLike = str | os.PathLike
+
+
+class _Job:
+    def __init__(self, snap: Snapshot, store: Store, name: str, handle: SaveHandle, dirstate: DirState,
+                 started: float, blocking: float) -> None:
+        self.snap, self.store, self.name, self.handle = snap, store, name, handle
+        self.dir, self.started, self.blocking = dirstate, started, blocking
+
+
+class CheckpointEngine:
+    """Asynchronous, incremental, optionally quantized checkpoints on any fsspec storage.
+
+    Use as a context manager or call ``close()``; a forgotten engine is flushed at interpreter exit.
+    """
+
+    def __init__(self, config: EngineConfig | dict | PathLike | None = None) -> None:
+        self.config = coerce_config(config)
+        sc = self.config.saving
+        self._pool = BufferPool(pin_memory=sc.pin_memory)
+        self._budget = MemoryBudget(sc.staging_budget_bytes)
+        self._copier = Copier()
+        self._slots = threading.BoundedSemaphore(sc.max_pending)
+        self._matcher = RuleMatcher(self.config.quantization)
+        self._workers = ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker")
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._dirs: dict[tuple, DirState] = {}
+        self._stores: dict[tuple, Store] = {}
+        self._inflight: list[SaveHandle] = []
+        self._cond = threading.Condition()
+        self._callbacks: list[Callable[[SaveInfo], None]] = []
+        self._failed: list[SaveHandle] = []
+        self._closed = False
+        lifecycle.register(self)
+
+    # -- public API ---------------------------------------------------------------------------
+    def save(self, state: Any, path: PathLike, storage_options: dict | None = None) -> SaveHandle:
+        """Snapshot ``state`` and write it to ``path`` in the background; returns at once after the copy.
+
+        Raises a pending background error from an earlier save first (once). With
+        ``saving.asynchronous = False`` the save is committed before this returns."""
+        self._check_open()
+        self._raise_pending_error()
+        started = time.perf_counter()
+        store, name = self._store(path, storage_options)
+        handle = SaveHandle(store.url(name))
+        self._slots.acquire()
+        try:
+            dirstate = self._dirstate(store)
+            self._wait_streams(dirstate)
+            snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config)
+        except BaseException:
+            self._slots.release()
+            raise
+        job = _Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started)
+        dirstate.last = handle
+        with self._cond:
+            self._inflight.append(handle)
+        if self.config.saving.asynchronous:
+            lifecycle.install_sigterm(self.config.saving.sigterm_grace_seconds)
+            self._ensure_thread()
+            self._queue.put(job)
+        else:
+            self._run(job)
+            handle.result()
+        return handle
+
+    def load(self, path: PathLike, map_location: Any = None, weights_only: bool = True,
+             storage_options: dict | None = None) -> Any:
+        """Load the checkpoint at ``path`` (waits for a pending save to it). Tensors are verified.
+
+        ``weights_only=True`` refuses values that need pickle unless their type is allow-listed.
+        The next save to the same directory is incremental against what was loaded."""
+        self._check_open()
+        store, name = self._store(path, storage_options)
+        self._wait_path(store.url(name))
+        manifest = read_manifest(store, name, self.config)
+        state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
+                                            weights_only=weights_only, config=self.config)
+        self._adopt_loaded(store, manifest, loaded)
+        return state
+
+    def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
+        """Delete the checkpoint's manifest (waits for a pending save to it). Blobs go at ``gc``."""
+        self._check_open()
+        store, name = self._store(path, storage_options)
+        self._wait_path(store.url(name))
+        store.delete_manifest(name)
+
+    def latest(self, directory: PathLike, storage_options: dict | None = None) -> str | None:
+        """Newest committed checkpoint in ``directory`` whose manifest and blobs are present.
+
+        A corrupt candidate is skipped with a warning naming it. Blob contents are checked on load."""
+        self._check_open()
+        store = self._dir_store(directory, storage_options)
+        self._wait_dir(store)
+        blobs = None
+        for entry in reversed(list_checkpoints(store, self.config)):
+            if entry.manifest is None:
+                log.warning("checkrun: skipping corrupt checkpoint %s: %s", entry.url, entry.error)
+                continue
+            if blobs is None:
+                blobs = {b.key: b.size for b in store.list_blobs()}
+            missing = [b.key for b in entry.manifest.blobs() if blobs.get(b.key) != b.size]
+            if missing:
+                log.warning("checkrun: skipping checkpoint %s: %d blob(s) missing or truncated, e.g. %s",
+                            entry.url, len(missing), store.blob_path(missing[0]))
+                continue
+            return entry.url
+        return None
+
+    def verify(self, path: PathLike, storage_options: dict | None = None, decode: bool = True,
+               progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Check the manifest and every blob (size, checksum, and decoding unless ``decode=False``)."""
+        self._check_open()
+        store, name = self._store(path, storage_options)
+        self._wait_path(store.url(name))
+        return verify_manifest(store, name, self.config, decode=decode, progress=progress)
+
+    def gc(self, directory: PathLike, grace_seconds: float | None = None, dry_run: bool = False,
+           storage_options: dict | None = None) -> GCReport:
+        """Delete blobs in ``directory`` that no manifest references and that are older than the grace."""
+        self._check_open()
+        store = self._dir_store(directory, storage_options)
+        self._wait_dir(store)
+        return self._collect(store, grace_seconds, dry_run)
+
+    def list(self, directory: PathLike, storage_options: dict | None = None) -> list[CheckpointEntry]:
+        """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error."""
+        self._check_open()
+        return list_checkpoints(self._dir_store(directory, storage_options), self.config)
+
+    def read_manifest(self, path: PathLike, storage_options: dict | None = None) -> Manifest:
+        """The parsed, validated manifest of a checkpoint (no blob is read)."""
+        store, name = self._store(path, storage_options)
+        return read_manifest(store, name, self.config)
+
+    def add_callback(self, fn: Callable[[SaveInfo], None]) -> None:
+        """Call ``fn(info)`` on the background thread after each committed save (adapter metrics)."""
+        self._callbacks.append(fn)
+
+    def wait(self) -> None:
+        """Block until every pending save is durable; raise a background error not yet surfaced."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._inflight)
+        self._raise_pending_error()
+
+    def close(self) -> None:
+        """Wait for pending saves, then release threads and buffers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._inflight)
+        finally:
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+            self._workers.shutdown(wait=True)
+            for store in self._stores.values():
+                store.close()
+            self._pool.clear()
+            self._dirs.clear()
+            lifecycle.unregister(self)
+        self._raise_pending_error()
+
+    @property
+    def pending(self) -> int:
+        """Number of saves not yet committed or failed."""
+        with self._cond:
+            return len(self._inflight)
+
+    @property
+    def staging(self) -> BufferPool:
+        """The staging buffer pool (its ``allocations`` counter shows buffer reuse)."""
+        return self._pool
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckrunError as err:  # never mask the user's own exception
+            log.error("checkrun: background save error while handling another exception: %s", err)
+
+    def __getstate__(self):
+        raise TypeError("CheckpointEngine holds threads and cannot be pickled; pickle its config instead")
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckrunError("this CheckpointEngine is closed")
+
+    def _store(self, path: PathLike, storage_options: dict | None) -> tuple[Store, str]:
+        store, name = Store.for_path(path, storage_options, self.config.storage)
+        return self._stores.setdefault((store.url(""), _opts_key(storage_options)), store), name
+
+    def _dir_store(self, directory: PathLike, storage_options: dict | None) -> Store:
+        store = Store.for_directory(directory, storage_options, self.config.storage)
+        return self._stores.setdefault((store.url(""), _opts_key(storage_options)), store)
+
+    def _dirstate(self, store: Store) -> DirState:
+        return self._dirs.setdefault((store.url(""),), DirState())
+
+    def _wait_streams(self, dirstate: DirState) -> None:
+        """Row streams own one buffer each: the previous save to the directory must be done first."""
+        if dirstate.streams and dirstate.last is not None:
+            dirstate.last.wait()
+
+    def _wait_path(self, url: str) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not any(h.path == url for h in self._inflight))
+
+    def _wait_dir(self, store: Store) -> None:
+        prefix = store.url("")
+        with self._cond:
+            self._cond.wait_for(lambda: not any(h.path.startswith(prefix) for h in self._inflight))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="checkrun-coordinator", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        """Background part of one save; never raises (errors go to the handle)."""
+        info, error = None, None
+        writer = SnapshotWriter(job.snap, job.store, job.dir, self.config, self._matcher, self._workers)
+        try:
+            t0 = time.perf_counter()
+            try:
+                manifest, stats = writer.write()
+            finally:
+                self._release_staging(job.snap)
+            data = manifest.to_bytes()
+            job.store.write_manifest(job.name, data)
+            writer.adopt(manifest)
+            info = self._info(job, stats, len(data), time.perf_counter() - t0, manifest)
+            self._after_commit(job, info)
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
+            job.dir.invalidate()
+            error = exc
+            log.error("checkrun: save to %s failed: %s", job.handle.path, exc)
+        finally:
+            job.handle._finish(info, error)
+            with self._cond:
+                if error is not None:
+                    self._failed.append(job.handle)
+                self._inflight.remove(job.handle)
+                self._cond.notify_all()
+            self._slots.release()
+
+    def _release_staging(self, snap: Snapshot) -> None:
+        for st in snap.tensors:
+            if st.stream is None:
+                self._pool.give(st.data)
+        self._budget.release(snap.charged)
+
+    def _info(self, job: _Job, stats: dict, manifest_bytes: int, background: float,
+              manifest: Manifest) -> SaveInfo:
+        blobs = manifest.blobs()
+        new = sum(1 for r in manifest.tensors if r.written)
+        quantized = [r for r in manifest.tensors if r.quant]
+        saved = sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized)
+        return SaveInfo(
+            path=job.handle.path, tensor_bytes=stats["tensor_bytes"],
+            written_bytes=stats["written_bytes"] + manifest_bytes, stored_bytes=stats["stored_bytes"],
+            blocking_seconds=job.blocking, background_seconds=background,
+            total_seconds=time.perf_counter() - job.started, new_blobs=new,
+            reused_blobs=len(blobs) - new, chain_depth=stats["chain_depth"],
+            quantized_tensors=len(quantized), quantization_saved_bytes=saved)
+
+    def _after_commit(self, job: _Job, info: SaveInfo) -> None:
+        log.info("checkrun: saved %s: %.1f MB of tensors, wrote %.1f MB (%.1f%%), ratio %.2fx, "
+                 "blocked %.3f s, background %.2f s", info.path, info.tensor_bytes / 1e6,
+                 info.written_bytes / 1e6, 100 * info.write_ratio, info.compression_ratio,
+                 info.blocking_seconds, info.background_seconds)
+        for fn in self._callbacks:
+            try:
+                fn(info)
+            except Exception:  # a metrics callback must not fail a committed save
+                log.exception("checkrun: save callback failed")
+        try:
+            removed = apply_retention(job.store, self.config, keep={job.name})
+            if removed and self.config.retention.gc_after_save:
+                self._collect(job.store, None, False)
+        except CheckrunError as exc:
+            log.warning("checkrun: retention/gc after saving %s failed: %s", info.path, exc)
+
+    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool) -> GCReport:
+        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run)
+        state = self._dirs.get((store.url(""),))
+        if state is not None and not dry_run:
+            for key in report.deleted:
+                state.index.pop(key, None)
+        return report
+
+    def _raise_pending_error(self) -> None:
+        with self._cond:
+            failed, self._failed = self._failed, []
+        for handle in failed:
+            err = handle.take_error()
+            if err is None:
+                continue
+            wrapped = BackgroundSaveError(f"checkpoint save to {handle.path} failed: {err}")
+            wrapped.__cause__ = err
+            if sys.exc_info()[1] is not None:  # never replace an exception being handled
+                log.error("checkrun: %s", wrapped)
+                continue
+            raise wrapped
+
+    def _adopt_loaded(self, store: Store, manifest: Manifest, loaded) -> None:
+        """Remember a loaded checkpoint so the next save to its directory is incremental."""
+        state = self._dirstate(store)
+        for b in manifest.blobs():
+            state.index[b.key] = b
+        for lt in loaded:
+            rec = lt.record
+            state.records[rec.key] = rec
+            view = lt.flat.view(rec.shape)
+            if not row_eligible(rec.key, view, self.config.incremental) or rec.quant:
+                continue
+            stream = RowStream(lt.flat.clone(), view.dtype, tuple(rec.shape), valid=True, record=rec)
+            mask = torch.zeros(rec.shape[0], dtype=torch.bool)
+            for idx in lt.delta_indices:
+                mask[idx] = True
+            stream.cum_mask = mask
+            stream.saves_since_base = len(rec.deltas)
+            stream.spec_id = _spec_id(rec)
+            state.streams[rec.key] = stream
+
+
+def _spec_id(rec) -> str:
+    from .codecs import Pipeline
+
+    return Pipeline.from_list(list(rec.codecs)).spec_id
+
+
+def _opts_key(opts: dict | None) -> str:
+    return repr(sorted((opts or {}).items()))
+
+
+def save(state: Any, path: PathLike, *, config: EngineConfig | dict | PathLike | None = None,
+         storage_options: dict | None = None) -> SaveInfo:
+    """Save ``state`` to ``path`` and wait for the commit (a one-call convenience)."""
+    with CheckpointEngine(config) as engine:
+        return engine.save(state, path, storage_options=storage_options).result()
+
+
+def load(path: PathLike, *, map_location: Any = None, weights_only: bool = True,
+         config: EngineConfig | dict | PathLike | None = None, storage_options: dict | None = None) -> Any:
+    """Load the checkpoint at ``path`` (a one-call convenience)."""
+    with CheckpointEngine(config) as engine:
+        return engine.load(path, map_location=map_location, weights_only=weights_only,
+                           storage_options=storage_options)
+
+
+__all__ = ["CheckpointEngine", "save", "load"]

@@ -1,0 +1,42 @@
+"""The project's exception types. Every error checkrun raises on purpose derives from CheckrunError."""
+from __future__ import annotations
+
+
+class CheckrunError(Exception):
+    """Base class of every error raised by checkrun."""
+
+
+class ConfigError(CheckrunError, ValueError):
+    """A configuration key is unknown, has the wrong type or an invalid value."""
+
+
+class StorageError(CheckrunError, OSError):
+    """Reading or writing the storage failed (after retries where they apply)."""
+
+
+class CheckpointNotFoundError(CheckrunError, FileNotFoundError):
+    """The path names no committed checkpoint."""
+
+
+class NotACheckpointError(CheckrunError):
+    """The file exists but is not a checkrun manifest (for example a torch.save file)."""
+
+
+class CorruptCheckpointError(CheckrunError):
+    """A manifest or blob is truncated, tampered with, missing or fails its checksum."""
+
+
+class UnsafePathError(CorruptCheckpointError):
+    """A manifest names a blob outside the checkpoint's store (``../``, absolute path, other URL)."""
+
+
+class FormatError(CorruptCheckpointError):
+    """Unknown format version or codec, or a field that does not fit the format."""
+
+
+class UnsafeLoadError(CheckrunError):
+    """Loading a value needs pickle but ``weights_only=True`` and its type is not allow-listed."""
+
+
+class BackgroundSaveError(CheckrunError):
+    """A background save failed; the original exception is the ``__cause__``."""

@@ -1,0 +1,77 @@
+"""Process-level safety nets: flush forgotten engines at exit, give pending saves a SIGTERM grace.
+
+Called from the training (main) thread; the SIGTERM handler is installed once per process, only
+from the main thread, and chains to whatever handler was there before.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+
+log = logging.getLogger("ckpt_core")
+_engines: "weakref.WeakSet" = weakref.WeakSet()
+_lock = threading.Lock()
+_atexit_done = False
+_sigterm = {"installed": False, "grace": None, "previous": None}
+
+
+def register(engine) -> None:
+    """Track an engine so that ``atexit`` can flush it if the user never closes it."""
+    global _atexit_done
+    with _lock:
+        _engines.add(engine)
+        if not _atexit_done:
+            # threading's exit hooks run before atexit's and before concurrent.futures refuses new
+            # work; registered after it, ours runs first (they run in reverse order).
+            hook = getattr(threading, "_register_atexit", None)
+            (hook or atexit.register)(_flush_all)
+            _atexit_done = True
+
+
+def unregister(engine) -> None:
+    with _lock:
+        _engines.discard(engine)
+
+
+def _flush_all() -> None:
+    for engine in list(_engines):
+        try:
+            engine.close()
+        except Exception as exc:  # at exit nobody can catch it: log instead
+            log.error("checkrun: pending save failed at interpreter exit: %s", exc)
+
+
+def install_sigterm(grace_seconds: float | None) -> None:
+    """On SIGTERM, wait up to ``grace_seconds`` for pending saves, then run the previous handler."""
+    if grace_seconds is None or _sigterm["installed"]:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm["grace"] = grace_seconds
+    _sigterm["previous"] = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm["installed"] = True
+
+
+def _on_sigterm(signum, frame) -> None:
+    deadline = time.monotonic() + float(_sigterm["grace"])
+    for engine in list(_engines):
+        while engine.pending and time.monotonic() < deadline:
+            # Polling keeps the handler free of locks the interrupted main thread may hold.
+            time.sleep(0.05)
+    pending = sum(e.pending for e in list(_engines))
+    if pending:
+        log.error("checkrun: SIGTERM grace of %.1f s ran out with %d save(s) pending", _sigterm["grace"], pending)
+    previous = _sigterm["previous"]
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,277 @@
+"""The manifest: a small, versioned JSON file that *is* the checkpoint.
+
+It lists every blob the checkpoint needs (full bases and row deltas), so deleting any manifest never
+breaks another. Parsing is the hostile-input boundary: every field is type- and range-checked, the
+manifest's own checksum is verified, and sizes are validated before anything is allocated.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import FormatError, NotACheckpointError
+
+MAGIC = "manifest"
+MAGIC_KEY = "_checkrun"
+MAGIC_PREFIX = b'{"_checkrun":'
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32",
+        "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """One stored blob: content key, stored size and checksum (xxh3-64 of the stored bytes)."""
+
+    key: str
+    size: int
+    csum: str
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A chunk of a tensor: elements [off, off + rows*cols) seen as a (rows, cols) array."""
+
+    off: int
+    rows: int
+    cols: int
+    blob: BlobRef
+
+
+@dataclass(frozen=True)
+class DeltaRef:
+    """Rows replaced on top of the base: ``n`` row indices (int64 blob) and their new values."""
+
+    n: int
+    idx: BlobRef
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    codecs: tuple[dict, ...]
+    base: tuple[ChunkRef, ...]
+    deltas: tuple[DeltaRef, ...] = ()
+    written: int = 0
+    quant: dict | None = None
+    device: str = "cpu"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """The (rows, cols) view deltas work on: rows = first dim for ndim >= 2."""
+        if len(self.shape) >= 2:
+            return self.shape[0], math.prod(self.shape[1:])
+        return 1, self.numel
+
+    def blobs(self) -> list[BlobRef]:
+        out = [c.blob for c in self.base]
+        for d in self.deltas:
+            out.append(d.idx)
+            out.extend(c.blob for c in d.chunks)
+        return out
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    key: str
+    type: str
+    blob: BlobRef
+
+
+@dataclass(frozen=True)
+class Manifest:
+    created: float
+    skeleton: Any
+    tensors: tuple[TensorRecord, ...]
+    objects: tuple[ObjectRecord, ...] = ()
+    stats: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def blobs(self) -> list[BlobRef]:
+        out = [b for t in self.tensors for b in t.blobs()]
+        out.extend(o.blob for o in self.objects)
+        return out
+
+    def blob_keys(self) -> set[str]:
+        return {b.key for b in self.blobs()}
+
+    def to_bytes(self) -> bytes:
+        body = {
+            MAGIC_KEY: MAGIC,
+            "format_version": self.format_version,
+            "created": self.created,
+            "skeleton": self.skeleton,
+            "tensors": [_tensor_to_json(t) for t in self.tensors],
+            "objects": [asdict(o) for o in self.objects],
+            "stats": self.stats,
+            "meta": self.meta,
+        }
+        body["checksum"] = _body_checksum(body)
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def _body_checksum(body: dict) -> str:
+    text = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True,
+                      separators=(",", ":"), allow_nan=False)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def _tensor_to_json(t: TensorRecord) -> dict:
+    d = asdict(t)
+    d["shape"] = list(t.shape)
+    return d
+
+
+def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where`` (named in every error)."""
+    if not data.lstrip().startswith(MAGIC_PREFIX):
+        raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: manifest is truncated or not valid JSON: {exc}") from None
+    if not isinstance(body, dict) or body.get(MAGIC_KEY) != MAGIC:
+        raise NotACheckpointError(f"{where}: not a checkrun manifest")
+    version = body.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise FormatError(f"{where}: manifest format version {version!r} is not supported "
+                          f"(this checkrun reads {SUPPORTED_VERSIONS})")
+    if body.get("checksum") != _body_checksum(body):
+        raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
+    try:
+        return _manifest_from_json(body, max_blob_bytes)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"{where}: malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def _req(d: Any, name: str, typ: type | tuple, what: str) -> Any:
+    if not isinstance(d, dict) or name not in d:
+        raise FormatError(f"{what}: missing field {name!r}")
+    v = d[name]
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, float, (int, float))):
+        raise FormatError(f"{what}: field {name!r} has the wrong type ({type(v).__name__})")
+    return v
+
+
+def _nonneg(d: dict, name: str, what: str, limit: int | None = None) -> int:
+    v = _req(d, name, int, what)
+    if v < 0 or (limit is not None and v > limit):
+        raise FormatError(f"{what}: field {name!r} out of range ({v})")
+    return v
+
+
+def _blob(d: Any, what: str, max_blob_bytes: int) -> BlobRef:
+    key = _req(d, "key", str, what)
+    csum = _req(d, "csum", str, what)
+    return BlobRef(key, _nonneg(d, "size", what, max_blob_bytes), csum)
+
+
+def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int) -> ChunkRef:
+    rows, cols = _nonneg(d, "rows", what), _nonneg(d, "cols", what)
+    if rows * cols * itemsize > max_blob_bytes:
+        raise FormatError(f"{what}: chunk of {rows}x{cols} exceeds the blob size limit")
+    return ChunkRef(_nonneg(d, "off", what), rows, cols, _blob(d.get("blob"), what + ".blob", max_blob_bytes))
+
+
+def _tensor_from_json(d: Any, max_blob_bytes: int) -> TensorRecord:
+    key = _req(d, "key", str, "tensor")
+    what = f"tensor {key!r}"
+    dtype = _req(d, "dtype", str, what)
+    if dtype not in DTYPES:
+        raise FormatError(f"{what}: unknown dtype {dtype!r}")
+    shape = tuple(_req(d, "shape", list, what))
+    if len(shape) > 64 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise FormatError(f"{what}: invalid shape {list(shape)!r}")
+    isz = _itemsize(dtype)
+    codecs = tuple(_req(d, "codecs", list, what))
+    base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes) for c in _req(d, "base", list, what))
+    deltas = []
+    for dd in d.get("deltas") or []:
+        n = _nonneg(dd, "n", f"{what} delta")
+        chunks = tuple(_chunk(c, f"{what} delta chunk", isz, max_blob_bytes)
+                       for c in _req(dd, "chunks", list, f"{what} delta"))
+        deltas.append(DeltaRef(n, _blob(dd.get("idx"), f"{what} delta idx", max_blob_bytes), chunks))
+    quant = d.get("quant")
+    if quant is not None and not isinstance(quant, dict):
+        raise FormatError(f"{what}: field 'quant' has the wrong type")
+    device = d.get("device", "cpu")
+    if not isinstance(device, str) or len(device) > 64:
+        raise FormatError(f"{what}: invalid device {device!r}")
+    rec = TensorRecord(key, dtype, shape, codecs, base, tuple(deltas), _nonneg(d, "written", what), quant,
+                       device)
+    _check_coverage(rec, what)
+    return rec
+
+
+def _check_coverage(rec: TensorRecord, what: str) -> None:
+    """Chunks must tile the tensor exactly; delta chunks must tile their rows (no gaps, no overlap)."""
+    pos = 0
+    for c in sorted(rec.base, key=lambda c: c.off):
+        if c.off != pos:
+            raise FormatError(f"{what}: chunks do not tile the tensor (gap or overlap at element {pos})")
+        pos += c.rows * c.cols
+    if pos != rec.numel:
+        raise FormatError(f"{what}: chunks cover {pos} elements, the shape needs {rec.numel}")
+    rows, cols = rec.row_shape
+    for d in rec.deltas:
+        if d.n > rows:
+            raise FormatError(f"{what}: delta declares {d.n} rows, tensor has {rows}")
+        pos = 0
+        for c in sorted(d.chunks, key=lambda c: c.off):
+            if c.off != pos or c.cols != cols:
+                raise FormatError(f"{what}: delta chunks do not tile the changed rows")
+            pos += c.rows * c.cols
+        if pos != d.n * cols:
+            raise FormatError(f"{what}: delta chunks cover {pos} elements, {d.n} rows need {d.n * cols}")
+
+
+def _manifest_from_json(body: dict, max_blob_bytes: int) -> Manifest:
+    created = _req(body, "created", (int, float), "manifest")
+    tensors = tuple(_tensor_from_json(t, max_blob_bytes) for t in _req(body, "tensors", list, "manifest"))
+    objects = []
+    for o in _req(body, "objects", list, "manifest"):
+        key = _req(o, "key", str, "object")
+        objects.append(ObjectRecord(key, _req(o, "type", str, f"object {key!r}"),
+                                    _blob(o.get("blob"), f"object {key!r}", max_blob_bytes)))
+    stats = body.get("stats") or {}
+    meta = body.get("meta") or {}
+    if not isinstance(stats, dict) or not isinstance(meta, dict):
+        raise FormatError("manifest: 'stats'/'meta' must be mappings")
+    return Manifest(float(created), body.get("skeleton"), tensors, tuple(objects), stats, meta,
+                    body["format_version"])

@@ -1,0 +1,210 @@
+"""Load and verify: read manifest -> fetch blobs in parallel -> verify -> decode -> apply deltas.
+
+Every byte is checked against the manifest's size and xxh3 checksum before a decoder sees it, and
+every decoder is bounded by the size the manifest declares (already validated against limits).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from .codecs import Pipeline, lossless_pipeline
+from .config import CompressionConfig, EngineConfig
+from .errors import CheckrunError, CorruptCheckpointError, FormatError
+from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
+from .objects import deserialize_object
+from .storage import Store
+from .tree import unflatten, validate_skeleton
+
+log = logging.getLogger("ckpt_core")
+
+
+def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
+    """Read and validate the manifest ``name`` of ``store`` (errors name its URL)."""
+    data = store.read_manifest(name)
+    return parse_manifest(data, store.url(name), max_blob_bytes=config.load.max_blob_bytes)
+
+
+def fetch_blob(store: Store, ref: BlobRef) -> bytes:
+    """Read one blob and check its size and checksum before anything uses it."""
+    data = store.get_blob(ref.key, ref.size)
+    if len(data) != ref.size:
+        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
+                                     "in the manifest (truncated or replaced blob)")
+    if xxhash.xxh3_64_hexdigest(data) != ref.csum:
+        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
+    return data
+
+
+def _decode(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
+    data = fetch_blob(store, chunk.blob)
+    raw = chunk.rows * chunk.cols * torch.empty((), dtype=dtype).element_size()
+    limit = 2 * raw + 16 * chunk.rows + 4096
+    try:
+        return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, limit)
+    except FormatError as exc:
+        raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
+
+
+def _pipeline(rec: TensorRecord, where: str) -> Pipeline:
+    try:
+        return Pipeline.from_list(list(rec.codecs))
+    except FormatError as exc:
+        raise FormatError(f"{where}: tensor {rec.key!r}: {exc}") from None
+
+
+@dataclass
+class LoadedTensor:
+    record: TensorRecord
+    flat: torch.Tensor
+    delta_indices: list = field(default_factory=list)
+
+
+def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTensor]:
+    """Fetch, verify and decode every tensor (bases in parallel, then deltas in order)."""
+    out, tasks = [], []
+    for rec in manifest.tensors:
+        dtype = DTYPES[rec.dtype]
+        pipe = _pipeline(rec, where)
+        flat = torch.empty(rec.numel, dtype=dtype)
+        lt = LoadedTensor(rec, flat)
+        out.append(lt)
+        for chunk in rec.base:
+            tasks.append((lt, pipe, chunk, dtype))
+
+    def base_task(task) -> None:
+        lt, pipe, chunk, dtype = task
+        lt.flat[chunk.off:chunk.off + chunk.rows * chunk.cols] = _decode(store, pipe, chunk, dtype).reshape(-1)
+
+    store.map(base_task, tasks)
+    index_pipe = index_pipeline()
+    for lt in out:
+        if lt.record.deltas:
+            _apply_deltas(store, lt, _pipeline(lt.record, where), index_pipe, where)
+    return out
+
+
+def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pipeline, where: str) -> None:
+    rec = lt.record
+    rows, cols = rec.row_shape
+    t2d = lt.flat.view(rows, cols)
+    for delta in rec.deltas:
+        idx = _decode(store, index_pipe, ChunkRef(0, 1, delta.n, delta.idx), torch.int64).reshape(-1)
+        if delta.n and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+            raise CorruptCheckpointError(f"{where}: tensor {rec.key!r}: delta row index out of range")
+        parts = store.map(lambda c: _decode(store, pipe, c, lt.flat.dtype), list(delta.chunks))
+        values = torch.cat([p.reshape(-1, cols) for p in parts]) if parts else t2d[:0]
+        t2d.index_copy_(0, idx, values)
+        lt.delta_indices.append(idx)
+
+
+def index_pipeline() -> Pipeline:
+    """Row indices of deltas always use one fixed lossless pipeline, whatever the config says."""
+    return lossless_pipeline(torch.int64, CompressionConfig())
+
+
+def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
+    """Apply torch.load's ``map_location`` semantics to one CPU tensor saved from ``saved_device``."""
+    if map_location is None:
+        target = saved_device
+        if target.startswith("cuda") and not torch.cuda.is_available():
+            target = "cpu"
+        return t if target == "cpu" else t.to(target)
+    if isinstance(map_location, dict):
+        target = map_location.get(saved_device, saved_device)
+        return map_location_tensor(t, target, None) if target != saved_device else map_location_tensor(
+            t, saved_device, None)
+    if callable(map_location):
+        result = map_location(t.untyped_storage(), saved_device)
+        if result is None:
+            return map_location_tensor(t, saved_device, None)
+        device = getattr(result, "device", torch.device("cpu"))
+        return t if device.type == "cpu" else t.to(device)
+    return t.to(torch.device(map_location))
+
+
+def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
+                        weights_only: bool, config: EngineConfig) -> tuple[Any, list[LoadedTensor]]:
+    """Rebuild the saved state tree from a parsed manifest."""
+    where = store.url(name)
+    leaves = manifest.meta.get("leaves", list(range(len(manifest.tensors))))
+    if not isinstance(leaves, list) or not all(isinstance(i, int) and 0 <= i < len(manifest.tensors)
+                                               for i in leaves):
+        raise FormatError(f"{where}: invalid leaf table")
+    try:
+        validate_skeleton(manifest.skeleton, len(leaves), len(manifest.objects))
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    loaded = load_tensors(store, manifest, where)
+    tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
+               for lt in loaded]
+    objects = []
+    for rec in manifest.objects:
+        data = fetch_blob(store, rec.blob)
+        objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
+                                          allowed_globals=config.load.allowed_globals))
+    try:
+        state = unflatten(manifest.skeleton, [tensors[i] for i in leaves], objects)
+    except CheckrunError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise FormatError(f"{where}: invalid state skeleton: {exc}") from None
+    return state, loaded
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of ``verify``: ``ok`` only if the manifest and every blob it needs are intact."""
+
+    path: str
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+
+    def add(self, problem: str) -> None:
+        self.ok = False
+        self.problems.append(problem)
+
+
+def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,
+                    progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check the manifest, then every blob's presence, size and checksum (and decodability)."""
+    report = VerifyReport(store.url(name))
+    try:
+        manifest = read_manifest(store, name, config)
+    except CheckrunError as exc:
+        report.add(str(exc))
+        return report
+    unique = {b.key: b for b in manifest.blobs()}
+
+    def check(ref: BlobRef) -> str | None:
+        try:
+            fetch_blob(store, ref)
+            return None
+        except CheckrunError as exc:
+            return str(exc)
+        finally:
+            if progress is not None:
+                progress(ref.size)
+
+    for ref, problem in zip(unique.values(), store.map(check, list(unique.values()))):
+        report.blobs_checked += 1
+        report.bytes_checked += ref.size
+        if problem:
+            report.add(problem)
+    if report.ok and decode:
+        try:
+            load_tensors(store, manifest, report.path)
+        except CheckrunError as exc:
+            report.add(str(exc))
+    return report
+
+
+def row_shape(shape: tuple) -> tuple[int, int]:
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))

@@ -1,0 +1,477 @@
+"""One checkpoint directory on any fsspec filesystem: manifests, content-addressed blobs, a pool.
+
+Layout: ``run/<name>.ckpt`` manifests (a manifest is the checkpoint and appears only when
+complete) next to ``run/.checkrun/blobs/ab/cdef...`` blobs shared by all manifests in ``run/``.
+Atomicity: on local filesystems a file is written to a hidden temp file in its final directory,
+fsynced and ``os.replace``d, then the directory is fsynced; on object stores and ``memory://`` one
+``pipe_file`` (for manifests always a single PUT) is atomic by itself.
+
+s3fs answers ``info``/``exists`` from cached directory listings (``dircache``), which would hide
+files written or deleted since - by us or by another process. Store invalidates a path's cache
+before every query and after every mutation (a no-op for local and memory filesystems).
+Every method may be called from any thread, including the pool threads of ``map``.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from .config import StorageConfig
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+from .retry import call_with_retry
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_LOG = logging.getLogger("ckpt_core.storage")
+_KEY_RE = re.compile(r"[0-9a-f]{32,64}")
+_META_DIR = ".checkrun"
+_BLOB_DIR = ".checkrun/blobs"
+_TMP_MARK = ".tmp-"
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+# s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
+_S3_SINGLE_PUT_CHUNKSIZE = 5 * 2**30
+_DEFAULT_MANIFEST_MAX = 64 << 20
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A blob in the store: its key, size in bytes and modification time (epoch seconds)."""
+    key: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A regular file directly in the checkpoint directory (normally a manifest)."""
+    name: str
+    size: int
+    mtime: float
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    # Subclasses (other protocol) and wrappers (same protocol) of LocalFileSystem are local too:
+    # tests inject faults that way, and they must still get the temp-file + rename commit.
+    return isinstance(fs, LocalFileSystem) or bool({"file", "local"} & set(_protocols(fs)))
+
+
+def _join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts]) if root.rstrip("/") else "/" + "/".join(parts)
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+def _check_name(name: str) -> str:
+    """Validate a manifest name: a plain file name inside the directory, never a path."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+            or "\\" in name or "\0" in name or name.startswith(_META_DIR) or _is_temp_name(name)):
+        raise UnsafePathError(f"unsafe checkpoint file name {name!r}: must be a plain file name")
+    return name
+
+
+def _to_epoch(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:  # object stores report UTC without saying so
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return value.timestamp()
+    return None
+
+
+def _mtime(info: dict) -> float:
+    """Modification time from an fsspec info dict (local 'mtime', s3 'LastModified', memory
+    'created', gcs 'updated'). Unknown -> now: garbage collection must never think a blob it
+    cannot date is old."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        if info.get(key) is not None:
+            stamp = _to_epoch(info[key])
+            if stamp is not None:
+                return stamp
+    return time.time()
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the directory entries (renames, new files) durable."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # platforms that cannot open directories (Windows) have no directory fsync
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """One checkpoint directory: manifests directly in it, blobs under ``.checkrun/blobs``.
+
+    ``root`` is the directory as the filesystem spells it (``fs._strip_protocol``: an absolute
+    path for local, ``bucket/key`` for s3); ``url_prefix`` is put in front of paths to show them
+    to users (``"s3://"``; empty for local paths). Build one with ``for_path``/``for_directory``.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, config: StorageConfig,
+                 url_prefix: str = "") -> None:
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self.config = config
+        self.url_prefix = url_prefix
+        self.is_local = _is_local(fs)
+        self._is_s3 = bool(_S3_PROTOCOLS & set(_protocols(fs)))
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
+        self._in_worker = threading.local()
+        self._display_root = self._user_root()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url('')!r})"
+
+    @classmethod
+    def for_path(cls, path: str | os.PathLike, storage_options: Optional[dict],
+                 config: StorageConfig) -> tuple["Store", str]:
+        """Split a checkpoint path/URL into (store of its parent directory, manifest name).
+
+        ``storage_options`` override ``config.storage_options`` key by key.
+        """
+        text = os.fspath(path)
+        fs, fspath, prefix = cls._resolve(text, storage_options, config)
+        parent, _, name = fspath.rstrip("/").rpartition("/")
+        if not parent and not fspath.startswith("/"):
+            raise UnsafePathError(f"{text!r} does not name a file inside a directory")
+        return cls(fs, parent or "/", config, prefix), _check_name(name)
+
+    @classmethod
+    def for_directory(cls, directory: str | os.PathLike, storage_options: Optional[dict],
+                      config: StorageConfig) -> "Store":
+        """The store of a checkpoint directory (path or URL)."""
+        fs, fspath, prefix = cls._resolve(os.fspath(directory), storage_options, config)
+        return cls(fs, fspath, config, prefix)
+
+    @staticmethod
+    def _resolve(text: str, storage_options: Optional[dict],
+                 config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
+        opts = {**config.storage_options, **(storage_options or {})}
+        fs, fspath = url_to_fs(text, **opts)
+        # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
+        # for plain local files: those are shown as absolute paths.
+        scheme = text[: text.index("://")] if "://" in text else ""
+        if _is_local(fs) and scheme in ("", "file", "local"):
+            return fs, fspath, ""
+        return fs, fspath, f"{scheme or _protocols(fs)[0]}://"
+
+    def url(self, name: str) -> str:
+        """User-facing path/URL of ``name`` in this directory (``url('')`` is the directory)."""
+        return self._display(_join(self.root, name) if name else self.root)
+
+    def _display(self, path: str) -> str:
+        if not self.url_prefix:
+            return path
+        if path == self.root or path.startswith(self.root.rstrip("/") + "/"):
+            return self._display_root + path[len(self.root):]
+        return self.url_prefix + path
+
+    def _user_root(self) -> str:
+        """The root as a URL, preferring ``memory://run`` to the equivalent ``memory:///run``."""
+        if self.url_prefix and self.root.startswith("/"):
+            short = self.url_prefix + self.root.lstrip("/")
+            if short != self.url_prefix and self.fs._strip_protocol(short) == self.root:
+                return short
+        return self.url_prefix + self.root
+
+    def blob_path(self, key: str) -> str:
+        """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            raise UnsafePathError(f"unsafe blob key {key!r} in {self.url('')}: "
+                                  "expected 32-64 lowercase hex digits")
+        return _join(self.root, _BLOB_DIR, key[:2], key[2:])
+
+    def _manifest_path(self, name: str) -> str:
+        return _join(self.root, _check_name(name))
+
+    def has_blob(self, key: str) -> bool:
+        """Whether the blob exists."""
+        path = self.blob_path(key)
+        return self._retry(lambda: self._is_file(path), f"check blob {self._display(path)}")
+
+    def put_blob(self, key: str, data: bytes | memoryview) -> None:
+        """Write a blob atomically (readers see all of it or nothing); overwrites."""
+        path = self.blob_path(key)
+        self._retry(lambda: self._write(path, data, single_put=False),
+                    f"write blob {self._display(path)}")
+
+    def get_blob(self, key: str, max_bytes: int) -> bytes:
+        """Read a blob; a missing one or one larger than ``max_bytes`` is CorruptCheckpointError."""
+        path = self.blob_path(key)
+        try:
+            return self._retry(lambda: self._read(path, max_bytes, "blob"),
+                               f"read blob {self._display(path)}")
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
+
+    def delete_blob(self, key: str) -> None:
+        """Delete a blob; a missing blob is not an error."""
+        path = self.blob_path(key)
+        self._retry(lambda: self._remove(path), f"delete blob {self._display(path)}")
+
+    def list_blobs(self) -> list[BlobInfo]:
+        """All blobs of the store (temp files and stray names skipped), sorted by key."""
+        base = _join(self.root, _BLOB_DIR)
+
+        def scan() -> dict:
+            self.fs.invalidate_cache(base)
+            try:
+                return self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        found = self._retry(scan, f"list blobs in {self._display(base)}")
+        out = []
+        for path, info in found.items():
+            if not path.startswith(base + "/"):
+                continue
+            shard, _, rest = path[len(base) + 1:].partition("/")
+            key = shard + rest
+            if (len(shard) == 2 and "/" not in rest and not rest.startswith(".")
+                    and _KEY_RE.fullmatch(key) and info.get("type", "file") == "file"):
+                out.append(BlobInfo(key, int(info.get("size") or 0), _mtime(info)))
+        return sorted(out, key=lambda b: b.key)
+
+    def write_manifest(self, name: str, data: bytes) -> None:
+        """Commit a manifest atomically: rename on local filesystems, one PUT on object stores."""
+        path = self._manifest_path(name)
+        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
+                    f"write manifest {self._display(path)}")
+
+    def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX) -> bytes:
+        """Read a manifest; CheckpointNotFoundError if absent, CorruptCheckpointError if huge."""
+        path = self._manifest_path(name)
+        try:
+            return self._retry(lambda: self._read(path, max_bytes, "manifest"),
+                               f"read manifest {self._display(path)}")
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
+
+    def read_head(self, name: str, n: int) -> bytes:
+        """The first ``n`` bytes of a file (fewer if it is shorter), e.g. to sniff a magic."""
+        path = self._manifest_path(name)
+
+        def read() -> bytes:
+            size = self._file_size(path)
+            return self.fs.cat_file(path, start=0, end=min(n, size)) if size and n > 0 else b""
+
+        try:
+            return self._retry(read, f"read {self._display(path)}")
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
+
+    def manifest_exists(self, name: str) -> bool:
+        """Whether a file of that name exists in the directory."""
+        path = self._manifest_path(name)
+        return self._retry(lambda: self._is_file(path), f"check {self._display(path)}")
+
+    def delete_manifest(self, name: str) -> None:
+        """Delete a manifest; a missing one is not an error."""
+        path = self._manifest_path(name)
+        self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
+
+    def copy_manifest(self, src_name: str, dst_name: str) -> None:
+        """Copy a manifest; ``dst_name`` appears atomically, like ``write_manifest``."""
+        _check_name(dst_name)
+        self.write_manifest(dst_name, self.read_manifest(src_name))
+
+    def list_files(self) -> list[FileInfo]:
+        """Regular files directly in the directory (no temp files, no ``.checkrun``), by name."""
+        root = self.root.rstrip("/")
+
+        def scan() -> list:
+            self.fs.invalidate_cache(self.root)
+            try:
+                return self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return []
+
+        out = []
+        for info in self._retry(scan, f"list {self.url('')}"):
+            parent, _, name = info["name"].rstrip("/").rpartition("/")
+            # s3fs lists a *file* at root as itself; keep only entries inside the directory.
+            if (parent != root or info.get("type") != "file" or not name
+                    or name.startswith(_META_DIR) or _is_temp_name(name)):
+                continue
+            out.append(FileInfo(name, int(info.get("size") or 0), _mtime(info)))
+        return sorted(out, key=lambda f: f.name)
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """``[fn(x) for x in items]`` on the store's pool of ``config.io_threads`` threads.
+
+        Results are in item order. If any call raises, calls not yet started are cancelled, the
+        running ones are waited for, then the exception of the first failed item is raised.
+        Called from inside ``fn`` (a pool thread) it runs inline, so nesting cannot deadlock.
+        """
+        items = list(items)
+        if len(items) <= 1 or getattr(self._in_worker, "active", False):
+            return [fn(x) for x in items]
+        pool = self._get_pool()
+        futures = [pool.submit(self._run_in_worker, fn, x) for x in items]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            if any(_failed(f) for f in futures) or not all(f.done() for f in futures):
+                for f in futures:
+                    f.cancel()
+                wait(futures)
+        for f in futures:
+            if _failed(f):
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+    def _run_in_worker(self, fn: Callable[[T], R], item: T) -> R:
+        self._in_worker.active = True
+        try:
+            return fn(item)
+        finally:
+            self._in_worker.active = False
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads,
+                                                thread_name_prefix="checkrun-io")
+            return self._pool
+
+    def close(self) -> None:
+        """Shut down the pool after its running calls; a later ``map`` starts a new one."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _retry(self, fn: Callable[[], R], what: str) -> R:
+        return call_with_retry(fn, config=self.config.retry, what=what, logger=_LOG)
+
+    def _file_size(self, path: str) -> int:
+        """Size of a regular file; FileNotFoundError for anything else (missing, directory)."""
+        self.fs.invalidate_cache(path)  # pops the cached listings of all its parents (s3fs)
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            raise FileNotFoundError(errno.ENOENT, "not a file", path)
+        return int(info["size"])
+
+    def _is_file(self, path: str) -> bool:
+        try:
+            self._file_size(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _read(self, path: str, max_bytes: int, kind: str) -> bytes:
+        size = self._file_size(path)
+        # Checked before reading so that a hostile or damaged store cannot make us allocate.
+        if size > max_bytes:
+            raise CorruptCheckpointError(f"{kind} {self._display(path)} is {size} bytes, "
+                                         f"more than the allowed {max_bytes}")
+        data = self.fs.cat_file(path)
+        if len(data) > max_bytes:  # grew between info and read
+            raise CorruptCheckpointError(f"{kind} {self._display(path)} is larger than "
+                                         f"the allowed {max_bytes} bytes")
+        return data
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            self.fs.invalidate_cache(path)
+
+    def _write(self, path: str, data: bytes | memoryview, *, single_put: bool,
+               tmp_prefix: str = "") -> None:
+        if self.is_local:
+            self._write_local(path, data, tmp_prefix)
+            return
+        kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and self._is_s3 else {}
+        try:
+            # bytes: botocore and other clients do not all accept memoryview bodies
+            self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data,
+                              **kwargs)
+        finally:
+            self.fs.invalidate_cache(path)
+
+    def _write_local(self, path: str, data: bytes | memoryview, tmp_prefix: str) -> None:
+        """Temp file in the same directory + fsync + rename + directory fsync (if configured).
+
+        The temp file (a fresh uuid name) is opened through the filesystem object, so it gets
+        the process umask like any open() and a wrapped filesystem can inject faults.
+        """
+        directory = os.path.dirname(path)
+        self._makedirs_local(directory)
+        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{uuid.uuid4().hex}")
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.config.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # never leave a temp file (ENOSPC, EACCES, ^C)
+                os.remove(tmp)
+            raise
+        if self.config.fsync:
+            _fsync_dir(directory)
+
+    def _makedirs_local(self, directory: str) -> None:
+        if os.path.isdir(directory):
+            return
+        created = []
+        d = directory
+        while not os.path.isdir(d) and os.path.dirname(d) != d:
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(directory, exist_ok=True)
+        if self.config.fsync:
+            # A new directory is durable only once the entry in its parent is.
+            for d in reversed(created):
+                _fsync_dir(os.path.dirname(d))
+
+
+def _failed(f: Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is not None

@@ -1,0 +1,132 @@
+"""Incremental state per checkpoint directory: what was saved last, and the chain policy.
+
+Change detection for row deltas is exact: each row-delta tensor ("row stream") owns one host buffer
+that always holds the values of its last save, so the next capture compares the live tensor with
+it bitwise (NaN-safe) and copies only the rows that differ. No fingerprint can miss a change, and
+memory stays at one staging copy. Tensors whose rows all change (dense training) switch to plain
+copies plus chunk-level content hashing and are re-probed every ``max_chain`` saves.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import IncrementalConfig
+from .manifest import BlobRef, DeltaRef, TensorRecord
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def row_view(t: torch.Tensor) -> torch.Tensor:
+    """A (rows, words) integer view of a contiguous tensor with ndim >= 2, for bitwise comparison."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.reshape(t.shape[0], -1).view(_INT_VIEW[t.element_size()])
+
+
+@dataclass
+class RowStream:
+    """The last saved values and chain of one row-delta tensor in one directory."""
+
+    buffer: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple
+    spec_id: str = ""
+    valid: bool = False
+    record: TensorRecord | None = None
+    cum_mask: torch.Tensor | None = None
+    saves_since_base: int = 0
+    dense_countdown: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return self.valid and t.dtype == self.dtype and tuple(t.shape) == self.shape
+
+    def capture(self, src: torch.Tensor) -> torch.Tensor | None:
+        """Update the buffer from ``src``; return changed row indices, or None after a full copy.
+
+        Runs on the training thread (the blocking part of save)."""
+        dst = self.buffer.view(self.shape)
+        if not self.matches(src) or self.dense_countdown > 0:
+            dst.copy_(src)
+            return None
+        changed = torch.ne(row_view(src), row_view(dst)).any(dim=1).nonzero().squeeze(1)
+        if changed.numel():
+            dst.index_copy_(0, changed, src.index_select(0, changed))
+        return changed
+
+    def commit(self, plan: "RowPlan", record: TensorRecord, spec_id: str, detected: bool,
+               max_chain: int) -> None:
+        """Adopt a committed save's outcome (background thread, after the manifest is durable)."""
+        self.valid, self.record, self.spec_id = True, record, spec_id
+        self.cum_mask = plan.cum_mask
+        self.saves_since_base = 0 if plan.full else self.saves_since_base + 1
+        if plan.dense and detected:
+            self.dense_countdown = max_chain
+        elif self.dense_countdown > 0:
+            self.dense_countdown -= 1
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What the background writes for one row stream: a full base, or a delta of ``rows``."""
+
+    full: bool
+    rows: torch.Tensor | None
+    keep_deltas: tuple[DeltaRef, ...]
+    cum_mask: torch.Tensor
+    dense: bool
+
+
+def plan_rows(stream: RowStream, changed: torch.Tensor | None, cfg: IncrementalConfig,
+              spec_id: str, row_bytes: int) -> RowPlan:
+    """Decide base vs delta for one row stream (Check-N-Run's one-shot/consecutive/intermittent)."""
+    rows = stream.rows
+    fresh = torch.zeros(rows, dtype=torch.bool)
+    if changed is None or stream.record is None or spec_id != stream.spec_id:
+        return RowPlan(True, None, (), fresh, dense=stream.dense_countdown > 0)
+    dense = changed.numel() > cfg.rebase_ratio * rows
+    cum = stream.cum_mask.clone() if stream.cum_mask is not None else fresh.clone()
+    cum[changed] = True
+    if cfg.policy == "consecutive":
+        delta_rows, keep = changed, stream.record.deltas
+        chain = len(keep) + (1 if changed.numel() else 0)
+        predicted = sum(d.n for d in keep) + changed.numel()
+    else:
+        delta_rows, keep = cum.nonzero().squeeze(1), ()
+        chain = 1 if delta_rows.numel() else 0
+        predicted = delta_rows.numel()
+    over_chain = stream.saves_since_base + 1 > cfg.max_chain or chain > cfg.max_chain
+    too_big = cfg.policy != "one_shot" and predicted * (row_bytes + 8) > cfg.rebase_ratio * rows * row_bytes
+    if over_chain or too_big or dense:
+        return RowPlan(True, None, (), fresh, dense)
+    return RowPlan(False, delta_rows, keep, cum, False)
+
+
+@dataclass
+class DirState:
+    """Per-directory memory of the engine: blob index, row streams and the last records."""
+
+    index: dict[str, BlobRef] = field(default_factory=dict)
+    streams: dict[str, RowStream] = field(default_factory=dict)
+    records: dict[str, TensorRecord] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    last: object = None
+
+    def invalidate(self) -> None:
+        """After a failed save the buffers no longer match what is committed: next save is full."""
+        for s in self.streams.values():
+            s.valid = False
+
+
+def row_eligible(key: str, t: torch.Tensor, cfg: IncrementalConfig) -> bool:
+    """Row deltas apply to CPU, contiguous tensors with ndim >= 2 and enough rows."""
+    return (cfg.enabled and t.dim() >= 2 and t.shape[0] >= max(cfg.row_delta_min_rows, 1)
+            and t.device.type == "cpu" and t.is_contiguous() and math.prod(t.shape[1:]) > 0
+            and any(fnmatch.fnmatchcase(key, p) for p in cfg.row_delta_keys))

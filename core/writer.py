@@ -1,0 +1,247 @@
+"""Steps 2-5 of a save, on the background thread: plan, encode, store, commit.
+
+Content addresses are computed from the raw staged bytes *before* encoding, so an unchanged chunk
+costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .capture import Snapshot, StagedTensor
+from .codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
+from .config import EngineConfig, QuantRule
+from .manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, dtype_name
+from .quant_rules import RuleMatcher
+from .storage import Store
+from .streams import DirState, RowPlan, plan_rows
+
+log = logging.getLogger("ckpt_core")
+
+@dataclass(frozen=True)
+class ChunkResult:
+    ref: ChunkRef
+    written: int
+    stats: EncodeStats | None
+
+
+def chunk_spans(rows: int, cols: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(element offset, rows, cols) pieces: whole rows when a row fits, else slices of one row."""
+    if rows * cols == 0:
+        return [(0, rows, cols)]
+    row_bytes = cols * itemsize
+    if row_bytes <= chunk_bytes:
+        step = max(1, chunk_bytes // row_bytes)
+        return [(r * cols, min(step, rows - r), cols) for r in range(0, rows, step)]
+    step = max(1, chunk_bytes // itemsize)
+    total = rows * cols
+    return [(off, 1, min(step, total - off)) for off in range(0, total, step)]
+
+
+def blob_key(prefix: str, data: torch.Tensor | bytes) -> str:
+    h = xxhash.xxh3_128(prefix.encode())
+    h.update(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
+    return h.hexdigest()
+
+
+def _as_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.numel() else t.view(torch.uint8)
+
+
+class SnapshotWriter:
+    """Writes one snapshot to one store. Created and run on the background (coordinator) thread."""
+
+    def __init__(self, snap: Snapshot, store: Store, dirstate: DirState, config: EngineConfig,
+                 matcher: RuleMatcher, workers: Executor) -> None:
+        self.snap, self.store, self.dir, self.config = snap, store, dirstate, config
+        self.matcher, self.workers = matcher, workers
+        self.stream_updates: dict[str, tuple] = {}
+        self.written_keys: set[str] = set()
+
+    # -- chunks -------------------------------------------------------------------------------
+    def _put_chunk(self, array2d: torch.Tensor, off: int, pipeline: Pipeline, prefix: str,
+                   force: bool = False) -> ChunkResult:
+        rows, cols = array2d.shape
+        key = blob_key(f"{prefix}|{rows}x{cols}|", _as_bytes_view(array2d).reshape(-1))
+        known = None if force else self.dir.index.get(key)
+        if known is not None:
+            return ChunkResult(ChunkRef(off, rows, cols, known), 0, self.dir.stats.get(key))
+        data, stats = pipeline.encode(array2d)
+        ref = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
+        written = 0
+        if force or not self.store.has_blob(key):
+            self.store.put_blob(key, data)
+            written = len(data)
+            self.written_keys.add(key)
+        else:
+            ref = self._existing(key, ref)
+        return ChunkResult(ChunkRef(off, rows, cols, ref), written, stats if pipeline.lossy else None)
+
+    def _existing(self, key: str, ref: BlobRef) -> BlobRef:
+        """A blob with this content address exists (another engine, or before a restart): adopt it."""
+        data = self.store.get_blob(key, self.config.load.max_blob_bytes)
+        return BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
+
+    def _chunks(self, t2d: torch.Tensor, pipeline: Pipeline, prefix: str, force: bool = False):
+        rows, cols = t2d.shape
+        flat = t2d.reshape(-1)
+        futures = []
+        for off, r, c in chunk_spans(rows, cols, t2d.element_size(), self.config.compression.chunk_bytes):
+            piece = flat[off:off + r * c].view(r, c)
+            futures.append(self.workers.submit(self._put_chunk, piece, off, pipeline, prefix, force))
+        return futures
+
+    # -- tensors ------------------------------------------------------------------------------
+    def _pipeline(self, st: StagedTensor) -> tuple[Pipeline, QuantRule | None]:
+        view = st.data.view(st.shape) if st.shape else st.data.view(())
+        rule = self.matcher.select(st.key, view)
+        if rule is None:
+            return lossless_pipeline(st.dtype, self.config.compression), None
+        return pipeline_for_rule(rule, st.dtype, len(st.shape), self.config.compression), rule
+
+    def _tensor_jobs(self, st: StagedTensor, force: bool = False, lossless: bool = False):
+        """Submit the chunk work of one tensor. ``force``: full base, every blob written again;
+        ``lossless``: ignore quantization rules (a lossy codec refused this tensor's values)."""
+        pipeline, rule = self._pipeline(st)
+        if lossless:
+            pipeline, rule = lossless_pipeline(st.dtype, self.config.compression), None
+        rows, cols = (st.shape[0], math.prod(st.shape[1:])) if len(st.shape) >= 2 else (1, st.data.numel())
+        t2d = st.data.view(rows, cols)
+        prefix = f"{pipeline.spec_id}|{dtype_name(st.dtype)}"
+        plan: RowPlan | None = None
+        if st.stream is not None:
+            row_bytes = cols * st.data.element_size()
+            plan = plan_rows(st.stream, None if force else st.changed, self.config.incremental,
+                             pipeline.spec_id, row_bytes)
+        if plan is not None and not plan.full:
+            base = list(st.stream.record.base)
+            idx = plan.rows.to(torch.int64).contiguous()
+            idx_future = self.workers.submit(self._put_index, idx)
+            delta_futures = self._chunks(t2d.index_select(0, idx), pipeline, prefix) if idx.numel() else []
+            return st, pipeline, rule, plan, base, None, (idx, idx_future, delta_futures)
+        return st, pipeline, rule, plan, None, self._chunks(t2d, pipeline, prefix, force), None
+
+    def _put_index(self, idx: torch.Tensor) -> tuple[BlobRef, int]:
+        from .reader import index_pipeline
+
+        pipeline = index_pipeline()
+        res = self._put_chunk(idx.view(1, -1), 0, pipeline, f"{pipeline.spec_id}|index")
+        return res.ref.blob, res.written
+
+    def _finish_tensor(self, job) -> tuple[TensorRecord, int]:
+        st, pipeline, rule, plan, base, base_futures, delta = job
+        written, stats = 0, EncodeStats()
+        if base_futures is not None:
+            results = [f.result() for f in base_futures]
+            base = [r.ref for r in results]
+            deltas: tuple[DeltaRef, ...] = ()
+        else:
+            idx, idx_future, delta_futures = delta
+            idx_ref, idx_written = idx_future.result()
+            results = [f.result() for f in delta_futures]
+            new = DeltaRef(int(idx.numel()), idx_ref, tuple(
+                ChunkRef(r.ref.off, r.ref.rows, r.ref.cols, r.ref.blob) for r in results))
+            written += idx_written
+            deltas = tuple(plan.keep_deltas) + (new,)
+        for r in results:
+            written += r.written
+            if r.stats is not None:
+                stats = stats.merge(r.stats)
+                self.dir.stats[r.ref.blob.key] = r.stats
+        quant = _quant_record(rule, pipeline, stats, self.dir.records.get(st.key))
+        rec = TensorRecord(st.key, dtype_name(st.dtype), st.shape, tuple(pipeline.to_list()), tuple(base),
+                           deltas, written, quant, st.device)
+        if st.stream is not None:
+            self.stream_updates[st.key] = (st.stream, plan, rec, pipeline.spec_id, st.changed is not None)
+        return rec, written
+
+    def _tensor(self, st: StagedTensor, job, force: bool = False) -> tuple[TensorRecord, int]:
+        try:
+            return self._finish_tensor(job)
+        except ValueError as exc:  # a lossy codec refuses non-finite or out-of-range values
+            log.warning("checkrun: %s stored lossless: %s", st.key, exc)
+            return self._finish_tensor(self._tensor_jobs(st, force=force, lossless=True))
+
+    def _repair_missing(self, records: list[TensorRecord]) -> int:
+        """Blobs reused from earlier saves may have been collected since (another process's gc):
+        check they still exist and rewrite, from the snapshot, every tensor that lost one."""
+        reused = sorted({b.key for r in records for b in r.blobs() if b.key not in self.written_keys})
+        present = self.store.map(self.store.has_blob, reused)
+        missing = {k for k, ok in zip(reused, present) if not ok}
+        extra = 0
+        for i, st in enumerate(self.snap.tensors):
+            if missing.intersection(b.key for b in records[i].blobs()):
+                log.warning("checkrun: blobs of %s vanished from the store; writing it again", st.key)
+                records[i], w = self._tensor(st, self._tensor_jobs(st, force=True), force=True)
+                extra += w
+        return extra
+
+    # -- whole snapshot -----------------------------------------------------------------------
+    def write(self) -> tuple[Manifest, dict]:
+        """Encode and store every blob, then return the manifest (not yet committed) and stats."""
+        t0 = time.perf_counter()
+        if self.snap.event is not None:
+            self.snap.event.synchronize()
+        jobs = [self._tensor_jobs(st) for st in self.snap.tensors]
+        obj_futures = [self.workers.submit(self._put_object, o) for o in self.snap.objects]
+        records, written = [], 0
+        for st, job in zip(self.snap.tensors, jobs):
+            rec, w = self._tensor(st, job)
+            records.append(rec)
+            written += w
+        written += self._repair_missing(records)
+        objects = []
+        for fut, o in zip(obj_futures, self.snap.objects):
+            ref, w = fut.result()
+            objects.append(ObjectRecord(o.key, o.type_name, ref))
+            written += w
+        tensor_bytes = sum(st.nbytes for st in self.snap.tensors)
+        stats = {
+            "tensor_bytes": tensor_bytes,
+            "written_bytes": written,
+            "stored_bytes": 0,
+            "chain_depth": max((len(r.deltas) for r in records), default=0),
+            "quantized": any(r.quant for r in records),
+            "encode_seconds": time.perf_counter() - t0,
+        }
+        meta = dict(self.snap.meta)
+        if list(self.snap.leaves) != list(range(len(self.snap.leaves))) or len(self.snap.leaves) != len(records):
+            meta["leaves"] = list(self.snap.leaves)
+        manifest = Manifest(self.snap.created, self.snap.skeleton, tuple(records), tuple(objects), stats, meta)
+        stats["stored_bytes"] = sum(b.size for b in {b.key: b for b in manifest.blobs()}.values())
+        return manifest, stats
+
+    def _put_object(self, obj) -> tuple[BlobRef, int]:
+        key = blob_key("object|", obj.data)
+        ref = BlobRef(key, len(obj.data), xxhash.xxh3_64_hexdigest(obj.data))
+        if self.store.has_blob(key):  # objects are few and small: always check, never trust the index
+            return ref, 0
+        self.store.put_blob(key, obj.data)
+        return ref, len(obj.data)
+
+    def adopt(self, manifest: Manifest) -> None:
+        """After the commit: remember blobs and advance the row streams."""
+        for b in manifest.blobs():
+            self.dir.index[b.key] = b
+        for rec in manifest.tensors:
+            self.dir.records[rec.key] = rec
+        for stream, plan, rec, spec_id, detected in self.stream_updates.values():
+            stream.commit(plan, rec, spec_id, detected, self.config.incremental.max_chain)
+
+
+def _quant_record(rule: QuantRule | None, pipeline: Pipeline, stats: EncodeStats,
+                  previous: TensorRecord | None) -> dict | None:
+    """Error of a lossy tensor over the chunks whose stats are known (reused ones keep theirs)."""
+    if rule is None or not pipeline.lossy:
+        return None
+    if stats.sq_ref_sum == 0 and previous is not None and previous.quant:
+        return previous.quant
+    rel = math.sqrt(stats.sq_error_sum / stats.sq_ref_sum) if stats.sq_ref_sum > 0 else 0.0
+    return {"method": rule.method, "bits": pipeline.array.to_dict().get("bits"),
+            "max_abs_error": stats.max_abs_error, "rel_l2_error": rel}

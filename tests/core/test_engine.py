@@ -1,0 +1,153 @@
+"""Engine behaviour on every backend (memory://, local, S3 via moto): round trip, format, bad input."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import ckpt_core
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.errors import (CheckpointNotFoundError, CorruptCheckpointError, FormatError,
+                              NotACheckpointError, UnsafeLoadError)
+
+
+def _state():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    shared = torch.randn(3, 3)
+    return {
+        "model": lin.state_dict(),
+        "tensors": {
+            "f16": torch.randn(5, 7).half(), "bf16": torch.randn(33).bfloat16(), "i64": torch.arange(10),
+            "bool": torch.tensor([True, False, True]), "c64": torch.randn(4, dtype=torch.complex64),
+            "zero_d": torch.tensor(3.5), "empty": torch.empty(0, 3), "view": torch.randn(6, 4).t(),
+            "f64": torch.randn(2, 2, 2, dtype=torch.float64),
+        },
+        "tied_a": shared, "tied_b": shared,
+        "plain": {1: "int key", (2, 3): [None, True, 1.5, float("inf"), float("nan")], "b": b"\x00\xff",
+                  "dtype": torch.float16, "size": torch.Size([2, 3]), "dev": torch.device("cpu")},
+        "tup": (1, [2, 3]),
+        "od": OrderedDict(b=1, a=2),
+        "step": 7,
+    }
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() and a.dtype != torch.bool else a,
+                           b.reshape(-1).view(torch.uint8) if b.numel() and b.dtype != torch.bool else b)
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b)
+    else:
+        assert a == b
+
+
+def test_round_trip_every_backend(any_root):
+    root, opts = any_root
+    state = _state()
+    with CheckpointEngine() as engine:
+        info = engine.save(state, f"{root}/a.ckpt", storage_options=opts).result()
+        assert info.tensor_bytes > 0 and info.written_bytes > 0 and info.blocking_seconds >= 0
+        loaded = engine.load(f"{root}/a.ckpt", storage_options=opts)
+        _assert_same(state, loaded)
+        assert loaded["tied_a"] is loaded["tied_b"]
+        assert engine.latest(root, storage_options=opts).endswith("a.ckpt")
+        assert engine.verify(f"{root}/a.ckpt", storage_options=opts).ok
+
+
+def test_one_call_conveniences(tmp_path):
+    info = ckpt_core.save({"w": torch.ones(3)}, tmp_path / "x.ckpt")
+    assert info.path.endswith("x.ckpt")
+    assert torch.equal(ckpt_core.load(tmp_path / "x.ckpt")["w"], torch.ones(3))
+
+
+def test_identical_blobs_not_written_twice(tmp_path):
+    state = {"w": torch.randn(1000, 100)}
+    with CheckpointEngine() as engine:
+        first = engine.save(state, tmp_path / "a.ckpt").result()
+        second = engine.save(state, tmp_path / "b.ckpt").result()
+    assert second.written_bytes < first.written_bytes / 20
+    with CheckpointEngine() as engine:  # a new process-like engine also finds them in the store
+        third = engine.save(state, tmp_path / "c.ckpt").result()
+    assert third.written_bytes < first.written_bytes / 20
+
+
+def test_weights_only_refuses_pickled_objects(tmp_path):
+    import pathlib
+
+    with CheckpointEngine() as engine:
+        engine.save({"cfg": {"path": pathlib.PurePosixPath("/x")}}, tmp_path / "o.ckpt").result()
+        with pytest.raises(UnsafeLoadError, match=r"cfg\.path.*PurePosixPath"):
+            engine.load(tmp_path / "o.ckpt")
+        assert engine.load(tmp_path / "o.ckpt", weights_only=False)["cfg"]["path"] == pathlib.PurePosixPath("/x")
+
+
+def test_keep_last_and_gc(tmp_path):
+    cfg = EngineConfig.from_dict({"retention": {"keep_last": 2, "gc_grace_seconds": 0}})
+    with CheckpointEngine(cfg) as engine:
+        for i in range(4):
+            engine.save({"w": torch.full((100, 100), float(i))}, tmp_path / f"s{i}.ckpt")
+        engine.wait()
+        names = [e.name for e in engine.list(tmp_path)]
+        assert names == ["s2.ckpt", "s3.ckpt"]
+        blobs = list((tmp_path / ".checkrun" / "blobs").rglob("*"))
+        assert len([b for b in blobs if b.is_file()]) == 2
+        for n in names:
+            assert engine.verify(tmp_path / n).ok
+
+
+def test_bad_inputs_name_the_file(tmp_path):
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.randn(64, 64)}, tmp_path / "good.ckpt").result()
+        torch.save({"w": 1}, tmp_path / "torch.pt")
+        with pytest.raises(NotACheckpointError, match="torch.pt"):
+            engine.load(tmp_path / "torch.pt")
+        with pytest.raises(CheckpointNotFoundError, match="missing.ckpt"):
+            engine.load(tmp_path / "missing.ckpt")
+        raw = (tmp_path / "good.ckpt").read_bytes()
+        (tmp_path / "trunc.ckpt").write_bytes(raw[: len(raw) // 2])
+        with pytest.raises(FormatError, match="trunc.ckpt"):
+            engine.load(tmp_path / "trunc.ckpt")
+        (tmp_path / "tamper.ckpt").write_bytes(raw.replace(b'"float32"', b'"float64"'))
+        with pytest.raises(FormatError, match="tamper.ckpt.*checksum"):
+            engine.load(tmp_path / "tamper.ckpt")
+        blob = next(p for p in (tmp_path / ".checkrun" / "blobs").rglob("*") if p.is_file())
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        with pytest.raises(CorruptCheckpointError, match=blob.name):
+            engine.load(tmp_path / "good.ckpt")
+        report = engine.verify(tmp_path / "good.ckpt")
+        assert not report.ok and blob.name in report.problems[0]
+        blob.unlink()
+        with pytest.raises(CorruptCheckpointError, match=blob.name):
+            engine.load(tmp_path / "good.ckpt")
+        assert engine.latest(tmp_path) is None
+
+
+def test_hostile_blob_key_rejected(tmp_path):
+    import json
+
+    from ckpt_core.manifest import _body_checksum
+
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.randn(4, 4)}, tmp_path / "good.ckpt").result()
+        body = json.loads((tmp_path / "good.ckpt").read_bytes())
+        for bad in ("../../etc/passwd", "/etc/passwd", "s3://other/bucket/key"):
+            body["tensors"][0]["base"][0]["blob"]["key"] = bad
+            body["checksum"] = _body_checksum(body)
+            (tmp_path / "evil.ckpt").write_text(json.dumps(body))
+            with pytest.raises(CorruptCheckpointError, match="evil.ckpt|" + bad[:5]):
+                engine.load(tmp_path / "evil.ckpt")

@@ -1,0 +1,256 @@
+"""Lossy codecs: bit-packing, error bounds with the stored parameters, statistics, edge values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_core.codecs import CastCodec, Int8BlockCodec, UniformCodec
+from ckpt_core.codecs.packing import SUPPORTED_BITS, pack, packed_nbytes, unpack
+
+BITS = [2, 3, 4, 8]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Codec work is many small torch calls; on a busy 2-core runner torch's intra-op thread
+    team (busy-waiting at each barrier) makes them 10x slower and the timings erratic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def sample(kind: str, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "laplace":
+        x = torch.sign(x) * torch.log1p(torch.rand(shape, generator=g) * 1e4)
+    elif kind == "offset":      # large offset, small range: needs the outward rounding of fp16 params
+        x = 1000.0 + x * 1e-2
+    elif kind == "tiny":        # scales near/below fp16's smallest subnormal
+        x = x * 1e-7
+    elif kind == "rows":        # each row its own magnitude
+        x = x * torch.logspace(-3, 3, shape[0])[:, None]
+    elif kind == "constant":
+        x = torch.full(shape, 0.1)
+    return x.contiguous()
+
+
+def group_view(t: torch.Tensor, block: int | None) -> list[torch.Tensor]:
+    """The quantization groups of a 2-D tensor, in stored order, as 1-D tensors."""
+    out = []
+    for row in t:
+        size = block or max(len(row), 1)
+        out.extend(row[i:i + size] for i in range(0, len(row), size))
+    return out
+
+
+# ---------------------------------------------------------------- packing
+
+@settings(max_examples=150, deadline=None)
+@given(bits=st.sampled_from(SUPPORTED_BITS), data=st.data())
+def test_pack_unpack_identity_property(bits, data):
+    codes = np.frombuffer(data.draw(st.binary(max_size=300)), np.uint8) & ((1 << bits) - 1)
+    n = codes.size
+    packed = pack(codes, bits)
+    assert packed.size == packed_nbytes(n, bits) == (n * bits + 7) // 8
+    assert np.array_equal(unpack(packed, bits, n), codes)
+    start = data.draw(st.integers(0, n))
+    assert np.array_equal(unpack(packed, bits, n - start, start), codes[start:])
+    # Layout: each code's bits LSB-first in one stream (numpy's little bit order).
+    stream = np.unpackbits(codes[:, None], axis=1, bitorder="little")[:, :bits].reshape(-1)
+    assert np.array_equal(packed, np.packbits(stream, bitorder="little"))
+
+
+def test_pack_masks_stray_high_bits():
+    assert np.array_equal(unpack(pack(np.array([0xFF] * 8, np.uint8), 3), 3, 8), [7] * 8)
+
+
+# ---------------------------------------------------------------- uniform: error bounds
+
+@pytest.mark.parametrize("scale_dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", ["normal", "laplace", "offset", "tiny", "rows", "constant"])
+@pytest.mark.parametrize("shape,block", [((7, 37), None), ((3, 1), None), ((1, 1001), 256),
+                                          ((4, 130), 64), ((1, 5), 8)], ids=str)
+def test_uniform_plain_error_is_at_most_half_a_stored_step(shape, block, kind, bits, scale_dtype):
+    x = sample(kind, shape)
+    codec = UniformCodec(bits, block, scale_dtype, greedy=False)
+    data, stats = codec.encode(x)
+    y = codec.decode(data, shape, torch.float32)
+    mins, steps = codec.params(bytes(data), shape)
+    assert len(bytes(data)) == 2 * mins.numel() * mins.element_size() + packed_nbytes(x.numel(), bits)
+    groups_x, groups_y = group_view(x, block), group_view(y, block)
+    assert len(groups_x) == steps.numel()
+    for gx, gy, step in zip(groups_x, groups_y, steps.double()):
+        err = (gy.double() - gx.double()).abs().max()
+        assert err <= step / 2 + 1e-6 * gx.abs().max(), (err, step)
+    assert stats.max_abs_error == pytest.approx(float((y - x).abs().max()), rel=1e-6, abs=1e-30)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", ["normal", "laplace", "rows", "constant"])
+@pytest.mark.parametrize("shape,block", [((16, 64), None), ((4, 1500), None), ((1, 2000), 256),
+                                          ((3, 70), 32)], ids=str)
+def test_uniform_greedy_never_worse_per_group(shape, block, kind, bits):
+    x = sample(kind, shape, seed=1)
+    errors = {}
+    for greedy in (False, True):
+        codec = UniformCodec(bits, block, "fp16", greedy)
+        y = codec.decode(codec.encode(x)[0], shape, torch.float32)
+        errors[greedy] = [((gy.double() - gx.double()) ** 2).sum() for gx, gy in
+                          zip(group_view(x, block), group_view(y, block))]
+    assert all(g <= p for g, p in zip(errors[True], errors[False]))
+    if kind in ("normal", "laplace") and bits <= 4:  # the search pays on bell-shaped data
+        assert sum(errors[True]) < 0.95 * sum(errors[False])
+
+
+@pytest.mark.parametrize("codec", [UniformCodec(3, None, "fp16", False), UniformCodec(4, None, "fp16", True),
+                                   UniformCodec(3, 100, "fp32", False), UniformCodec(2, 7, "fp16", True),
+                                   Int8BlockCodec(100)], ids=repr)
+@pytest.mark.parametrize("shape", [(37, 301), (1, 5003), (3, 1777)], ids=str)
+def test_encoding_does_not_depend_on_the_processing_block(codec, shape, monkeypatch):
+    """Chunks are processed in pieces of BLOCK_ELEMS elements; the bytes must not show it."""
+    import ckpt_core.codecs.int8_block as int8_module
+    import ckpt_core.codecs.uniform as uniform_module
+
+    x = sample("laplace", shape, seed=3)
+    expected = bytes(codec.encode(x)[0])
+    for size in (700, 4096):
+        monkeypatch.setattr(uniform_module, "BLOCK_ELEMS", size)
+        monkeypatch.setattr(int8_module, "BLOCK_ELEMS", size)
+        data = bytes(codec.encode(x)[0])
+        assert data == expected
+        assert torch.equal(codec.decode(data, shape, torch.float32),
+                           codec.decode(expected, shape, torch.float32))
+
+
+def test_uniform_long_block_rows():
+    flat = sample("normal", (1, 270_001), seed=4)  # more than one processing block
+    codec = UniformCodec(3, 256, "fp16", True)
+    data = bytes(codec.encode(flat)[0])
+    y = codec.decode(data, (1, 270_001), torch.float32)
+    steps = codec.params(data, (1, 270_001))[1].float()
+    assert steps.numel() == -(-270_001 // 256)
+    per_elem = steps.repeat_interleave(256)[:270_001]
+    # A greedy range may clip a block's extremes; nothing can be off by more than the clipped
+    # 16% of its range (about 2.4 steps at 3 bits) plus half a step.
+    assert ((y - flat).abs()[0] <= 3 * per_elem).all()
+
+
+def test_uniform_is_deterministic():
+    x = sample("laplace", (33, 517), seed=5)
+    for greedy in (False, True):
+        codec = UniformCodec(4, None, "fp16", greedy)
+        assert bytes(codec.encode(x)[0]) == bytes(codec.encode(x.clone())[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_uniform_other_float_dtypes(dtype):
+    x = sample("normal", (9, 100), seed=6).to(dtype)
+    codec = UniformCodec(4, None, "fp32", False)
+    data, stats = codec.encode(x)
+    y = codec.decode(data, (9, 100), dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    steps = codec.params(bytes(data), (9, 100))[1].double()
+    ulp = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7, torch.float64: 0.0}[dtype]
+    err = (y.double() - x.double()).abs()
+    # Half a step, plus half an ulp of the final cast to the tensor's own dtype.
+    assert (err <= steps[:, None] / 2 + ulp * x.double().abs().amax(1, keepdim=True) + 1e-12).all()
+    assert stats.max_abs_error == pytest.approx(float(err.max()), rel=1e-6)
+
+
+def test_uniform_exact_cases():
+    codec = UniformCodec(2, None, "fp16", True)
+    zeros = torch.zeros(3, 9)
+    data, stats = codec.encode(zeros)
+    assert torch.equal(codec.decode(data, (3, 9), torch.float32), zeros) and stats.sq_error_sum == 0
+    levels = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.0, 0.0, 1.0]])  # exactly on a 2-bit grid
+    y = UniformCodec(2, None, "fp16", False).decode(UniformCodec(2).encode(levels)[0], (1, 7), torch.float32)
+    assert torch.equal(y, levels)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 5), (0, 0), (1, 1)], ids=str)
+@pytest.mark.parametrize("codec", [UniformCodec(3, None, "fp16", True), UniformCodec(2, 4, "fp32", True),
+                                   Int8BlockCodec(4), CastCodec("float16")], ids=repr)
+def test_lossy_codecs_handle_empty_and_single_elements(codec, shape):
+    x = torch.full(shape, 0.5)
+    data, stats = codec.encode(x)
+    y = codec.decode(bytes(data), shape, torch.float32)
+    assert y.shape == shape and torch.allclose(y, x, rtol=0, atol=1e-6)
+    assert stats.max_abs_error <= 1e-6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("codec", [UniformCodec(4, None, "fp16", False), UniformCodec(4, None, "fp16", True),
+                                   UniformCodec(8, 16, "fp32", False), Int8BlockCodec(16),
+                                   CastCodec("bfloat16"), CastCodec("float16")], ids=repr)
+def test_non_finite_input_raises_value_error(codec, bad):
+    x = torch.randn(4, 50)
+    x[2, 17] = bad
+    with pytest.raises(ValueError, match="inf or nan"):
+        codec.encode(x)
+
+
+def test_unrepresentable_scales_raise_value_error():
+    big = torch.randn(2, 30) * 1e6
+    with pytest.raises(ValueError):
+        UniformCodec(4, None, "fp16", False).encode(big)
+    codec = UniformCodec(4, None, "fp32", False)
+    assert codec.decode(codec.encode(big)[0], (2, 30), torch.float32).isfinite().all()
+    with pytest.raises(ValueError):
+        CastCodec("float16").encode(torch.full((1, 3), 1e5))
+
+
+def test_lossy_codecs_refuse_non_float_input():
+    for codec in (UniformCodec(), Int8BlockCodec(), CastCodec()):
+        with pytest.raises(ValueError):
+            codec.encode(torch.arange(10).view(2, 5))
+
+
+# ---------------------------------------------------------------- statistics
+
+@pytest.mark.parametrize("codec", [UniformCodec(3, None, "fp16", True), UniformCodec(4, 64, "fp32", False),
+                                   Int8BlockCodec(32), CastCodec("bfloat16"), CastCodec("float16")], ids=repr)
+def test_stats_match_a_direct_computation(codec):
+    x = sample("laplace", (37, 301), seed=7)
+    data, stats = codec.encode(x)
+    y = codec.decode(data, tuple(x.shape), torch.float32).double()
+    err = y - x.double()
+    assert stats.max_abs_error == pytest.approx(float(err.abs().max()), rel=1e-6)
+    assert stats.sq_error_sum == pytest.approx(float((err ** 2).sum()), rel=1e-4)
+    assert stats.sq_ref_sum == pytest.approx(float((x.double() ** 2).sum()), rel=1e-5)
+
+
+# ---------------------------------------------------------------- int8_block and cast
+
+@pytest.mark.parametrize("shape,block", [((1, 1000), 256), ((7, 13), 5), ((3, 300), 1), ((2, 2), 256)], ids=str)
+def test_int8_block_error_is_at_most_half_a_scale(shape, block):
+    x = sample("rows", shape, seed=8)
+    x.view(-1)[:block] = 0.0  # an all-zero block is exact
+    codec = Int8BlockCodec(block)
+    data, _ = codec.encode(x)
+    n = x.numel()
+    nb = -(-n // block)
+    assert len(bytes(data)) == nb * 4 + n
+    scales = torch.from_numpy(np.frombuffer(bytes(data)[:nb * 4], np.float32).copy()).double()
+    y = codec.decode(data, shape, torch.float32)
+    err = (y.double() - x.double()).reshape(-1).abs()
+    per_elem = scales.repeat_interleave(block)[:n]
+    assert (err <= per_elem / 2 + 1e-7 * x.abs().max()).all()
+    assert float(err[:block].max()) == 0.0
+
+
+@pytest.mark.parametrize("to,rel", [("bfloat16", 2 ** -8), ("float16", 2 ** -11)])
+def test_cast_error_is_half_an_ulp(to, rel):
+    x = sample("normal", (5, 77), seed=9) * 10
+    codec = CastCodec(to)
+    data, stats = codec.encode(x)
+    assert len(bytes(data)) == x.numel() * 2
+    y = codec.decode(data, (5, 77), torch.float32)
+    assert ((y - x).abs() <= x.abs() * rel * 1.0001).all()
+    assert torch.equal(y, x.to(getattr(torch, to)).float())
+    assert codec.decode(data, (5, 77), torch.float64).dtype == torch.float64
