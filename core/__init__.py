@@ -16,13 +16,14 @@ from .errors import (BackgroundSaveError, CheckpointNotFoundError, CheckrunError
 from .handles import SaveHandle, SaveInfo
 from .reader import VerifyReport
 from .retention import CheckpointEntry, GCReport
+from .tracking import EmbeddingTracker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointEngine", "save", "load", "EngineConfig", "CompressionConfig", "StorageConfig",
     "RetryConfig", "SavingConfig", "IncrementalConfig", "QuantRule", "RetentionConfig", "LoadConfig",
-    "SaveHandle", "SaveInfo", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
+    "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
     "ConfigError", "StorageError", "CheckpointNotFoundError", "NotACheckpointError",
     "CorruptCheckpointError", "UnsafePathError", "FormatError", "UnsafeLoadError", "BackgroundSaveError",
 ]

@@ -63,7 +63,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
 
 
 def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copier,
-                  budget: MemoryBudget, config: EngineConfig) -> Snapshot:
+                  budget: MemoryBudget, config: EngineConfig, trackers: tuple = ()) -> Snapshot:
     """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread."""
     created = time.time()
     flat = flatten(state)
@@ -80,8 +80,10 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     charged = sum(t.nbytes for _, t in sources)
     budget.acquire(charged)
     try:
-        staged = tuple(_stage(key, t, dirstate, pool, copier, config) for key, t in sources)
+        staged = tuple(_stage(key, t, dirstate, pool, copier, config, trackers) for key, t in sources)
         event = copier.finish()
+        for tracker in trackers:
+            tracker.captured()
         objects = tuple(StagedObject(o.key, o.type_name, serialize_object(o.obj)) for o in flat.objects)
     except BaseException:
         budget.release(charged)
@@ -90,14 +92,23 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 
 
 def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copier: Copier,
-           config: EngineConfig) -> StagedTensor:
+           config: EngineConfig, trackers: tuple) -> StagedTensor:
     shape = tuple(t.shape)
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
             stream = RowStream(torch.empty(t.numel(), dtype=t.dtype), t.dtype, shape)
             dirstate.streams[key] = stream
-        changed = stream.capture(t)
+        rows = None
+        for tracker in trackers:
+            rows = tracker.rows_for(t, stream.tracker_since)
+            if rows is not None:
+                break
+        changed = stream.capture(t, rows)
+        if rows is None and changed is not None:
+            for tracker in trackers:
+                tracker.check(t, changed, stream.tracker_since)
+        stream.tracker_since = max((tr.clock + 1 for tr in trackers), default=0)
         return StagedTensor(key, shape, stream.buffer, str(t.device), stream, changed)
     buf = pool.take(t.dtype, t.numel(), for_cuda=t.device.type == "cuda")
     copier.copy(t, buf)

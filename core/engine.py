@@ -28,6 +28,7 @@ from .retention import CheckpointEntry, GCReport, apply_retention, collect_garba
 from .staging import BufferPool, Copier, MemoryBudget
 from .storage import Store
 from .streams import DirState, RowStream, row_eligible
+from .tracking import EmbeddingTracker
 from .writer import SnapshotWriter
 
 import torch
@@ -66,6 +67,7 @@ class CheckpointEngine:
         self._cond = threading.Condition()
         self._callbacks: list[Callable[[SaveInfo], None]] = []
         self._failed: list[SaveHandle] = []
+        self._trackers: list = []
         self._closed = False
         lifecycle.register(self)
 
@@ -84,7 +86,8 @@ class CheckpointEngine:
         try:
             dirstate = self._dirstate(store)
             self._wait_streams(dirstate)
-            snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config)
+            snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
+                                 tuple(self._trackers))
         except BaseException:
             self._slots.release()
             raise
@@ -170,6 +173,11 @@ class CheckpointEngine:
         """The parsed, validated manifest of a checkpoint (no blob is read)."""
         store, name = self._store(path, storage_options)
         return read_manifest(store, name, self.config)
+
+    def track(self, tracker: "EmbeddingTracker") -> "EmbeddingTracker":
+        """Use an ``EmbeddingTracker`` so saves copy only looked-up rows of its tables."""
+        self._trackers.append(tracker)
+        return tracker
 
     def add_callback(self, fn: Callable[[SaveInfo], None]) -> None:
         """Call ``fn(info)`` on the background thread after each committed save (adapter metrics)."""

@@ -40,6 +40,7 @@ class RowStream:
     cum_mask: torch.Tensor | None = None
     saves_since_base: int = 0
     dense_countdown: int = 0
+    tracker_since: int = 0
 
     @property
     def rows(self) -> int:
@@ -48,14 +49,19 @@ class RowStream:
     def matches(self, t: torch.Tensor) -> bool:
         return self.valid and t.dtype == self.dtype and tuple(t.shape) == self.shape
 
-    def capture(self, src: torch.Tensor) -> torch.Tensor | None:
+    def capture(self, src: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Update the buffer from ``src``; return changed row indices, or None after a full copy.
 
-        Runs on the training thread (the blocking part of save)."""
+        ``rows``: the only rows that can have changed (from an EmbeddingTracker): copied without
+        comparing. Runs on the training thread (the blocking part of save)."""
         dst = self.buffer.view(self.shape)
         if not self.matches(src) or self.dense_countdown > 0:
             dst.copy_(src)
             return None
+        if rows is not None:
+            if rows.numel():
+                dst.index_copy_(0, rows, src.index_select(0, rows))
+            return rows
         changed = torch.ne(row_view(src), row_view(dst)).any(dim=1).nonzero().squeeze(1)
         if changed.numel():
             dst.index_copy_(0, changed, src.index_select(0, changed))
