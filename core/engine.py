@@ -126,24 +126,29 @@ class CheckpointEngine:
         self._wait_path(store.url(name))
         store.delete_manifest(name)
 
-    def latest(self, directory: PathLike, storage_options: dict | None = None) -> str | None:
-        """Newest committed checkpoint in ``directory`` whose manifest and blobs are present.
+    def latest(self, directory: PathLike, storage_options: dict | None = None, verify: bool = True) -> str | None:
+        """Newest committed checkpoint in ``directory`` that verifies, or None.
 
-        A corrupt candidate is skipped with a warning naming it. Blob contents are checked on load."""
+        ``verify=True`` checks every blob's checksum (reads the checkpoint once); ``verify=False``
+        only checks that every blob exists with its size. A bad candidate is skipped with a warning
+        naming it, and the next older one is tried."""
         self._check_open()
         store = self._dir_store(directory, storage_options)
         self._wait_dir(store)
-        blobs = None
+        sizes = None
         for entry in reversed(list_checkpoints(store, self.config)):
             if entry.manifest is None:
                 log.warning("checkrun: skipping corrupt checkpoint %s: %s", entry.url, entry.error)
                 continue
-            if blobs is None:
-                blobs = {b.key: b.size for b in store.list_blobs()}
-            missing = [b.key for b in entry.manifest.blobs() if blobs.get(b.key) != b.size]
-            if missing:
-                log.warning("checkrun: skipping checkpoint %s: %d blob(s) missing or truncated, e.g. %s",
-                            entry.url, len(missing), store.blob_path(missing[0]))
+            if verify:
+                report = verify_manifest(store, entry.name, self.config, decode=False)
+                problems = report.problems
+            else:
+                sizes = sizes if sizes is not None else {b.key: b.size for b in store.list_blobs()}
+                problems = [f"missing or truncated blob {store.blob_path(b.key)}"
+                            for b in entry.manifest.blobs() if sizes.get(b.key) != b.size]
+            if problems:
+                log.warning("checkrun: skipping checkpoint %s: %s", entry.url, problems[0])
                 continue
             return entry.url
         return None

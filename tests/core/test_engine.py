@@ -151,3 +151,19 @@ def test_hostile_blob_key_rejected(tmp_path):
             (tmp_path / "evil.ckpt").write_text(json.dumps(body))
             with pytest.raises(CorruptCheckpointError, match="evil.ckpt|" + bad[:5]):
                 engine.load(tmp_path / "evil.ckpt")
+
+
+def test_latest_skips_checkpoint_with_flipped_byte(tmp_path, caplog):
+    with CheckpointEngine({"incremental": {"enabled": False}}) as engine:
+        engine.save({"w": torch.zeros(100, 10)}, tmp_path / "old.ckpt").result()
+        engine.save({"w": torch.ones(100, 10)}, tmp_path / "new.ckpt").result()
+        new_keys = engine.read_manifest(tmp_path / "new.ckpt").blob_keys()
+        old_keys = engine.read_manifest(tmp_path / "old.ckpt").blob_keys()
+        key = sorted(new_keys - old_keys)[0]
+        blob = tmp_path / ".checkrun" / "blobs" / key[:2] / key[2:]
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 0x01
+        blob.write_bytes(bytes(data))
+        assert engine.latest(tmp_path).endswith("old.ckpt")
+        assert "new.ckpt" in caplog.text
+        assert engine.latest(tmp_path, verify=False).endswith("new.ckpt")  # quick check: sizes only
