@@ -1,0 +1,187 @@
+"""One checkpoint = one commit across processes: a helper thread per rank and a gloo group.
+
+Every rank saves its part of a checkpoint through its own engine (asynchronously) and hands the
+handle to :class:`GroupCommitter`. On each rank a helper thread, in submission order:
+
+1. waits until its part is durable (``SaveHandle.result()``),
+2. all-gathers every rank's outcome on a dedicated gloo process group (created by all ranks in
+   :func:`make_group`, separate from the group training uses, so it never interleaves with DDP),
+3. on rank 0 only, calls the job's ``finish`` with all outcomes: it commits the checkpoint's index
+   manifest when every part is durable (that file is what ``latest`` finds), or cleans up,
+4. broadcasts rank 0's verdict so every rank records the same error or metrics.
+
+The training thread only ever enqueues; it reads verdicts with :meth:`take_errors` /
+:meth:`take_metrics` and blocks only in :meth:`wait`. Collectives on the group from the training
+thread (see :meth:`broadcast`) are allowed only while the helper is idle (after ``wait``).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+from ckpt_core import SaveHandle
+
+log = logging.getLogger("accelerate_ckpt")
+
+Finish = Callable[[list[dict]], dict]
+"""Rank 0: ``finish(outcomes) -> {"error": str | None, "metrics": dict | None}``; must not raise."""
+
+
+def make_group(timeout_seconds: float) -> tuple[Any, int, int]:
+    """``(group, rank, world)``; a new gloo group when torch.distributed runs with world > 1.
+
+    Collective: call on every rank, in the same order relative to other group creations."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, 0, 1
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+    return group, dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class Job:
+    """One checkpoint's part on this rank; ``finish`` is used on rank 0 only."""
+
+    handle: SaveHandle
+    finish: Finish | None
+
+
+class GroupCommitter:
+    """The helper thread of one rank. Create on every rank with the same group."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._errors: list[str] = []
+        self._metrics: list[dict] = []
+        self._broken: str | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- training thread ----------------------------------------------------------------------
+    def token(self) -> str:
+        """A run token chosen by rank 0 and known to all ranks (collective; call before any submit)."""
+        return self.broadcast(uuid.uuid4().hex[:8])
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (collective; only while no job is pending)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def submit(self, job: Job) -> None:
+        """Queue a part for the group commit; returns at once."""
+        if self._closed:
+            raise RuntimeError("GroupCommitter is closed")
+        with self._cond:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="accelerate-ckpt-commit", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def wait(self) -> None:
+        """Block until every submitted job has its verdict."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+
+    @property
+    def pending(self) -> int:
+        """Jobs without a verdict yet."""
+        with self._cond:
+            return self._pending
+
+    def take_errors(self) -> list[str]:
+        """Errors of failed checkpoints not taken yet (the same on every rank)."""
+        with self._cond:
+            out, self._errors = self._errors, []
+        return out
+
+    def take_metrics(self) -> list[dict]:
+        """Metrics of committed checkpoints not taken yet (the same on every rank)."""
+        with self._cond:
+            out, self._metrics = self._metrics, []
+        return out
+
+    def close(self) -> None:
+        """Wait for all jobs, then stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    # -- helper thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            verdict = self._process(job)
+            with self._cond:
+                if verdict.get("error"):
+                    self._errors.append(verdict["error"])
+                if verdict.get("metrics"):
+                    self._metrics.append(verdict["metrics"])
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def _process(self, job: Job) -> dict:
+        mine = _part_outcome(job.handle)
+        if self._broken is not None:
+            return {"error": f"checkpoint not committed: the commit group failed earlier: {self._broken}"}
+        try:
+            outcomes = self._all_gather(mine)
+            verdict = self._finish(job, outcomes) if self.rank == 0 else None
+            return self._broadcast_verdict(verdict)
+        except Exception as exc:  # noqa: BLE001 - a peer died or timed out: no later commit is safe
+            self._broken = f"{type(exc).__name__}: {exc}"
+            log.error("accelerate_ckpt: commit group collective failed on rank %d: %s", self.rank, exc)
+            return {"error": f"checkpoint not committed: commit group collective failed: {exc}"}
+
+    @staticmethod
+    def _finish(job: Job, outcomes: list[dict]) -> dict:
+        """Rank 0's verdict; never raises, so the broadcast every other rank waits for always happens."""
+        if job.finish is None:
+            return {}
+        try:
+            return job.finish(outcomes)
+        except Exception as exc:  # noqa: BLE001 - becomes the verdict on every rank
+            log.exception("accelerate_ckpt: committing a checkpoint failed")
+            return {"error": f"checkpoint not committed: {type(exc).__name__}: {exc}"}
+
+    def _all_gather(self, obj: dict) -> list[dict]:
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast_verdict(self, verdict: dict | None) -> dict:
+        if self.world == 1:
+            return verdict or {}
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0] or {}
+
+
+def _part_outcome(handle: SaveHandle) -> dict:
+    """This rank's part: durable (with its figures) or failed (with the error text)."""
+    try:
+        info = handle.result()
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0 and surfaced on every rank
+        return {"error": f"{exc}", "path": handle.path}
+    return {"error": None, "path": handle.path, "written_bytes": info.written_bytes,
+            "tensor_bytes": info.tensor_bytes, "stored_bytes": info.stored_bytes,
+            "background_seconds": info.background_seconds}

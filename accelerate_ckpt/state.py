@@ -1,0 +1,202 @@
+"""What an Accelerator's checkpoint holds, as plain state trees, and how it is put back.
+
+Two trees per save:
+
+* the *replicated* tree (written by rank 0 only): prepared models (unwrapped state dicts, so a
+  checkpoint taken under DDP loads into a single process and back), optimizers, schedulers, the
+  GradScaler, objects from ``register_for_checkpointing`` and the step/iteration counters;
+* the *per-rank* tree (written by every rank): RNG streams (python ``random``, numpy, torch CPU,
+  the accelerator device) and the prepared dataloaders' epoch counter, sampler generator and
+  stateful-dataloader state.
+
+Both trees hold only tensors and plain data, so they load with ``weights_only=True``. All functions
+run on the training thread; they read or write the Accelerator's objects and do no I/O.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = 1
+"""Version of the trees below (stored in every checkpoint's index)."""
+
+_SUPPORTED = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+              "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
+
+
+def distributed_type_name(accelerator: Any) -> str:
+    """The Accelerator's ``DistributedType`` as a plain string (e.g. ``"MULTI_GPU"``)."""
+    dt = accelerator.distributed_type
+    return str(getattr(dt, "value", dt))
+
+
+def unsupported_reason(accelerator: Any) -> str | None:
+    """Why checkrun cannot hold this Accelerator's whole state, or None when it can.
+
+    Sharded engines (FSDP, DeepSpeed, Megatron-LM) keep model/optimizer shards that only their own
+    ``save_checkpoint`` code reads and writes; XLA tensors are not captured by the engine.
+    """
+    name = distributed_type_name(accelerator)
+    if name in _SUPPORTED and getattr(accelerator.state, "fsdp_plugin", None) is None \
+            and getattr(accelerator.state, "deepspeed_plugin", None) is None:
+        return None
+    return (f"distributed_type={name}: model and optimizer state are sharded/owned by "
+            f"{name.replace('_', '-')}'s own checkpoint code, which accelerate_ckpt does not replace")
+
+
+def gather_replicated(accelerator: Any, weights: list[dict], iteration: int) -> dict:
+    """The replicated tree; ``weights`` are the model state dicts left after the user's pre-hooks."""
+    return {
+        "format": FORMAT,
+        "models": weights,
+        "optimizers": [opt.state_dict() for opt in accelerator._optimizers],
+        "schedulers": [s.state_dict() for s in accelerator._schedulers],
+        "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
+        "custom": [obj.state_dict() for obj in accelerator._custom_objects],
+        "step": int(accelerator.step),
+        "iteration": int(iteration),
+    }
+
+
+def gather_rank(accelerator: Any) -> dict:
+    """The per-rank tree of the calling process."""
+    return {"rank": int(accelerator.process_index), "rng": _rng_state(),
+            "dataloaders": [_dataloader_state(dl) for dl in accelerator._dataloaders]}
+
+
+def model_weights(accelerator: Any, cache: dict | None = None) -> list[dict]:
+    """Unwrapped state dicts of the prepared models (what the save pre-hooks receive).
+
+    ``cache`` (owned by the caller) remembers each prepared model's unwrapped module: accelerate's
+    ``unwrap_model`` probes installed packages on every call (~10 ms, on the training thread)."""
+    cache = {} if cache is None else cache
+    out = []
+    for model in accelerator._models:
+        hit = cache.get(id(model))
+        if hit is None or hit[0] is not model:
+            hit = cache[id(model)] = (model, accelerator.unwrap_model(model))
+        out.append(hit[1].state_dict())
+    return out
+
+
+def apply_replicated(accelerator: Any, tree: dict, models: list, model_kwargs: dict) -> None:
+    """Load the replicated tree into the Accelerator's objects (``models``: left after pre-hooks)."""
+    _check_counts(accelerator, tree, models)
+    for model, weights in zip(models, tree["models"]):
+        accelerator.unwrap_model(model).load_state_dict(weights, **model_kwargs)
+    for opt, st in zip(accelerator._optimizers, tree["optimizers"]):
+        opt.load_state_dict(st)
+    for sched, st in zip(accelerator._schedulers, tree["schedulers"]):
+        sched.load_state_dict(st)
+    if accelerator.scaler is not None and tree.get("scaler") is not None:
+        accelerator.scaler.load_state_dict(tree["scaler"])
+    for obj, st in zip(accelerator._custom_objects, tree["custom"]):
+        obj.load_state_dict(st)
+    accelerator.step = int(tree["step"])
+    accelerator.project_configuration.iteration = int(tree["iteration"])
+
+
+def apply_rank(accelerator: Any, tree: dict) -> None:
+    """Restore the per-rank tree (RNG streams and dataloader positions) of the calling process."""
+    _set_rng_state(tree["rng"])
+    for dl, st in zip(accelerator._dataloaders, tree["dataloaders"]):
+        _load_dataloader_state(dl, st)
+
+
+def _check_counts(accelerator: Any, tree: dict, models: list) -> None:
+    have = {"models": len(models), "optimizers": len(accelerator._optimizers),
+            "schedulers": len(accelerator._schedulers), "custom": len(accelerator._custom_objects)}
+    wrong = {k: (len(tree[k]), n) for k, n in have.items() if len(tree[k]) != n}
+    if wrong:
+        detail = ", ".join(f"{k}: checkpoint has {a}, accelerator has {b}" for k, (a, b) in wrong.items())
+        raise RuntimeError(f"checkpoint does not match the prepared objects ({detail}); prepare and "
+                           "register the same objects, in the same order, as the run that saved it")
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+def _device_rng() -> tuple[str | None, Any]:
+    """The accelerator device's RNG module (``torch.cuda`` ...), as accelerate picks it."""
+    try:
+        from accelerate.utils import get_torch_accelerator_backend
+    except ImportError:  # older accelerate
+        return ("cuda", torch.cuda) if torch.cuda.is_available() else (None, None)
+    device_type, module = get_torch_accelerator_backend()
+    if device_type is not None and module is getattr(torch, "accelerator", None):
+        module = torch.get_device_module(device_type)
+    return device_type, module
+
+
+def _rng_state() -> dict:
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # The key as an int64 tensor: numpy arrays would need pickle (not weights_only-safe).
+        "numpy": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    device_type, module = _device_rng()
+    if device_type is not None:
+        getter = getattr(module, "get_rng_state_all", None)
+        state["device"] = {"type": device_type,
+                           "states": getter() if getter else [module.get_rng_state()]}
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state["name"], np_state["key"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    torch.set_rng_state(state["torch"])
+    device = state.get("device")
+    device_type, module = _device_rng()
+    if device is not None and device_type == device["type"]:
+        setter = getattr(module, "set_rng_state_all", None)
+        if setter is not None:
+            setter(device["states"])
+        else:
+            module.set_rng_state(device["states"][0])
+
+
+# -- dataloaders ----------------------------------------------------------------------------------
+def _seedable_sampler(dl: Any) -> Any:
+    try:
+        from accelerate.data_loader import SeedableRandomSampler
+    except ImportError:  # pragma: no cover - older accelerate
+        return None
+    sampler = dl.get_sampler() if hasattr(dl, "get_sampler") else None
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _dataloader_state(dl: Any) -> dict:
+    """Epoch counter, sampler generator and stateful-dataloader state of one prepared dataloader."""
+    state: dict = {"iteration": int(getattr(dl, "iteration", 0))}
+    gen = getattr(dl, "synchronized_generator", None)
+    if isinstance(gen, torch.Generator):
+        state["generator"] = gen.get_state()
+    sampler = _seedable_sampler(dl)
+    if sampler is not None:
+        state["sampler"] = {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}
+    if getattr(dl, "use_stateful_dataloader", False):
+        state["stateful"] = dl.state_dict()
+    return state
+
+
+def _load_dataloader_state(dl: Any, state: dict) -> None:
+    if hasattr(dl, "set_epoch"):
+        dl.set_epoch(state["iteration"])
+    elif hasattr(dl, "iteration"):
+        dl.iteration = state["iteration"]
+    gen = getattr(dl, "synchronized_generator", None)
+    if isinstance(gen, torch.Generator) and "generator" in state:
+        gen.set_state(state["generator"])
+    sampler = _seedable_sampler(dl)
+    if sampler is not None and "sampler" in state:
+        sampler.epoch = state["sampler"]["epoch"]
+        sampler.initial_seed = state["sampler"]["initial_seed"]
+    if "stateful" in state and getattr(dl, "use_stateful_dataloader", False):
+        dl.load_state_dict(state["stateful"])

@@ -1,0 +1,1 @@
+"""Scripts launched by the accelerate integration tests, and their test harness."""

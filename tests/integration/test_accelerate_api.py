@@ -1,0 +1,252 @@
+"""accelerate_ckpt in-process (one process, a real Accelerator, no launch): configuration, the
+launcher's config split, attach/detach, hooks, retention, error surfacing, metrics, unsupported types.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import DistributedType, ProjectConfiguration
+from torch import nn
+
+import ckpt_core
+from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
+from accelerate_ckpt.config import resolve
+from accelerate_ckpt.launch import main as cli_main
+from accelerate_ckpt.launch import prepare_config
+from tests.integration.accel_scripts.harness import assert_same
+
+
+class Counter:
+    """A registered custom object."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+class ListTracker(GeneralTracker):
+    """A real accelerate tracker that keeps what it is given."""
+
+    name = "list"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict] = []
+
+    @property
+    def tracker(self):
+        return self.logged
+
+    def log(self, values: dict, step=None, **kwargs) -> None:
+        self.logged.append(dict(values))
+
+
+@pytest.fixture
+def make_setup():
+    """``make(project_dir=None, **accelerator_kwargs)`` -> (accelerator, model, opt, sched, counter)."""
+    def make(project_dir=None, **kwargs):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        pc = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) \
+            if project_dir is not None else None
+        acc = Accelerator(cpu=True, project_config=pc, **kwargs)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        counter = Counter()
+        acc.register_for_checkpointing(counter)
+        return acc, model, opt, sched, counter
+    yield make
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _train(acc, model, opt, sched, counter, steps=2):
+    for _ in range(steps):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.n += 1
+        acc.step += 1
+
+
+def _snapshot(acc, model, opt, sched, counter) -> dict:
+    """A deep copy (state dicts share tensors with the live objects)."""
+    return copy.deepcopy({"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
+            "sched": sched.state_dict(), "counter": counter.state_dict(), "torch_rng": torch.get_rng_state(),
+            "step": acc.step, "iteration": acc.save_iteration})
+
+
+# -- configuration ---------------------------------------------------------------------------------
+def test_launcher_splits_the_checkpointing_section(tmp_path: Path) -> None:
+    from accelerate.commands.config import load_config_from_file
+
+    combined = tmp_path / "combined.yaml"
+    combined.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+                                        "num_processes": 1, "mixed_precision": "no",
+                                        "checkpointing": {"retention": {"keep_last": 3},
+                                                          "accelerate": {"directory": "memory://x"}}}))
+    with pytest.raises(ValueError, match="unknown keys"):  # why the launcher exists
+        load_config_from_file(str(combined))
+    work = tmp_path / "work"
+    work.mkdir()
+    accel_path, section_path = prepare_config(str(combined), str(work))
+    assert load_config_from_file(accel_path).num_processes == 1  # accelerate accepts the rest unchanged
+    engine_cfg, options, source = resolve(None, env={CONFIG_ENV: section_path})
+    assert engine_cfg.retention.keep_last == 3 and options.directory == "memory://x"
+    assert source == f"${CONFIG_ENV}={section_path}"
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump({"distributed_type": "NO"}))
+    assert prepare_config(str(plain), str(work)) == (str(plain), None)
+    combined.write_text(yaml.safe_dump({"checkpointing": {"retention": {"keep_lst": 3}}}))
+    with pytest.raises(ckpt_core.ConfigError, match="retention.keep_lst"):
+        prepare_config(str(combined), str(work))
+    assert cli_main(["--help"]) == 0 and cli_main([]) == 2 and cli_main(["run"]) == 2
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    section = tmp_path / "c.yaml"
+    section.write_text(yaml.safe_dump({"saving": {"max_pending": 3}}))
+    env = {CONFIG_ENV: str(section)}
+    assert resolve(None, env=env)[0].saving.max_pending == 3
+    assert resolve({"saving": {"max_pending": 2}}, env=env)[0].saving.max_pending == 2
+    assert resolve(None, env={})[2] == "defaults"
+    with pytest.raises(ckpt_core.ConfigError, match="on_unsupported"):
+        resolve({"accelerate": {"on_unsupported": "ignore"}})
+    with pytest.raises(ckpt_core.ConfigError, match="unknown key"):
+        resolve({"accelerate": {"dir": "x"}})
+
+
+# -- attach / save / load ----------------------------------------------------------------------------
+def test_attach_roundtrip_hooks_and_detach(tmp_path: Path, make_setup) -> None:
+    acc, model, opt, sched, counter = make_setup(tmp_path / "proj")
+    seen = []
+    acc.register_save_state_pre_hook(lambda models, weights, d: seen.append(("save", len(weights), d)))
+    acc.register_load_state_pre_hook(lambda models, d: seen.append(("load", len(models), d)))
+    ckpt = attach(acc)
+    assert "save_state" in acc.__dict__ and ckpt.attached
+    _train(acc, model, opt, sched, counter)
+    first = acc.save_state()
+    expected = _snapshot(acc, model, opt, sched, counter)
+    _train(acc, model, opt, sched, counter)  # mutate right after the snapshot
+    second = acc.save_state()
+    root = str(tmp_path / "proj" / "checkpoints")
+    assert (first, second) == (f"{root}/checkpoint_0.ckpt", f"{root}/checkpoint_1.ckpt")
+    assert acc.load_state(first) == first
+    got = _snapshot(acc, model, opt, sched, counter)
+    assert_same(expected, got)
+    assert acc.load_state() == second and acc.save_iteration == 2 and counter.n == 4
+    assert seen == [("save", 1, root), ("save", 1, root), ("load", 1, root), ("load", 1, root)]
+    ckpt.detach()
+    assert "save_state" not in acc.__dict__ and "load_state" not in acc.__dict__ and not ckpt.attached
+    ckpt.close()
+
+
+def _names(directory: str) -> list[str]:
+    """Names of the committed checkpoints in ``directory``, oldest first."""
+    with ckpt_core.CheckpointEngine() as engine:
+        return sorted(e.name for e in engine.list(directory) if e.manifest is not None)
+
+
+def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_setup) -> None:
+    acc, model, opt, sched, counter = make_setup()
+    ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 2}}, directory=memory_root).attach()
+    for _ in range(2):
+        _train(acc, model, opt, sched, counter, 1)
+        acc.save_state()
+    acc.load_state(f"{memory_root}/checkpoint_0.ckpt")  # resume from the older one: iteration -> 1
+    for _ in range(2):
+        _train(acc, model, opt, sched, counter, 1)
+        acc.save_state()  # checkpoint_1 (replaces the old one), then checkpoint_2
+    ckpt.wait()
+    assert _names(memory_root) == ["checkpoint_0.ckpt", "checkpoint_1.ckpt", "checkpoint_2.ckpt"]  # 0: protected
+    parts = [n.split(".")[0] for n in _names(f"{memory_root}/parts")]
+    assert parts == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # the replaced checkpoint_1's part is gone
+    ckpt.close()
+    # a later process did not resume from checkpoint_0: its retention removes it like any other
+    acc2, *rest = make_setup()
+    with AcceleratorCheckpointer(acc2, {"retention": {"keep_last": 2}}, directory=memory_root) as again:
+        acc2.load_state()
+        assert acc2.save_iteration == 3
+        acc2.save_state()
+        again.wait()
+        assert _names(memory_root) == ["checkpoint_2.ckpt", "checkpoint_3.ckpt"]
+
+
+def test_orphaned_parts_of_a_crashed_save_are_removed_after_the_grace(tmp_path: Path, make_setup) -> None:
+    root = tmp_path / "ckpts"
+    acc, model, opt, sched, counter = make_setup()
+    ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 1}}, directory=str(root)).attach()
+    acc.save_state()
+    ckpt.wait()
+    (part,) = (root / "parts").glob("*.ckpt")
+    # what a crash between the parts and the index leaves: parts no index lists (one old, one young)
+    old, young = root / "parts" / "checkpoint_9.dead-0.rank0.ckpt", root / "parts" / "checkpoint_9.dead-0.rank1.ckpt"
+    old.write_bytes(part.read_bytes())
+    young.write_bytes(part.read_bytes())
+    os.utime(old, (1e9, 1e9))
+    _train(acc, model, opt, sched, counter, 1)
+    acc.save_state()  # keep_last=1 removes checkpoint_0, then orphans older than the grace go
+    ckpt.close()
+    assert sorted(p.name.split(".")[0] for p in (root / "parts").glob("*.ckpt")) == ["checkpoint_1", "checkpoint_9"]
+    assert young.exists() and not old.exists()
+    assert _names(str(root)) == ["checkpoint_1.ckpt"]
+
+
+def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    acc, model, opt, sched, counter = make_setup()
+    ckpt = AcceleratorCheckpointer(acc, {"storage": {"retry": {"max_attempts": 1}}},
+                                   directory=str(blocker / "ckpts")).attach()
+    acc.save_state()  # returns after the snapshot; the write fails in the background
+    with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
+        ckpt.wait()
+    ckpt.wait()  # surfaced once
+    ckpt.close()
+    assert os.path.isfile(blocker)
+
+
+def test_metrics_reach_the_trackers(tmp_path: Path, make_setup) -> None:
+    tracker = ListTracker()
+    acc, model, opt, sched, counter = make_setup(tmp_path / "proj", log_with=[tracker])
+    acc.init_trackers("run")
+    with AcceleratorCheckpointer(acc) as ckpt:
+        acc.save_state()
+        ckpt.wait()  # metrics are logged from the training thread, here
+        assert len(ckpt.history) == 1
+    logged = [v for v in tracker.logged if "checkrun/blocking_seconds" in v]
+    assert len(logged) == 1 and logged[0]["checkrun/written_bytes"] > 0
+    assert logged[0]["checkrun/tensor_bytes"] > 0 and logged[0]["checkrun/compression_ratio"] > 0
+
+
+def test_unsupported_distributed_type_falls_back_or_raises(tmp_path: Path, make_setup) -> None:
+    acc, *_ = make_setup(tmp_path / "proj")
+    acc.state.distributed_type = DistributedType.DEEPSPEED  # as accelerate sets it under DeepSpeed
+    with pytest.raises(UnsupportedDistributedTypeError, match="DEEPSPEED"):
+        AcceleratorCheckpointer(acc, {"accelerate": {"on_unsupported": "error"}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = AcceleratorCheckpointer(acc).attach()
+    assert any("falling back to accelerate's own" in str(w.message) for w in caught)
+    assert "save_state" not in acc.__dict__ and not ckpt.attached  # accelerate's own saving stays
+    ckpt.close()
