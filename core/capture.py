@@ -104,7 +104,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
             rows = tracker.rows_for(t, stream.tracker_since)
             if rows is not None:
                 break
-        changed = stream.capture(t, rows)
+        changed = stream.capture(t, rows, config.incremental)
         if rows is None and changed is not None:
             for tracker in trackers:
                 tracker.check(t, changed, stream.tracker_since)

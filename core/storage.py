@@ -183,7 +183,7 @@ class Store:
     @staticmethod
     def _resolve(text: str, storage_options: Optional[dict],
                  config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
-        opts = {**config.storage_options, **(storage_options or {})}
+        opts = merge_options(config.storage_options, storage_options)
         fs, fspath = url_to_fs(text, **opts)
         # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
         # for plain local files: those are shown as absolute paths.
@@ -475,3 +475,14 @@ class Store:
 
 def _failed(f: Future) -> bool:
     return f.done() and not f.cancelled() and f.exception() is not None
+
+
+def merge_options(base: Optional[dict], override: Optional[dict]) -> dict:
+    """Deep-merge storage options: a call's ``client_kwargs`` adds to the config's, not replaces it."""
+    out = dict(base or {})
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_options(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -49,7 +49,8 @@ class RowStream:
     def matches(self, t: torch.Tensor) -> bool:
         return self.valid and t.dtype == self.dtype and tuple(t.shape) == self.shape
 
-    def capture(self, src: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    def capture(self, src: torch.Tensor, rows: torch.Tensor | None = None,
+                cfg: IncrementalConfig | None = None) -> torch.Tensor | None:
         """Update the buffer from ``src``; return changed row indices, or None after a full copy.
 
         ``rows``: the only rows that can have changed (from an EmbeddingTracker): copied without
@@ -62,10 +63,24 @@ class RowStream:
             if rows.numel():
                 dst.index_copy_(0, rows, src.index_select(0, rows))
             return rows
+        if cfg is not None and self._looks_dense(src, dst, cfg.rebase_ratio):
+            # Dense training changes every row: skip the full comparison (it would only cost time)
+            # and save this tensor whole for the next max_chain saves.
+            dst.copy_(src)
+            self.dense_countdown = cfg.max_chain + 1
+            return None
         changed = torch.ne(row_view(src), row_view(dst)).any(dim=1).nonzero().squeeze(1)
         if changed.numel():
             dst.index_copy_(0, changed, src.index_select(0, changed))
         return changed
+
+    @staticmethod
+    def _looks_dense(src: torch.Tensor, dst: torch.Tensor, ratio: float, samples: int = 64) -> bool:
+        """Compare a few evenly spaced rows: a cheap, conservative guess that most rows changed."""
+        n = src.shape[0]
+        idx = torch.linspace(0, n - 1, min(samples, n)).long()
+        changed = torch.ne(row_view(src.index_select(0, idx)), row_view(dst.index_select(0, idx))).any(dim=1)
+        return changed.float().mean().item() > max(ratio, 0.5)
 
     def commit(self, plan: "RowPlan", record: TensorRecord, spec_id: str, detected: bool,
                max_chain: int) -> None:
