@@ -1,0 +1,149 @@
+"""ckpt_core.dcp in one process (DCP without a process group): format, safety, codecs, planning."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+import ckpt_core
+from ckpt_core import dcp as cdcp
+from ckpt_core.dcp import CheckrunStorageReader, CheckrunStorageWriter
+from ckpt_core.errors import CorruptCheckpointError, FormatError, NotACheckpointError, UnsafeLoadError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"model": {"w": torch.randn(33, 7, generator=g), "b16": torch.randn(5, 3, generator=g).bfloat16(),
+                      "ids": torch.arange(10), "mask": torch.tensor([True, False, True]),
+                      "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4),
+                      "f64": torch.randn(4, dtype=torch.float64)},
+            "step": 12, "meta": {"name": "x", "betas": (0.9, 0.99), "nan": float("nan")}}
+
+
+def _same(a: dict, b: dict) -> None:
+    for k, v in a["model"].items():
+        assert b["model"][k].dtype == v.dtype and torch.equal(b["model"][k], v), k
+    assert b["step"] == a["step"] and b["meta"]["betas"] == (0.9, 0.99) and b["meta"]["name"] == "x"
+
+
+def test_round_trip_on_every_backend(any_root) -> None:
+    url, opts = any_root
+    path = f"{url}/step=12.dcp"
+    state = _state()
+    info = cdcp.save(state, path, storage_options=opts)
+    assert info is not None and info.written_bytes > 0 and info.rank_written_bytes == [info.written_bytes]
+    _same(state, cdcp.load_state_dict(path, storage_options=opts))
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0,
+              "meta": {"name": None, "betas": None, "nan": None}}
+    cdcp.load(target, path, storage_options=opts)
+    _same(state, target)
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.latest(url, storage_options=opts) == path
+        assert engine.verify(path, storage_options=opts).ok
+    again = cdcp.save(state, f"{url}/step=13.dcp", storage_options=opts)
+    assert again.written_bytes == 0 and again.stored_bytes == info.stored_bytes  # all content reused
+
+
+def test_manifest_is_checksummed_json_and_tampering_is_refused(tmp_path) -> None:
+    path = str(tmp_path / "x.dcp")
+    cdcp.save(_state(), path)
+    raw = open(path, "rb").read()
+    body = json.loads(raw)  # plain JSON, DCP's Metadata included: nothing is pickled
+    assert body["meta"]["dcp"]["state"][0]["fqn"] == "model.w" and "checksum" in body
+    tampered = raw.replace(b'"size":[33,7]', b'"size":[34,7]')
+    assert tampered != raw
+    open(path, "wb").write(tampered)
+    with pytest.raises(FormatError, match="checksum"):
+        cdcp.load_state_dict(path)
+    with pytest.raises(FormatError, match="checksum"):
+        CheckrunStorageReader(path).read_metadata()
+
+
+def test_corrupt_blob_is_reported_with_its_path(tmp_path) -> None:
+    path = str(tmp_path / "x.dcp")
+    cdcp.save(_state(), path)
+    manifest = ckpt_core.CheckpointEngine().read_manifest(path)
+    key = next(t for t in manifest.tensors if t.key == "model.w").base[0].blob.key
+    blob = tmp_path / ".checkrun" / "blobs" / key[:2] / key[2:]
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=key[2:]):
+        cdcp.load_state_dict(path)
+    assert not ckpt_core.CheckpointEngine().verify(path).ok
+
+
+def test_quantization_rules_and_compression_apply(tmp_path) -> None:
+    path = str(tmp_path / "q.dcp")
+    emb = torch.randn(512, 64)
+    state = {"model": {"emb.weight": emb, "zeros": torch.zeros(256, 256)}}
+    info = cdcp.save(state, path, config={"quantization": [{"pattern": "model.emb.*", "bits": 8}]})
+    rec = {t.key: t for t in ckpt_core.CheckpointEngine().read_manifest(path).tensors}
+    assert rec["model.emb.weight"].quant["bits"] == 8 and rec["model.zeros"].quant is None
+    assert info.stored_bytes < 0.3 * info.tensor_bytes  # 8-bit table + zstd'd zeros
+    loaded = cdcp.load_state_dict(path)["model"]
+    assert (loaded["emb.weight"] - emb).abs().max() <= rec["model.emb.weight"].quant["max_abs_error"] + 1e-6
+    assert torch.equal(loaded["zeros"], state["model"]["zeros"])
+
+
+def test_engine_checkpoint_is_not_a_dcp_checkpoint(tmp_path) -> None:
+    path = str(tmp_path / "plain.ckpt")
+    ckpt_core.save({"w": torch.ones(2)}, path)
+    assert not cdcp.is_dcp_checkpoint(path) and not cdcp.is_dcp_checkpoint(str(tmp_path / "missing.dcp"))
+    with pytest.raises(NotACheckpointError, match="ckpt_core.load"):
+        cdcp.load_state_dict(path)
+
+
+def test_values_load_with_restricted_unpickling(tmp_path) -> None:
+    path = str(tmp_path / "v.dcp")
+    cdcp.save({"w": torch.ones(3), "ratio": Fraction(1, 3)}, path)
+    with pytest.raises(UnsafeLoadError, match="ratio"):
+        cdcp.load_state_dict(path)
+    assert cdcp.load_state_dict(path, weights_only=False)["ratio"] == Fraction(1, 3)
+    assert cdcp.load_state_dict(path, config={"load": {"allowed_globals": ["fractions.Fraction"]}})["ratio"] \
+        == Fraction(1, 3)
+
+
+def test_plain_dcp_api_with_checkpoint_id(tmp_path) -> None:
+    path = str(tmp_path / "run" / "a.dcp")
+    state = {"w": torch.randn(4, 4), "n": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=path, storage_writer=CheckrunStorageWriter())
+        target = {"w": torch.zeros(4, 4), "n": 0}
+        dcp.load(target, checkpoint_id=path, storage_reader=CheckrunStorageReader())
+    assert torch.equal(target["w"], state["w"]) and target["n"] == 3
+    assert sorted(os.listdir(tmp_path / "run")) == [".checkrun", "a.dcp"]
+
+
+def _plans(world: int, replicated: dict, unique: dict[int, dict]) -> list[SavePlan]:
+    plans = []
+    for rank in range(world):
+        items = [i for fqn, t in replicated.items() for i in _create_write_items(fqn, t)]
+        items += [i for fqn, t in unique.get(rank, {}).items() for i in _create_write_items(fqn, t)]
+        plans.append(SavePlan(items))
+    return plans
+
+
+def test_spread_plans_cut_replicated_tensors_and_balance_ranks() -> None:
+    replicated = {"big": torch.zeros(1000, 10), "mid": torch.zeros(100, 10), "one": torch.zeros(1)}
+    plans = cdcp.spread_save_plans(_plans(3, replicated, {2: {"own": torch.zeros(50, 10)}}), min_piece_bytes=4000)
+    items = [(rank, i) for rank, p in enumerate(plans) for i in p.items]
+    assert len({i.index for _, i in items}) == len(items)  # every item exactly once
+    big = sorted((i.tensor_data.chunk.offsets[0], i.tensor_data.chunk.sizes[0], r) for r, i in items
+                 if i.index.fqn == "big")
+    assert [(o, n) for o, n, _ in big] == [(0, 334), (334, 333), (667, 333)]  # rows tile the tensor
+    assert {r for _, _, r in big} == {0, 1, 2} and all(i.type == WriteItemType.SHARD for r, i in items
+                                                       if i.index.fqn == "big")
+    assert [r for r, i in items if i.index.fqn == "own"] == [2]  # unique items stay where they are
+    loads = [sum(i.tensor_data.chunk.sizes.numel() * 4 for i in p.items) for p in plans]
+    assert max(loads) - min(loads) <= 4000 + 2000  # within one piece of each other

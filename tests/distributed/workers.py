@@ -1,0 +1,196 @@
+"""Per-rank bodies of the multi-process DCP tests (run by ``harness.run_ranks`` in real processes).
+
+Each function gets ``(rank, world_size, *args)`` inside an initialized gloo process group, asserts what
+it can see locally and returns JSON data for the test's cross-rank checks.
+"""
+from __future__ import annotations
+
+import errno
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ckpt_core import dcp as cdcp
+from ckpt_core.dcp import CheckrunLoadPlanner, CheckrunStorageReader, CheckrunStorageWriter
+
+
+class FailingBlobFS(LocalFileSystem):
+    """``dcpfail://`` = the local filesystem, except that writing a blob fails with ENOSPC (a full disk)."""
+
+    protocol = ("dcpfail",)
+    root_marker = "/"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        return super()._strip_protocol(path[len("dcpfail://"):] if path.startswith("dcpfail://") else path)
+
+    def open(self, path, mode="rb", **kwargs):
+        if "w" in mode and "/.checkrun/blobs/" in str(path):
+            raise OSError(errno.ENOSPC, "injected: no space left on device", str(path))
+        return super().open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("dcpfail", FailingBlobFS, clobber=True)
+
+
+def full_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The global tensors every test state is cut from (identical in every process)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(64, 8, generator=g), "w": torch.randn(10, 6, generator=g),
+            "bias": torch.randn(6, generator=g), "scale": torch.tensor(2.5),
+            "ids": torch.arange(12, dtype=torch.int64).view(3, 4), "half": torch.randn(8, 4, generator=g).bfloat16()}
+
+
+def dtensor_state(full: dict, mesh, emb=Shard(0), w=Shard(1)) -> dict:
+    """A sharded state: DTensor shards, a replicated DTensor, plain (replicated) tensors, plain values."""
+    return {"model": {"emb": distribute_tensor(full["emb"].clone(), mesh, [emb]),
+                      "w": distribute_tensor(full["w"].clone(), mesh, [w]),
+                      "bias": distribute_tensor(full["bias"].clone(), mesh, [Replicate()]),
+                      "half": distribute_tensor(full["half"].clone(), mesh, [Shard(0)]),
+                      "scale": full["scale"].clone(), "ids": full["ids"].clone()},
+            "step": 7, "extra": {"name": "run", "lr": [0.1, 0.01]}}
+
+
+def empty_like_state(state: dict) -> dict:
+    """Same structure and sharding, zeros everywhere, placeholders for values."""
+    def zero(v):
+        if isinstance(v, DTensor):
+            return distribute_tensor(torch.zeros(v.shape, dtype=v.dtype), v.device_mesh, v.placements)
+        return torch.zeros_like(v)
+    return {"model": {k: zero(v) for k, v in state["model"].items()}, "step": 0,
+            "extra": {"name": None, "lr": None}}
+
+
+def check_state(loaded: dict, full: dict) -> None:
+    for k, v in loaded["model"].items():
+        got = v.full_tensor() if isinstance(v, DTensor) else v
+        assert torch.equal(got, full[k]), k
+    assert loaded["step"] == 7 and loaded["extra"] == {"name": "run", "lr": [0.1, 0.01]}
+
+
+def _info(writer: CheckrunStorageWriter) -> dict | None:
+    s = writer.last_save
+    return None if s is None else {"written": s.written_bytes, "ranks": s.rank_written_bytes, "path": s.path,
+                                   "tensor_bytes": s.tensor_bytes, "stored": s.stored_bytes}
+
+
+# -- scenarios -------------------------------------------------------------------------------------
+def sharded_save_and_load(rank: int, world: int, path: str) -> dict:
+    """Plain DCP API: save a DTensor state, load it back resharded (Shard(0) <-> Shard(1))."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    state = dtensor_state(full, mesh)
+    writer = CheckrunStorageWriter(path)
+    dcp.save(state, storage_writer=writer)
+    target = empty_like_state(dtensor_state(full, mesh, emb=Shard(1), w=Shard(0)))
+    dcp.load(target, storage_reader=CheckrunStorageReader(path), planner=CheckrunLoadPlanner())
+    check_state(target, full)
+    return {"info": _info(writer), "written": writer.last_written_bytes}
+
+
+def load_resharded(rank: int, world: int, path: str) -> dict:
+    """Load a checkpoint saved by another world size into this one's shards (uneven, some empty)."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    target = empty_like_state(dtensor_state(full, mesh, emb=Shard(0), w=Shard(1)))
+    cdcp.load(target, path)
+    check_state(target, full)
+    return {"local_w_cols": target["model"]["w"].to_local().shape[1]}
+
+
+def incremental_saves(rank: int, world: int, root: str, phase: int) -> dict:
+    """Phase 1: save, change two rows of rank 1's shard, save again. Phase 2 (fresh processes): save
+    the same content again (the blob index is seeded from the newest manifest)."""
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(4096, 64, generator=g)
+    config = {"compression": {"chunk_bytes": 64 << 10}}
+    if phase == 2:
+        emb[2048:2050] += 1.0
+    state = {"emb": distribute_tensor(emb, mesh, [Shard(0)]), "head": torch.ones(256, 64), "step": 1}
+    writer = CheckrunStorageWriter(config=config)
+    out = {}
+    if phase == 1:
+        cdcp.save(state, f"{root}/s1.dcp", writer=writer)
+        out["s1"] = (_info(writer), writer.last_written_bytes)
+        if rank == 1:
+            state["emb"].to_local()[0:2] += 1.0  # global rows 2048, 2049
+        cdcp.save(state, f"{root}/s2.dcp", writer=writer)
+        out["s2"] = (_info(writer), writer.last_written_bytes)
+    else:
+        cdcp.save(state, f"{root}/s3.dcp", writer=writer)
+        out["s3"] = (_info(writer), writer.last_written_bytes)
+    return out
+
+
+def failing_rank(rank: int, world: int, root: str) -> dict:
+    """A good save, then a save whose blob writes fail on rank 1 only (disk full)."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    state = dtensor_state(full, mesh)
+    cdcp.save(state, f"{root}/good.dcp")
+    state["model"]["emb"].to_local().add_(1.0)  # new content on every rank: rank 0 writes new blobs
+    path = (f"dcpfail://{root}/bad.dcp" if rank == 1 else f"{root}/bad.dcp")
+    try:
+        cdcp.save(state, path, config={"storage": {"retry": {"max_attempts": 1}}})
+    except CheckpointException as exc:
+        return {"raised": True, "message": str(exc)[-2000:]}
+    return {"raised": False, "message": ""}
+
+
+def replicated_saves(rank: int, world: int, root: str) -> dict:
+    """DDP-style replicated state saved twice: spread over ranks, and all by rank 0 (DCP's option)."""
+    g = torch.Generator().manual_seed(2)
+    state = {"model": {"emb": torch.randn(4096, 32, generator=g), "fc.w": torch.randn(64, 64, generator=g),
+                       "fc.b": torch.randn(64, generator=g)},
+             "optim": {"emb.exp_avg": torch.randn(4096, 32, generator=g), "lr": 0.01}, "step": 3}
+    spread = cdcp.save(state, f"{root}/spread/x.dcp", min_piece_bytes=32 << 10)
+    writer = CheckrunStorageWriter(f"{root}/rank0/x.dcp")
+    dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+              "optim": {"emb.exp_avg": torch.zeros(4096, 32), "lr": None}, "step": 0}
+    cdcp.load(target, f"{root}/spread/x.dcp")  # every rank reads every piece back (DDP resume)
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    assert torch.equal(target["optim"]["emb.exp_avg"], state["optim"]["emb.exp_avg"])
+    assert target["optim"]["lr"] == 0.01 and target["step"] == 3
+    return {"spread": None if spread is None else {"ranks": spread.rank_written_bytes},
+            "rank0": _info(writer)}
+
+
+def async_saves(rank: int, world: int, root: str) -> dict:
+    """dcp.async_save returns after staging; changing the state afterwards must not reach the checkpoint."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    state = dtensor_state(full, mesh)
+    writer = CheckrunStorageWriter(cache_staged_state_dict=True)
+    first = cdcp.async_save(state, f"{root}/a1.dcp", writer=writer)
+    state["model"]["emb"].to_local().mul_(-1.0)  # training goes on while the save runs
+    first.result(timeout=120)
+    second = cdcp.async_save(state, f"{root}/a2.dcp", writer=writer)
+    second.result(timeout=120)
+    target = empty_like_state(state)
+    cdcp.load(target, f"{root}/a1.dcp")
+    check_state(target, full)
+    cdcp.load(target, f"{root}/a2.dcp")
+    assert torch.equal(target["model"]["emb"].full_tensor(), -full["emb"])
+    return {"ok": True}
+
+
+def s3_save(rank: int, world: int, path: str, storage_options: dict) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    state = dtensor_state(full_tensors(), mesh)
+    info = cdcp.save(state, path, storage_options=storage_options)
+    dist.barrier()
+    target = empty_like_state(state)
+    cdcp.load(target, path, storage_options=storage_options)
+    check_state(target, full_tensors())
+    return {"info": None if info is None else info.written_bytes}
