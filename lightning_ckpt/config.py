@@ -1,0 +1,78 @@
+"""Build the engine configuration of the plugin from a config (object, dict or YAML) plus overrides.
+
+Precedence, lowest first: engine defaults < ``config`` (an ``EngineConfig``, a dict, or a YAML path,
+optionally one ``config_section`` of it) < ``overrides`` (dotted keys) < the plugin's explicit keyword
+arguments (``keep_last``, ``asynchronous``, ...) when they are not ``None``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+from ckpt_core import ConfigError, EngineConfig
+
+__all__ = ["build_config", "lossless_config"]
+
+ConfigLike = Union[EngineConfig, dict, str, "os.PathLike[str]", None]
+
+
+def _base_config(config: ConfigLike, section: Optional[str]) -> EngineConfig:
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, EngineConfig):
+        return config
+    if isinstance(config, dict):
+        return EngineConfig.from_dict(section_of(config, section))
+    if isinstance(config, (str, os.PathLike)):
+        return EngineConfig.from_yaml(config, section=section)
+    raise ConfigError(f"config must be an EngineConfig, a dict, a YAML path or None, "
+                      f"not {type(config).__name__}")
+
+
+def section_of(data: dict, section: Optional[str]) -> dict:
+    """``data[section]`` (an empty dict if missing) or ``data`` itself when no section is given."""
+    if section is None:
+        return data
+    value = data.get(section) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping")
+    return value
+
+
+def build_config(config: ConfigLike = None, *, config_section: Optional[str] = None,
+                 overrides: Optional[dict] = None, keep_last: Optional[int] = None,
+                 asynchronous: Optional[bool] = None, incremental: Optional[bool] = None,
+                 quantization: Optional[list] = None, storage_options: Optional[dict] = None,
+                 max_pending: Optional[int] = None, workers: Optional[int] = None) -> EngineConfig:
+    """The ``EngineConfig`` the plugin uses; raises ``ConfigError`` naming any bad key or value.
+
+    ``storage_options`` are merged key by key over ``storage.storage_options`` of ``config``;
+    ``quantization`` (a list of rule dicts) replaces the config's rules.
+    """
+    cfg = _base_config(config, config_section)
+    dotted: dict[str, Any] = dict(overrides or {})
+    explicit = {"retention.keep_last": keep_last, "saving.asynchronous": asynchronous,
+                "incremental.enabled": incremental, "saving.max_pending": max_pending,
+                "saving.workers": workers, "quantization": quantization}
+    dotted.update({k: v for k, v in explicit.items() if v is not None})
+    if storage_options is not None:
+        if not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
+        dotted["storage.storage_options"] = {**cfg.storage.storage_options, **storage_options}
+    if "quantization" in dotted:
+        dotted["quantization"] = [_rule_dict(r) for r in dotted["quantization"]]
+    return cfg.replace(**dotted) if dotted else cfg
+
+
+def _rule_dict(rule: Any) -> Any:
+    fields = getattr(rule, "__dataclass_fields__", None)
+    if fields is not None:  # a QuantRule object
+        return {name: getattr(rule, name) for name in fields}
+    return dict(rule) if hasattr(rule, "keys") else rule
+
+
+def lossless_config(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` without quantization rules and retention: for Lightning's temporary and HPC checkpoints."""
+    if not cfg.quantization and cfg.retention.keep_last is None:
+        return cfg
+    return cfg.replace(**{"quantization": [], "retention.keep_last": None})

@@ -1,0 +1,317 @@
+"""``CheckrunCheckpointIO``: Lightning's ``CheckpointIO`` interface mapped onto ``ckpt_core.CheckpointEngine``.
+
+Threads and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only (the
+strategy checks ``is_global_zero``), ``load_checkpoint`` on every rank, all from the training thread;
+``teardown`` at the end of every ``fit``/``validate``/``test``/``predict`` (``Strategy.teardown``).
+The engine commits saves on its own background thread.
+
+Lightning's own short-lived checkpoints (``.temp.ckpt`` of ddp_spawn, the tuner's ``.lr_find_*`` and
+``.scale_batch_size_*``) and SLURM's ``hpc_ckpt_*`` are saved lossless (no quantization rules, no
+retention) and synchronously: Lightning reads the former right back, and requeues the job right after
+the latter.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Callable, Optional, Union
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+
+from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig,
+                       NotACheckpointError, SaveHandle, SaveInfo)
+
+from .config import build_config, lossless_config
+from .paths import checkpoint_kind, is_remote, normalize_path, parent_dir, path_key
+from .strategies import called_by_async_wrapper, calling_instance, calling_strategy, check_strategy
+
+log = logging.getLogger("lightning_ckpt")
+
+__all__ = ["CheckrunCheckpointIO"]
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (Hydra passes them by default) as plain dicts/lists."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is not None and isinstance(value, omegaconf.Container):
+        return omegaconf.OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+class CheckrunCheckpointIO(CheckpointIO):
+    """Asynchronous, incremental, optionally quantized checkpoints for Lightning (``Trainer(plugins=[...])``).
+
+    Args:
+        config: engine settings: an ``EngineConfig``, a dict, or the path of a YAML file; None = defaults
+            (lossless, asynchronous, incremental).
+        config_section: read only this top-level section of the dict/YAML (e.g. ``"checkpointing"``).
+        keep_last: engine retention: keep this many newest checkpoints per directory (counts every
+            checkpoint there, ``last.ckpt`` included; prefer ``ModelCheckpoint(save_top_k=...)``).
+        asynchronous: False = every save is committed before ``save_checkpoint`` returns.
+        incremental: False = every save writes full tensors (still deduplicated by content).
+        quantization: opt-in lossy rules, e.g. ``[{"pattern": "*.emb.weight", "bits": 4}]``.
+        storage_options: fsspec options for every storage call (e.g. an S3 endpoint), merged over the
+            config's ``storage.storage_options``.
+        max_pending: saves in flight before ``save_checkpoint`` blocks (backpressure).
+        workers: background threads that encode and upload.
+        overrides: any other engine setting as dotted keys, e.g. ``{"compression.zstd_level": 3}``.
+        fallback_to_torch: load a checkpoint that is not checkrun's (a ``torch.save`` file from
+            ``TorchCheckpointIO``) with ``torch.load`` instead of failing.
+
+    Explicit keyword arguments win over ``overrides``, which win over ``config``.
+    """
+
+    def __init__(self, config: Union[str, dict, EngineConfig, None] = None, config_section: Optional[str] = None,
+                 keep_last: Optional[int] = None, asynchronous: Optional[bool] = None,
+                 incremental: Optional[bool] = None, quantization: Optional[list[dict]] = None,
+                 storage_options: Optional[dict] = None, max_pending: Optional[int] = None,
+                 workers: Optional[int] = None, overrides: Optional[dict] = None,
+                 fallback_to_torch: bool = True) -> None:
+        super().__init__()
+        self.config: EngineConfig = build_config(
+            _plain(config), config_section=config_section, overrides=_plain(overrides),
+            keep_last=keep_last, asynchronous=asynchronous, incremental=incremental,
+            quantization=_plain(quantization), storage_options=_plain(storage_options),
+            max_pending=max_pending, workers=workers)
+        self.fallback_to_torch = fallback_to_torch
+        self._reset_runtime()
+        self._warned_async_wrapper = False
+        self._warned_remote_last = False
+        self.saves = 0
+        """Number of ``save_checkpoint`` calls this process handled (Lightning calls it on rank 0 only)."""
+
+    def _reset_runtime(self, keep_callbacks: bool = False) -> None:
+        """Everything that holds threads or per-run bookkeeping (dropped on pickling and at teardown)."""
+        self._engine: Optional[CheckpointEngine] = None
+        self._lossless: Optional[CheckpointEngine] = None
+        if not keep_callbacks:
+            self._save_callbacks: list[Callable[[SaveInfo], None]] = []
+        self._pending: dict[str, SaveHandle] = {}
+        self._save_steps: dict[str, Optional[int]] = {}
+        self._removed_dirs: set[str] = set()
+
+    # -- engines ------------------------------------------------------------------------------
+    @property
+    def engine(self) -> CheckpointEngine:
+        """The engine for regular checkpoints (created on first use, closed at ``teardown``)."""
+        if self._engine is None:
+            self._engine = self._new_engine(self.config)
+        return self._engine
+
+    @property
+    def lossless_engine(self) -> CheckpointEngine:
+        """The engine for Lightning's temporary and HPC checkpoints (the main one if already lossless)."""
+        cfg = lossless_config(self.config)
+        if cfg is self.config:
+            return self.engine
+        if self._lossless is None:
+            self._lossless = self._new_engine(cfg)
+        return self._lossless
+
+    def _new_engine(self, cfg: EngineConfig) -> CheckpointEngine:
+        engine = CheckpointEngine(cfg)
+        for fn in self._save_callbacks:
+            engine.add_callback(fn)
+        return engine
+
+    def _engine_for(self, path: str) -> CheckpointEngine:
+        return self.engine if checkpoint_kind(path) == "regular" else self.lossless_engine
+
+    def add_save_callback(self, fn: Callable[[SaveInfo], None]) -> None:
+        """Call ``fn(SaveInfo)`` on the engine's background thread after each committed save.
+
+        Registered again on the engines created after a ``teardown``; adding the same ``fn`` twice is a no-op.
+        """
+        if any(fn == known for known in self._save_callbacks):
+            return
+        self._save_callbacks.append(fn)
+        for engine in (self._engine, self._lossless):
+            if engine is not None:
+                engine.add_callback(fn)
+
+    # -- CheckpointIO -------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Snapshot ``checkpoint`` and write it to ``path`` (str, Path or fsspec URL) in the background.
+
+        Returns once the state is copied (the training loop may change it right after). Raises the error
+        of an earlier failed background save, once. ``storage_options`` (a dict) are merged over the
+        configured ones for this save.
+        """
+        self._check_caller()
+        if not self._warned_async_wrapper and called_by_async_wrapper():
+            self._warned_async_wrapper = True
+            warnings.warn("CheckrunCheckpointIO is already asynchronous: wrapping it in AsyncCheckpointIO adds a "
+                          "full clone of the state per save and a second thread, and AsyncCheckpointIO.teardown "
+                          "does not wait for checkrun's saves. Pass CheckrunCheckpointIO(...) directly to "
+                          "Trainer(plugins=[...]).", UserWarning, stacklevel=2)
+        url = normalize_path(path)
+        options = self._storage_options(storage_options)
+        if is_remote(url):
+            self._warn_remote_last()
+        else:
+            # As TorchCheckpointIO does, synchronously: ModelCheckpoint(save_last="link") symlinks into the
+            # directory right after this returns, before the background save has created it.
+            os.makedirs(parent_dir(url.removeprefix("file://")), exist_ok=True)
+        self.saves += 1
+        if checkpoint_kind(url) != "regular":
+            self.lossless_engine.save(checkpoint, url, storage_options=options).result()
+            return
+        handle = self.engine.save(checkpoint, url, storage_options=options)
+        self._track(url, handle, checkpoint)
+
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load the checkpoint at ``path``; waits for a pending save to it; every byte is verified.
+
+        ``map_location=None`` puts tensors on the CPU (like ``TorchCheckpointIO``); ``weights_only=None``
+        means True (torch's default): values that need pickle are refused unless allow-listed.
+        Raises ``FileNotFoundError`` if there is no checkpoint at ``path``.
+        """
+        self._check_caller()
+        url = normalize_path(path)
+        location = "cpu" if map_location is None else map_location
+        safe = True if weights_only is None else weights_only
+        try:
+            return self._engine_for(url).load(url, map_location=location, weights_only=safe)
+        except NotACheckpointError:
+            if not self.fallback_to_torch:
+                raise
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            log.info("lightning_ckpt: %s is not a checkrun checkpoint; loading it with torch.load", url)
+            return TorchCheckpointIO().load_checkpoint(url, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete the checkpoint at ``path`` (after a pending save to it); a missing one is ignored.
+
+        Blobs no longer referenced are garbage-collected at ``teardown`` (after the engine's grace
+        period); those of Lightning's temporary checkpoints right away.
+        """
+        self._check_caller()
+        url = normalize_path(path)
+        engine = self._engine_for(url)
+        try:
+            engine.remove(url)
+        except (CheckpointNotFoundError, FileNotFoundError):
+            log.debug("lightning_ckpt: %s was already gone", url)
+            return
+        self._pending.pop(path_key(url), None)
+        if checkpoint_kind(url) == "temporary":
+            self._collect_temporary(engine, parent_dir(url))
+        else:
+            self._removed_dirs.add(parent_dir(url))
+
+    def teardown(self) -> None:
+        """Wait for every pending save, collect garbage, release the engines' threads and buffers.
+
+        A background save error is raised here unless another exception is already propagating
+        (Lightning tears down while handling the user's error): then it is logged, never masking it.
+        The plugin stays usable: the next save or load creates a fresh engine.
+        """
+        propagating = sys.exc_info()[1] is not None
+        errors: list[BaseException] = []
+        try:
+            self._check_caller()
+        except RuntimeError as exc:
+            errors.append(exc)
+        for engine in self._open_engines():
+            errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
+        self._reset_runtime(keep_callbacks=True)
+        if not errors:
+            return
+        for err in errors if propagating else errors[1:]:
+            log.error("lightning_ckpt: error at teardown (not raised: %s): %s",
+                      "another exception is propagating" if propagating else "only the first one is", err)
+        if not propagating:
+            raise errors[0]
+
+    # -- queries ------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until every pending save is committed; raise a background error not yet surfaced."""
+        for engine in self._open_engines():
+            engine.wait()
+
+    def is_pending(self, path: _PATH) -> bool:
+        """True while a save to ``path`` started by this plugin is not committed yet."""
+        handle = self._pending.get(path_key(path))
+        return handle is not None and not handle.done()
+
+    def step_of(self, saved_path: str) -> Optional[int]:
+        """The ``global_step`` of the checkpoint that was saved to ``saved_path`` (``SaveInfo.path``), once."""
+        return self._save_steps.pop(saved_path, None)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _warn_remote_last(self) -> None:
+        """Once: Lightning's own ModelCheckpoint saving ``last`` to remote storage cannot find it again."""
+        if self._warned_remote_last:
+            return
+        mc = calling_instance(lambda o: hasattr(o, "_find_last_checkpoints") and hasattr(o, "save_last"))
+        if mc is None or not mc.save_last or getattr(mc, "finds_remote_last", False):
+            return
+        self._warned_remote_last = True
+        warnings.warn("Lightning's ModelCheckpoint cannot find last.ckpt on remote storage: fit(ckpt_path='last') "
+                      "would warn 'no last checkpoint available' and start from scratch. Use "
+                      "lightning_ckpt.CheckrunModelCheckpoint (same arguments), or pass the path explicitly.",
+                      UserWarning, stacklevel=3)
+
+    def _check_caller(self) -> None:
+        strategy = calling_strategy()
+        if strategy is not None:
+            check_strategy(strategy)
+
+    def _storage_options(self, storage_options: Any) -> Optional[dict]:
+        storage_options = _plain(storage_options)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of fsspec options, not {type(storage_options).__name__}")
+        return storage_options
+
+    def _track(self, url: str, handle: SaveHandle, checkpoint: Any) -> None:
+        self._pending = {k: h for k, h in self._pending.items() if not h.done()}
+        self._pending[path_key(url)] = handle
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        if len(self._save_steps) > 1000:  # nobody is reading them (no CheckpointMetrics)
+            self._save_steps.clear()
+        self._save_steps[handle.path] = step if isinstance(step, int) else None
+
+    def _collect_temporary(self, engine: CheckpointEngine, directory: str) -> None:
+        """Delete the blobs of a removed temporary checkpoint now (the engine's grace would keep them
+        an hour); skipped while a regular save is in flight, since its new blobs are unreferenced yet."""
+        if any(e.pending for e in self._open_engines()):
+            return
+        try:
+            engine.gc(directory, grace_seconds=0)
+        except CheckrunError as exc:
+            log.warning("lightning_ckpt: cleaning up after a temporary checkpoint in %s failed: %s", directory, exc)
+
+    def _open_engines(self) -> list[CheckpointEngine]:
+        return [e for e in (self._engine, self._lossless) if e is not None]
+
+    def __getstate__(self) -> dict:
+        """Picklable for ddp_spawn: engines, handles and callbacks stay in this process."""
+        state = self.__dict__.copy()
+        state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _save_steps={},
+                     _removed_dirs=set())
+        return state
+
+
+def _close(engine: CheckpointEngine, removed_dirs: set[str]) -> list[BaseException]:
+    """Wait for ``engine``, collect garbage in ``removed_dirs``, close it; return the errors."""
+    errors: list[BaseException] = []
+    try:
+        engine.wait()
+    except CheckrunError as exc:
+        errors.append(exc)
+    if engine.config.retention.gc_after_save:
+        for directory in sorted(removed_dirs):
+            try:
+                engine.gc(directory)
+            except CheckrunError as exc:
+                log.warning("lightning_ckpt: garbage collection in %s failed: %s", directory, exc)
+    try:
+        engine.close()
+    except CheckrunError as exc:
+        errors.append(exc)
+    return errors

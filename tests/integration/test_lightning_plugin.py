@@ -1,0 +1,224 @@
+"""``CheckrunCheckpointIO`` itself: configuration, Lightning's exact signatures, paths and URLs,
+error surfacing at teardown, reuse after teardown, pickling, wrapping, strategies, Fabric."""
+from __future__ import annotations
+
+import inspect
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch import Callback
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+import lightning_ckpt
+from ckpt_core import BackgroundSaveError, ConfigError, EngineConfig
+from lightning_ckpt import CheckrunCheckpointIO, UnsupportedStrategyError, check_strategy
+from lightning_ckpt.paths import checkpoint_kind, normalize_path
+from tests.core.faulty import FaultyFS
+from tests.integration.test_lightning_common import (TinyModel, close_plugins, make_io,  # noqa: F401
+                                                     tensors_equal, trainer)
+
+
+def test_signatures_match_lightning() -> None:
+    for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
+        ours = inspect.signature(getattr(CheckrunCheckpointIO, name))
+        theirs = inspect.signature(getattr(CheckpointIO, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+        assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()]
+
+
+def test_config_sources_and_precedence(tmp_path) -> None:
+    yaml_path = tmp_path / "checkrun.yaml"
+    yaml_path.write_text("checkpointing:\n  retention: {keep_last: 5}\n  saving: {max_pending: 3}\n")
+    plugin = make_io(str(yaml_path), config_section="checkpointing", keep_last=2,
+                                  overrides={"saving.max_pending": 4, "retention.keep_last": 9},
+                                  storage_options={"anon": True}, quantization=[{"pattern": "*.emb*", "bits": 4}])
+    cfg = plugin.config
+    assert cfg.retention.keep_last == 2 and cfg.saving.max_pending == 4  # explicit > overrides > file
+    assert cfg.storage.storage_options == {"anon": True} and cfg.quantization[0].pattern == "*.emb*"
+    base = EngineConfig.from_dict({"storage": {"storage_options": {"a": 1}}, "saving": {"asynchronous": False}})
+    merged = make_io(base, storage_options={"b": 2}).config
+    assert merged.storage.storage_options == {"a": 1, "b": 2} and merged.saving.asynchronous is False
+    assert make_io({"incremental": {"enabled": False}}).config.incremental.enabled is False
+    assert make_io().config == EngineConfig()
+    with pytest.raises(ConfigError, match="retention.keep_last"):
+        make_io(keep_last=0)
+    with pytest.raises(ConfigError, match="unknown config key"):
+        make_io({"savings": {}})
+
+
+def test_paths_str_path_and_urls(tmp_path) -> None:
+    assert normalize_path(Path("s3://bucket/run/x.ckpt")) == "s3://bucket/run/x.ckpt"  # Path collapsed "//"
+    assert normalize_path("memory://a/b.ckpt") == "memory://a/b.ckpt"
+    assert normalize_path(Path("/tmp/a.ckpt")) == "/tmp/a.ckpt"
+    assert checkpoint_kind("s3://b/run/.lr_find_1234-ab.ckpt") == "temporary"
+    assert checkpoint_kind(Path("/x/.temp.ckpt")) == "temporary"
+    assert checkpoint_kind("/x/.scale_batch_size_9.ckpt") == "temporary"
+    assert checkpoint_kind("/x/hpc_ckpt_3.ckpt") == "hpc"
+    assert checkpoint_kind("/x/last.ckpt") == "regular"
+
+    plugin = make_io()
+    state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 3, "name": "x"}
+    for path in (str(tmp_path / "a.ckpt"), tmp_path / "b.ckpt", Path(f"memory://{tmp_path.name}/c.ckpt")):
+        plugin.save_checkpoint(state, path)
+        assert tensors_equal(plugin.load_checkpoint(path), state)
+        plugin.remove_checkpoint(path)
+        with pytest.raises(FileNotFoundError):
+            plugin.load_checkpoint(path)
+        plugin.remove_checkpoint(path)  # already gone: ignored, like TorchCheckpointIO
+    with pytest.raises(TypeError):
+        plugin.save_checkpoint(state, str(tmp_path / "d.ckpt"), storage_options="not a dict")
+    plugin.teardown()
+
+
+def test_per_call_storage_options_reach_s3(s3_root, s3_storage_options) -> None:
+    """Trainer.save_checkpoint(..., storage_options=...) is passed through to the engine."""
+    plugin = make_io()  # no endpoint configured anywhere else
+    t = trainer(None, plugin, max_steps=1, default_root_dir=None)
+    t.fit(TinyModel())
+    path = f"{s3_root}/manual.ckpt"
+    t.save_checkpoint(path, storage_options=s3_storage_options)
+    plugin.teardown()
+    loaded = lightning_ckpt.load_checkpoint_dict(path, storage_options=s3_storage_options)
+    assert loaded["global_step"] == 1
+
+
+class FailingSave(Callback):
+    """At the given step, saves once to a storage path whose writes fail in the background."""
+
+    def __init__(self, path: str, step: int, then_raise: bool = False) -> None:
+        self.path, self.step, self.then_raise = path, step, then_raise
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            if self.then_raise:
+                raise ValueError("the user's own error")
+
+
+@pytest.fixture
+def failing_writes():
+    FaultyFS.reset()
+    FaultyFS.fail_writes = OSError("injected write failure")
+    FaultyFS.fail_match = "/bad/"
+    yield
+    FaultyFS.reset()
+
+
+def test_teardown_raises_background_error_then_plugin_keeps_working(tmp_path, failing_writes) -> None:
+    plugin = make_io()
+    bad = f"gatefile://{tmp_path}/bad/x.ckpt"
+    t = trainer(str(tmp_path), plugin, callbacks=[FailingSave(bad, step=2)], max_steps=2)
+    with pytest.raises(BackgroundSaveError, match="injected write failure"):
+        t.fit(TinyModel())
+    assert plugin.engine.pending == 0  # teardown waited, and a fresh engine serves the next fit
+    t2 = trainer(str(tmp_path), plugin, max_steps=2)
+    t2.fit(TinyModel())
+    t2.save_checkpoint(str(tmp_path / "ok.ckpt"))
+    plugin.teardown()
+    assert plugin.load_checkpoint(str(tmp_path / "ok.ckpt"))["global_step"] == 2
+
+
+def test_teardown_logs_background_error_while_user_error_propagates(tmp_path, failing_writes, caplog) -> None:
+    plugin = make_io()
+    bad = f"gatefile://{tmp_path}/bad/x.ckpt"
+    t = trainer(str(tmp_path), plugin, callbacks=[FailingSave(bad, step=1, then_raise=True)], max_steps=3)
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(ValueError, match="the user's own error"):
+            t.fit(TinyModel())
+    # Logged (by the engine's or the plugin's logger), not raised over the user's error.
+    assert any("injected write failure" in r.getMessage() and "x.ckpt" in r.getMessage()
+               and r.levelno == logging.ERROR for r in caplog.records)
+    assert plugin._engine is None  # teardown still closed the engine
+
+
+def test_pickle_drops_engine_and_second_fit_works(tmp_path) -> None:
+    plugin = make_io(keep_last=3)
+    plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "a.ckpt"))
+    plugin.wait()
+    clone = pickle.loads(pickle.dumps(plugin))
+    assert clone.config == plugin.config and clone._engine is None
+    assert tensors_equal(clone.load_checkpoint(str(tmp_path / "a.ckpt")), {"w": torch.ones(3)})
+    clone.teardown()
+    plugin.teardown()
+    for steps in (2, 4):  # a second fit (and the first) on the same plugin
+        trainer(str(tmp_path), plugin, max_steps=steps).fit(TinyModel())
+
+
+def test_warns_when_wrapped_in_async_checkpoint_io(tmp_path) -> None:
+    plugin = make_io()
+    t = trainer(str(tmp_path), AsyncCheckpointIO(plugin), max_steps=1)
+    t.fit(TinyModel())
+    with pytest.warns(UserWarning, match="already asynchronous"):
+        t.save_checkpoint(str(tmp_path / "a.ckpt"))
+        t.strategy.checkpoint_io.teardown()  # joins AsyncCheckpointIO's thread (the warning is raised there)
+    plugin.teardown()
+    assert plugin.load_checkpoint(str(tmp_path / "a.ckpt"))["global_step"] == 1
+
+
+def test_strategies_that_bypass_checkpoint_io_are_refused() -> None:
+    check_strategy(DDPStrategy())
+    check_strategy(DDPStrategy(start_method="spawn"))
+    check_strategy(SingleDeviceStrategy("cpu"))
+    check_strategy(FabricDDPStrategy())
+    for strategy in (FSDPStrategy(state_dict_type="full"), FSDPStrategy(state_dict_type="sharded"),
+                     ModelParallelStrategy(save_distributed_checkpoint=False), ModelParallelStrategy(),
+                     FabricFSDPStrategy()):
+        with pytest.raises(UnsupportedStrategyError, match="never resume"):
+            check_strategy(strategy)
+    dcp = pytest.importorskip("lightning_ckpt.dcp")  # sharded checkpoints through checkrun (its own tests)
+    check_strategy(dcp.CheckrunFSDPStrategy())
+    with pytest.raises(UnsupportedStrategyError):
+        check_strategy(dcp.CheckrunFSDPStrategy(state_dict_type="full"))
+
+
+def test_plugin_finds_its_calling_strategy(tmp_path) -> None:
+    """The plugin checks the strategy that calls it (Lightning gives CheckpointIO no setup hook).
+
+    Real strategy objects call the plugin directly (a Trainer with FSDP needs a GPU): DDP saves through
+    it; sharded FSDP never calls save (it writes with torch.distributed.checkpoint) but does call
+    remove_checkpoint, where the plugin refuses it."""
+    plugin = make_io()
+    DDPStrategy(checkpoint_io=plugin).save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a.ckpt"))
+    assert plugin.saves == 1
+    sharded = FSDPStrategy(state_dict_type="sharded", checkpoint_io=plugin)
+    with pytest.raises(UnsupportedStrategyError, match="torch.distributed.checkpoint"):
+        sharded.remove_checkpoint(str(tmp_path / "a.ckpt"))
+    plugin.teardown()
+
+
+def test_reads_torch_checkpoints_of_the_default_plugin(tmp_path) -> None:
+    """Migrating: a ``.ckpt`` written by TorchCheckpointIO resumes under CheckrunCheckpointIO."""
+    t = trainer(str(tmp_path), TorchCheckpointIO(), max_steps=2)
+    t.fit(TinyModel())
+    old = str(tmp_path / "torch.ckpt")
+    t.save_checkpoint(old)
+    t2 = trainer(str(tmp_path), make_io(), max_steps=3)
+    t2.fit(TinyModel(), ckpt_path=old)
+    assert t2.global_step == 3
+    with pytest.raises(Exception, match="not a checkrun|manifest"):
+        make_io(fallback_to_torch=False).load_checkpoint(old)
+
+
+def test_fabric_save_and_load(tmp_path) -> None:
+    plugin = make_io()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model, opt = fabric.setup(model, opt)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 7})
+    model2 = fabric.setup_module(torch.nn.Linear(3, 2))
+    state = {"model": model2}
+    rest = fabric.load(path, state)
+    assert rest["step"] == 7 and tensors_equal(model2.state_dict(), model.state_dict())
+    plugin.teardown()
