@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 
-from .errors import FormatError, NotACheckpointError
+from .errors import FormatError, NotACheckpointError, UnsafePathError
+
+# A blob key is used as a path component in the store; the storage layer checks it too.
+_KEY_RE = re.compile(r"[0-9a-f]{32,64}")
 
 MAGIC = "manifest"
 MAGIC_KEY = "_checkrun"
@@ -156,12 +160,16 @@ def _tensor_to_json(t: TensorRecord) -> dict:
     return d
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")  # json.loads would accept NaN/Infinity
+
+
 def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
     """Parse and fully validate manifest bytes read from ``where`` (named in every error)."""
     if not data.lstrip().startswith(MAGIC_PREFIX):
         raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
     try:
-        body = json.loads(data)
+        body = json.loads(data, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{where}: manifest is truncated or not valid JSON: {exc}") from None
     if not isinstance(body, dict) or body.get(MAGIC_KEY) != MAGIC:
@@ -170,14 +178,27 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
     if version not in SUPPORTED_VERSIONS:
         raise FormatError(f"{where}: manifest format version {version!r} is not supported "
                           f"(this checkrun reads {SUPPORTED_VERSIONS})")
-    if body.get("checksum") != _body_checksum(body):
+    try:
+        canonical = _canonical_bytes(body)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: manifest cannot be checked: {exc}") from None
+    # The checksum covers the parsed body; requiring the canonical bytes too catches changes that
+    # parse to the same body (the 17th digit of a float, "e" vs "E" in an exponent).
+    if body.get("checksum") != _body_checksum(body) or canonical != data.strip():
         raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
     try:
         return _manifest_from_json(body, max_blob_bytes)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{where}: {exc}") from None
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise FormatError(f"{where}: malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def _canonical_bytes(body: dict) -> bytes:
+    """The bytes ``Manifest.to_bytes`` writes for this body."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _req(d: Any, name: str, typ: type | tuple, what: str) -> Any:
@@ -198,6 +219,8 @@ def _nonneg(d: dict, name: str, what: str, limit: int | None = None) -> int:
 
 def _blob(d: Any, what: str, max_blob_bytes: int) -> BlobRef:
     key = _req(d, "key", str, what)
+    if not _KEY_RE.fullmatch(key):  # a key is a path component in the store: nothing else
+        raise UnsafePathError(f"{what}: unsafe blob key {key[:80]!r}: expected 32-64 lowercase hex digits")
     csum = _req(d, "csum", str, what)
     return BlobRef(key, _nonneg(d, "size", what, max_blob_bytes), csum)
 
@@ -231,12 +254,20 @@ def _tensor_from_json(d: Any, max_blob_bytes: int) -> TensorRecord:
     if quant is not None and not isinstance(quant, dict):
         raise FormatError(f"{what}: field 'quant' has the wrong type")
     device = d.get("device", "cpu")
-    if not isinstance(device, str) or len(device) > 64:
+    if not isinstance(device, str) or len(device) > 64 or not _valid_device(device):
         raise FormatError(f"{what}: invalid device {device!r}")
     rec = TensorRecord(key, dtype, shape, codecs, base, tuple(deltas), _nonneg(d, "written", what), quant,
                        device)
     _check_coverage(rec, what)
     return rec
+
+
+def _valid_device(name: str) -> bool:
+    try:
+        torch.device(name)
+        return True
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _check_coverage(rec: TensorRecord, what: str) -> None:

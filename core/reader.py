@@ -15,7 +15,7 @@ import xxhash
 
 from .codecs import Pipeline, lossless_pipeline
 from .config import CompressionConfig, EngineConfig
-from .errors import CheckrunError, CorruptCheckpointError, FormatError
+from .errors import CheckrunError, CorruptCheckpointError, FormatError, UnsafeLoadError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from .objects import deserialize_object
 from .storage import Store
@@ -71,7 +71,11 @@ def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTen
     for rec in manifest.tensors:
         dtype = DTYPES[rec.dtype]
         pipe = _pipeline(rec, where)
-        flat = torch.empty(rec.numel, dtype=dtype)
+        try:
+            flat = torch.empty(rec.numel, dtype=dtype)
+        except (RuntimeError, MemoryError) as exc:  # a hostile or damaged manifest's size
+            raise CorruptCheckpointError(f"{where}: tensor {rec.key!r} declares {rec.nbytes} bytes, "
+                                         f"which cannot be allocated: {exc}") from None
         lt = LoadedTensor(rec, flat)
         out.append(lt)
         for chunk in rec.base:
@@ -132,6 +136,30 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
                         weights_only: bool, config: EngineConfig) -> tuple[Any, list[LoadedTensor]]:
     """Rebuild the saved state tree from a parsed manifest."""
     where = store.url(name)
+    leaves = check_structure(manifest, where)
+    loaded = load_tensors(store, manifest, where)
+    tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
+               for lt in loaded]
+    objects = []
+    for rec in manifest.objects:
+        data = fetch_blob(store, rec.blob)
+        try:
+            objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
+                                              allowed_globals=config.load.allowed_globals))
+        except (UnsafeLoadError, CorruptCheckpointError) as exc:  # name the checkpoint and blob
+            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
+    try:
+        state = unflatten(manifest.skeleton, [tensors[i] for i in leaves], objects)
+    except CheckrunError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise FormatError(f"{where}: invalid state skeleton: {exc}") from None
+    return state, loaded
+
+
+def check_structure(manifest: Manifest, where: str) -> list[int]:
+    """Validate the leaf table and the skeleton against the manifest's tensors and objects;
+    returns the leaf table. No blob is read."""
     leaves = manifest.meta.get("leaves", list(range(len(manifest.tensors))))
     if not isinstance(leaves, list) or not all(isinstance(i, int) and 0 <= i < len(manifest.tensors)
                                                for i in leaves):
@@ -140,21 +168,7 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         validate_skeleton(manifest.skeleton, len(leaves), len(manifest.objects))
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
-    loaded = load_tensors(store, manifest, where)
-    tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
-               for lt in loaded]
-    objects = []
-    for rec in manifest.objects:
-        data = fetch_blob(store, rec.blob)
-        objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
-                                          allowed_globals=config.load.allowed_globals))
-    try:
-        state = unflatten(manifest.skeleton, [tensors[i] for i in leaves], objects)
-    except CheckrunError:
-        raise
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise FormatError(f"{where}: invalid state skeleton: {exc}") from None
-    return state, loaded
+    return leaves
 
 
 @dataclass
@@ -200,6 +214,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             report.add(problem)
     if report.ok and decode:
         try:
+            check_structure(manifest, report.path)
             load_tensors(store, manifest, report.path)
         except CheckrunError as exc:
             report.add(str(exc))

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .errors import CheckrunError
+from .errors import CheckpointNotFoundError, CheckrunError
 from .manifest import MAGIC_PREFIX, Manifest, parse_manifest
 from .storage import Store
 
@@ -43,8 +43,12 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
     def read(info):
         try:
             head = store.read_head(info.name, len(MAGIC_PREFIX) + 8)
-        except (CheckrunError, OSError):
-            return None
+        except CheckpointNotFoundError:
+            return None  # removed since the listing
+        except CheckrunError as exc:
+            # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
+            # collect the blobs it needs; listed as broken, it makes gc collect nothing.
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
         if not head.lstrip().startswith(MAGIC_PREFIX):
             return None
         try:
@@ -85,6 +89,8 @@ class GCReport:
     kept_young: int = 0
     referenced: int = 0
     problems: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)
+    """Temp files of interrupted writes older than the grace (deleted unless ``dry_run``)."""
 
 
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
@@ -112,7 +118,26 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
             continue
         victims.append(blob)
     if not dry_run:
-        store.map(lambda b: store.delete_blob(b.key), victims)
+        gone = store.map(lambda b: _delete_if_still_old(store, b.key, grace), victims)
+        report.kept_young += gone.count(False)
+        victims = [b for b, deleted in zip(victims, gone) if deleted]
     report.deleted = [b.key for b in victims]
     report.freed_bytes = sum(b.size for b in victims)
+    # A process killed while writing leaves its temp file (a torn blob, an unrenamed manifest):
+    # nothing reads them, and a writer still busy with one keeps it younger than the grace.
+    stale = [t for t in store.list_temp_files() if time.time() - t.mtime >= grace]
+    if not dry_run:
+        store.map(lambda t: store.delete_temp_file(t.name), stale)
+    report.temp_files = [t.name for t in stale]
+    report.freed_bytes += sum(t.size for t in stale)
     return report
+
+
+def _delete_if_still_old(store: Store, key: str, grace: float) -> bool:
+    """Delete a victim unless a save rewrote it since the listing to reuse it (SnapshotWriter
+    refreshes reused blobs older than half the grace): its mtime is looked at again right before."""
+    info = store.blob_info(key)
+    if info is None or time.time() - info.mtime < grace:
+        return False
+    store.delete_blob(key)
+    return True

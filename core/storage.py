@@ -241,6 +241,22 @@ class Store:
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
+    def blob_info(self, key: str) -> Optional[BlobInfo]:
+        """Size and modification time of a blob, or None if it does not exist (one HEAD/stat)."""
+        path = self.blob_path(key)
+
+        def stat() -> Optional[BlobInfo]:
+            self.fs.invalidate_cache(path)
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                return None
+            if info.get("type") != "file":
+                return None
+            return BlobInfo(key, int(info.get("size") or 0), _mtime(info))
+
+        return self._retry(stat, f"check blob {self._display(path)}")
+
     def delete_blob(self, key: str) -> None:
         """Delete a blob; a missing blob is not an error."""
         path = self.blob_path(key)
@@ -268,6 +284,37 @@ class Store:
                     and _KEY_RE.fullmatch(key) and info.get("type", "file") == "file"):
                 out.append(BlobInfo(key, int(info.get("size") or 0), _mtime(info)))
         return sorted(out, key=lambda b: b.key)
+
+    def list_temp_files(self) -> list[FileInfo]:
+        """Temp files that interrupted local writes left behind (a killed process never removes
+        them), in the directory and in the blob store; ``name`` is relative to the directory.
+        Object stores and ``memory://`` write in one call and have none."""
+        if not self.is_local:
+            return []
+        root = self.root.rstrip("/")
+
+        def scan() -> list:
+            out = []
+            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find)):
+                self.fs.invalidate_cache(base)
+                try:
+                    found = finder(base, detail=True)
+                except FileNotFoundError:
+                    continue
+                for info in found.values() if isinstance(found, dict) else found:
+                    path = info["name"]
+                    if info.get("type") == "file" and _is_temp_name(path.rsplit("/", 1)[-1]):
+                        out.append(FileInfo(path[len(root) + 1:], int(info.get("size") or 0), _mtime(info)))
+            return out
+
+        return sorted(self._retry(scan, f"list temp files in {self.url('')}"), key=lambda f: f.name)
+
+    def delete_temp_file(self, name: str) -> None:
+        """Delete a temp file found by ``list_temp_files``; a missing one is not an error."""
+        if not _is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
+            raise UnsafePathError(f"not a temp file of {self.url('')}: {name!r}")
+        path = _join(self.root, name)
+        self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
     def write_manifest(self, name: str, data: bytes) -> None:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores."""

@@ -168,16 +168,27 @@ class SnapshotWriter:
             log.warning("checkrun: %s stored lossless: %s", st.key, exc)
             return self._finish_tensor(self._tensor_jobs(st, force=force, lossless=True))
 
+    def _needs_rewrite(self, info) -> bool:
+        """A reused blob must be written again if it is gone, or so old that another engine's gc
+        may be collecting it right now: rewriting refreshes its mtime, and gc looks at the mtime
+        again just before deleting (retention.collect_garbage), so a blob this save checked
+        cannot be deleted before the commit unless save or gc stall for over a quarter of the
+        grace. A grace of 0 declares a single writer: nothing old is rewritten then."""
+        grace = self.config.retention.gc_grace_seconds
+        return info is None or (grace > 0 and time.time() - info.mtime > grace / 2)
+
     def _repair_missing(self, records: list[TensorRecord]) -> int:
-        """Blobs reused from earlier saves may have been collected since (another process's gc):
-        check they still exist and rewrite, from the snapshot, every tensor that lost one."""
+        """Blobs reused from earlier saves may have been collected since (another process's gc),
+        or may be about to be: check them and rewrite, from the snapshot, every tensor that
+        lost one or holds one older than half the gc grace (see ``_needs_rewrite``)."""
         reused = sorted({b.key for r in records for b in r.blobs() if b.key not in self.written_keys})
-        present = self.store.map(self.store.has_blob, reused)
-        missing = {k for k, ok in zip(reused, present) if not ok}
+        infos = self.store.map(self.store.blob_info, reused)
+        missing = {k for k, info in zip(reused, infos) if self._needs_rewrite(info)}
         extra = 0
         for i, st in enumerate(self.snap.tensors):
             if missing.intersection(b.key for b in records[i].blobs()):
-                log.warning("checkrun: blobs of %s vanished from the store; writing it again", st.key)
+                log.warning("checkrun: blobs of %s are missing or due for collection; writing it again",
+                            st.key)
                 records[i], w = self._tensor(st, self._tensor_jobs(st, force=True), force=True)
                 extra += w
         return extra
@@ -220,7 +231,8 @@ class SnapshotWriter:
     def _put_object(self, obj) -> tuple[BlobRef, int]:
         key = blob_key("object|", obj.data)
         ref = BlobRef(key, len(obj.data), xxhash.xxh3_64_hexdigest(obj.data))
-        if self.store.has_blob(key):  # objects are few and small: always check, never trust the index
+        # Objects are few and small: always check, never trust the index.
+        if not self._needs_rewrite(self.store.blob_info(key)):
             return ref, 0
         self.store.put_blob(key, obj.data)
         return ref, len(obj.data)

@@ -120,5 +120,7 @@ def _per_block(x: torch.Tensor, block: int, reduce) -> torch.Tensor:
 
 
 def _expand(per_block: torch.Tensor, block: int, n: int) -> torch.Tensor:
-    """Repeat each block's value over its elements: (nb,) -> (n,)."""
-    return per_block.repeat_interleave(block)[:n]
+    """Repeat each block's value over its elements: (nb,) -> (n,).
+
+    ``min``: a block longer than ``n`` (a hostile manifest's block_size) must not size the output."""
+    return per_block.repeat_interleave(min(block, max(n, 1)))[:n]

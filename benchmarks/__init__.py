@@ -1,0 +1,1 @@
+"""checkrun benchmarks (run with ``python -m benchmarks``); not part of the test suite."""

@@ -1,0 +1,208 @@
+"""Lightning ``Trainer.fit`` with checkpoints every k steps: checkrun's plugin vs Lightning's own.
+
+A small GPT-like LightningModule (``--state-mb`` MB of fp32 weights + Adam moments) is trained on CPU
+for ``--steps`` steps on random tokens; ``ModelCheckpoint(every_n_train_steps=k, save_top_k=2)``
+saves to local disk through each CheckpointIO:
+
+* none: no checkpointing at all (the baseline);
+* torch: Lightning's default ``TorchCheckpointIO`` (synchronous ``torch.save``);
+* async: ``AsyncCheckpointIO(TorchCheckpointIO())`` (clone on the training thread, save in a thread);
+* checkrun: ``CheckrunCheckpointIO()`` with the engine defaults (asynchronous, incremental, lossless,
+  byte-shuffle + zstd-1);
+* checkrun-raw: the same with ``overrides={"compression.compress": False}`` (chunks stored raw: the
+  background work is hashing and writing only, which matters on a 2-core machine).
+
+Per configuration: ``fit`` seconds (until ``fit`` returns, i.e. including the plugin's teardown that
+waits for pending saves), the process CPU seconds of the fit (all threads; less sensitive to other load
+on the machine than wall time), the time each ``save_checkpoint`` call blocked the training loop
+(median) and the bytes on disk at the end. Other work on a shared machine moves fit times by seconds,
+so each fit of a configuration is paired with the baseline fits run just before and after it: its
+overhead is its fit time minus their mean; ``--repeats`` rounds (the order of the configurations
+rotates), medians reported. The target is checkrun's overhead <= 1/3 of the default's.
+
+Run: ``python -m benchmarks.bench_lightning [--state-mb 40] [--steps 20] [--every 2] [--repeats 5] [--threads N]``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+if __package__ in (None, ""):  # `python benchmarks/bench_lightning.py`: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import GPT, dir_bytes, machine_header, med, table, verdict, workdir  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+from lightning_ckpt import CheckrunCheckpointIO  # noqa: E402
+
+CONFIGS = ("none", "torch", "async", "checkrun", "checkrun-raw")
+
+
+class LitGPT(LightningModule):
+    """``benchmarks.common.GPT`` trained with Adam on next-token prediction."""
+
+    def __init__(self, vocab: int, d: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT(vocab, d, layers)
+        self.vocab = vocab
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx = batch[0]
+        logits = self.gpt(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), idx[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def shape_for(state_mb: float, d: int) -> tuple[int, int]:
+    """(vocab, layers) so that weights + 2 Adam moments take about ``state_mb`` MB in fp32."""
+    params = state_mb * 1e6 / 12
+    vocab = max(1024, int(0.28 * params / d))
+    layers = max(1, round((params - vocab * d) / (12 * d * d)))
+    return vocab, layers
+
+
+class Timed:
+    """Mixin: records how long each ``save_checkpoint`` call kept the caller (the training loop)."""
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        self.blocked.append(time.perf_counter() - t0)
+
+
+class TimedTorch(Timed, TorchCheckpointIO):
+    blocked: list
+
+
+class TimedAsync(Timed, AsyncCheckpointIO):
+    blocked: list
+
+
+class TimedCheckrun(Timed, CheckrunCheckpointIO):
+    blocked: list
+
+
+def make_io(name: str) -> Optional[Any]:
+    io = {"none": None, "torch": lambda: TimedTorch(), "async": lambda: TimedAsync(TorchCheckpointIO()),
+          "checkrun": lambda: TimedCheckrun(),
+          "checkrun-raw": lambda: TimedCheckrun(overrides={"compression.compress": False})}[name]
+    if io is None:
+        return None
+    plugin = io()
+    plugin.blocked = []
+    return plugin
+
+
+def fit_once(name: str, args: argparse.Namespace, data: DataLoader, root: Path) -> dict:
+    """One ``fit``; returns its seconds and the per-save blocking times."""
+    vocab, layers = shape_for(args.state_mb, args.d_model)
+    model = LitGPT(vocab, args.d_model, layers)
+    plugin = make_io(name)
+    directory = root / name
+    shutil.rmtree(directory, ignore_errors=True)
+    callbacks = [] if plugin is None else [ModelCheckpoint(dirpath=str(directory), every_n_train_steps=args.every,
+                                                           save_top_k=2, monitor="step", mode="max")]
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=args.steps, max_epochs=-1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                      enable_checkpointing=plugin is not None, plugins=[plugin] if plugin else None,
+                      default_root_dir=str(directory))
+    t0, c0 = time.perf_counter(), time.process_time()
+    trainer.fit(model, train_dataloaders=data)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    written = dir_bytes(directory) if directory.exists() else 0  # the 2 kept checkpoints (+ shared blobs)
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"fit": seconds, "cpu": cpu, "written": written,
+            "blocked": list(plugin.blocked) if plugin is not None else []}
+
+
+def run_rounds(args: argparse.Namespace, data: DataLoader, root: Path) -> dict:
+    """``args.repeats`` rounds of ``none, c1, none, c2, ..., none``; each fit of a configuration is paired
+    with the mean of the two baseline fits around it (same load on the machine, within seconds)."""
+    results: dict = {name: [] for name in CONFIGS}
+    fit_once("none", args, data, root)  # warm-up: first-use costs (allocator, thread pools)
+    for round_ in range(args.repeats):
+        shift = round_ % (len(CONFIGS) - 1)
+        order = CONFIGS[1:][shift:] + CONFIGS[1:][:shift]
+        before = fit_once("none", args, data, root)
+        results["none"].append(before)
+        for name in order:
+            run = fit_once(name, args, data, root)
+            after = fit_once("none", args, data, root)
+            results["none"].append(after)
+            run["overhead"] = run["fit"] - (before["fit"] + after["fit"]) / 2
+            run["extra_cpu"] = run["cpu"] - (before["cpu"] + after["cpu"]) / 2
+            results[name].append(run)
+            print(f"round {round_}: {name} fit {run['fit']:.2f} s, overhead {run['overhead']:+.2f} s", file=sys.stderr)
+            before = after
+    return results
+
+
+def report(results: dict, args: argparse.Namespace, state_mb: float) -> str:
+    rows, overhead = [], {"none": 0.0}
+    for name in CONFIGS:
+        runs = results[name]
+        blocked = [b for r in runs for b in r["blocked"]]
+        if name != "none":
+            overhead[name] = med(r["overhead"] for r in runs)
+        ratio = overhead[name] / overhead["torch"] if name != "none" and overhead["torch"] > 0 else float("nan")
+        rows.append([name, med(r["fit"] for r in runs), overhead[name],
+                     med(r.get("extra_cpu", 0.0) for r in runs), med(blocked) if blocked else float("nan"),
+                     len(blocked) // max(1, len(runs)), med(r["written"] for r in runs) / 1e6, ratio])
+    ok = overhead["torch"] > 0 and overhead["checkrun"] <= overhead["torch"] / 3
+    head = ["CheckpointIO", "fit s", "overhead s", "extra CPU s", "blocked per save s", "saves",
+            "on disk MB", "overhead / torch's"]
+    verdict_text = verdict(ok) if overhead["torch"] > 0 else "INCONCLUSIVE (no overhead measured for torch: noise)"
+    return (f"{machine_header('Lightning fit with checkpoints every k steps')}\n"
+            f"state {state_mb:.0f} MB (weights + Adam, fp32), {args.steps} steps, save every {args.every} "
+            f"(top-2 kept), batch {args.batch}x{args.ctx} tokens, {args.repeats} rounds; medians: fit, "
+            f"overhead and extra CPU paired with the baseline fits just before and after, blocked over all saves\n\n"
+            f"{table(head, rows)}\n\ncheckrun overhead <= 1/3 of the default's: {verdict_text} "
+            f"({overhead['checkrun']:.2f} s vs {overhead['torch']:.2f} s; checkrun-raw "
+            f"{overhead['checkrun-raw']:.2f} s)\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-mb", type=float, default=40.0)
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--ctx", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: torch's, = all cores); 1 leaves a "
+                             "core free for background work, as GPU training does")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    root = workdir(args.dir)
+    vocab, layers = shape_for(args.state_mb, args.d_model)
+    tokens = torch.randint(vocab, (args.steps * args.batch, args.ctx + 1), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
+    state_mb = sum(p.numel() for p in LitGPT(vocab, args.d_model, layers).parameters()) * 12 / 1e6
+    results = run_rounds(args, data, root)
+    print(report(results, args, state_mb))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

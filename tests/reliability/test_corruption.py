@@ -1,0 +1,179 @@
+"""Corruption at rest: byte flips, truncation and deletion of every blob and every manifest of a
+directory of incremental checkpoints (bases, row deltas, delta indices, object blobs).
+
+For every damaged file: ``verify`` and ``load`` of every checkpoint that needs it fail with a
+``CheckrunError`` naming that file, every other checkpoint still verifies and loads bit for bit,
+and ``latest()`` falls back to the newest intact checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.errors import CheckrunError
+from ckpt_core.manifest import parse_manifest
+from ckpt_core.storage import Store
+
+from .crash_child import Marker, digest
+
+NAMES = ["c1.ckpt", "c2.ckpt", "c3.ckpt", "c4.ckpt"]
+
+
+def config() -> EngineConfig:
+    return EngineConfig.from_dict({
+        "compression": {"chunk_bytes": 16384},
+        "load": {"allowed_globals": [f"{Marker.__module__}.Marker"]},
+        "saving": {"sigterm_grace_seconds": None},
+        "storage": {"fsync": False},  # durability against power loss is not what is tested here
+    })
+
+
+def make_states() -> list[dict]:
+    emb = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0))
+    states = []
+    for i in range(1, 5):
+        emb = emb.clone()
+        emb[i * 10: i * 10 + 8] += i  # a few rows change: row deltas on a shared base
+        states.append({"emb": emb, "w": torch.randn(48, 48, generator=torch.Generator().manual_seed(i)),
+                       "obj": Marker(i), "step": i, "half": torch.arange(7, dtype=torch.float16) * i})
+    return states
+
+
+class Pristine:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.states = make_states()
+        with CheckpointEngine(config()) as engine:
+            for name, st in zip(NAMES, self.states):
+                engine.save(st, path / name).result()
+            self.needs = {name: {self.blob_file(b.key) for b in engine.read_manifest(path / name).blobs()}
+                          | {path / name} for name in NAMES}
+        self.digests = {name: digest(st) for name, st in zip(NAMES, self.states)}
+        blobs = sorted(p for p in (path / ".checkrun" / "blobs").rglob("*") if p.is_file())
+        self.files = [path / n for n in NAMES] + blobs
+        assert any(len([n for n in NAMES if b in self.needs[n]]) > 1 for b in blobs)  # shared bases
+
+    def blob_file(self, key: str) -> Path:
+        return self.path / ".checkrun" / "blobs" / key[:2] / key[2:]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Pristine:
+    return Pristine(tmp_path_factory.mktemp("pristine") / "run")
+
+
+def damage(path: Path, how: str, rng: random.Random) -> None:
+    data = path.read_bytes()
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(data[: rng.randrange(len(data))])
+    else:  # flip: one random byte XOR a random non-zero mask
+        buf = bytearray(data)
+        i = rng.randrange(len(buf))
+        buf[i] ^= rng.randrange(1, 256)
+        path.write_bytes(bytes(buf))
+
+
+def label(pristine: Pristine, f: Path) -> str:
+    """How errors name the file: the manifest's name, or the blob's shard/key path."""
+    return f.name if f.parent == pristine.path else f"{f.parent.name}/{f.name}"
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_every_damaged_file_is_detected_and_named(pristine, tmp_path, how):
+    rng = random.Random(f"corruption-{how}")
+    work = tmp_path / "run"
+    shutil.copytree(pristine.path, work)
+    detections = 0
+    with CheckpointEngine(config()) as engine:
+        for f in pristine.files:
+            damaged = work / f.relative_to(pristine.path)
+            original = damaged.read_bytes()
+            damage(damaged, how, rng)
+            name = label(pristine, f)
+            affected = [n for n in NAMES if f in pristine.needs[n]]
+            assert affected
+            for n in NAMES:
+                report = engine.verify(work / n)
+                if n in affected:
+                    assert not report.ok and any(name in p for p in report.problems), (n, name, report)
+                    with pytest.raises(CheckrunError) as info:
+                        engine.load(work / n)
+                    assert name in str(info.value), (n, name, str(info.value))
+                    detections += 1
+                else:
+                    assert report.ok, (n, name, report.problems)
+                    assert digest(engine.load(work / n)) == pristine.digests[n]
+            intact = [n for n in NAMES if n not in affected]
+            latest = engine.latest(work)
+            assert (latest and Path(latest).name) == (intact[-1] if intact else None), (name, latest)
+            damaged.write_bytes(original)  # undamaged again for the next file
+    assert detections == sum(len([n for n in NAMES if f in pristine.needs[n]]) for f in pristine.files)
+
+
+def test_every_single_bit_flip_of_a_manifest_is_detected(pristine):
+    """Exhaustive: each byte of a manifest with one bit flipped (bit = offset % 8) must be refused.
+    Includes the digits of floats and exponents, whose changes may parse to the same body."""
+    data = (pristine.path / "c4.ckpt").read_bytes()
+    accepted = []
+    for i in range(len(data)):
+        buf = bytearray(data)
+        buf[i] ^= 1 << (i % 8)
+        try:
+            parse_manifest(bytes(buf), "c4.ckpt", max_blob_bytes=1 << 34)
+            accepted.append(i)
+        except CheckrunError:
+            pass
+    assert accepted == [], [data[max(0, i - 20): i + 20] for i in accepted[:5]]
+
+
+def test_flips_that_parse_to_the_same_body_are_detected(pristine):
+    """The 17th significant digit of ``created`` and an exponent's case change no parsed value."""
+    data = (pristine.path / "c4.ckpt").read_bytes()
+    body = json.loads(data)
+    created = json.dumps(body["created"]).encode()
+    assert created in data
+    for variant in (created + b"0", created + b"e0", created + b"E+00"):
+        tampered = data.replace(b'"created":' + created, b'"created":' + variant, 1)
+        assert json.loads(tampered)["created"] == body["created"]  # same body, other bytes
+        with pytest.raises(CheckrunError, match="checksum"):
+            parse_manifest(tampered, "c4.ckpt", max_blob_bytes=1 << 34)
+
+
+def test_damage_is_detected_on_every_backend(any_root):
+    url, opts = any_root
+    states = [{**st, "emb": st["emb"][:512].clone()} for st in make_states()[:3]]  # S3 here is slow
+    with CheckpointEngine(config().replace(**{"storage.storage_options": opts})) as engine:
+        for name, st in zip(NAMES, states):
+            engine.save(st, f"{url}/{name}").result()
+        store = Store.for_directory(url, opts, engine.config.storage)
+        fs = store.fs
+        m3 = engine.read_manifest(f"{url}/c3.ckpt")
+        m2 = engine.read_manifest(f"{url}/c2.ckpt")
+        only3 = [b for b in m3.blobs() if b.key not in m2.blob_keys()]
+        flipped = store.blob_path(only3[0].key)
+        data = bytearray(fs.cat_file(flipped))
+        data[len(data) // 2] ^= 0x10
+        fs.pipe_file(flipped, bytes(data))
+        fs.invalidate_cache()
+        assert engine.latest(url).endswith("c2.ckpt")  # c3 has a flipped blob: skipped
+        with pytest.raises(CheckrunError, match=only3[0].key[2:]):
+            engine.load(f"{url}/c3.ckpt")
+        fs.rm_file(store.blob_path(m2.blobs()[-1].key))  # c2 loses its object blob
+        fs.invalidate_cache()
+        assert engine.latest(url).endswith("c1.ckpt")
+        manifest = f"{store.root}/c1.ckpt"
+        fs.pipe_file(manifest, fs.cat_file(manifest)[:-7])  # and c1's manifest is truncated
+        fs.invalidate_cache()
+        assert engine.latest(url) is None
+        for name in NAMES[:3]:
+            assert not engine.verify(f"{url}/{name}").ok
+            with pytest.raises(CheckrunError):
+                engine.load(f"{url}/{name}")

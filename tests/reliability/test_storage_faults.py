@@ -1,0 +1,296 @@
+"""Storage faults, injected by wrapping the real storage (local disk via ``faultfile://``, and the
+real s3fs client talking to moto's S3 server via a botocore ``before-send`` handler):
+
+* transient errors on a fraction of requests: saves commit through the engine's retries with
+  backoff (``storage.retry``), and every retry is logged;
+* permanent errors and a full disk: the save fails with an error surfaced as the async contract
+  says, no manifest is written, earlier checkpoints still load, staging memory is released;
+* slow storage: backpressure holds the training thread inside ``save()`` while the staging
+  budget is used up, instead of letting memory grow.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import fsspec
+import pytest
+import torch
+
+from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
+from ckpt_core.errors import CheckpointNotFoundError, StorageError
+from ckpt_core.staging import MemoryBudget
+from ckpt_core.storage import Store
+
+from .faultfs import BlockAll, DiskFull, FaultFS, Permanent, S3Faults, Transient, s3_fault_options
+
+WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
+
+
+def make_state(i: int) -> dict:
+    """Row-delta embedding (a few rows change per version), a dense matrix, plain values."""
+    emb = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0))
+    emb[i * 7 % 2048: i * 7 % 2048 + 5] += i
+    w = torch.randn(96, 96, generator=torch.Generator().manual_seed(i))
+    return {"emb": emb, "w": w, "step": i, "hist": (i, float(i) / 3)}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype, k
+        else:
+            assert a[k] == b[k] and type(a[k]) is type(b[k]), k
+
+
+def config(**over) -> EngineConfig:
+    base = {"compression": {"chunk_bytes": 16384}, "saving": {"sigterm_grace_seconds": None},
+            "storage": {"fsync": False, "retry": {"max_attempts": 5, "initial_backoff_seconds": 0.05,
+                                                  "max_backoff_seconds": 0.4}}}
+    cfg = EngineConfig.from_dict(base)
+    return cfg.replace(**over) if over else cfg
+
+
+def retry_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "ckpt_core.storage" and "transient error" in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------ transient errors
+def test_transient_errors_on_local_storage_commit_through_retries(tmp_path, sleeps, caplog):
+    root = f"faultfile://{tmp_path}/run"
+    faults = Transient(0.3, seed=7)
+    FaultFS.policy = faults
+    states = [make_state(i) for i in range(5)]
+    with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+        with CheckpointEngine(config()) as engine:
+            for i, st in enumerate(states):
+                engine.save(st, f"{root}/c{i}.ckpt")
+            engine.wait()
+            for i, st in enumerate(states):  # reads are faulted as well
+                assert_same(engine.load(f"{root}/c{i}.ckpt"), st)
+                assert engine.verify(f"{root}/c{i}.ckpt").ok
+    injected = sum(faults.injected.values())
+    assert injected >= 20 and set(faults.injected) >= {"open", "close", "info", "read"}
+    # Every injected fault was retried once, after a backoff, and logged with what and where.
+    assert len(sleeps) == injected
+    assert all(0.025 <= s <= 0.4 for s in sleeps)
+    warnings = retry_warnings(caplog)
+    assert len(warnings) == injected
+    assert any("SlowDown" in w for w in warnings) and any("TimeoutError" in w for w in warnings)
+    assert all(str(tmp_path) in w and "attempt" in w for w in warnings)
+
+
+def test_retry_policy_is_configurable(tmp_path, sleeps, caplog):
+    root = f"faultfile://{tmp_path}/run"
+    cfg = config(**{"storage.retry": {"max_attempts": 2, "initial_backoff_seconds": 0.2,
+                                      "max_backoff_seconds": 0.2}})
+    with CheckpointEngine(cfg) as engine:
+        engine.save(make_state(0), f"{root}/good.ckpt").result()
+        # every manifest write fails 3 times: more than the 2 attempts allowed
+        FaultFS.policy = Transient(1.0, ops=("open",), max_per_path=3)
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+            h = engine.save(make_state(1), f"{root}/bad.ckpt")
+            with pytest.raises(BackgroundSaveError, match="failed after 2 attempts") as info:
+                h.result()
+        assert isinstance(info.value.__cause__, StorageError)
+        assert len(sleeps) >= 1 and all(0.1 <= s <= 0.2 for s in sleeps)
+        assert all("attempt 1/2" in w for w in retry_warnings(caplog))
+        FaultFS.policy = None
+        assert not (tmp_path / "run" / "bad.ckpt").exists()
+        assert_same(engine.load(f"{root}/good.ckpt"), make_state(0))
+        assert engine._budget.in_use == 0
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("status", [503, 500], ids=["503-SlowDown", "500-InternalError"])
+def test_transient_s3_errors_commit_through_retries(s3_root, s3_storage_options, sleeps, caplog, status):
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    assert Store.for_directory(s3_root, opts, config().storage).fs is fs  # the engine's client
+    faults = S3Faults(fs, 0.4, operations=("PutObject", "GetObject"), status=status, seed=3)
+    states = [make_state(i) for i in range(3)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+            with CheckpointEngine(config(**{"storage.storage_options": opts})) as engine:
+                for i, st in enumerate(states):
+                    engine.save(st, f"{s3_root}/c{i}.ckpt")
+                engine.wait()
+                for i, st in enumerate(states):
+                    assert_same(engine.load(f"{s3_root}/c{i}.ckpt"), st)
+    finally:
+        faults.remove()
+    injected = sum(faults.injected.values())
+    assert faults.injected["PutObject"] >= 3 and faults.injected["GetObject"] >= 1
+    assert len(sleeps) == injected
+    # s3fs turns the ClientError into an OSError carrying the server's message (the error code
+    # is its __cause__): the log names the operation, the object and that message.
+    text = "reduce your request rate" if status == 503 else "internal error"
+    warnings = retry_warnings(caplog)
+    assert len(warnings) == injected and all(text in w and "s3://" in w for w in warnings)
+
+
+# ------------------------------------------------------------------------- permanent, disk full
+def _assert_failed_cleanly(engine, root_dir, handle, good_state, message: str) -> None:
+    with pytest.raises(BackgroundSaveError, match=message) as info:
+        handle.result()
+    assert isinstance(info.value.__cause__, StorageError)
+    assert str(root_dir) in str(info.value) or "s3://" in str(info.value)
+    assert engine._budget.in_use == 0  # staging memory released
+    assert engine.pending == 0
+    FaultFS.policy = None
+    with pytest.raises(CheckpointNotFoundError):
+        engine.load(handle.path)
+    assert_same(engine.load(handle.path.replace("bad.ckpt", "good.ckpt")), good_state)
+
+
+@pytest.mark.parametrize("kind", ["blob", "manifest"])
+def test_permanent_error_fails_the_save_without_a_manifest(tmp_path, sleeps, kind):
+    root = f"faultfile://{tmp_path}/run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(0), f"{root}/good.ckpt").result()
+        FaultFS.policy = Permanent(PermissionError(errno.EACCES, "Permission denied"), kind=kind)
+        h = engine.save(make_state(1), f"{root}/bad.ckpt")
+        _assert_failed_cleanly(engine, tmp_path / "run", h, make_state(0), "Permission denied")
+        assert sleeps == []  # permanent: not retried
+        engine.wait()  # surfaced once, through result(): not raised again
+        engine.save(make_state(2), f"{root}/after.ckpt").result()  # the engine recovers
+        assert_same(engine.load(f"{root}/after.ckpt"), make_state(2))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".checkrun", "after.ckpt", "good.ckpt"]
+
+
+def test_error_not_observed_surfaces_at_next_save_exactly_once(tmp_path, sleeps):
+    root = f"faultfile://{tmp_path}/run"
+    engine = CheckpointEngine(config())
+    engine.save(make_state(0), f"{root}/good.ckpt").result()
+    FaultFS.policy = Permanent(PermissionError(errno.EACCES, "Permission denied"), kind="blob")
+    engine.save(make_state(1), f"{root}/bad.ckpt").wait()
+    FaultFS.policy = None
+    with pytest.raises(BackgroundSaveError, match="bad.ckpt"):
+        engine.save(make_state(2), f"{root}/next.ckpt")
+    engine.save(make_state(2), f"{root}/next.ckpt")
+    engine.close()  # nothing left to raise
+    assert engine._budget.in_use == 0
+
+
+@pytest.mark.parametrize("where", ["blobs", "manifest"])
+def test_disk_full_fails_cleanly_and_recovers(tmp_path, sleeps, where):
+    root = f"faultfile://{tmp_path}/run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(0), f"{root}/good.ckpt").result()
+        disk = DiskFull(free=20000) if where == "blobs" else DiskFull(free=0, kind="manifest")
+        FaultFS.policy = disk
+        big = {**make_state(1), "w": torch.randn(512, 512)}  # new data: far more than 20 kB
+        h = engine.save(big, f"{root}/bad.ckpt")
+        _assert_failed_cleanly(engine, tmp_path / "run", h, make_state(0), "No space left on device")
+        assert disk.failures >= 1 and sleeps == []  # ENOSPC is not retried
+        temp = [p for p in (tmp_path / "run").rglob("*") if ".tmp-" in p.name]
+        assert temp == []  # partial temp files are removed
+        engine.save(big, f"{root}/after.ckpt").result()  # space is back: the next save is whole
+        assert_same(engine.load(f"{root}/after.ckpt"), big)
+        assert engine.verify(f"{root}/after.ckpt").ok
+
+
+@pytest.mark.s3
+def test_s3_access_denied_fails_without_manifest(s3_root, s3_storage_options, sleeps):
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    with CheckpointEngine(config(**{"storage.storage_options": opts})) as engine:
+        engine.save(make_state(0), f"{s3_root}/good.ckpt").result()
+        faults = S3Faults(fs, 1.0, operations=("PutObject",), status=403, max_per_key=1000)
+        try:
+            h = engine.save(make_state(1), f"{s3_root}/bad.ckpt")
+            with pytest.raises(BackgroundSaveError, match="AccessDenied|Access Denied|Forbidden") as info:
+                h.result()
+        finally:
+            faults.remove()
+        assert isinstance(info.value.__cause__, StorageError) and sleeps == []
+        assert faults.injected["PutObject"] >= 1
+        assert engine._budget.in_use == 0
+        with pytest.raises(CheckpointNotFoundError):
+            engine.load(f"{s3_root}/bad.ckpt")
+        assert_same(engine.load(f"{s3_root}/good.ckpt"), make_state(0))
+        assert [e.name for e in engine.list(s3_root)] == ["good.ckpt"]
+
+
+# ---------------------------------------------------------------------------------- slow storage
+class ProbeBudget(MemoryBudget):
+    """The engine's staging budget, which also says when a caller has to wait for memory."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.blocked = threading.Event()
+        self.waiting = 0
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            if not (self.in_use == 0 or self.in_use + nbytes <= self.limit):
+                self.waiting += 1
+                self.blocked.set()
+        super().acquire(nbytes)
+
+
+def test_slow_storage_blocks_training_within_the_staging_budget(tmp_path):
+    root = f"faultfile://{tmp_path}/run"
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    nbytes = sum(p.nbytes for p in model.state_dict().values())
+    limit = int(2.5 * nbytes)  # two snapshots fit, the third must wait
+    cfg = config(**{"saving.max_pending": 8, "saving.staging_budget_bytes": limit, "incremental.enabled": False})
+    engine = CheckpointEngine(cfg)
+    engine._budget = probe = ProbeBudget(limit)
+    gate = BlockAll("open", "blob")  # storage accepts nothing until released
+    FaultFS.policy = gate
+    expected, returned = [], []
+
+    def train() -> None:
+        for i in range(6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # in place, right after the previous save returned
+            expected.append({k: v.clone() for k, v in model.state_dict().items()})
+            engine.save(model.state_dict(), f"{root}/s{i}.ckpt")
+            returned.append(i)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert probe.blocked.wait(WATCHDOG)
+    # The training thread is held inside save() #3: memory did not grow past the budget.
+    assert trainer.is_alive() and returned == [0, 1]
+    assert probe.in_use == 2 * nbytes <= limit
+    assert engine.pending == 2
+    allocated = engine.staging.allocations
+    assert allocated == 2 * len(model.state_dict())
+    gate.release()
+    trainer.join(WATCHDOG)
+    assert not trainer.is_alive()
+    engine.wait()
+    assert probe.peak <= limit and probe.in_use == 0
+    assert engine.staging.allocations <= allocated + len(model.state_dict())  # buffers are reused
+    for i, exp in enumerate(expected):  # each snapshot is the state at its save, not later
+        assert_same(engine.load(f"{root}/s{i}.ckpt"), exp)
+    engine.close()
+
+
+def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
+    root = tmp_path / "run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(0), root / "good.ckpt").result()
+        shard = next((root / ".checkrun" / "blobs").iterdir())
+        old = [shard / ".tmp-0123456789abcdef", root / ".good.ckpt.tmp-0123456789abcdef"]
+        young = shard / ".tmp-fedcba9876543210"  # a write in progress (another process)
+        for p in old + [young]:
+            p.write_bytes(b"torn")
+        then = time.time() - 7200
+        for p in old:
+            os.utime(p, (then, then))
+        dry = engine.gc(root, grace_seconds=3600, dry_run=True)
+        assert sorted(dry.temp_files) == sorted(str(p.relative_to(root)) for p in old)
+        assert all(p.exists() for p in old)
+        report = engine.gc(root, grace_seconds=3600)
+        assert len(report.temp_files) == 2 and not any(p.exists() for p in old) and young.exists()
+        assert report.deleted == []  # no blob of the intact checkpoint
+        assert_same(engine.load(root / "good.ckpt"), make_state(0))
