@@ -30,11 +30,12 @@ TARGET_LOAD = 1.5
 VARIANTS = [
     {},
     {"compression.zstd_level": 3},
-    {"compression.zstd_level": 9},
     {"compression.chunk_bytes": 4 << 20},
     {"compression.chunk_bytes": 64 << 20},
+    {"storage.io_threads": 2},
     {"saving.workers": 4, "storage.io_threads": 8},
     {"compression.shuffle": False},
+    {"compression.compress": False},
 ]
 
 

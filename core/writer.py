@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,12 @@ class SnapshotWriter:
         self.matcher, self.workers = matcher, workers
         self.stream_updates: dict[str, tuple] = {}
         self.written_keys: set[str] = set()
+        self._futures: list[Future] = []
+
+    def _submit(self, fn, *args) -> Future:
+        future = self.workers.submit(fn, *args)
+        self._futures.append(future)
+        return future
 
     # -- chunks -------------------------------------------------------------------------------
     def _put_chunk(self, array2d: torch.Tensor, off: int, pipeline: Pipeline, prefix: str,
@@ -94,7 +100,7 @@ class SnapshotWriter:
         futures = []
         for off, r, c in chunk_spans(rows, cols, t2d.element_size(), self.config.compression.chunk_bytes):
             piece = flat[off:off + r * c].view(r, c)
-            futures.append(self.workers.submit(self._put_chunk, piece, off, pipeline, prefix, force))
+            futures.append(self._submit(self._put_chunk, piece, off, pipeline, prefix, force))
         return futures
 
     # -- tensors ------------------------------------------------------------------------------
@@ -122,7 +128,7 @@ class SnapshotWriter:
         if plan is not None and not plan.full:
             base = list(st.stream.record.base)
             idx = plan.rows.to(torch.int64).contiguous()
-            idx_future = self.workers.submit(self._put_index, idx)
+            idx_future = self._submit(self._put_index, idx)
             delta_futures = self._chunks(t2d.index_select(0, idx), pipeline, prefix) if idx.numel() else []
             return st, pipeline, rule, plan, base, None, (idx, idx_future, delta_futures)
         return st, pipeline, rule, plan, None, self._chunks(t2d, pipeline, prefix, force), None
@@ -195,12 +201,22 @@ class SnapshotWriter:
 
     # -- whole snapshot -----------------------------------------------------------------------
     def write(self) -> tuple[Manifest, dict]:
-        """Encode and store every blob, then return the manifest (not yet committed) and stats."""
+        """Encode and store every blob, then return the manifest (not yet committed) and stats.
+
+        Returns or raises only once no worker uses the snapshot any more: the caller then hands
+        its staging buffers to the next save (a worker still encoding from one would store the
+        next save's bytes under this snapshot's content address)."""
+        try:
+            return self._write()
+        except BaseException:
+            raise
+
+    def _write(self) -> tuple[Manifest, dict]:
         t0 = time.perf_counter()
         if self.snap.event is not None:
             self.snap.event.synchronize()
         jobs = [self._tensor_jobs(st) for st in self.snap.tensors]
-        obj_futures = [self.workers.submit(self._put_object, o) for o in self.snap.objects]
+        obj_futures = [self._submit(self._put_object, o) for o in self.snap.objects]
         records, written = [], 0
         for st, job in zip(self.snap.tensors, jobs):
             rec, w = self._tensor(st, job)

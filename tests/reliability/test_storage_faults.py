@@ -25,7 +25,8 @@ from ckpt_core.errors import CheckpointNotFoundError, StorageError
 from ckpt_core.staging import MemoryBudget
 from ckpt_core.storage import Store
 
-from .faultfs import BlockAll, DiskFull, FaultFS, Permanent, S3Faults, Transient, s3_fault_options
+from .faultfs import (BlockAll, DiskFull, FaultFS, Gate, Permanent, Policy, S3Faults, Transient,
+                      s3_fault_options)
 
 WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
 
@@ -294,3 +295,59 @@ def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
         assert len(report.temp_files) == 2 and not any(p.exists() for p in old) and young.exists()
         assert report.deleted == []  # no blob of the intact checkpoint
         assert_same(engine.load(root / "good.ckpt"), make_state(0))
+
+
+class _OneChunkFailsWhileAnotherIsHeld(Policy):
+    """Chunk ``held``'s existence check waits at a gate (after its content address was computed
+    and, raw, its bytes handed over as a view of the staging buffer); once it waits, the check of
+    chunk ``fails`` raises EACCES, so the save fails while a worker still uses its snapshot."""
+
+    def __init__(self, held: str, fails: str) -> None:
+        self.gate = Gate("info", "blob", 1, match=f"{held[:2]}/{held[2:]}")
+        self.fails = f"{fails[:2]}/{fails[2:]}"
+        self.failed = threading.Event()
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        self.gate.on(op, kind, path)
+        if op == "info" and self.fails in path and not self.failed.is_set():
+            assert self.gate.entered.wait(WATCHDOG)
+            self.failed.set()
+            raise PermissionError(errno.EACCES, "Permission denied (injected)")
+
+    def release(self) -> None:
+        self.gate.release()
+
+
+def test_a_failed_save_keeps_its_staging_until_its_workers_are_done(tmp_path):
+    """A save that fails while a worker still encodes one of its chunks must not hand the staging
+    buffer to the next save: that worker would store the next save's bytes under the failed
+    save's content address, and a later save of the old values would reuse them silently."""
+    root = tmp_path / "run"
+    # Uncompressed: the raw codec hands the staging buffer itself to the write (zero copy).
+    cfg = config(**{"saving.max_pending": 2, "saving.workers": 2, "incremental.enabled": False,
+                    "compression.chunk_bytes": 4096, "compression.compress": False})
+    a = {"w": torch.arange(2048, dtype=torch.float32)}  # two chunks
+    b = {"w": -torch.arange(2048, dtype=torch.float32)}
+    with CheckpointEngine(cfg) as scratch:  # learn the chunks' content addresses
+        scratch.save(a, tmp_path / "scratch" / "a.ckpt").result()
+        chunks = scratch.read_manifest(tmp_path / "scratch" / "a.ckpt").tensors[0].base
+    policy = _OneChunkFailsWhileAnotherIsHeld(held=chunks[1].blob.key, fails=chunks[0].blob.key)
+    FaultFS.policy = policy
+    engine = CheckpointEngine(cfg)
+    h = engine.save(a, f"faultfile://{root}/a.ckpt")
+    assert policy.gate.entered.wait(WATCHDOG) and policy.failed.wait(WATCHDOG)
+    try:  # b's snapshot is taken now, while a's worker is held
+        engine.save(b, f"faultfile://{root}/b.ckpt")
+    except BackgroundSaveError:  # a's failure may already be known: surfaced once, then save again
+        engine.save(b, f"faultfile://{root}/b.ckpt")
+    # a's buffer is still a's (its worker holds a view of it): b had to get a buffer of its own.
+    assert engine.staging.allocations == 2 and engine._budget.in_use == 2 * a["w"].nbytes
+    policy.release()
+    with pytest.raises(BackgroundSaveError):
+        h.result()
+    engine.close()  # waits for every worker
+    FaultFS.policy = None
+    with CheckpointEngine(cfg) as fresh:
+        fresh.save(a, root / "again.ckpt").result()
+        assert_same(fresh.load(root / "again.ckpt"), a)
+        assert_same(fresh.load(root / "b.ckpt"), b)
