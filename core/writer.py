@@ -209,6 +209,9 @@ class SnapshotWriter:
         try:
             return self._write()
         except BaseException:
+            for future in self._futures:
+                future.cancel()
+            wait(self._futures)
             raise
 
     def _write(self) -> tuple[Manifest, dict]:
