@@ -205,14 +205,14 @@ class SnapshotWriter:
 
         Returns or raises only once no worker uses the snapshot any more: the caller then hands
         its staging buffers to the next save (a worker still encoding from one would store the
-        next save's bytes under this snapshot's content address)."""
+        next save's bytes under this snapshot's content address). Work nobody waits for any more
+        (after a failure, or a lossy attempt abandoned for a lossless one) is cancelled or awaited."""
         try:
             return self._write()
-        except BaseException:
+        finally:
             for future in self._futures:
                 future.cancel()
             wait(self._futures)
-            raise
 
     def _write(self) -> tuple[Manifest, dict]:
         t0 = time.perf_counter()
