@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -173,6 +174,7 @@ def worker_train(peer: str, train_mb: float, steps: int, every: int, root: Path)
         saver.save({"model": model.state_dict(), "opt": opt.state_dict()}, 0)
         saver.wait()
     stalls = []
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for i in range(1, steps + 1):
         step()
@@ -188,8 +190,10 @@ def worker_train(peer: str, train_mb: float, steps: int, every: int, root: Path)
     if saver is not None:
         saver.close()
     drain = time.perf_counter() - t0 - loop
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)  # all threads: training + background saving
+    cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
     state = sum(t.nbytes for t in tensors({"m": model.state_dict(), "o": opt.state_dict()}))
-    return {"loop": loop, "drain": drain, "stall": med(stalls), "state": state}
+    return {"loop": loop, "drain": drain, "stall": med(stalls), "state": state, "cpu": cpu}
 
 
 def spawn(args: list[str]) -> dict:
@@ -243,9 +247,12 @@ def part_train(args, root: Path) -> None:
     print(f"\nMLP state {base[0]['state'] / MB:.0f} MB (weights + Adam), {args.steps} steps, checkpoint every "
           f"{args.every} steps, {args.rounds} rounds\n")
     rows = [[p, med(r["loop"] for r in rs), med(r["loop"] / b["loop"] for r, b in zip(rs, base)),
-             med(r["stall"] for r in rs), med(r["drain"] for r in rs)] for p, rs in res.items()]
+             med(r["stall"] for r in rs), med(r["drain"] for r in rs), med(r["cpu"] for r in rs),
+             med(r["cpu"] / b["cpu"] for r, b in zip(rs, base))] for p, rs in res.items()]
     print(table(["peer", "loop s (median)", "slowdown x (median of per-round ratios)",
-                 "median stall per save s", "final drain s"], rows))
+                 "median stall per save s", "final drain s", "process CPU s (loop + drain)", "CPU x none"], rows))
+    print("\n(process CPU = user + sys of all threads of the worker, from getrusage: the work a peer adds,"
+          " which external load does not inflate the way it inflates wall time)")
 
 
 def main(argv=None) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -56,6 +55,12 @@ def torch_reference(payload, root: Path, reps: int = 3) -> dict:
         out["warm"].append(timed(lambda: torch.load(p, weights_only=True))[0])
         p.unlink()
     return {k: med(v) for k, v in out.items()}
+
+
+def floor_seconds(payload) -> float:
+    """Median of 3 copies of the payload into buffers allocated once (the floor of any snapshot)."""
+    bufs = floor_copy(payload, None)
+    return med(timed(lambda: floor_copy(payload, bufs))[0] for _ in range(3))
 
 
 def restore_times(path: Path, cfg, reps: int = 3) -> tuple[float, float]:
@@ -112,9 +117,8 @@ def part_dlrm(args, root: Path) -> None:
     st = make()
     payload = dlrm_payload(st)
     ref = torch_reference(payload, root)
-    bufs = floor_copy(payload, None)
-    floor = med(timed(lambda: floor_copy(payload, bufs))[0] for _ in range(3))
-    del st, payload, bufs
+    floor = floor_seconds(payload)
+    del st, payload
     print(f"DLRM state: torch.save {ref['bytes'] / MB:.0f} MB, blocks {ref['call']:.2f} s, durable "
           f"{ref['durable']:.2f} s; floor copy {floor:.3f} s (load {os.getloadavg()[0]:.2f})", flush=True)
     rows, summary = [], []
@@ -184,9 +188,8 @@ def part_finetune(args, root: Path) -> None:
     trainable = sum(p.numel() * 4 * 3 for p in st["model"].parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in st["model"].parameters() if not p.requires_grad)
     ref = torch_reference(payload, root)
-    bufs = floor_copy(payload, None)
-    floor = med(timed(lambda: floor_copy(payload, bufs))[0] for _ in range(3))
-    del st, payload, bufs
+    floor = floor_seconds(payload)
+    del st, payload
     print(f"\nFine-tuning: {frozen / 1e6:.1f}M frozen params, trainable state (params + Adam) "
           f"{trainable / MB:.1f} MB; torch.save {ref['bytes'] / MB:.0f} MB; floor copy {floor:.3f} s", flush=True)
     rows, summary = [], []
