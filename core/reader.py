@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import xxhash
 
@@ -30,9 +32,12 @@ def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
     return parse_manifest(data, store.url(name), max_blob_bytes=config.load.max_blob_bytes)
 
 
-def fetch_blob(store: Store, ref: BlobRef) -> bytes:
-    """Read one blob and check its size and checksum before anything uses it."""
-    data = store.get_blob(ref.key, ref.size)
+def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> bytes | memoryview:
+    """Read one blob and check its size and checksum before anything uses it.
+
+    With ``buf`` (at least ``ref.size + 1`` bytes) a local store reads into it and the result
+    aliases it."""
+    data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
     if len(data) != ref.size:
         raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
                                      "in the manifest (truncated or replaced blob)")
@@ -41,12 +46,32 @@ def fetch_blob(store: Store, ref: BlobRef) -> bytes:
     return data
 
 
+class Scratch:
+    """Per-thread byte buffers reused by the chunks of one load, freed with it: decoding writes
+    into them instead of allocating (and page-faulting) fresh memory per chunk."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, slot: int, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` for ``slot``, private to the calling thread."""
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(slot)
+        if buf is None or buf.size < nbytes:
+            buf = bufs[slot] = np.empty(nbytes, dtype=np.uint8)
+        return memoryview(buf)[:nbytes]
+
+
+def _decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
+    """Most bytes any stage of a chunk's pipeline may produce (raw size, quantization scales)."""
+    raw = chunk.rows * chunk.cols * torch.empty((), dtype=dtype).element_size()
+    return 2 * raw + 16 * chunk.rows + 4096
+
+
 def _decode(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
     data = fetch_blob(store, chunk.blob)
-    raw = chunk.rows * chunk.cols * torch.empty((), dtype=dtype).element_size()
-    limit = 2 * raw + 16 * chunk.rows + 4096
     try:
-        return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, limit)
+        return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, _decode_limit(chunk, dtype))
     except FormatError as exc:
         raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
 
@@ -81,11 +106,19 @@ def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTen
         for chunk in rec.base:
             tasks.append((lt, pipe, chunk, dtype))
 
+    scratch = Scratch()
+
     def base_task(task) -> None:
         lt, pipe, chunk, dtype = task
-        lt.flat[chunk.off:chunk.off + chunk.rows * chunk.cols] = _decode(store, pipe, chunk, dtype).reshape(-1)
+        dest = lt.flat[chunk.off:chunk.off + chunk.rows * chunk.cols].view(chunk.rows, chunk.cols)
+        data = fetch_blob(store, chunk.blob, scratch.get(-1, chunk.blob.size + 1))
+        try:
+            pipe.decode_into(data, dest, _decode_limit(chunk, dtype), scratch.get)
+        except FormatError as exc:
+            raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
 
     store.map(base_task, tasks)
+    del scratch
     index_pipe = index_pipeline()
     for lt in out:
         if lt.record.deltas:

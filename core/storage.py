@@ -241,6 +241,33 @@ class Store:
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
+    def get_blob_into(self, key: str, size: int, buf: memoryview) -> bytes | memoryview:
+        """Read a blob expected to hold ``size`` bytes; local stores read into ``buf`` (at least
+        ``size + 1`` bytes, so a longer file shows) and return the filled part, others return
+        ``get_blob``'s bytes. The caller checks the size; errors as ``get_blob``."""
+        if not self.is_local:
+            return self.get_blob(key, size)
+        path = self.blob_path(key)
+
+        def read() -> memoryview:
+            try:
+                f = self.fs.open(path, "rb")
+            except IsADirectoryError as exc:  # not a blob: missing, as get_blob says
+                raise FileNotFoundError(str(exc)) from exc
+            with f:
+                got = 0
+                while got < buf.nbytes:
+                    n = f.readinto(buf[got:])
+                    if not n:
+                        break
+                    got += n
+            return buf[:got]
+
+        try:
+            return self._retry(read, f"read blob {self._display(path)}")
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
+
     def blob_info(self, key: str) -> Optional[BlobInfo]:
         """Size and modification time of a blob, or None if it does not exist (one HEAD/stat)."""
         path = self.blob_path(key)

@@ -68,6 +68,14 @@ class BytesCodec(ABC):
     def decode(self, data: bytes | memoryview, max_output: int) -> bytes | memoryview:
         """Inverse of encode; never produces more than ``max_output`` bytes (FormatError instead)."""
 
+    def decode_into(self, data: bytes | memoryview, out: memoryview) -> None:
+        """Decode into the writable byte buffer ``out``, which the output must fill exactly
+        (FormatError otherwise). Codecs override this to skip the intermediate buffer."""
+        decoded = memoryview(self.decode(data, out.nbytes)).cast("B")
+        if decoded.nbytes != out.nbytes:
+            raise FormatError(f"{self.name}: decoded {decoded.nbytes} bytes, expected {out.nbytes}")
+        out[:] = decoded
+
     @abstractmethod
     def to_dict(self) -> dict[str, Any]:
         ...

@@ -9,14 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import CompressionConfig, QuantRule
 from ..errors import FormatError
 from ..quant_rules import adaptive_bits
-from ._common import QUANTIZABLE_DTYPES, check_shape
+from ._common import QUANTIZABLE_DTYPES, check_shape, format_guard, tensor_bytes
 from .base import ArrayCodec, BytesCodec, EncodeStats, codec_from_dict
 from .cast import CastCodec
 from .int8_block import Int8BlockCodec
@@ -59,13 +59,7 @@ class Pipeline:
                max_bytes: int) -> torch.Tensor:
         """Decode to a contiguous tensor of ``shape`` and ``dtype``; FormatError if anything does
         not fit. No stage may produce more than ``max_bytes``, nor may the decoded tensor."""
-        rows, cols = check_shape(shape)
-        if not isinstance(dtype, torch.dtype):
-            raise FormatError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if rows * cols * dtype_itemsize(dtype) > max_bytes:
-            raise FormatError(f"chunk of shape {shape} and dtype {dtype} exceeds the limit of {max_bytes} bytes")
-        if memoryview(data).nbytes > max_bytes:
-            raise FormatError(f"encoded chunk of {memoryview(data).nbytes} bytes exceeds the limit of {max_bytes}")
+        rows, cols = _check_limits(data, shape, dtype, max_bytes)
         for stage in reversed(self.stages):
             data = stage.decode(data, max_bytes)
         out = self.array.decode(data, (rows, cols), dtype)
@@ -73,6 +67,30 @@ class Pipeline:
             raise FormatError(f"{self.array.name} decoded {tuple(out.shape)} {out.dtype}, "
                               f"expected {(rows, cols)} {dtype}")
         return out
+
+    def decode_into(self, data: bytes | memoryview, out: torch.Tensor, max_bytes: int,
+                    scratch: Callable[[int, int], memoryview] | None = None) -> None:
+        """Decode into ``out``, a contiguous 2-D CPU tensor of the chunk's shape and dtype.
+
+        Same checks and errors as ``decode``. Lossless pipelines write each stage's output into
+        the next buffer without allocating: ``scratch(i, nbytes)`` lends the buffer between stages
+        (a fresh one if None) and the last stage writes into ``out`` itself; other array codecs
+        decode and copy.
+        """
+        _check_limits(data, tuple(out.shape), out.dtype, max_bytes)
+        if not isinstance(self.array, RawCodec) or out.numel() == 0 or not out.is_contiguous():
+            out.copy_(self.decode(data, tuple(out.shape), out.dtype, max_bytes))
+            return
+        dest = tensor_bytes(out)
+        stages = list(reversed(self.stages))
+        for i, stage in enumerate(stages):
+            last = i == len(stages) - 1
+            target = dest if last else (scratch(i, dest.nbytes) if scratch else memoryview(bytearray(dest.nbytes)))
+            stage.decode_into(data, target)
+            data = target
+        if not stages:
+            format_guard(memoryview(data).nbytes, dest.nbytes, self.array.name)
+            dest[:] = memoryview(data).cast("B")
 
     def to_list(self) -> list[dict[str, Any]]:
         """The manifest form: one ``to_dict`` per codec, array codec first."""
@@ -96,6 +114,17 @@ class Pipeline:
         """16 hex digits of SHA-256 over the canonical JSON of ``to_list()``; stable across runs."""
         text = json.dumps(self.to_list(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_limits(data: bytes | memoryview, shape: Any, dtype: Any, max_bytes: int) -> tuple[int, int]:
+    rows, cols = check_shape(shape)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if rows * cols * dtype_itemsize(dtype) > max_bytes:
+        raise FormatError(f"chunk of shape {shape} and dtype {dtype} exceeds the limit of {max_bytes} bytes")
+    if memoryview(data).nbytes > max_bytes:
+        raise FormatError(f"encoded chunk of {memoryview(data).nbytes} bytes exceeds the limit of {max_bytes}")
+    return rows, cols
 
 
 def _byte_stages(itemsize: int, compression: CompressionConfig) -> tuple[BytesCodec, ...]:

@@ -16,7 +16,7 @@ from ._common import check_int
 from .base import BytesCodec, register
 
 # Elements per piece: the piece's source and destination bytes stay in cache.
-_PIECE = 1 << 15
+_PIECE = 1 << 14
 
 
 @register
@@ -44,17 +44,28 @@ class ShuffleCodec(BytesCodec):
             raise FormatError(f"shuffle: {memoryview(data).nbytes} bytes exceed the limit of {max_output}")
         return _transpose(data, self.itemsize, forward=False)
 
+    def decode_into(self, data: bytes | memoryview, out: memoryview) -> None:
+        if memoryview(data).nbytes != out.nbytes:
+            raise FormatError(f"shuffle: {memoryview(data).nbytes} bytes do not fill {out.nbytes}")
+        if out.nbytes:
+            _transpose(data, self.itemsize, forward=False, out=np.frombuffer(out, dtype=np.uint8))
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "itemsize": self.itemsize}
 
 
-def _transpose(data: bytes | memoryview, itemsize: int, forward: bool) -> bytes | memoryview:
-    """Shuffle (``forward``) or unshuffle ``data`` into a new buffer; itemsize 1 returns ``data``."""
-    if itemsize == 1:
+def _transpose(data: bytes | memoryview, itemsize: int, forward: bool,
+               out: np.ndarray | None = None) -> bytes | memoryview:
+    """Shuffle (``forward``) or unshuffle ``data`` into ``out`` (same size; a new buffer if None).
+
+    With itemsize 1 and no ``out``, ``data`` itself is returned.
+    """
+    if itemsize == 1 and out is None:
         return data
     src = np.frombuffer(data, dtype=np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
     n = src.size // itemsize
-    out = np.empty_like(src)
+    if out is None:
+        out = np.empty_like(src)
     # Shuffled layout: plane b (byte b of every element) is [b*n, (b+1)*n). One byte column at a
     # time, in cache-sized pieces: numpy's strided 1-D copies beat its 2-D transposing copy ~4x
     # when unshuffling.

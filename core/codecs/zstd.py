@@ -61,15 +61,7 @@ class ZstdCodec(BytesCodec):
         return _compressor(self.level, self.threads).compress(data)
 
     def decode(self, data: bytes | memoryview, max_output: int) -> bytes:
-        try:
-            size = zstandard.frame_content_size(data)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"zstd: invalid frame header: {exc}") from None
-        if size < 0:
-            raise FormatError("zstd: frame does not declare its content size")
-        if size > max_output:
-            raise FormatError(f"zstd: frame declares {size} bytes, more than the limit of {max_output} "
-                              "(refusing a possible decompression bomb)")
+        size = _content_size(data, max_output)
         try:
             out = _decompressor().decompress(data, max_output_size=max_output, allow_extra_data=False)
         except zstandard.ZstdError as exc:
@@ -78,5 +70,61 @@ class ZstdCodec(BytesCodec):
             raise FormatError(f"zstd: frame declared {size} bytes but holds {len(out)}")
         return out
 
+    def decode_into(self, data: bytes | memoryview, out: memoryview) -> None:
+        size = _content_size(data, out.nbytes)
+        if size != out.nbytes:
+            raise FormatError(f"zstd: frame declares {size} bytes, expected {out.nbytes}")
+        end = _frame_end(data)
+        if end != memoryview(data).nbytes:
+            raise FormatError(f"zstd: {memoryview(data).nbytes - end} bytes after the end of the frame")
+        try:
+            with _decompressor().stream_reader(data, read_across_frames=False) as reader:
+                got = 0
+                while got < size:
+                    n = reader.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+                extra = reader.read(1)  # reaches the end of the frame: its checksum is verified
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"zstd: corrupt data: {exc}") from None
+        if got != size or extra:
+            raise FormatError(f"zstd: frame declared {size} bytes but holds {got + len(extra)}+")
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "level": self.level, "threads": self.threads}
+
+
+def _content_size(data: bytes | memoryview, max_output: int) -> int:
+    """The frame's declared content size, refused if absent or over ``max_output`` (before any
+    allocation: a hostile or corrupt blob cannot be a decompression bomb)."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd: invalid frame header: {exc}") from None
+    if size < 0:
+        raise FormatError("zstd: frame does not declare its content size")
+    if size > max_output:
+        raise FormatError(f"zstd: frame declares {size} bytes, more than the limit of {max_output} "
+                          "(refusing a possible decompression bomb)")
+    return size
+
+
+def _frame_end(data: bytes | memoryview) -> int:
+    """Offset just past the first frame, from its block headers (RFC 8878, section 3.1.1)."""
+    view = memoryview(data).cast("B")
+    try:
+        pos = zstandard.frame_header_size(view)
+        has_checksum = zstandard.get_frame_parameters(view).has_checksum
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd: invalid frame header: {exc}") from None
+    while True:
+        if pos + 3 > view.nbytes:
+            raise FormatError("zstd: truncated frame")
+        header = int.from_bytes(view[pos:pos + 3], "little")
+        kind = (header >> 1) & 3
+        if kind == 3:
+            raise FormatError("zstd: corrupt data: reserved block type")
+        pos += 3 + (1 if kind == 1 else header >> 3)  # RLE blocks hold one byte
+        if header & 1:  # last block
+            return pos + (4 if has_checksum else 0)
