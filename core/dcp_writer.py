@@ -134,6 +134,7 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp") as pool:
             writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats)
             results = writer.write(plan.items, planner)
+        store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
         KNOWN.remember(store, writer.touched.values(), writer.new_stats)
         self.last_written_bytes = writer.written
         fut: Future = Future()

@@ -153,6 +153,7 @@ class Store:
         self._is_s3 = bool(_S3_PROTOCOLS & set(_protocols(fs)))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_lock = threading.Lock()
+        self._unsynced: set[str] = set()  # blob directories whose new entries are not fsynced yet
         self._in_worker = threading.local()
         self._display_root = self._user_root()
 
@@ -229,8 +230,18 @@ class Store:
     def put_blob(self, key: str, data: bytes | memoryview) -> None:
         """Write a blob atomically (readers see all of it or nothing); overwrites."""
         path = self.blob_path(key)
-        self._retry(lambda: self._write(path, data, single_put=False),
+        self._retry(lambda: self._write(path, data, single_put=False, defer_dir_sync=True),
                     f"write blob {self._display(path)}")
+
+    def sync(self) -> None:
+        """Make the blobs written so far durable: fsync (once each) the directories ``put_blob``
+        added entries to. ``write_manifest`` calls it first, so a committed manifest never points
+        at a blob a power loss could take back; a process writing blobs for another's manifest
+        (DCP ranks) calls it itself. No-op unless local with ``storage.fsync``."""
+        with self._pool_lock:
+            dirs, self._unsynced = self._unsynced, set()
+        for d in sorted(dirs):
+            _fsync_dir(d)
 
     def get_blob(self, key: str, max_bytes: int) -> bytes:
         """Read a blob; a missing one or one larger than ``max_bytes`` is CorruptCheckpointError."""
@@ -346,6 +357,7 @@ class Store:
     def write_manifest(self, name: str, data: bytes) -> None:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores."""
         path = self._manifest_path(name)
+        self.sync()
         self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
                     f"write manifest {self._display(path)}")
 
@@ -497,9 +509,9 @@ class Store:
             self.fs.invalidate_cache(path)
 
     def _write(self, path: str, data: bytes | memoryview, *, single_put: bool,
-               tmp_prefix: str = "") -> None:
+               tmp_prefix: str = "", defer_dir_sync: bool = False) -> None:
         if self.is_local:
-            self._write_local(path, data, tmp_prefix)
+            self._write_local(path, data, tmp_prefix, defer_dir_sync)
             return
         kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and self._is_s3 else {}
         try:
@@ -509,8 +521,10 @@ class Store:
         finally:
             self.fs.invalidate_cache(path)
 
-    def _write_local(self, path: str, data: bytes | memoryview, tmp_prefix: str) -> None:
-        """Temp file in the same directory + fsync + rename + directory fsync (if configured).
+    def _write_local(self, path: str, data: bytes | memoryview, tmp_prefix: str,
+                     defer_dir_sync: bool = False) -> None:
+        """Temp file in the same directory + fsync + rename + directory fsync (if configured;
+        ``defer_dir_sync`` leaves the directory fsync to ``sync``).
 
         The temp file (a fresh uuid name) is opened through the filesystem object, so it gets
         the process umask like any open() and a wrapped filesystem can inject faults.
@@ -530,7 +544,11 @@ class Store:
                 os.remove(tmp)
             raise
         if self.config.fsync:
-            _fsync_dir(directory)
+            if defer_dir_sync:
+                with self._pool_lock:
+                    self._unsynced.add(directory)
+            else:
+                _fsync_dir(directory)
 
     def _makedirs_local(self, directory: str) -> None:
         if os.path.isdir(directory):

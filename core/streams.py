@@ -12,6 +12,7 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .config import IncrementalConfig
@@ -20,11 +21,44 @@ from .manifest import BlobRef, DeltaRef, TensorRecord
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+#: Rows compared per step of ``copy_changed_rows``: the block of both tensors stays in cache.
+_COMPARE_BLOCK_BYTES = 1 << 20
+
+
 def row_view(t: torch.Tensor) -> torch.Tensor:
-    """A (rows, words) integer view of a contiguous tensor with ndim >= 2, for bitwise comparison."""
+    """A (rows, words) integer view of a contiguous tensor with ndim >= 2, for bitwise comparison,
+    with the widest word (up to 8 bytes) that divides the row."""
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.reshape(t.shape[0], -1).view(_INT_VIEW[t.element_size()])
+    rows = t.reshape(t.shape[0], -1)
+    row_bytes = rows.shape[1] * t.element_size()
+    width = next(w for w in (8, 4, 2, 1) if w >= t.element_size() and row_bytes % w == 0) if row_bytes else 1
+    return rows.view(_INT_VIEW[t.element_size()]).view(_INT_VIEW[width]) if row_bytes else rows.view(
+        _INT_VIEW[t.element_size()])
+
+
+def copy_changed_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Copy the rows of ``src`` that differ bitwise from ``dst`` into ``dst``; return their indices.
+
+    One pass over row blocks that fit in cache, in numpy (single-threaded, no temporaries of the
+    tensor's size): compare the widest integer words, reduce per row, copy the changed rows.
+    """
+    a, b = row_view(src).numpy(), row_view(dst).numpy()
+    rows, words = a.shape
+    if rows == 0 or words == 0:
+        return torch.empty(0, dtype=torch.int64)
+    block = max(1, _COMPARE_BLOCK_BYTES // (words * a.itemsize))
+    scratch = np.empty((min(block, rows), words), dtype=bool)
+    found = []
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        ne = np.not_equal(a[start:stop], b[start:stop], out=scratch[:stop - start])
+        # 8 bools per row in one uint64: the per-row reduction runs over an eighth of the elements
+        changed = np.flatnonzero((ne.view(np.uint64) if words % 8 == 0 else ne).any(axis=1))
+        if changed.size:
+            b[start:stop][changed] = a[start:stop][changed]
+            found.append(changed + start)
+    return torch.from_numpy(np.concatenate(found)) if found else torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -69,10 +103,7 @@ class RowStream:
             dst.copy_(src)
             self.dense_countdown = cfg.max_chain + 1
             return None
-        changed = torch.ne(row_view(src), row_view(dst)).any(dim=1).nonzero().squeeze(1)
-        if changed.numel():
-            dst.index_copy_(0, changed, src.index_select(0, changed))
-        return changed
+        return copy_changed_rows(src, dst)
 
     @staticmethod
     def _looks_dense(src: torch.Tensor, dst: torch.Tensor, ratio: float, samples: int = 64) -> bool:

@@ -106,3 +106,24 @@ def test_removing_base_keeps_dependents_loadable(tmp_path):
         report = engine.gc(tmp_path, grace_seconds=0)
         assert report.deleted == []  # everything still needed by 2.ckpt
         assert _bits_equal(engine.load(tmp_path / "2.ckpt")["emb"], emb)
+
+
+@pytest.mark.parametrize("dtype,cols", [(torch.float32, 64), (torch.float32, 3), (torch.float16, 3),
+                                        (torch.bfloat16, 8), (torch.float64, 1), (torch.int8, 5),
+                                        (torch.bool, 9), (torch.complex64, 2)])
+def test_copy_changed_rows_finds_exactly_the_changed_rows(dtype, cols):
+    from ckpt_core.streams import _COMPARE_BLOCK_BYTES, copy_changed_rows
+
+    rng = random.Random(cols)
+    rows = 3 * _COMPARE_BLOCK_BYTES // (cols * torch.empty((), dtype=dtype).element_size()) + 7  # > 3 blocks
+    dst = torch.randn(rows, cols).to(dtype) if dtype != torch.bool else torch.rand(rows, cols) > 0.5
+    src = dst.clone()
+    changed = sorted(rng.sample(range(rows), 50) + [0, rows - 1])
+    changed = sorted(set(changed))
+    for r in changed:  # flip one bit of one element: the smallest possible change
+        c = rng.randrange(cols)
+        src[r].view(torch.uint8)[c * src.element_size()] ^= 1
+    out = copy_changed_rows(src, dst)
+    assert out.tolist() == changed
+    assert torch.equal(src.view(torch.uint8) if dtype != torch.complex64 else torch.view_as_real(src),
+                       dst.view(torch.uint8) if dtype != torch.complex64 else torch.view_as_real(dst))

@@ -575,3 +575,25 @@ def test_map_nested_in_pool_does_not_deadlock(memory_root):
     with Store.for_directory(memory_root, None, StorageConfig(io_threads=2)) as store:
         out = store.map(lambda i: sum(store.map(lambda j: i * j, range(4))), range(6))
     assert out == [i * 6 for i in range(6)]
+
+
+def test_blob_directories_are_fsynced_before_the_manifest_is_committed(tmp_path, monkeypatch):
+    """put_blob defers its directory fsync; write_manifest must do them all before its rename."""
+    import ckpt_core.storage as storage_mod
+    import torch
+
+    import ckpt_core
+
+    events: list[tuple[str, str]] = []
+    real_fsync_dir, real_replace = storage_mod._fsync_dir, os.replace
+    monkeypatch.setattr(storage_mod, "_fsync_dir", lambda d: (events.append(("fsync", d)), real_fsync_dir(d)))
+    monkeypatch.setattr(storage_mod.os, "replace",
+                        lambda a, b: (real_replace(a, b), events.append(("rename", os.path.dirname(b))))[0])
+    state = {f"t{i}": torch.randn(64, 64) for i in range(6)}
+    ckpt_core.save(state, tmp_path / "a.ckpt", config={"compression": {"chunk_bytes": 4096}})
+    commit = max(i for i, (kind, d) in enumerate(events) if kind == "rename" and d == str(tmp_path))
+    blob_dirs = {d for kind, d in events[:commit] if kind == "rename" and d != str(tmp_path)}
+    assert len(blob_dirs) > 3
+    for d in blob_dirs:
+        last_rename = max(i for i, e in enumerate(events) if e == ("rename", d))
+        assert any(e == ("fsync", d) for e in events[last_rename:commit]), d
