@@ -119,8 +119,14 @@ class RetentionConfig:
 
     keep_last: Optional[int] = None
     """Keep this many newest committed checkpoints in a directory (None = keep all)."""
+    protect: tuple = ()
+    """Glob patterns of checkpoint names that retention neither counts nor removes (the Lightning
+    plugin adds ``last*.ckpt``, so ``keep_last`` never deletes the checkpoint ``ckpt_path="last"``
+    resumes from)."""
     gc_grace_seconds: float = 3600.0
-    """Blobs younger than this are never collected (protects concurrent saves)."""
+    """Blobs younger than this are never collected (protects concurrent saves). A save that reuses
+    a stored blob older than half of it writes that blob again, so a concurrent gc cannot take it
+    (0 = a single writer: nothing is rewritten and gc may delete any unreferenced blob)."""
     gc_after_save: bool = True
     """Run garbage collection after retention removed a checkpoint."""
 

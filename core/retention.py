@@ -7,6 +7,7 @@ is collected: its references are unknown.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,11 +67,14 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
 
 
 def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[str]:
-    """Remove the oldest committed manifests beyond ``keep_last``; never a name in ``keep``."""
+    """Remove the oldest committed manifests beyond ``keep_last``; never a name in ``keep`` nor one
+    matching ``retention.protect`` (those are not counted either)."""
     keep_last = config.retention.keep_last
     if keep_last is None:
         return []
-    committed = [e for e in list_checkpoints(store, config) if e.manifest is not None]
+    protect = config.retention.protect
+    committed = [e for e in list_checkpoints(store, config)
+                 if e.manifest is not None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
     removable = [e for e in committed[:-keep_last] if e.name not in keep] if len(committed) > keep_last else []
     for e in removable:
         store.delete_manifest(e.name)

@@ -13,6 +13,9 @@ from ckpt_core import ConfigError, EngineConfig
 
 __all__ = ["build_config", "lossless_config"]
 
+#: Lightning's ``ModelCheckpoint`` names its last checkpoint ``last.ckpt`` (``last-v1.ckpt``, ...).
+LAST_PATTERN = "last*.ckpt"
+
 ConfigLike = Union[EngineConfig, dict, str, "os.PathLike[str]", None]
 
 
@@ -61,7 +64,10 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
         dotted["storage.storage_options"] = {**cfg.storage.storage_options, **storage_options}
     if "quantization" in dotted:
         dotted["quantization"] = [_rule_dict(r) for r in dotted["quantization"]]
-    return cfg.replace(**dotted) if dotted else cfg
+    cfg = cfg.replace(**dotted) if dotted else cfg
+    if LAST_PATTERN not in cfg.retention.protect:  # keep_last never deletes what ckpt_path="last" needs
+        cfg = cfg.replace(**{"retention.protect": (*cfg.retention.protect, LAST_PATTERN)})
+    return cfg
 
 
 def _rule_dict(rule: Any) -> Any:

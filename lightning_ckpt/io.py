@@ -48,8 +48,8 @@ class CheckrunCheckpointIO(CheckpointIO):
         config: engine settings: an ``EngineConfig``, a dict, or the path of a YAML file; None = defaults
             (lossless, asynchronous, incremental).
         config_section: read only this top-level section of the dict/YAML (e.g. ``"checkpointing"``).
-        keep_last: engine retention: keep this many newest checkpoints per directory (counts every
-            checkpoint there, ``last.ckpt`` included; prefer ``ModelCheckpoint(save_top_k=...)``).
+        keep_last: engine retention: keep this many newest checkpoints per directory, not counting
+            ``last*.ckpt``, which it never removes; prefer ``ModelCheckpoint(save_top_k=...)``.
         asynchronous: False = every save is committed before ``save_checkpoint`` returns.
         incremental: False = every save writes full tensors (still deduplicated by content).
         quantization: opt-in lossy rules, e.g. ``[{"pattern": "*.emb.weight", "bits": 4}]``.

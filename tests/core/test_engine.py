@@ -108,6 +108,15 @@ def test_keep_last_and_gc(tmp_path):
             assert engine.verify(tmp_path / n).ok
 
 
+def test_retention_protect_patterns_are_neither_counted_nor_removed(tmp_path):
+    cfg = EngineConfig.from_dict({"retention": {"keep_last": 2, "protect": ["last*.ckpt"]}})
+    with CheckpointEngine(cfg) as engine:
+        engine.save({"w": torch.zeros(3)}, tmp_path / "last.ckpt").result()
+        for i in range(4):
+            engine.save({"w": torch.full((3,), float(i))}, tmp_path / f"s{i}.ckpt").result()
+        assert [e.name for e in engine.list(tmp_path)] == ["last.ckpt", "s2.ckpt", "s3.ckpt"]
+
+
 def test_bad_inputs_name_the_file(tmp_path):
     with CheckpointEngine() as engine:
         engine.save({"w": torch.randn(64, 64)}, tmp_path / "good.ckpt").result()

@@ -47,7 +47,7 @@ def test_config_sources_and_precedence(tmp_path) -> None:
     merged = make_io(base, storage_options={"b": 2}).config
     assert merged.storage.storage_options == {"a": 1, "b": 2} and merged.saving.asynchronous is False
     assert make_io({"incremental": {"enabled": False}}).config.incremental.enabled is False
-    assert make_io().config == EngineConfig()
+    assert make_io().config == EngineConfig().replace(**{"retention.protect": ("last*.ckpt",)})
     with pytest.raises(ConfigError, match="retention.keep_last"):
         make_io(keep_last=0)
     with pytest.raises(ConfigError, match="unknown config key"):

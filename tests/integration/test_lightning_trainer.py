@@ -72,6 +72,16 @@ def test_topk_every_n_steps_last_and_resume(lroot) -> None:
     assert len(mc3.best_k_models) == 2 and all(p.startswith(ckpt_dir) for p in mc3.best_k_models)
 
 
+def test_keep_last_never_removes_last_ckpt(tmp_path) -> None:
+    """keep_last counts the other checkpoints only: the one ``ckpt_path="last"`` needs survives."""
+    plugin = make_io(keep_last=1, asynchronous=False)
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    trainer(str(tmp_path), plugin, callbacks=[mc], max_steps=6).fit(TinyModel())
+    # Without protection the save of step=6 would evict last.ckpt (older), then last.ckpt step=6.
+    assert ls(str(tmp_path / "ckpts")) == [".checkrun", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert saved_step(plugin, str(tmp_path / "ckpts" / "last.ckpt")) == 6
+
+
 def test_validate_test_predict_from_checkpoint(lroot) -> None:
     root, opts = lroot
     plugin = make_io(storage_options=opts)
