@@ -6,7 +6,7 @@ of hidden embeddings + a per-id bias + a linear term; label ~ Bernoulli(sigmoid)
 seed ``i``, so replaying steps after a restore sees the same data.
 
 Model: DLRM (embedding tables dim 16 with sparse Adagrad, bottom MLP 13-64-16, dot interaction,
-top MLP 64-32-1 with Adam). Training ``--steps`` steps of batch 512, a checkrun checkpoint every
+top MLP 52-64-32-1 with Adam). Training ``--steps`` steps of batch 512, a checkrun checkpoint every
 ``--every`` steps (async, default incremental). A failure at step f: the engine is dropped, a new
 one loads ``latest(dir)``, training resumes from that checkpoint's step (lost steps are replayed).
 ``k`` failures are spread evenly over training after the first checkpoint. Quantized runs use
@@ -17,7 +17,8 @@ Reported: final eval log-loss and AUC (rank formula, 50k held-out samples) and t
 change vs the lossless run without failures. The lossless run with 20 failures must match it
 exactly (lossless restore + deterministic replay). Target: degradation < 0.1% at 4 bits, 20 restores.
 
-Run: ``python -m benchmarks.bench_quant_accuracy [--steps 1500] [--every 60] [--extra]``
+Run: ``python -m benchmarks.bench_quant_accuracy [--steps 1500] [--every 60] [--extra] [--json PATH]``
+(``--json``: the table's rows, the two verdicts and the run time, for ``benchmarks.report``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.common import engine_config, machine_header, table, verdict, workdir
+from benchmarks.common import engine_config, machine_header, machine_info, table, verdict, workdir, write_json
 
 DIM, DENSE, BATCH = 16, 13, 512
 
@@ -155,7 +156,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--extra", action="store_true", help="also 2-bit, 3-bit and adaptive")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None, help="write the results here (JSON)")
     args = ap.parse_args(argv)
+    started, t_start = machine_info(), time.perf_counter()
     root = workdir(args.dir)
     torch.set_num_threads(1)  # deterministic and leaves a core to the background saver
     hidden = Hidden(args.tables, args.rows)
@@ -178,21 +181,27 @@ def main(argv=None) -> None:
             print(f"  {label} k={k}: {r} (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    base = res[0][2]
+    base, r20 = res[0][2], res[4][2]
+    heads = ["embeddings", "failures", "restores", "max rel L2 err restored", "eval loss", "loss +%", "AUC",
+             "AUC -%", "run s"]
     rows = [[label, k, r["restores"], r["rel_err"], r["loss"], 100 * (r["loss"] / base["loss"] - 1), r["auc"],
              100 * (1 - r["auc"] / base["auc"]), r["seconds"]] for label, k, r in res]
+    identical = res[1][2]["loss"] == base["loss"] and res[1][2]["auc"] == base["auc"]
+    deg = max(r20["loss"] / base["loss"] - 1, 1 - r20["auc"] / base["auc"])
+    minutes = (time.perf_counter() - t_start) / 60
     print(f"\n{args.steps} steps x {BATCH}, checkpoint every {args.every}, {args.tables} tables x {args.rows} rows "
           f"x {DIM}\n")
-    print(table(["embeddings", "failures", "restores", "max rel L2 err restored", "eval loss", "loss +%", "AUC",
-                 "AUC -%", "run s"], rows, 5))
+    print(table(heads, rows, 5))
     print("\n(loss +%: relative increase of eval loss vs lossless without failures; AUC -%: relative decrease;"
           " negative = better; rel L2 err: the largest error the manifests of the restored checkpoints record)")
-    print(f"\n- lossless with 20 restores identical to no failures: "
-          f"{verdict(res[1][2]['loss'] == base['loss'] and res[1][2]['auc'] == base['auc'])}")
-    r20 = res[4][2]
-    deg = max(r20["loss"] / base["loss"] - 1, 1 - r20["auc"] / base["auc"])
+    print(f"\n- lossless with 20 restores identical to no failures: {verdict(identical)}")
     print(f"- 4-bit, 20 restores: worst relative degradation {100 * deg:.4f}% (target < 0.1%): {verdict(deg < 1e-3)}")
-    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\nrun time {minutes:.1f} min; load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    keys = ["embeddings", "failures", "restores", "max_rel_l2_err", "eval_loss", "loss_pct", "auc", "auc_drop_pct",
+            "seconds"]
+    write_json(args.json, "quant_accuracy", args, {
+        "runs": [dict(zip(keys, row)) for row in rows], "lossless_restores_identical": identical,
+        "degradation_4bit_20": deg, "target_met": deg < 1e-3, "minutes": round(minutes, 2)}, started)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Helpers shared by the codecs: byte views of tensors, directed rounding, error statistics.
 
 Everything here is pure and thread-safe; the heavy lifting is torch/numpy code that releases the GIL.
+The ``*_np`` helpers serve the quantizing encoders, which run on the engine's worker threads in
+numpy: numpy ufuncs never fan out to a thread pool, whereas every torch op over more than 32768
+elements fans out to torch's OpenMP team (two workers x two OpenMP threads on two busy cores
+thrash, 10-16x slower; docs/benchmarks.md P4). Avoid ``np.dot``/``matmul`` there (BLAS threads).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from .base import EncodeStats
 BLOCK_ELEMS = 1 << 18
 
 _SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+_NP_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+              torch.float64: np.dtype(np.float64)}
 
 
 def scale_dtype(name: str) -> torch.dtype:
@@ -136,3 +142,69 @@ def format_guard(nbytes: int, expected: int, codec: str) -> None:
     """FormatError unless an encoded buffer has exactly the size its shape implies."""
     if nbytes != expected:
         raise FormatError(f"{codec}: encoded data has {nbytes} bytes, expected {expected}")
+
+
+# ---------------------------------------------------------------- numpy helpers for the encoders
+
+def np_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy dtype of float16/float32/float64 (scale dtypes, compute dtypes)."""
+    return _NP_DTYPES[dtype]
+
+
+def compute_array(x: torch.Tensor) -> np.ndarray:
+    """The values of a float CPU tensor as a float32 numpy array (float64 for float64 tensors).
+
+    float32/float64 tensors are returned as zero-copy (possibly strided) views: read only. The
+    bfloat16 -> float32 widening is exact (the bf16 bits are the high half of the float32).
+    """
+    if x.dtype in (torch.float32, torch.float64):
+        return x.numpy()
+    if x.dtype == torch.float16:
+        return x.numpy().astype(np.float32)
+    bits = x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    return np.left_shift(bits, 16, out=bits).view(np.float32)
+
+
+def as_stored(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Compute-dtype ``values`` rounded to ``dtype`` the way ``Tensor.to(dtype)`` rounds (to
+    nearest, ties to even) and widened back: what decode returns, for exact error statistics."""
+    if dtype in (torch.float32, torch.float64):
+        return values
+    if dtype == torch.float16:
+        return values.astype(np.float16).astype(np.float32)
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += bits
+    rounded += 0x7FFF  # finite values only (encode refuses inf/nan); ties go to the even bf16
+    rounded &= 0xFFFF0000
+    return rounded.view(np.float32)
+
+
+def require_finite_np(values: np.ndarray, codec: str) -> None:
+    """``require_finite`` for numpy arrays of per-row (or per-block) minima and maxima."""
+    if values.size and not np.isfinite(values).all():
+        raise ValueError(f"{codec}: input contains inf or nan; it cannot be quantized")
+
+
+def round_directed_np(x64: np.ndarray, dtype: np.dtype, up: bool) -> np.ndarray:
+    """numpy ``round_directed``: float64 -> ``dtype`` towards +inf (``up``) or -inf."""
+    with np.errstate(over="ignore"):
+        r = x64.astype(dtype)
+    back = r.astype(np.float64)
+    wrong = back < x64 if up else back > x64
+    if wrong.any():
+        r = np.where(wrong, np.nextafter(r, np.array(np.inf if up else -np.inf, dtype)), r)
+    if not np.isfinite(r).all():
+        raise ValueError(f"quantization parameters overflow {dtype}; use a wider scale dtype")
+    return r
+
+
+def array_stats(ref: np.ndarray, recon: np.ndarray) -> EncodeStats:
+    """``block_stats`` for 2-D compute-dtype numpy arrays of the same shape (``recon`` as decode
+    returns it). ``einsum`` (no BLAS) sums squares per row in one pass; rows add up in float64."""
+    if ref.size == 0:
+        return EncodeStats()
+    err = np.subtract(recon, ref)
+    return EncodeStats(max(float(err.max()), -float(err.min())),
+                       float(np.einsum("ij,ij->i", err, err).sum(dtype=np.float64)),
+                       float(np.einsum("ij,ij->i", ref, ref).sum(dtype=np.float64)))

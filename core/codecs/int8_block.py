@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, block_stats, bytes_to_uint8, check_int,
-                      check_shape, compute_dtype, format_guard, require_finite, require_quantizable,
-                      round_directed, typed_view)
+from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, array_stats, as_stored, bytes_to_uint8,
+                      check_int, check_shape, compute_array, compute_dtype, format_guard,
+                      require_finite_np, require_quantizable, round_directed_np)
 from .base import ArrayCodec, EncodeStats, register
 
 
@@ -55,34 +55,36 @@ class Int8BlockCodec(ArrayCodec):
         return ((a, min(a + span, n)) for a in range(0, n, span))
 
     def encode(self, array: torch.Tensor) -> tuple[memoryview, EncodeStats]:
+        """Runs numpy on the calling thread only (torch ops would fan out to its OpenMP team)."""
         require_quantizable(array, self.name)
         flat = array.detach().contiguous().reshape(-1)
         nb, total = self._layout(flat.numel())
         out = np.empty(total, dtype=np.uint8)
-        scales = typed_view(out[:nb * 4], torch.float32)
+        scales = out[:nb * 4].view(np.float32)
         codes = out[nb * 4:].view(np.int8)
         stats = EncodeStats()
         for a, b in self._pieces(flat.numel()):
-            x = flat[a:b]
-            require_finite(x, self.name)
-            c, s, recon = self._quantize(x)
-            scales[a // self.block_size:a // self.block_size + s.numel()] = s
+            x = compute_array(flat[a:b])
+            c, s, recon = self._quantize(x, flat.dtype)
+            scales[a // self.block_size:a // self.block_size + s.size] = s
             codes[a:b] = c
-            stats = stats.merge(block_stats(x, recon))
+            stats = stats.merge(array_stats(x[None], recon[None]))
         return memoryview(out), stats
 
-    def _quantize(self, x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """One piece of whole blocks -> (int8 codes, float32 scales, values as decode returns them)."""
-        cdt = compute_dtype(x.dtype)
-        xc = x.to(cdt)
-        absmax = _per_block(xc.abs(), self.block_size, torch.amax)
+    def _quantize(self, xc: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One piece of whole blocks (compute dtype) -> (int8 codes, float32 scales, values as
+        decode returns them, in the compute dtype)."""
+        absmax = _per_block(np.abs(xc), self.block_size)
+        require_finite_np(absmax, self.name)  # nan propagates through max; inf stays inf
         # Rounding the scale up keeps |x| / scale <= 127, so no value needs clamping.
-        scale = round_directed(absmax.to(torch.float64) / 127.0, torch.float32, up=True)
-        sc = _expand(scale.to(cdt), self.block_size, xc.numel())
-        inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
-        codes = xc.mul(inv).round_().clamp_(-127, 127)
-        recon = codes.mul(sc).to(x.dtype)
-        return codes.numpy().astype(np.int8), scale, recon
+        scale = round_directed_np(absmax.astype(np.float64) / 127.0, np.dtype(np.float32), up=True)
+        sc = _expand(scale.astype(xc.dtype), self.block_size, xc.size)
+        with np.errstate(divide="ignore"):
+            inv = np.where(sc > 0, 1 / np.where(sc > 0, sc, 1), 0).astype(xc.dtype)
+        codes = np.multiply(xc, inv)
+        np.rint(codes, out=codes)
+        np.clip(codes, -127, 127, out=codes)
+        return codes.astype(np.int8), scale, as_stored(codes * sc, dtype)
 
     def decode(self, data: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         rows, cols = check_shape(shape)
@@ -110,17 +112,20 @@ class Int8BlockCodec(ArrayCodec):
         return {"name": self.name, "version": self.version, "block_size": self.block_size}
 
 
-def _per_block(x: torch.Tensor, block: int, reduce) -> torch.Tensor:
-    """``reduce`` over consecutive blocks of a 1-D tensor (the last block may be shorter)."""
-    full = x.numel() // block * block
-    parts = [reduce(x[:full].view(-1, block), dim=1)] if full else []
-    if full < x.numel():
-        parts.append(reduce(x[full:], dim=0, keepdim=True))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+def _per_block(x: np.ndarray, block: int) -> np.ndarray:
+    """Maximum over consecutive blocks of a 1-D array (the last block may be shorter)."""
+    full = x.size // block * block
+    parts = [x[:full].reshape(-1, block).max(1)] if full else []
+    if full < x.size:
+        parts.append(x[full:].max(keepdims=True))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def _expand(per_block: torch.Tensor, block: int, n: int) -> torch.Tensor:
-    """Repeat each block's value over its elements: (nb,) -> (n,).
+def _expand(per_block, block: int, n: int):
+    """Repeat each block's value over its elements: (nb,) -> (n,) (numpy or torch).
 
     ``min``: a block longer than ``n`` (a hostile manifest's block_size) must not size the output."""
-    return per_block.repeat_interleave(min(block, max(n, 1)))[:n]
+    reps = min(block, max(n, 1))
+    if isinstance(per_block, np.ndarray):
+        return np.repeat(per_block, reps)[:n]
+    return per_block.repeat_interleave(reps)[:n]

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import FormatError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, bytes_to_uint8, check_int, check_shape,
-                      format_guard, require_quantizable, scale_dtype, typed_view)
+                      compute_array, format_guard, np_dtype, require_quantizable, scale_dtype)
 from .base import ArrayCodec, EncodeStats, register
 from .packing import GROUP_CODES, SUPPORTED_BITS, pack, packed_nbytes, unpack
 from .rowwise import dequantize_rows, quantize_rows
@@ -81,21 +81,23 @@ class UniformCodec(ArrayCodec):
         return per_row, param_bytes, 2 * param_bytes + packed_nbytes(rows * cols, self.bits)
 
     def encode(self, array: torch.Tensor) -> tuple[memoryview, EncodeStats]:
+        """Runs numpy on the calling thread only (see ``rowwise``)."""
         require_quantizable(array, self.name)
         array = array.detach()
         rows, cols = array.shape
         per_row, param_bytes, total = self._layout(rows, cols)
+        sdt = np_dtype(self._sdt)
         out = np.empty(total, dtype=np.uint8)
-        mins = typed_view(out[:param_bytes], self._sdt)
-        steps = typed_view(out[param_bytes:2 * param_bytes], self._sdt)
+        mins = out[:param_bytes].view(sdt)
+        steps = out[param_bytes:2 * param_bytes].view(sdt)
         packed = out[2 * param_bytes:]
         stats, pos = EncodeStats(), 0
         carry = np.empty(0, dtype=np.uint8)  # codes not yet filling a whole group of 8
         for i, j, a, b in _segments(rows, cols, self._block(cols), self.block_size is not None):
-            codes, m, s, st = self._encode_segment(array[i:j, a:b])
+            codes, m, s, st = self._encode_segment(compute_array(array[i:j, a:b]), array.dtype)
             p0 = i * per_row + a // self._block(cols)
-            mins[p0:p0 + m.numel()] = m
-            steps[p0:p0 + s.numel()] = s
+            mins[p0:p0 + m.size] = m
+            steps[p0:p0 + s.size] = s
             stats = stats.merge(st)
             stream = np.concatenate([carry, codes.reshape(-1)]) if carry.size else codes.reshape(-1)
             whole = stream.size - stream.size % GROUP_CODES
@@ -107,21 +109,24 @@ class UniformCodec(ArrayCodec):
         packed[pos:pos + tail.size] = tail
         return memoryview(out), stats
 
-    def _encode_segment(self, x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, EncodeStats]:
-        """Quantize one segment; returns (codes (r, w), mins, steps in group order, stats)."""
+    def _encode_segment(self, x: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                          EncodeStats]:
+        """Quantize one segment (compute-dtype values of a ``dtype`` tensor); returns
+        (codes (r, w), mins, steps in group order, stats)."""
         r, w = x.shape
+        sdt = np_dtype(self._sdt)
         groups = _groups(w, self._block(w))
         if len(groups) == 1 and groups[0][2] == w:  # one group per row: no reassembly needed
-            return quantize_rows(x, self.bits, self._sdt, self.greedy)
+            return quantize_rows(x, dtype, self.bits, sdt, self.greedy)
         codes = np.empty((r, w), dtype=np.uint8)
-        m = torch.empty((r, groups[-1][1][1]), dtype=self._sdt)
-        s = torch.empty_like(m)
+        m = np.empty((r, groups[-1][1][1]), dtype=sdt)
+        s = np.empty_like(m)
         stats = EncodeStats()
         for (c0, c1), (p0, p1), length in groups:
-            gc, gm, gs, st = quantize_rows(x[:, c0:c1].reshape(-1, length), self.bits, self._sdt, self.greedy)
+            gc, gm, gs, st = quantize_rows(x[:, c0:c1].reshape(-1, length), dtype, self.bits, sdt, self.greedy)
             codes[:, c0:c1] = gc.reshape(r, c1 - c0)
-            m[:, p0:p1] = gm.view(r, p1 - p0)
-            s[:, p0:p1] = gs.view(r, p1 - p0)
+            m[:, p0:p1] = gm.reshape(r, p1 - p0)
+            s[:, p0:p1] = gs.reshape(r, p1 - p0)
             stats = stats.merge(st)
         return codes, m.reshape(-1), s.reshape(-1), stats
 
