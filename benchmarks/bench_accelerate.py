@@ -11,12 +11,12 @@ that) is trained one step between saves. For each side, ``--saves`` saves are ti
 
 Before each checkrun save the previous one is waited for, so blocking is the snapshot alone (saves
 spaced further apart than their write time; with ``max_pending`` reached a save waits instead).
-Run: ``python benchmarks/bench_accelerate.py [--params-mb 128] [--saves 3] [--dir DIR]``.
+Run: ``python benchmarks/bench_accelerate.py [--params-mb 128] [--saves 3] [--dir DIR] [--json PATH]``
+(``--json``: the medians and every save's raw measurements).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,11 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 from accelerate import Accelerator
 from torch import nn
 
-from accelerate_ckpt import AcceleratorCheckpointer
+if __package__ in (None, ""):  # `python benchmarks/bench_accelerate.py`: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accelerate_ckpt import AcceleratorCheckpointer  # noqa: E402
+from benchmarks.common import machine_info, write_json  # noqa: E402
 
 
 def build(params_mb: int, width: int = 2048):
@@ -100,16 +105,17 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "later_written_mb": statistics.median(r["written"] for r in rows[1:]) / 1e6 if len(rows) > 1
             else float("nan"),
             "ratio": statistics.median(r.get("ratio", 1.0) for r in rows),
-            "blocking_each_s": [round(r["blocking"], 4) for r in rows]}
+            "blocking_each_s": [round(r["blocking"], 4) for r in rows], "raw": rows}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--params-mb", type=int, default=128)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    started = machine_info()
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-accelerate-"))
     try:
         acc = Accelerator(cpu=True)
@@ -140,9 +146,8 @@ def main() -> None:
         print(f"{r['name']}: blocking per save {r['blocking_each_s']}")
     print(f"\nreference: copying the same tensors into preallocated buffers takes {floor:.3f} s "
           f"({floor / base:.3f}x accelerate), the floor for any snapshot-based save on this machine now")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"state_mb": state_mb, "results": results, "copy_floor_s": floor},
-                                              indent=1))
+    write_json(args.json, "accelerate", args, {"state_mb": state_mb, "results": results, "copy_floor_s": floor},
+               started)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ compressing can cost more time than the bytes it saves.
 Columns: blocking = how long ``save``/``async_save`` kept the calling (training) thread, slowest rank;
 durable = until the checkpoint is committed; written = bytes the save added to the directory (all
 ranks, the metadata/manifest included). Run:
-``python benchmarks/bench_dcp.py [--state-mb 256] [--ranks 1 2] [--dir DIR]``.
+``python benchmarks/bench_dcp.py [--state-mb 256] [--ranks 1 2] [--repeats 3] [--dir DIR] [--json PATH]``: each
+writer's sequence of 4 saves runs ``--repeats`` times (fresh directories); the table shows medians (min-max).
 """
 from __future__ import annotations
 
@@ -38,7 +39,12 @@ import torch.multiprocessing as tmp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckpt_core.dcp import CheckrunSavePlanner, CheckrunStorageWriter
+if __package__ in (None, ""):  # `python benchmarks/bench_dcp.py`: make `benchmarks` importable
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import machine_info, write_json  # noqa: E402
+from ckpt_core.dcp import CheckrunSavePlanner, CheckrunStorageWriter  # noqa: E402
 
 COLS = 1024
 _RAW = {"compression": {"compress": False}}  # content addressing, checksums, incremental; no zstd
@@ -110,13 +116,18 @@ def run_writer(make_writer, planner_cls, suffix: str, root: Path, state_mb: int)
     return out
 
 
-def worker(rank: int, world: int, port: int, root: str, state_mb: int, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, root: str, state_mb: int, out_dir: str, repeats: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    results = {}
-    for name, make_writer, planner_cls, suffix in writers():
-        results[name] = run_writer(make_writer, planner_cls, suffix, Path(root) / str(len(results)), state_mb)
+    results: dict = {}
+    for rep in range(repeats):
+        for w, (name, make_writer, planner_cls, suffix) in enumerate(writers()):
+            d = Path(root) / f"{w}-{rep}"
+            results.setdefault(name, []).append(run_writer(make_writer, planner_cls, suffix, d, state_mb))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -128,39 +139,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench(world: int, state_mb: int, base: Path) -> dict:
+def bench(world: int, state_mb: int, base: Path, repeats: int) -> dict:
+    """{writer: {save label: {"blocking": [per repeat], "durable": [...], "written": [...]}}}; blocking and
+    durable are the slowest rank's, written is the whole directory's (all ranks)."""
     root = base / f"ranks{world}"
     shutil.rmtree(root, ignore_errors=True)
     with tempfile.TemporaryDirectory() as out_dir:
-        tmp.start_processes(worker, args=(world, free_port(), str(root), state_mb, out_dir), nprocs=world,
+        tmp.start_processes(worker, args=(world, free_port(), str(root), state_mb, out_dir, repeats), nprocs=world,
                             start_method="spawn")
         ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
-    merged = {}
-    for name in ranks[0]:
-        merged[name] = {label: {"blocking": max(r[name][label]["blocking"] for r in ranks),
-                                "durable": max(r[name][label]["durable"] for r in ranks),
-                                "written": ranks[0][name][label]["written"]}
-                        for label in ranks[0][name]}
+    merged: dict = {}
+    for name, reps in ranks[0].items():
+        merged[name] = {label: {"blocking": [max(r[name][i][label]["blocking"] for r in ranks)
+                                             for i in range(len(reps))],
+                                "durable": [max(r[name][i][label]["durable"] for r in ranks) for i in range(len(reps))],
+                                "written": [reps[i][label]["written"] for i in range(len(reps))]}
+                        for label in reps[0]}
     shutil.rmtree(root, ignore_errors=True)
     return merged
 
 
-def main() -> None:
+def spread(xs: list, digits: int = 2) -> str:
+    xs = sorted(xs)
+    mid = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return f"{mid:.{digits}f}" if len(xs) == 1 else f"{mid:.{digits}f} ({xs[0]:.{digits}f}-{xs[-1]:.{digits}f})"
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mb", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each writer's sequence of saves")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the raw measurements here")
+    args = parser.parse_args(argv)
+    started = machine_info()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_dcp_"))
-    print(f"state {args.state_mb} MiB fp32, sharded over the ranks; torch {torch.__version__}; {os.cpu_count()} CPUs")
-    print("| ranks | writer | save | blocking s | durable s | written MB | MB/s (state/durable) |")
+    print(f"state {args.state_mb} MiB fp32, sharded over the ranks; torch {torch.__version__}; {os.cpu_count()} CPUs; "
+          f"medians (min-max) of {args.repeats} runs")
+    print("| ranks | writer | save | blocking s | durable s | written MB | MB/s (state/median durable) |")
     print("|---|---|---|---|---|---|---|")
+    results = {}
     for world in args.ranks:
-        for name, rows in bench(world, args.state_mb, base).items():
+        results[str(world)] = bench(world, args.state_mb, base, args.repeats)
+        for name, rows in results[str(world)].items():
             for label, r in rows.items():
-                rate = args.state_mb * 2**20 / 1e6 / r["durable"]
-                print(f"| {world} | {name} | {label} | {r['blocking']:.2f} | {r['durable']:.2f} | "
-                      f"{r['written'] / 1e6:.1f} | {rate:.0f} |")
+                rate = args.state_mb * 2**20 / 1e6 / sorted(r["durable"])[len(r["durable"]) // 2]
+                print(f"| {world} | {name} | {label} | {spread(r['blocking'])} | {spread(r['durable'])} | "
+                      f"{spread([w / 1e6 for w in r['written']], 1)} | {rate:.0f} |")
+    if args.dir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    write_json(args.json, "dcp", args, results, started)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ tokens - weights + exp_avg + exp_avg_sq, ``--size`` MB in fp32 - and the same st
 * cold loads drop the page cache before each load (``/proc/sys/vm/drop_caches``, root only;
   the table says when that was impossible and loads were warm).
 
-Run: ``python -m benchmarks.bench_format [--size 1024] [--variants]``
+Run: ``python -m benchmarks.bench_format [--size 1024] [--variants] [--json PATH]`` (``--json``: raw per-save
+and per-load measurements).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import time
 import torch
 
 from benchmarks.common import (MB, cached_state, cast_state, drop_caches, engine_config, fresh, gpt_state,
-                               machine_header, med, state_bytes, table, tensors, timed, torch_save_file,
-                               verdict, workdir)
+                               machine_header, machine_info, med, state_bytes, table, tensors, timed,
+                               torch_save_file, verdict, workdir, write_json)
 
 TARGET_BYTES = {"fp32": 0.87, "bf16": 0.72}
 TARGET_LOAD = 1.5
@@ -67,7 +68,7 @@ def bench_torch(state, root, reps: int, cold: bool) -> dict:
         res["warm"].append(w)
         del out
         path.unlink()
-    return {k: med(v) for k, v in res.items()}
+    return {**{k: med(v) for k, v in res.items()}, "raw": res}
 
 
 def bench_checkrun(state, root, reps: int, cold: bool, overrides: dict, check: bool) -> dict:
@@ -92,7 +93,7 @@ def bench_checkrun(state, root, reps: int, cold: bool, overrides: dict, check: b
                 raise AssertionError("checkrun did not restore the state bit-identically")
             del out
             shutil.rmtree(d)
-    return {k: med(v) for k, v in res.items()}
+    return {**{k: med(v) for k, v in res.items()}, "raw": res}
 
 
 def main(argv=None) -> None:
@@ -102,8 +103,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache before loads")
     ap.add_argument("--variants", action="store_true", help="also try config variations")
+    ap.add_argument("--json", default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
     root = workdir(args.dir)
+    started, results = machine_info(), {"cold": None, "dtypes": {}}
     cold = not args.warm
     states = {"fp32": cached_state(f"gpt_{int(args.size)}mb", lambda: gpt_state(args.size))}
     states["bf16"] = cast_state(states["fp32"], torch.bfloat16)
@@ -117,6 +120,7 @@ def main(argv=None) -> None:
             t = bench_torch(st, root, args.reps, cold)
             c = bench_checkrun(st, root, args.reps, cold, {}, check=True)
             size = state_bytes(st)
+            results["dtypes"][name] = {"state_bytes": size, "torch": t["raw"], "checkrun": c["raw"]}
             rows.append([name, "torch.save/load", size / MB, t["bytes"] / MB, 1.0, t["call"], t["save"], 1.0,
                          t["cold"], t["warm"], 1.0, 1.0])
             rb, rs = c["bytes"] / t["bytes"], c["save"] / t["save"]
@@ -133,6 +137,8 @@ def main(argv=None) -> None:
                      "warm x torch"], rows))
         print("\n(torch blocking s = the torch.save call into the page cache; durable = + fsync)\n")
         print("\n".join(f"- {m}" for m in misses))
+        results["cold"] = cold
+        write_json(args.json, "format", args, results, started)
         if args.variants:
             variants(states, root, args.reps, cold)
     finally:

@@ -16,7 +16,8 @@ with row deltas off (frozen weights are copied and deduplicated by content hash)
 torch.save: the payload into a file + fsync (medians of 3). Restores: ``ckpt_core.load`` with the
 config of the run (checksums verified; cold = page cache dropped first), medians of 3.
 
-Run: ``python -m benchmarks.bench_incremental [--size 1024] [--saves 10] [--part dlrm|finetune|all]``
+Run: ``python -m benchmarks.bench_incremental [--size 1024] [--saves 10] [--part dlrm|finetune|all]
+[--ft-layers 24] [--json PATH]`` (``--json``: raw per-save and per-restore measurements).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ import torch
 from torch import nn
 
 from benchmarks.common import (MB, dir_bytes, dlrm_interval, dlrm_payload, dlrm_state, drop_caches,
-                               engine_config, floor_copy, fresh, machine_header, med, table, tensors, timed,
-                               torch_save_file, verdict, workdir)
+                               engine_config, floor_copy, fresh, machine_header, machine_info, med, table, tensors,
+                               timed, torch_save_file, verdict, workdir, write_json)
 
 
 def clone(x):
@@ -54,16 +55,16 @@ def torch_reference(payload, root: Path, reps: int = 3) -> dict:
         out["cold"].append(timed(lambda: torch.load(p, weights_only=True))[0])
         out["warm"].append(timed(lambda: torch.load(p, weights_only=True))[0])
         p.unlink()
-    return {k: med(v) for k, v in out.items()}
+    return {**{k: med(v) for k, v in out.items()}, "raw": out}
 
 
-def floor_seconds(payload) -> float:
-    """Median of 3 copies of the payload into buffers allocated once (the floor of any snapshot)."""
+def floor_seconds(payload) -> list:
+    """3 copies of the payload into buffers allocated once (the floor of any snapshot): seconds each."""
     bufs = floor_copy(payload, None)
-    return med(timed(lambda: floor_copy(payload, bufs))[0] for _ in range(3))
+    return [timed(lambda: floor_copy(payload, bufs))[0] for _ in range(3)]
 
 
-def restore_times(path: Path, cfg, reps: int = 3) -> tuple[float, float]:
+def restore_times(path: Path, cfg, reps: int = 3) -> tuple[list, list]:
     import ckpt_core
 
     cold, warm = [], []
@@ -73,7 +74,7 @@ def restore_times(path: Path, cfg, reps: int = 3) -> tuple[float, float]:
         del out
         cold.append(t if dropped else float("nan"))
         warm.append(timed(lambda: ckpt_core.load(path, config=cfg))[0])
-    return med(cold), med(warm)
+    return cold, warm
 
 
 def run_chain(make_state, step, payload_of, cfg, root: Path, saves: int, keep_at: int) -> dict:
@@ -112,12 +113,20 @@ HEAD = ["run", "save", "kind", "chain", "written MB", "x torch bytes", "blocking
         "background s"]
 
 
-def part_dlrm(args, root: Path) -> None:
+def save_rows(infos) -> list:
+    return [{"written": i.written_bytes, "stored": i.stored_bytes, "tensor_bytes": i.tensor_bytes,
+             "blocking": i.blocking_seconds, "background": i.background_seconds, "total": i.total_seconds,
+             "chain": i.chain_depth} for i in infos]
+
+
+def part_dlrm(args, root: Path) -> dict:
     make = lambda: dlrm_state(args.size)  # noqa: E731
     st = make()
     payload = dlrm_payload(st)
     ref = torch_reference(payload, root)
-    floor = floor_seconds(payload)
+    floors = floor_seconds(payload)
+    floor = med(floors)
+    out = {"torch": ref, "floor": floors, "runs": {}}
     del st, payload
     print(f"DLRM state: torch.save {ref['bytes'] / MB:.0f} MB, blocks {ref['call']:.2f} s, durable "
           f"{ref['durable']:.2f} s; floor copy {floor:.3f} s (load {os.getloadavg()[0]:.2f})", flush=True)
@@ -130,8 +139,12 @@ def part_dlrm(args, root: Path) -> None:
         infos = res["infos"]
         rows += chain_table(policy, infos, ref["bytes"], floor)
         deltas = [inf.written_bytes for inf in infos if inf.chain_depth > 0]
-        full_c, full_w = restore_times(d / "step=0.ckpt", cfg)
-        chain_c, chain_w = restore_times(d / f"step={res['deepest']}.ckpt", cfg)
+        full_cr, full_wr = restore_times(d / "step=0.ckpt", cfg)
+        chain_cr, chain_wr = restore_times(d / f"step={res['deepest']}.ckpt", cfg)
+        out["runs"][policy] = {"saves": save_rows(infos), "deepest": res["deepest"],
+                               "restore": {"full_cold": full_cr, "full_warm": full_wr, "chain_cold": chain_cr,
+                                           "chain_warm": chain_wr}}
+        full_c, full_w, chain_c, chain_w = med(full_cr), med(full_wr), med(chain_cr), med(chain_wr)
         summary.append([policy, med(deltas) / MB, med(deltas) / ref["bytes"], max(deltas) / ref["bytes"],
                         sum(i.written_bytes for i in infos) / len(infos) / ref["bytes"],
                         infos[res["deepest"]].chain_depth, full_c, chain_c, chain_c / full_c,
@@ -148,6 +161,7 @@ def part_dlrm(args, root: Path) -> None:
         print(f"- {s[0]}: median incremental write {s[2]:.4f}x torch.save = 1/{1 / s[2]:.1f} (target <= 1/12): "
               f"{verdict(s[2] <= 1 / 12)}; amortized incl. bases 1/{1 / s[4]:.1f}; chain restore "
               f"{s[8]:.2f}x full cold, {s[11]:.2f}x warm (target <= 1.5x): {verdict(max(s[8], s[11]) <= 1.5)}")
+    return out
 
 
 class LoRALinear(nn.Module):
@@ -182,13 +196,15 @@ def finetune_payload(st: dict) -> dict:
     return {"state_dict": st["model"].state_dict(), "optimizer": st["opt"].state_dict()}
 
 
-def part_finetune(args, root: Path) -> None:
-    st = finetune_state()
+def part_finetune(args, root: Path) -> dict:
+    st = finetune_state(layers=args.ft_layers)
     payload = finetune_payload(st)
     trainable = sum(p.numel() * 4 * 3 for p in st["model"].parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in st["model"].parameters() if not p.requires_grad)
     ref = torch_reference(payload, root)
-    floor = floor_seconds(payload)
+    floors = floor_seconds(payload)
+    floor = med(floors)
+    out = {"torch": ref, "floor": floors, "trainable_bytes": trainable, "frozen_params": frozen, "runs": {}}
     del st, payload
     print(f"\nFine-tuning: {frozen / 1e6:.1f}M frozen params, trainable state (params + Adam) "
           f"{trainable / MB:.1f} MB; torch.save {ref['bytes'] / MB:.0f} MB; floor copy {floor:.3f} s", flush=True)
@@ -196,12 +212,15 @@ def part_finetune(args, root: Path) -> None:
     for label, over in (("row deltas (default)", {}), ("chunk dedup only", {"incremental.row_delta_min_rows": 1 << 40})):
         cfg = engine_config(**over)
         d = fresh(root / "ft")
-        res = run_chain(finetune_state, finetune_step, finetune_payload, cfg, d, args.saves, keep_at=-1)
+        res = run_chain(lambda: finetune_state(layers=args.ft_layers), finetune_step, finetune_payload, cfg, d,
+                        args.saves, keep_at=-1)
         infos = res["infos"]
         rows += chain_table(label, infos, ref["bytes"], floor)
         later = infos[1:]
         w = med(i.written_bytes for i in later)
-        cold, warm = restore_times(d / f"step={args.saves - 1}.ckpt", cfg)
+        cold_r, warm_r = restore_times(d / f"step={args.saves - 1}.ckpt", cfg)
+        out["runs"][label] = {"saves": save_rows(infos), "restore": {"cold": cold_r, "warm": warm_r}}
+        cold, warm = med(cold_r), med(warm_r)
         summary.append([label, w / MB, w / trainable, med(i.blocking_seconds for i in later),
                         med(i.blocking_seconds for i in later) / floor, cold, cold / ref["cold"], warm,
                         warm / ref["warm"]])
@@ -212,6 +231,7 @@ def part_finetune(args, root: Path) -> None:
                  "restore cold s", "x torch.load", "restore warm s", "x torch.load warm"], summary))
     for s in summary:
         print(f"- {s[0]}: writes {s[2]:.2f}x the trainable state (target <= 1.2x): {verdict(s[2] <= 1.2)}")
+    return out
 
 
 def main(argv=None) -> None:
@@ -220,19 +240,24 @@ def main(argv=None) -> None:
     ap.add_argument("--saves", type=int, default=10, help="checkpoints per run (first is full)")
     ap.add_argument("--frac", type=float, default=0.05, help="fraction of rows changed per interval")
     ap.add_argument("--part", choices=["dlrm", "finetune", "all"], default="all")
+    ap.add_argument("--ft-layers", type=int, default=24, help="fine-tuning part: frozen 2048x2048 layers")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
     root = workdir(args.dir)
+    started, results = machine_info(), {}
     print(machine_header("Incremental: bytes per checkpoint, blocking, chain restore"))
     if not drop_caches():
         print("page cache cannot be dropped here: cold restores are not measured\n")
     try:
         if args.part in ("dlrm", "all"):
-            part_dlrm(args, root)
+            results["dlrm"] = part_dlrm(args, root)
+            write_json(args.json, "incremental", args, results, started)
         if args.part in ("finetune", "all"):
-            part_finetune(args, root)
+            results["finetune"] = part_finetune(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    write_json(args.json, "incremental", args, results, started)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -20,7 +20,8 @@ so each fit of a configuration is paired with the baseline fits run just before 
 overhead is its fit time minus their mean; ``--repeats`` rounds (the order of the configurations
 rotates), medians reported. The target is checkrun's overhead <= 1/3 of the default's.
 
-Run: ``python -m benchmarks.bench_lightning [--state-mb 40] [--steps 20] [--every 2] [--repeats 5] [--threads N]``.
+Run: ``python -m benchmarks.bench_lightning [--state-mb 40] [--steps 20] [--every 2] [--repeats 5] [--threads N]
+[--json PATH]`` (``--json``: every fit's raw measurements).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 if __package__ in (None, ""):  # `python benchmarks/bench_lightning.py`: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import GPT, dir_bytes, machine_header, med, table, verdict, workdir  # noqa: E402
+from benchmarks.common import (GPT, dir_bytes, machine_header, machine_info, med, table, verdict,  # noqa: E402
+                               workdir, write_json)
 from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -189,7 +191,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="torch intra-op threads for training (default: torch's, = all cores); 1 leaves a "
                              "core free for background work, as GPU training does")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="write the raw measurements here")
     args = parser.parse_args(argv)
+    started = machine_info()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -200,6 +204,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     data = DataLoader(TensorDataset(tokens), batch_size=args.batch)
     state_mb = sum(p.numel() for p in LitGPT(vocab, args.d_model, layers).parameters()) * 12 / 1e6
     results = run_rounds(args, data, root)
+    write_json(args.json, "lightning", args, {"state_mb": state_mb, "configs": results}, started)
     print(report(results, args, state_mb))
     shutil.rmtree(root, ignore_errors=True)
 

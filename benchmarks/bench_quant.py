@@ -14,7 +14,8 @@ The background encoder runs torch ops with torch's intra-op threads; on two busy
 this benchmark sets ``torch.set_num_threads(--threads)`` (default 1) to finish in minutes. Bytes
 do not depend on it.
 
-Run: ``python -m benchmarks.bench_quant [--size 1024] [--saves 5] [--bits 4] [--no-greedy] [--threads 1]``
+Run: ``python -m benchmarks.bench_quant [--size 1024] [--saves 5] [--bits 4] [--no-greedy] [--threads 1]
+[--json PATH]`` (``--json``: raw per-save measurements).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import os
 import shutil
 
 from benchmarks.common import (MB, dlrm_interval, dlrm_payload, dlrm_state, engine_config, fresh,
-                               machine_header, med, table, torch_save_file, verdict, workdir)
+                               machine_header, machine_info, med, table, torch_save_file, verdict, workdir,
+                               write_json)
 
 PATTERN = "model.emb.*.weight"
 
@@ -74,11 +76,14 @@ def main(argv=None) -> None:
     ap.add_argument("--no-greedy", action="store_true")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see the docstring)")
+    ap.add_argument("--json", default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
     root = workdir(args.dir)
+    started = machine_info()
     print(machine_header(f"Quantization size: {args.bits}-bit rows vs torch.save"))
-    print(table(["torch threads", "greedy", "encode MB/s (16 MB chunk, median of 3)"],
-                encode_probe(args.bits, not args.no_greedy)))
+    probe = encode_probe(args.bits, not args.no_greedy)
+    print(table(["torch threads", "greedy", "encode MB/s (16 MB chunk, median of 3)"], probe))
+    results = {"probe": probe, "runs": []}
     import torch
     torch.set_num_threads(args.threads)
     print(f"\nbenchmark runs with torch.set_num_threads({args.threads})\n", flush=True)
@@ -92,6 +97,7 @@ def main(argv=None) -> None:
             p.unlink()
         del st
         tb = med(sizes)
+        results["torch"] = {"bytes": sizes, "durable": calls}
         print(f"torch.save: {tb / MB:.0f} MB, durable in {med(calls):.2f} s (load {os.getloadavg()[0]:.2f})\n",
               flush=True)
         rule = {"pattern": PATTERN, "method": "uniform", "bits": args.bits, "greedy": not args.no_greedy}
@@ -104,6 +110,9 @@ def main(argv=None) -> None:
             d = fresh(root / f"{label}-{policy}")
             infos, rel = run(cfg, args, d)
             shutil.rmtree(d)
+            results["runs"].append({"config": label, "policy": policy, "rel_l2_error": rel, "saves": [
+                {"written": i.written_bytes, "blocking": i.blocking_seconds, "total": i.total_seconds,
+                 "chain": i.chain_depth} for i in infos]})
             for i, inf in enumerate(infos):
                 rows.append([label, policy, i, inf.chain_depth, inf.written_bytes / MB, tb / inf.written_bytes,
                              inf.blocking_seconds, inf.total_seconds])
@@ -123,6 +132,7 @@ def main(argv=None) -> None:
                   f"(target >= 17x): {verdict(s[3] >= 17)}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    write_json(args.json, "quant", args, results, started)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

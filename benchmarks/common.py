@@ -35,6 +35,34 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def machine_info() -> dict:
+    """The machine and moment of a measurement (for the JSON results and the report's captions)."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "arch": platform.machine(),
+            "cores": os.cpu_count(), "ram_gib": round(mem, 1), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def write_json(path: str | None, bench: str, args: Any, results: Any, started: dict | None = None) -> None:
+    """Write a benchmark's raw per-run measurements (``--json PATH``) for ``benchmarks.report``.
+
+    ``started`` is ``machine_info()`` taken when the benchmark began; the end's load average is added."""
+    if not path:
+        return
+    import json
+
+    info = started or machine_info()
+    info = {**info, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    argd = {k: v for k, v in vars(args).items() if k not in ("json", "dir")} if args is not None else {}
+    data = {"bench": bench, "machine": info, "args": argd, "results": results}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, out)
+
+
 def machine_header(title: str) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     return (f"## {title}\n\n{datetime.datetime.now().isoformat(timespec='seconds')} | "
@@ -226,8 +254,10 @@ class GPT(nn.Module):
         return self.ln(x) @ self.wte.weight.t()
 
 
-def gpt_model(state_mb: float, d: int = 768) -> GPT:
-    """A GPT whose parameters + two Adam moments take about ``state_mb`` MB in fp32."""
+def gpt_model(state_mb: float, d: int | None = None) -> GPT:
+    """A GPT whose parameters + two Adam moments take about ``state_mb`` MB in fp32 (width 768; 384 below
+    192 MB, where one 768-wide layer alone would overshoot the size)."""
+    d = d or (768 if state_mb >= 192 else 384)
     params = state_mb * MB / 12
     vocab = max(1024, int(0.28 * params / d))
     layers = max(1, round((params - vocab * d) / (12 * d * d)))
