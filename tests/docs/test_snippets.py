@@ -1,0 +1,435 @@
+"""Every code block in README.md and docs/*.md is executed, so the docs cannot rot.
+
+One test per fenced block, named ``FILE:LINE`` (the line of the opening fence). By the fence's language:
+
+* ``python`` / ``py``: written to a file and run with this interpreter in a fresh temporary directory
+  (``cwd``), in a subprocess with a timeout; it must exit 0. Relative paths such as ``runs/a`` land in
+  that directory.
+* ``yaml`` / ``yml``: a checkrun configuration, validated by the loader that reads it in real use:
+  a mapping with a ``class_path: lightning_ckpt.CheckrunCheckpointIO`` (LightningCLI) or
+  ``_target_: lightning_ckpt.CheckrunCheckpointIO`` (Hydra) entry builds that plugin from its arguments;
+  a mapping with a top-level ``checkpointing:`` or ``accelerate:`` key goes through accelerate_ckpt's
+  loader; anything else is an ``EngineConfig`` (``EngineConfig.from_yaml``).
+* ``bash`` / ``sh`` / ``shell`` / ``console``: run command by command in a fresh temporary directory
+  (``console``: the lines starting with ``$ ``, continuation lines ending in ``\\`` joined).
+  ``checkrun ...`` runs in this process (``ckpt_core.cli.main``), ``python ...`` in a subprocess.
+  A command must exit with the status the block shows after it as ``[exit N]``, else 0. Any other
+  command (``pip``, ``torchrun``, ``accelerate launch``, ``export``...) makes the block fail: such a
+  block needs a skip marker.
+* Blocks with another or no language (directory layouts, JSON, text) are not code and are not run.
+
+Markers: an HTML comment on the line right before the opening fence (invisible when rendered):
+
+* ``<!-- snippet: skip (reason) -->``: the block is not run. The reason is required; keep skips rare
+  (shell commands that install packages or need several machines, API signature listings,
+  benchmark reproductions that take minutes); prefer a self-contained example (a tiny model,
+  relative paths, ``memory://``).
+* ``<!-- snippet: setup=NAME[,NAME...] -->``: the temporary directory is prepared by the named
+  fixtures of ``SETUPS`` below first, in order (checkpoints the block inspects, an S3 server).
+
+Nothing else is accepted in a ``snippet:`` comment (``test_markers_are_valid``).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pathlib
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHON_TIMEOUT = 120
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
+_MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(?P<body>.*?)\s*-->\s*$")
+_SKIP = re.compile(r"^skip\s*\((?P<reason>[^)]*\S[^)]*)\)$")
+_SETUP = re.compile(r"^setup=(?P<names>[\w-]+(?:,[\w-]+)*)$")
+_LOCAL_ENDPOINT = re.compile(r"http://(?:127\.0\.0\.1|localhost):\d+")
+LANGS = {"python": "python", "py": "python", "yaml": "yaml", "yml": "yaml", "bash": "shell",
+         "sh": "shell", "shell": "shell", "console": "console"}
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str            # relative to the repository root
+    line: int            # line of the opening fence (1-based)
+    lang: str            # "python", "yaml", "shell", "console" or "" (not run)
+    code: str
+    marker: str | None   # the body of the snippet: comment right before the fence
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def extract_blocks(path: pathlib.Path) -> list[Block]:
+    """The fenced code blocks of a markdown file (fences may be indented, e.g. inside lists)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent = m["fence"], len(m["indent"])
+        info = m["info"].strip().split()
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not (lines[i].strip().startswith(fence[0] * len(fence))
+                                      and not lines[i].strip().strip(fence[0])):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1
+        prev = _MARKER.match(lines[start - 1]) if start > 0 else None
+        lang = LANGS.get(info[0].lower(), "") if info else ""
+        blocks.append(Block(str(path.relative_to(ROOT)), start + 1, lang, "\n".join(body) + "\n",
+                            prev["body"] if prev else None))
+    return blocks
+
+
+BLOCKS = [b for f in DOC_FILES for b in extract_blocks(f)]
+RUNNABLE = [b for b in BLOCKS if b.lang]
+
+
+def _parse_marker(block: Block) -> tuple[str | None, list[str]]:
+    """(skip reason or None, setup names); raises ValueError for anything else."""
+    if block.marker is None:
+        return None, []
+    skip, setup = _SKIP.match(block.marker), _SETUP.match(block.marker)
+    if skip:
+        return skip["reason"].strip(), []
+    if setup:
+        names = setup["names"].split(",")
+        unknown = [n for n in names if n not in SETUPS]
+        if unknown:
+            raise ValueError(f"{block.id}: unknown setup {unknown} (known: {sorted(SETUPS)})")
+        return None, names
+    raise ValueError(f"{block.id}: invalid marker {block.marker!r}: use 'skip (reason)' or 'setup=NAME'")
+
+
+# -- setups ------------------------------------------------------------------------------------
+def _exp1(tmp: pathlib.Path, ctx: dict) -> None:
+    """runs/exp1/step=100|200|300.ckpt (a 2048x16 embedding + linear + Adagrad, row deltas) and
+    step=300-int8.ckpt (the embedding quantized to 8 bits), as in docs/cli.md."""
+    import torch
+    from torch import nn
+
+    import ckpt_core
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(2048, 16), nn.Linear(16, 16))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    hparams = {"lr": 0.01, "emb_dim": 16, "betas": (0.9, 0.999), "name": "dlrm-tiny"}
+    state = {}
+    with ckpt_core.CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        for step in (100, 200, 300):
+            loss = model(torch.randint(0, 2048, (32,))).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "hyper_parameters": hparams, "global_step": step, "epoch": step // 200}
+            engine.save(state, tmp / f"runs/exp1/step={step}.ckpt")
+    rule = {"pattern": "model.0.weight", "method": "uniform", "bits": 8}
+    ckpt_core.save(state, tmp / "runs/exp1/step=300-int8.ckpt", config={"quantization": [rule]})
+
+
+def _corrupt(tmp: pathlib.Path, ctx: dict) -> None:
+    """After exp1: one byte of a blob of runs/exp1/step=300.ckpt flipped, and a truncated manifest
+    runs/exp1/step=400.ckpt."""
+    import ckpt_core
+
+    run = tmp / "runs/exp1"
+    manifest = ckpt_core.CheckpointEngine().read_manifest(run / "step=300.ckpt")
+    rec = next(t for t in manifest.tensors if t.key == "model.1.weight")
+    key = next(iter(rec.blobs())).key
+    blob = run / ".checkrun" / "blobs" / key[:2] / key[2:]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    text = (run / "step=300.ckpt").read_bytes()
+    (run / "step=400.ckpt").write_bytes(text[: len(text) // 2])
+
+
+def _exported(tmp: pathlib.Path, ctx: dict) -> None:
+    """After exp1: out/model.ckpt (torch.save) and out/model.safetensors exported from step=300."""
+    from ckpt_core.cli import main
+
+    for out in ("out/model.ckpt", "out/model.safetensors"):
+        assert main(["export", str(tmp / "runs/exp1/step=300.ckpt"), str(tmp / out), "--no-progress"]) == 0
+
+
+def _run_a(tmp: pathlib.Path, ctx: dict) -> None:
+    """runs/a/epoch=0-step=500.ckpt and runs/a/last.ckpt, Lightning-shaped."""
+    import torch
+
+    import ckpt_core
+
+    torch.manual_seed(0)
+    state = {"state_dict": {"layer.weight": torch.randn(2, 32), "layer.bias": torch.zeros(2)},
+             "epoch": 0, "global_step": 500, "hyper_parameters": {}}
+    with ckpt_core.CheckpointEngine() as engine:
+        engine.save(state, tmp / "runs/a/epoch=0-step=500.ckpt")
+        engine.save(state, tmp / "runs/a/last.ckpt")
+
+
+def _s3(tmp: pathlib.Path, ctx: dict) -> None:
+    """A moto S3 server: every http://127.0.0.1:PORT (or localhost) in the block is replaced by its
+    endpoint; buckets ``bucket`` and ``ckpts`` are emptied and hold s3://ckpts/run1/step=10|20.ckpt
+    and s3://bucket/run/step=1.ckpt. Credentials are fake (AWS_* variables)."""
+    import fsspec
+    import torch
+
+    import ckpt_core
+
+    endpoint = ctx["request"].getfixturevalue("s3_server")
+    ctx["endpoint"] = endpoint
+    opts = {"client_kwargs": {"endpoint_url": endpoint}}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    for bucket in ("bucket", "ckpts"):
+        if fs.exists(bucket):
+            fs.rm(bucket, recursive=True)
+        fs.mkdir(bucket)
+    emb = torch.zeros(4096, 32)
+    with ckpt_core.CheckpointEngine({"storage": {"storage_options": opts}}) as engine:
+        engine.save({"emb": emb, "step": 10}, "s3://ckpts/run1/step=10.ckpt")
+        emb[:16] += 0.1
+        engine.save({"emb": emb, "step": 20}, "s3://ckpts/run1/step=20.ckpt")
+        engine.save({"w": torch.ones(8), "step": 1}, "s3://bucket/run/step=1.ckpt")
+
+
+SETUPS: dict[str, Callable[[pathlib.Path, dict], None]] = {
+    "exp1": _exp1, "corrupt": _corrupt, "exported": _exported, "run-a": _run_a, "s3": _s3,
+}
+_LOCAL_SETUPS = {"exp1", "corrupt", "exported", "run-a"}  # only create files under the directory
+
+
+def prepare(names: list[str], tmp: pathlib.Path, ctx: dict, cache: pathlib.Path) -> None:
+    """Run the named setups in ``tmp``. Local ones are built once per session (per sequence of names)
+    and copied, since many blocks inspect the same checkpoints."""
+    local = [n for n in names if n in _LOCAL_SETUPS]
+    if local:
+        built = cache / "-".join(local)
+        if not built.exists():
+            work = cache / (built.name + ".tmp")
+            work.mkdir(parents=True)
+            for name in local:
+                SETUPS[name](work, ctx)
+            work.rename(built)
+        shutil.copytree(built, tmp, dirs_exist_ok=True)
+    for name in names:
+        if name not in _LOCAL_SETUPS:
+            SETUPS[name](tmp, ctx)
+
+
+# -- runners -----------------------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the venv's installed packages, as a user has them
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _localize(text: str, ctx: dict) -> str:
+    return _LOCAL_ENDPOINT.sub(ctx["endpoint"], text) if "endpoint" in ctx else text
+
+
+_RUNNER = """\
+import atexit, os, runpy, sys
+os.environ.clear(); os.environ.update({env!r})
+os.chdir({cwd!r})
+_log = os.open({log!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.dup2(_log, 1); os.dup2(_log, 2)
+sys.stdout = open(1, "w", closefd=False); sys.stderr = open(2, "w", closefd=False)
+sys.argv = {argv!r}
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] != "-c" else ""
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+finally:
+    atexit._run_exitfuncs()
+    sys.stdout.flush(); sys.stderr.flush()
+"""
+_PRELOAD = ["torch", "torch._dynamo", "numpy", "fsspec", "s3fs", "yaml", "safetensors.torch", "ckpt_core",
+            "lightning.pytorch", "lightning.pytorch.demos.boring_classes", "lightning_ckpt", "accelerate",
+            "accelerate_ckpt"]
+_forkserver = None
+
+
+def run_program(script: pathlib.Path, argv: list[str], tmp: pathlib.Path) -> tuple[int, str]:
+    """Run a Python file like ``python SCRIPT ARGS`` with ``cwd=tmp``; (exit status, its output).
+
+    It runs in a child of a multiprocessing fork server that imported torch, Lightning and
+    accelerate once (importing them costs 5-15 s per process on two busy cores): a fresh process
+    per program, with its own cwd, environment, ``sys.argv`` and ``atexit`` handlers, as with
+    ``python SCRIPT``, without paying those imports each time. The fork server imports modules
+    only (no tensors, single-threaded OpenMP), so forking it is safe.
+    """
+    import multiprocessing
+    import runpy
+
+    global _forkserver
+    if _forkserver is None:
+        from multiprocessing import forkserver
+
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(_PRELOAD)
+        # One intra-op thread, fixed when the server starts: OpenMP reads it once per process, and
+        # its children inherit the server's pool settings (2 threads on 2 busy cores ran 5x slower).
+        with pytest.MonkeyPatch.context() as mp:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                mp.setenv(var, "1")
+            forkserver.ensure_running()
+    log, runner = tmp / ".snippet.log", tmp / ".snippet_runner.py"
+    runner.write_text(_RUNNER.format(env=_env(), cwd=str(tmp), log=str(log), argv=argv, script=str(script)),
+                      encoding="utf-8")
+    proc = _forkserver.Process(target=runpy.run_path, args=(str(runner),))
+    proc.start()
+    proc.join(PYTHON_TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return -9, f"timed out after {PYTHON_TIMEOUT} s\n" + (log.read_text(errors="replace") if log.exists() else "")
+    return proc.exitcode, log.read_text(errors="replace") if log.exists() else ""
+
+
+def run_python(block: Block, tmp: pathlib.Path, ctx: dict) -> None:
+    script = tmp / "snippet.py"
+    script.write_text(_localize(block.code, ctx), encoding="utf-8")
+    status, output = run_program(script, [str(script)], tmp)
+    assert status == 0, f"{block.id} exited {status}:\n{output[-6000:]}"
+
+
+def _plugin_nodes(node) -> list[dict]:
+    """Mappings that build a CheckrunCheckpointIO (LightningCLI class_path or Hydra _target_)."""
+    found = []
+    if isinstance(node, dict):
+        target = node.get("class_path") or node.get("_target_")
+        if target in ("lightning_ckpt.CheckrunCheckpointIO", "lightning_ckpt.io.CheckrunCheckpointIO"):
+            found.append(node)
+        for v in node.values():
+            found += _plugin_nodes(v)
+    elif isinstance(node, list):
+        for v in node:
+            found += _plugin_nodes(v)
+    return found
+
+
+def run_yaml(block: Block, tmp: pathlib.Path, ctx: dict) -> None:
+    data = yaml.safe_load(block.code)
+    assert isinstance(data, dict), f"{block.id}: not a mapping"
+    plugins = _plugin_nodes(data)
+    if plugins:
+        from lightning_ckpt import CheckrunCheckpointIO
+
+        for node in plugins:
+            if "class_path" in node:
+                args = node.get("init_args") or {}
+            else:
+                args = {k: v for k, v in node.items() if k != "_target_"}
+            CheckrunCheckpointIO(**args).engine  # noqa: B018 - builds the engine config
+        return
+    path = tmp / "config.yaml"
+    path.write_text(block.code, encoding="utf-8")
+    if "checkpointing" in data or "accelerate" in data:
+        from accelerate_ckpt.config import from_mapping, read_yaml
+
+        from_mapping(read_yaml(path), str(path))
+    else:
+        from ckpt_core import EngineConfig
+
+        EngineConfig.from_yaml(path)
+
+
+def shell_commands(block: Block) -> list[tuple[str, int]]:
+    """(command, expected exit status) pairs of a bash or console block."""
+    lines = block.code.splitlines()
+    commands: list[list] = []
+    for line in lines:
+        stripped = line.strip()
+        if block.lang == "console":
+            if stripped.startswith("$ "):
+                commands.append([stripped[2:], 0, stripped.endswith("\\")])
+            elif commands and commands[-1][2]:
+                commands[-1][0] = commands[-1][0][:-1] + " " + stripped
+                commands[-1][2] = stripped.endswith("\\")
+            elif commands and (m := re.fullmatch(r"\[exit (\d+)\]", stripped)):
+                commands[-1][1] = int(m[1])
+        elif stripped and not stripped.startswith("#"):
+            if commands and commands[-1][2]:
+                commands[-1][0] = commands[-1][0][:-1] + " " + stripped
+                commands[-1][2] = stripped.endswith("\\")
+            else:
+                commands.append([stripped, 0, stripped.endswith("\\")])
+    return [(c, status) for c, status, _ in commands]
+
+
+def run_shell(block: Block, tmp: pathlib.Path, ctx: dict) -> None:
+    from ckpt_core.cli import main
+
+    commands = shell_commands(block)
+    assert commands, f"{block.id}: no command in the block"
+    for command, expected in commands:
+        argv = shlex.split(_localize(command, ctx), comments=True)
+        if argv[0] == "checkrun":
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = main(argv[1:] + ([] if "--no-progress" in argv else ["--no-progress"]))
+            detail = out.getvalue()[-2000:] + err.getvalue()[-2000:]
+        elif argv[0] == "python" and len(argv) > 2 and argv[1] == "-c":
+            script = tmp / ".snippet_c.py"
+            script.write_text(argv[2], encoding="utf-8")
+            status, detail = run_program(script, ["-c", *argv[3:]], tmp)
+        elif argv[0] == "python" and len(argv) > 1 and not argv[1].startswith("-"):
+            status, detail = run_program(tmp / argv[1], argv[1:], tmp)
+        else:
+            pytest.fail(f"{block.id}: cannot run {command!r}; mark the block "
+                        "<!-- snippet: skip (reason) --> or use checkrun/python commands")
+        assert status == expected, f"{block.id}: `{command}` exited {status}, the doc shows {expected}:\n{detail}"
+
+
+RUNNERS = {"python": run_python, "yaml": run_yaml, "shell": run_shell, "console": run_shell}
+
+
+# -- tests -------------------------------------------------------------------------------------
+def test_markers_are_valid():
+    errors = []
+    for block in BLOCKS:
+        try:
+            _parse_marker(block)
+        except ValueError as exc:
+            errors.append(str(exc))
+    stray = [f"{f.relative_to(ROOT)}:{n}" for f in DOC_FILES
+             for n, (line, nxt) in enumerate(zip(f.read_text().splitlines(), f.read_text().splitlines()[1:] + [""]), 1)
+             if _MARKER.match(line) and not _FENCE.match(nxt)]
+    assert not errors and not stray, (errors, f"markers not right before a fence: {stray}")
+
+
+def test_blocks_are_found():
+    assert len(RUNNABLE) > 30
+    assert {b.file for b in RUNNABLE} >= {"README.md", "docs/getting-started.md", "docs/cli.md"}
+
+
+@pytest.fixture(scope="module")
+def setup_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("snippet-setups")
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.id)
+def test_snippet(block: Block, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                 request: pytest.FixtureRequest, setup_cache: pathlib.Path):
+    reason, setups = _parse_marker(block)
+    if reason is not None:
+        pytest.skip(f"marked in the doc: {reason}")
+    monkeypatch.chdir(tmp_path)
+    ctx: dict = {"request": request}
+    prepare(setups, tmp_path, ctx, setup_cache)
+    RUNNERS[block.lang](block, tmp_path, ctx)
