@@ -68,6 +68,10 @@ class SavingConfig:
     """Cap on host staging memory; None = whatever ``max_pending`` snapshots need."""
     workers: int = 2
     """Threads that hash, encode and upload chunks in the background."""
+    thread_nice: int = 10
+    """Linux: the background threads run this much nicer than the training loop, so encoding yields
+    the CPU to training on busy cores (the save then takes longer in the background; 0 = same
+    priority). Ignored where per-thread priorities do not exist."""
     pin_memory: bool = True
     """Use pinned staging buffers for CUDA tensors (ignored on CPU-only machines)."""
     sigterm_grace_seconds: Optional[float] = 30.0
@@ -297,7 +301,7 @@ _POSITIVE = {
     "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
     "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
 }
-_NON_NEGATIVE = {"compression.zstd_threads", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
+_NON_NEGATIVE = {"compression.zstd_threads", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
 
 
 def _validate_values(obj: Any, prefix: str) -> None:

@@ -34,6 +34,7 @@ from torch.futures import Future
 from .config import EngineConfig, coerce_config
 from .dcp_blobs import KNOWN, ItemWriter
 from .dcp_format import ItemResult, build_manifest
+from .lifecycle import lower_thread_priority
 from .errors import CheckrunError, FormatError
 from .manifest import ObjectRecord, TensorRecord
 from .quant_rules import RuleMatcher
@@ -131,7 +132,9 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         rp = plan.storage_data
         rank = rp.rank if isinstance(rp, _RankPlan) else self.rank
         known, stats = KNOWN.view(store, self.config)
-        with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp") as pool:
+        with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
+                                initializer=lower_thread_priority,
+                                initargs=(self.config.saving.thread_nice,)) as pool:
             writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats)
             results = writer.write(plan.items, planner)
         store.sync()  # this rank's blobs are durable before the coordinator commits the manifest

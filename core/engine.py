@@ -58,7 +58,8 @@ class CheckpointEngine:
         self._copier = Copier()
         self._slots = threading.BoundedSemaphore(sc.max_pending)
         self._matcher = RuleMatcher(self.config.quantization)
-        self._workers = ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker")
+        self._workers = ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
+                                           initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._dirs: dict[tuple, DirState] = {}
@@ -276,6 +277,7 @@ class CheckpointEngine:
             self._thread.start()
 
     def _loop(self) -> None:
+        lifecycle.lower_thread_priority(self.config.saving.thread_nice)
         while True:
             job = self._queue.get()
             if job is None:

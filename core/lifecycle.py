@@ -9,6 +9,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -18,6 +19,19 @@ _engines: "weakref.WeakSet" = weakref.WeakSet()
 _lock = threading.Lock()
 _atexit_done = False
 _sigterm = {"installed": False, "grace": None, "previous": None}
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer than the main thread (Linux schedules threads,
+    so this leaves the training thread alone); background threads call it when they start. No-op for 0, on other
+    platforms, or where the system refuses."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:  # relative to the main thread (its id is the pid): threads inherit their creator's nice
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), target)
+    except OSError as exc:  # pragma: no cover - seccomp or similar
+        log.debug("checkrun: cannot lower the priority of %s: %s", threading.current_thread().name, exc)
 
 
 def register(engine) -> None:

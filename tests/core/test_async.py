@@ -221,3 +221,18 @@ def test_sigterm_grace_commits_pending_save(tmp_path):
     assert p.returncode == -signal.SIGTERM, err
     assert "not reached" not in out
     assert torch.equal(ckpt_core_load(tmp_path / "t.ckpt")["w"], torch.arange(10))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_background_threads_are_nicer_than_the_training_thread(tmp_path):
+    def nice(native_id: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, native_id)
+
+    base = nice(threading.get_native_id())
+    with CheckpointEngine({"saving": {"thread_nice": 5, "workers": 2}}) as engine:
+        engine.save({"w": torch.randn(256, 1024)}, tmp_path / "a.ckpt",).result()
+        ours = [t for t in threading.enumerate()
+                if t.name.startswith(("checkrun-worker", "checkrun-coordinator")) and t.native_id]
+        assert {t.name.split("_")[0] for t in ours} == {"checkrun-worker", "checkrun-coordinator"}
+        assert all(nice(t.native_id) == min(19, base + 5) for t in ours)
+    assert nice(threading.get_native_id()) == base  # the caller's thread is untouched
