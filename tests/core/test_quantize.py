@@ -254,3 +254,108 @@ def test_cast_error_is_half_an_ulp(to, rel):
     assert ((y - x).abs() <= x.abs() * rel * 1.0001).all()
     assert torch.equal(y, x.to(getattr(torch, to)).float())
     assert codec.decode(data, (5, 77), torch.float64).dtype == torch.float64
+
+
+# ---------------------------------------------------------------- numpy encoders: format pinned, search
+
+def _reference_plain_bytes(x: torch.Tensor, bits: int, sdt: torch.dtype) -> bytes:
+    """The v1 uniform layout (per-row) computed independently with torch: stored min rounded down,
+    step rounded up to the scale dtype, codes round-half-even and clamped, packed LSB first."""
+    q = (1 << bits) - 1
+    x64 = x.double()
+    lo, hi = x64.amin(1), x64.amax(1)
+
+    def directed(v: torch.Tensor, up: bool) -> torch.Tensor:
+        r = v.to(sdt)
+        wrong = r.double() < v if up else r.double() > v
+        return torch.where(wrong, torch.nextafter(r, torch.full_like(r, float("inf") if up else -float("inf"))), r)
+    m = directed(lo, up=False)
+    s = directed((hi - m.double()) / q, up=True)
+    inv = torch.where(s.float() > 0, 1.0 / s.float(), torch.zeros_like(s.float()))
+    codes = ((x.float() - m.float()[:, None]) * inv[:, None]).round().clamp(0, q).to(torch.uint8)
+    return m.numpy().tobytes() + s.numpy().tobytes() + pack(codes.numpy().reshape(-1), bits).tobytes()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("scale_dtype", ["fp16", "fp32"])
+def test_plain_uniform_bytes_match_an_independent_torch_reference(bits, scale_dtype):
+    """The numpy encoder writes exactly the bytes of the stored v1 format (bit compatibility)."""
+    x = torch.cat([sample("normal", (20, 64), seed=11) * 0.02, sample("laplace", (5, 64), seed=12),
+                   sample("offset", (3, 64), seed=13)])
+    sdt = {"fp16": torch.float16, "fp32": torch.float32}[scale_dtype]
+    assert bytes(UniformCodec(bits, None, scale_dtype, False).encode(x)[0]) == _reference_plain_bytes(x, bits, sdt)
+
+
+def _reference_greedy_mse(row: np.ndarray, bits: int) -> float:
+    """FBGEMM's greedy search for one row, written as plainly as possible (float64), then the
+    squared error of quantizing the row with the best range found."""
+    q = (1 << bits) - 1
+    lo, hi = float(row.min()), float(row.max())
+    step = (hi - lo) / 200
+
+    def loss(a: float, b: float) -> float:
+        s = (b - a) / q
+        codes = np.clip(np.rint((row - a) / s), 0, q) if s > 0 else np.zeros_like(row)
+        return float(((codes * s + a - row) ** 2).sum())
+    cur_lo, cur_hi, best = lo, hi, (loss(lo, hi), lo, hi)
+    for _ in range(32):
+        up, down = loss(cur_lo + step, cur_hi), loss(cur_lo, cur_hi - step)
+        cur_lo, cur_hi = (cur_lo + step, cur_hi) if up < down else (cur_lo, cur_hi - step)
+        best = min(best, (min(up, down), cur_lo, cur_hi))
+    return min(best[0], loss(lo, hi))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("kind,shape", [("normal", (40, 64)), ("laplace", (40, 16)), ("normal", (3, 5000))], ids=str)
+def test_greedy_search_matches_a_plain_reference(kind, shape, bits):
+    """The vectorised search (transposed short rows, sorted long rows) finds ranges as good as
+    a per-row reference loop (stored fp32 parameters: only the search differs)."""
+    x = sample(kind, shape, seed=14)
+    codec = UniformCodec(bits, None, "fp32", True)
+    y = codec.decode(codec.encode(x)[0], shape, torch.float32).double()
+    got = ((y - x.double()) ** 2).sum(1).numpy()
+    want = np.array([_reference_greedy_mse(r, bits) for r in x.double().numpy()])
+    assert got.sum() <= want.sum() * (1 + 1e-3)
+    assert (got <= want * (1 + 1e-2) + 1e-12).mean() >= 0.95  # float32 search vs float64: rare near-ties
+
+
+def test_greedy_search_does_not_depend_on_its_row_block(monkeypatch):
+    import ckpt_core.codecs.rowwise as rowwise
+
+    x = sample("laplace", (300, 48), seed=15)
+    codec = UniformCodec(3, None, "fp16", True)
+    expected = bytes(codec.encode(x)[0])
+    for elems in (1, 100, 48 * 7, 1 << 20):  # one row at a time (row layout) .. all rows transposed
+        monkeypatch.setattr(rowwise, "SEARCH_ELEMS", elems)
+        assert bytes(codec.encode(x)[0]) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_encode_statistics_see_the_final_cast_exactly(dtype):
+    """Stats describe the decoded tensor in its own dtype (numpy emulates torch's bf16 rounding)."""
+    x = sample("laplace", (31, 77), seed=16).to(dtype)
+    for codec in (UniformCodec(4, None, "fp32", True), UniformCodec(3, 16, "fp16", False), Int8BlockCodec(50)):
+        data, stats = codec.encode(x)
+        err = codec.decode(data, (31, 77), dtype).double() - x.double()
+        assert stats.max_abs_error == float(err.abs().max())
+        assert stats.sq_error_sum == pytest.approx(float((err ** 2).sum()), rel=1e-5)
+
+
+def test_encoders_run_no_torch_ops(monkeypatch):
+    """The encoders must not fan out to torch's intra-op threads (docs/benchmarks.md P4): with
+    every torch op that could run a parallel kernel made to fail, encoding still works."""
+    x = sample("normal", (600, 64), seed=17)
+    expected = [bytes(c.encode(x)[0]) for c in (UniformCodec(4, None, "fp16", True), Int8BlockCodec(64),
+                                                UniformCodec(2, 32, "fp32", True))]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch op in an encoder")
+    ops = ("amin", "amax", "abs", "round", "clamp", "where", "searchsorted", "dot", "add", "sub", "mul")
+    for name in ops:
+        monkeypatch.setattr(torch, name, refuse)
+    for name in ("amin", "amax", "abs", "round", "clamp", "add", "sub", "mul", "to", "round_", "clamp_", "add_",
+                 "sub_", "mul_", "__sub__", "__mul__", "__add__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = [bytes(c.encode(x)[0]) for c in (UniformCodec(4, None, "fp16", True), Int8BlockCodec(64),
+                                           UniformCodec(2, 32, "fp32", True))]
+    assert got == expected
