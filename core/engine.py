@@ -116,7 +116,8 @@ class CheckpointEngine:
         self._wait_path(store.url(name))
         manifest = read_manifest(store, name, self.config)
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
-                                            weights_only=weights_only, config=self.config)
+                                            weights_only=weights_only, config=self.config,
+                                            keep_copy=self._wants_stream)
         self._adopt_loaded(store, manifest, loaded)
         return state
 
@@ -371,6 +372,10 @@ class CheckpointEngine:
                 continue
             raise wrapped
 
+    def _wants_stream(self, rec, flat: torch.Tensor) -> bool:
+        """Whether a loaded tensor becomes a row stream (which needs its own copy of the values)."""
+        return not rec.quant and row_eligible(rec.key, flat.view(rec.shape), self.config.incremental)
+
     def _adopt_loaded(self, store: Store, manifest: Manifest, loaded) -> None:
         """Remember a loaded checkpoint so the next save to its directory is incremental."""
         state = self._dirstate(store)
@@ -379,10 +384,9 @@ class CheckpointEngine:
         for lt in loaded:
             rec = lt.record
             state.records[rec.key] = rec
-            view = lt.flat.view(rec.shape)
-            if not row_eligible(rec.key, view, self.config.incremental) or rec.quant:
+            if lt.copy is None:
                 continue
-            stream = RowStream(lt.flat.clone(), view.dtype, tuple(rec.shape), valid=True, record=rec)
+            stream = RowStream(lt.copy, lt.copy.dtype, tuple(rec.shape), valid=True, record=rec)
             mask = torch.zeros(rec.shape[0], dtype=torch.bool)
             for idx in lt.delta_indices:
                 mask[idx] = True

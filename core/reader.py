@@ -16,6 +16,7 @@ import torch
 import xxhash
 
 from .codecs import Pipeline, lossless_pipeline
+from .codecs._common import tensor_bytes
 from .config import CompressionConfig, EngineConfig
 from .errors import CheckrunError, CorruptCheckpointError, FormatError, UnsafeLoadError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
@@ -88,10 +89,20 @@ class LoadedTensor:
     record: TensorRecord
     flat: torch.Tensor
     delta_indices: list = field(default_factory=list)
+    copy: torch.Tensor | None = None  # a second copy of the values, private to the engine
 
 
-def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTensor]:
-    """Fetch, verify and decode every tensor (bases in parallel, then deltas in order)."""
+#: ``keep_copy(record, flat)``: whether ``load_tensors`` should also fill ``LoadedTensor.copy``.
+KeepCopy = Callable[[TensorRecord, torch.Tensor], bool]
+
+
+def load_tensors(store: Store, manifest: Manifest, where: str,
+                 keep_copy: KeepCopy | None = None) -> list[LoadedTensor]:
+    """Fetch, verify and decode every tensor (bases in parallel, then deltas in order).
+
+    Tensors ``keep_copy`` selects get a second copy (``LoadedTensor.copy``), made chunk by chunk
+    on the io threads right after each chunk is decoded (the engine keeps it as the reference of
+    the next row-delta save)."""
     out, tasks = [], []
     for rec in manifest.tensors:
         dtype = DTYPES[rec.dtype]
@@ -102,6 +113,8 @@ def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTen
             raise CorruptCheckpointError(f"{where}: tensor {rec.key!r} declares {rec.nbytes} bytes, "
                                          f"which cannot be allocated: {exc}") from None
         lt = LoadedTensor(rec, flat)
+        if keep_copy is not None and keep_copy(rec, flat):
+            lt.copy = torch.empty_like(flat)
         out.append(lt)
         for chunk in rec.base:
             tasks.append((lt, pipe, chunk, dtype))
@@ -116,6 +129,9 @@ def load_tensors(store: Store, manifest: Manifest, where: str) -> list[LoadedTen
             pipe.decode_into(data, dest, _decode_limit(chunk, dtype), scratch.get)
         except FormatError as exc:
             raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
+        if lt.copy is not None and dest.numel():  # numpy: one thread, while the chunk is hot
+            np.copyto(np.frombuffer(tensor_bytes(lt.copy[chunk.off:chunk.off + dest.numel()]), np.uint8),
+                      np.frombuffer(tensor_bytes(dest), np.uint8))
 
     store.map(base_task, tasks)
     del scratch
@@ -137,6 +153,8 @@ def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pi
         parts = store.map(lambda c: _decode(store, pipe, c, lt.flat.dtype), list(delta.chunks))
         values = torch.cat([p.reshape(-1, cols) for p in parts]) if parts else t2d[:0]
         t2d.index_copy_(0, idx, values)
+        if lt.copy is not None:
+            lt.copy.view(rows, cols).index_copy_(0, idx, values)
         lt.delta_indices.append(idx)
 
 
@@ -166,11 +184,12 @@ def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -
 
 
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
-                        weights_only: bool, config: EngineConfig) -> tuple[Any, list[LoadedTensor]]:
-    """Rebuild the saved state tree from a parsed manifest."""
+                        weights_only: bool, config: EngineConfig,
+                        keep_copy: KeepCopy | None = None) -> tuple[Any, list[LoadedTensor]]:
+    """Rebuild the saved state tree from a parsed manifest (``keep_copy``: see ``load_tensors``)."""
     where = store.url(name)
     leaves = check_structure(manifest, where)
-    loaded = load_tensors(store, manifest, where)
+    loaded = load_tensors(store, manifest, where, keep_copy)
     tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
                for lt in loaded]
     objects = []

@@ -92,6 +92,22 @@ def test_resume_then_save_stays_incremental(tmp_path):
         assert _bits_equal(engine.load(tmp_path / "1.ckpt")["emb"], emb2)
 
 
+def test_resume_from_a_delta_chain_compares_against_what_was_loaded(tmp_path):
+    emb = torch.randn(4096, 64)
+    cfg = _cfg().replace(**{"compression.chunk_bytes": 64 * 1024})  # many chunks, decoded in parallel
+    with CheckpointEngine(cfg) as engine:
+        full = engine.save({"emb": emb}, tmp_path / "0.ckpt").result()
+        emb[100:110] += 1
+        engine.save({"emb": emb}, tmp_path / "1.ckpt").result()  # base + one delta
+    with CheckpointEngine(cfg) as engine:
+        emb2 = engine.load(tmp_path / "1.ckpt")["emb"]
+        assert _bits_equal(emb2, emb)
+        emb2[4000:4005] -= 1  # the loaded tensor is the user's: the engine's reference must not follow it
+        inc = engine.save({"emb": emb2}, tmp_path / "2.ckpt").result()
+        assert inc.written_bytes < 0.05 * full.written_bytes
+        assert _bits_equal(engine.load(tmp_path / "2.ckpt")["emb"], emb2)
+
+
 def test_removing_base_keeps_dependents_loadable(tmp_path):
     emb = torch.randn(1024, 16)
     with CheckpointEngine(_cfg("consecutive")) as engine:
