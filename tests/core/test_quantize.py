@@ -15,8 +15,9 @@ BITS = [2, 3, 4, 8]
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
-    """Codec work is many small torch calls; on a busy 2-core runner torch's intra-op thread
-    team (busy-waiting at each barrier) makes them 10x slower and the timings erratic."""
+    """Decoders and the cast codec are many torch calls; on a busy 2-core runner torch's intra-op
+    thread team (busy-waiting at each barrier) makes them 10x slower and the timings erratic.
+    (The lossy encoders are numpy and do not care: test_encoders_run_no_torch_ops.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
