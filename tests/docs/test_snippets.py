@@ -251,7 +251,11 @@ _log = os.open({log!r}, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 os.dup2(_log, 1); os.dup2(_log, 2)
 sys.stdout = open(1, "w", closefd=False); sys.stderr = open(2, "w", closefd=False)
 sys.argv = {argv!r}
-sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] != "-c" else ""
+# what `python SCRIPT` (or `python -c`) has: the script's folder, the interpreter's and the venv's
+# paths; not the repository folders pytest put on sys.path (a user's snippet does not have them)
+sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] != "-c" else ""] + [
+    p for p in sys.path if os.path.isabs(p)
+    and (not (p.rstrip(os.sep) + os.sep).startswith({repo!r}) or p.startswith(sys.prefix + os.sep))]
 try:
     runpy.run_path({script!r}, run_name="__main__")
 finally:
@@ -289,8 +293,8 @@ def run_program(script: pathlib.Path, argv: list[str], tmp: pathlib.Path) -> tup
                 mp.setenv(var, "1")
             forkserver.ensure_running()
     log, runner = tmp / ".snippet.log", tmp / ".snippet_runner.py"
-    runner.write_text(_RUNNER.format(env=_env(), cwd=str(tmp), log=str(log), argv=argv, script=str(script)),
-                      encoding="utf-8")
+    runner.write_text(_RUNNER.format(env=_env(), cwd=str(tmp), log=str(log), argv=argv, script=str(script),
+                                     repo=str(ROOT) + os.sep), encoding="utf-8")
     proc = _forkserver.Process(target=runpy.run_path, args=(str(runner),))
     proc.start()
     proc.join(PYTHON_TIMEOUT)
@@ -433,3 +437,21 @@ def test_snippet(block: Block, tmp_path: pathlib.Path, monkeypatch: pytest.Monke
     ctx: dict = {"request": request}
     prepare(setups, tmp_path, ctx, setup_cache)
     RUNNERS[block.lang](block, tmp_path, ctx)
+
+
+def test_the_runners_report_failures(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """A block that fails must fail its test: an exception, an exit status, a wrong ``[exit N]``."""
+    monkeypatch.chdir(tmp_path)
+    run_python(Block("x.md", 1, "python", "import os\nassert os.getcwd() == %r\nopen('f', 'w')\n" % str(tmp_path),
+                     None), tmp_path, {})
+    assert (tmp_path / "f").exists()  # ran in the block's directory
+    for code in ("raise ValueError('boom')\n", "import sys\nsys.exit(3)\n"):
+        with pytest.raises(AssertionError, match="x.md:1 exited"):
+            run_python(Block("x.md", 1, "python", code, None), tmp_path, {})
+    with pytest.raises(AssertionError, match="exited 1, the doc shows 0"):
+        run_shell(Block("x.md", 1, "console", "$ checkrun ls missing-dir\n", None), tmp_path, {})
+    run_shell(Block("x.md", 1, "console", "$ checkrun ls missing-dir\n[exit 1]\n", None), tmp_path, {})
+    with pytest.raises(pytest.fail.Exception, match="cannot run 'pip install x'"):
+        run_shell(Block("x.md", 1, "bash", "pip install x\n", None), tmp_path, {})
+    with pytest.raises(ValueError, match="invalid marker"):
+        _parse_marker(Block("x.md", 1, "python", "", "skip"))  # a skip needs its reason
