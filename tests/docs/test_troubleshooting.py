@@ -3,8 +3,9 @@
 The rule (also stated at the top of docs/troubleshooting.md):
 
 * Every ``raise SomeError(message)`` in ``core/``, ``lightning_ckpt/`` and ``accelerate_ckpt/`` is a
-  *raise site* (re-raises such as ``raise``, ``raise exc`` or ``raise type(exc)(...)`` are not: they pass
-  on a message raised elsewhere).
+  *raise site*, and so is every construction of a class named ``...Error``/``...Exception`` elsewhere
+  (``err = BackgroundSaveError(...)``, raised later). Re-raises such as ``raise``, ``raise exc`` or
+  ``raise type(exc)(...)`` are not: they pass on a message raised elsewhere.
 * Its message's *fixed parts* are the literal text of the message: the string, or the text between
   the ``{...}`` fields of an f-string. A message built by a helper (``raise X(_message(...))``) or held
   in a variable (``raise X(msg)``) is followed one step: the helper's returned strings or the
@@ -105,13 +106,16 @@ def raise_sites() -> list[RaiseSite]:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
             module = _Module(tree)
+            raised = {id(n.exc) for n in ast.walk(tree) if isinstance(n, ast.Raise)}
             for node in ast.walk(tree):
-                if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                if not isinstance(node, ast.Call):
                     continue
-                name = _class_name(node.exc.func)
+                name = _class_name(node.func)
                 if name is None or not name[:1].isupper():
                     continue
-                parts = [p for arg in node.exc.args for p in _fixed_parts(arg, module)]
+                if id(node) not in raised and not name.endswith(("Error", "Exception")):
+                    continue
+                parts = [p for arg in node.args for p in _fixed_parts(arg, module)]
                 sites.append(RaiseSite(str(path.relative_to(ROOT)), node.lineno, name, fragment_of(parts)))
     return sites
 
