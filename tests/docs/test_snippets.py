@@ -38,6 +38,7 @@ import pathlib
 import re
 import shlex
 from dataclasses import dataclass
+
 import pytest
 import yaml
 
@@ -48,7 +49,7 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PYTHON_TIMEOUT = 120
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(?P<body>.*?)\s*-->\s*$")
-_SKIP = re.compile(r"^skip\s*\((?P<reason>[^)]*\S[^)]*)\)$")
+_SKIP = re.compile(r"^skip\s*\((?P<reason>.*\S.*)\)$")
 _SETUP = re.compile(r"^setup=(?P<names>[\w-]+(?:,[\w-]+)*)$")
 _LOCAL_ENDPOINT = re.compile(r"http://(?:127\.0\.0\.1|localhost):\d+")
 LANGS = {"python": "python", "py": "python", "yaml": "yaml", "yml": "yaml", "bash": "shell",
