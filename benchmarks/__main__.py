@@ -3,9 +3,9 @@
 Each benchmark module runs in its own process with ``--json docs/benchmarks/data/NAME.json`` (its raw
 per-run measurements); then ``benchmarks.report`` renders docs/benchmarks.md and the PNG plots under
 docs/benchmarks/. A module that fails or exceeds ``--timeout`` is reported as failed (with the end of
-its output) and the others still run and are reported. ``--size`` scales the states (default 256 MB:
-about 15 minutes on a 2-core, 24 GiB machine; use more on larger machines); ``--quick`` is a smoke run
-at 64 MB. Modules left out with ``--only`` keep their previous results. ``quant_accuracy`` (trains a
+its output) and the others still run and are reported. ``--size`` scales the states (default 256 MB,
+chosen to finish in under 15 minutes on an idle 2-core, 24 GiB machine; the report records each
+module's seconds; use more on larger machines); ``--quick`` is a smoke run at 64 MB. Modules left out with ``--only`` keep their previous results. ``quant_accuracy`` (trains a
 model through 20 restores, long) runs only with ``--accuracy``; its JSON, when present, fills section 5.
 States are cached under ``~/.cache/checkrun-bench`` (``CHECKRUN_BENCH_CACHE``).
 """
@@ -42,8 +42,9 @@ def arguments(name: str, size: float, extra: bool) -> list[str]:
         return ["--size", s(size), "--ft-layers", str(max(2, round(24 * size / 1024)))]
     if name == "quant":
         return ["--size", s(size)]
-    if name == "lightning":
-        return ["--state-mb", s(max(16.0, size / 8)), "--repeats", "3"]
+    if name == "lightning":  # --extra adds checkrun with compression off
+        return ["--state-mb", s(max(16.0, size / 8)), "--repeats", "3"] + \
+            ([] if extra else ["--configs", "none,torch,async,checkrun"])
     if name == "accelerate":
         return ["--params-mb", str(max(8, round(size / 3))), "--saves", "3"]
     if name == "dcp":

@@ -135,11 +135,12 @@ def fit_once(name: str, args: argparse.Namespace, data: DataLoader, root: Path) 
 def run_rounds(args: argparse.Namespace, data: DataLoader, root: Path) -> dict:
     """``args.repeats`` rounds of ``none, c1, none, c2, ..., none``; each fit of a configuration is paired
     with the mean of the two baseline fits around it (same load on the machine, within seconds)."""
-    results: dict = {name: [] for name in CONFIGS}
+    configs = ("none",) + tuple(c for c in args.configs.split(",") if c in CONFIGS and c != "none")
+    results: dict = {name: [] for name in configs}
     fit_once("none", args, data, root)  # warm-up: first-use costs (allocator, thread pools)
     for round_ in range(args.repeats):
-        shift = round_ % (len(CONFIGS) - 1)
-        order = CONFIGS[1:][shift:] + CONFIGS[1:][:shift]
+        shift = round_ % (len(configs) - 1)
+        order = configs[1:][shift:] + configs[1:][:shift]
         before = fit_once("none", args, data, root)
         results["none"].append(before)
         for name in order:
@@ -155,13 +156,14 @@ def run_rounds(args: argparse.Namespace, data: DataLoader, root: Path) -> dict:
 
 
 def report(results: dict, args: argparse.Namespace, state_mb: float) -> str:
-    rows, overhead = [], {"none": 0.0}
-    for name in CONFIGS:
+    rows, overhead = [], {"none": 0.0, "torch": float("nan"), "checkrun": float("nan")}
+    for name in results:
         runs = results[name]
         blocked = [b for r in runs for b in r["blocked"]]
         if name != "none":
             overhead[name] = med(r["overhead"] for r in runs)
-        ratio = overhead[name] / overhead["torch"] if name != "none" and overhead["torch"] > 0 else float("nan")
+        ratio = overhead[name] / overhead["torch"] if name not in ("none", "torch") and overhead["torch"] > 0 \
+            else (1.0 if name == "torch" else float("nan"))
         rows.append([name, med(r["fit"] for r in runs), overhead[name],
                      med(r.get("extra_cpu", 0.0) for r in runs), med(blocked) if blocked else float("nan"),
                      len(blocked) // max(1, len(runs)), med(r["written"] for r in runs) / 1e6, ratio])
@@ -175,7 +177,7 @@ def report(results: dict, args: argparse.Namespace, state_mb: float) -> str:
             f"overhead and extra CPU paired with the baseline fits just before and after, blocked over all saves\n\n"
             f"{table(head, rows)}\n\ncheckrun overhead <= 1/3 of the default's: {verdict_text} "
             f"({overhead['checkrun']:.2f} s vs {overhead['torch']:.2f} s; checkrun-raw "
-            f"{overhead['checkrun-raw']:.2f} s)\n")
+            f"{overhead.get('checkrun-raw', float('nan')):.2f} s)\n")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -187,6 +189,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--ctx", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated CheckpointIOs to compare (torch and checkrun are needed for the target)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for training (default: torch's, = all cores); 1 leaves a "
                              "core free for background work, as GPU training does")

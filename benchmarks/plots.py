@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 MB = 1e6
 
@@ -51,18 +52,22 @@ def blocking_vs_size(stall: dict, machine: dict, path: Path) -> Optional[Path]:
                 series.setdefault(peer, []).append((r["state"] / MB, spread(r["raw"]["block"])))
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for peer, pts in series.items():
         style = "--" if peer == "floor" else "-"
         ax.errorbar([p[0] for p in pts], [p[1][0] for p in pts], yerr=[[p[1][1] for p in pts], [p[1][2] for p in pts]],
                     marker="o", linestyle=style, capsize=3, label=peer)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    xs = sorted({round(p[0]) for pts in series.values() for p in pts})
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("state size, MB (GPT-like weights + Adam, fp32)")
     ax.set_ylabel("blocking time per save, s (median, min-max of 3)")
     ax.set_title(f"Blocking time per save vs state size\n{caption(machine)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
@@ -85,7 +90,7 @@ def bytes_per_checkpoint(lines: dict, torch_bytes: Optional[float], machine: dic
     """lines = {label: [bytes written by save 0, 1, ...]} (exact counts: no spread)."""
     if not lines:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for label, ys in lines.items():
         ax.plot(range(len(ys)), [y / MB for y in ys], marker="o", label=label)
     if torch_bytes:
@@ -96,7 +101,7 @@ def bytes_per_checkpoint(lines: dict, torch_bytes: Optional[float], machine: dic
     ax.set_title(f"Bytes written per checkpoint (DLRM, 5% of rows change per interval)\n{caption(machine)}",
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
@@ -107,7 +112,7 @@ def grouped_bars(groups: dict, ylabel: str, title: str, machine: dict, path: Pat
         return None
     labels = list(dict.fromkeys(b for bars in groups.values() for b in bars))
     width = 0.8 / len(labels)
-    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups) + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(groups) + 3), 4.5))
     for i, label in enumerate(labels):
         xs, ys, lo, hi = [], [], [], []
         for g, bars in enumerate(groups.values()):

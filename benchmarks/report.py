@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,10 +60,22 @@ def sections_of(text: str) -> dict:
 
 
 def carried(old: dict, prefix: str) -> Optional[str]:
-    for head, text in old.items():
-        if head.startswith(prefix):
-            return text.rstrip() + "\n"
+    """The section starting with ``prefix`` from the current report, or from the committed one when the
+    current one lacks it or has only its heading (e.g. caught in the middle of a hand edit)."""
+    for source in (old, committed_sections()):
+        for head, text in source.items():
+            if head.startswith(prefix) and text.strip() != head.strip():
+                return text.rstrip() + "\n"
     return None
+
+
+def committed_sections() -> dict:
+    try:
+        text = subprocess.run(["git", "show", f"HEAD:{DOC.relative_to(ROOT).as_posix()}"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return sections_of(text)
 
 
 def accuracy_section(old: dict, res: Optional[dict]) -> str:
@@ -106,8 +119,8 @@ def status_table(runs: dict, results: dict) -> str:
         r, res = runs.get("modules", {}).get(name), results.get(name)
         when = plots.caption(res["machine"]) if res else "-"
         state = "not run" if r is None else ("ok" if r.get("rc") == 0 else f"FAILED (rc {r.get('rc')})")
-        rows.append([name, state, f"{r['seconds']:.0f}" if r else "-", " ".join(r.get("args", [])) if r else "-",
-                     when])
+        shown = " ".join(r.get("args", [])).split(" --json ")[0] if r else "-"  # not the machine's path
+        rows.append([name, state, f"{r['seconds']:.0f}" if r else "-", shown, when])
     text = table(["benchmark", "status", "seconds", "arguments", "measured on"], rows)
     for name, r in runs.get("modules", {}).items():
         if r.get("rc") != 0 and r.get("tail"):
@@ -127,10 +140,18 @@ def header(runs: dict, results: dict) -> str:
         lines += [f"> **SMOKE RUN** (`{cmd}`): small states on a shared, loaded machine. These numbers only show "
                   "that the tooling works end to end; they are not the project's measurements. Regenerate with "
                   "`python -m benchmarks` on a quiet machine.", ""]
+    loads = [x for r in results.values() if r for x in (r["machine"].get("loadavg", [0])[0],
+                                                          r["machine"].get("loadavg_end", [0])[0])]
+    cores = machine.get("cores") or 1
+    if loads and max(loads) > 1.5 * cores:  # the benchmark itself keeps about `cores` busy
+        lines += [f"> **Loaded machine**: the load average reached {max(loads):.1f} on {cores} cores during these runs "
+                  "(other work was running), so seconds are inflated and noisy; byte counts are not affected.", ""]
     lines += [
         "checkrun (`ckpt_core`) against the usual ways of checkpointing PyTorch training state, in one command:",
-        "", "```", "python -m benchmarks            # default size: fits a 2-core, 24 GiB machine",
-        "python -m benchmarks --size 4096  # larger machines; --only NAME,... reruns some modules", "```", "",
+        "", "```", "python -m benchmarks              # default --size 256 (MB): for a 2-core, 24 GiB machine",
+        "python -m benchmarks --size 4096  # larger machines; --only NAME,... reruns some modules",
+        "python -m benchmarks --accuracy   # also the quantization accuracy training runs (long)",
+        "python -m benchmarks.report       # re-render this page from docs/benchmarks/data/*.json", "```", "",
         f"This report: `{cmd}`" + (f", {total / 60:.1f} min in all" if total else "") +
         f", on {plots.caption(machine)} ({machine.get('arch', '?')}, python {machine.get('python', '?')}). "
         "Every number is the median of the runs the benchmark repeats, with the min-max spread in brackets, "

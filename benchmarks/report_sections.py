@@ -40,8 +40,10 @@ def caption(res: dict) -> str:
 
 
 def args_text(res: dict) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in res.get("args", {}).items()
-                    if v not in (None, False) and not k.startswith("worker") and k != "part")
+    args = res.get("args", {})
+    skip = {"part", "peers", "train_peers"} | ({"size"} if args.get("sizes") else set())
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items()
+                    if v not in (None, False) and not k.startswith("worker") and k not in skip)
 
 
 def missing(title: str, name: str, rows: list) -> tuple[str, list]:
