@@ -158,9 +158,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None, help="write the results here (JSON)")
     args = ap.parse_args(argv)
-    started, t_start = machine_info(), time.perf_counter()
     root = workdir(args.dir)
     torch.set_num_threads(1)  # deterministic and leaves a core to the background saver
+    started, t_start = machine_info(), time.perf_counter()
     hidden = Hidden(args.tables, args.rows)
     g_eval = hidden.batch(10**9, 50_000)
     print(machine_header("Quantization accuracy: DLRM trained through quantized restores"))
