@@ -78,13 +78,6 @@ def bytes_to_uint8(data: bytes | memoryview | bytearray) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def typed_view(buf: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A torch ``dtype`` view of a 1-D uint8 numpy slice (writes go through to ``buf``)."""
-    if buf.size == 0:  # torch refuses dtype views of empty numpy arrays (stride 0)
-        return torch.empty(0, dtype=dtype)
-    return torch.from_numpy(buf).view(dtype)
-
-
 def require_quantizable(array: torch.Tensor, codec: str) -> None:
     """Lossy codecs take 2-D float16/bfloat16/float32/float64 CPU tensors only."""
     if array.dtype not in QUANTIZABLE_DTYPES:
@@ -106,20 +99,6 @@ def require_finite(values: torch.Tensor, codec: str) -> None:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 inputs are processed in float64, everything else in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def round_directed(x64: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """Round float64 values to ``dtype`` towards +inf (``up``) or -inf, so stored parameters
-    never shrink the range they must cover. ValueError if a value is not representable."""
-    r = x64.to(dtype)
-    back = r.to(torch.float64)
-    wrong = back < x64 if up else back > x64
-    if bool(wrong.any()):
-        target = torch.full_like(r, float("inf") if up else float("-inf"))
-        r = torch.where(wrong, torch.nextafter(r, target), r)
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"quantization parameters overflow {dtype}; use a wider scale dtype")
-    return r
 
 
 def block_stats(ref: torch.Tensor, recon: torch.Tensor) -> EncodeStats:
@@ -187,7 +166,8 @@ def require_finite_np(values: np.ndarray, codec: str) -> None:
 
 
 def round_directed_np(x64: np.ndarray, dtype: np.dtype, up: bool) -> np.ndarray:
-    """numpy ``round_directed``: float64 -> ``dtype`` towards +inf (``up``) or -inf."""
+    """Round float64 values to ``dtype`` towards +inf (``up``) or -inf, so stored parameters never
+    shrink the range they must cover. ValueError if a value is not representable."""
     with np.errstate(over="ignore"):
         r = x64.astype(dtype)
     back = r.astype(np.float64)
