@@ -13,6 +13,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -67,6 +68,7 @@ class CheckpointEngine:
         self._inflight: list[SaveHandle] = []
         self._cond = threading.Condition()
         self._callbacks: list[Callable[[SaveInfo], None]] = []
+        self._rules_checked = False
         self._failed: list[SaveHandle] = []
         self._trackers: list = []
         self._closed = False
@@ -338,6 +340,12 @@ class CheckpointEngine:
                  "blocked %.3f s, background %.2f s", info.path, info.tensor_bytes / 1e6,
                  info.written_bytes / 1e6, 100 * info.write_ratio, info.compression_ratio,
                  info.blocking_seconds, info.background_seconds)
+        if not self._rules_checked:  # once, after the first committed save has seen every tensor
+            self._rules_checked = True
+            for rule in self._matcher.unmatched_rules():
+                warnings.warn(f"checkrun: quantization rule {rule.pattern!r} ({rule.method}) matched no tensor "
+                              f"of {info.path}; check its pattern, dtype and min_numel against the keys "
+                              "`checkrun inspect` lists", UserWarning, stacklevel=2)
         for fn in self._callbacks:
             try:
                 fn(info)

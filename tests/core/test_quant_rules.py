@@ -108,3 +108,21 @@ def test_rule_matcher_is_thread_safe():
     for t in threads:
         t.join()
     assert matcher.unmatched_rules() == rules[1::2]
+
+
+def test_a_rule_that_matches_nothing_warns_once(tmp_path):
+    import warnings
+
+    import torch
+
+    from ckpt_core import CheckpointEngine
+
+    cfg = {"quantization": [{"pattern": "model.emb*", "bits": 4, "min_numel": 1},
+                            {"pattern": "modle.typo*", "bits": 4}]}
+    with CheckpointEngine(cfg) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(3):
+                engine.save({"model": {"emb": torch.randn(64, 8)}}, tmp_path / f"{i}.ckpt").result()
+    messages = [str(w.message) for w in caught if "matched no tensor" in str(w.message)]
+    assert len(messages) == 1 and "'modle.typo*'" in messages[0] and "0.ckpt" in messages[0]
