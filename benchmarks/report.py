@@ -5,8 +5,8 @@
 measuring). Every number is a median with its min-max spread, "1.23 (1.10-1.40)", over the runs the
 module repeats (3 saves, 3 rounds, ...); byte counts are exact. The targets table computes MET /
 MISSED from the numbers. Two hand-written sections of the existing docs/benchmarks.md are carried
-over verbatim: "## 5. Quantization: accuracy" (replaced by a table when the accuracy benchmark's JSON
-is present, keeping its text up to the first table) and "## Engine problems found".
+over verbatim: "## 5. Quantization: accuracy" (with the accuracy benchmark's tables appended when its
+JSON is present) and "## Engine problems found".
 """
 from __future__ import annotations
 
@@ -78,30 +78,34 @@ def committed_sections() -> dict:
     return sections_of(text)
 
 
+REGENERATED = "### Regenerated in this report"
+
+
 def accuracy_section(old: dict, res: Optional[dict]) -> str:
+    """The hand-written section, intact; with the accuracy JSON present, its tables are appended under
+    REGENERATED (a previous such part is replaced, so regenerating does not pile them up)."""
     text = carried(old, ACCURACY) or f"{ACCURACY} (issue 5)\n\n(no hand-written description found)\n"
+    text = text.split(f"\n{REGENERATED}\n")[0].rstrip() + "\n"
     if not res:
         return text
-    keep = []  # the description: everything before the first table / placeholder
-    for line in text.splitlines():
-        if line.startswith("|") or "PLACEHOLDER" in line:
-            break
-        keep.append(line)
-    return "\n".join(keep).rstrip() + "\n\n" + generic_tables(res) + "\n"
+    return (f"{text}\n{REGENERATED}\n\nThe text above was written by hand for an earlier run; these numbers come from "
+            f"this report's run of `bench_quant_accuracy`.\n\n{generic_tables(res)}\n")
 
 
 def generic_tables(res: dict) -> str:
     """The accuracy benchmark's JSON (its schema is its own): lists of flat dicts become tables."""
     body = res.get("results", res)
-    lines = [f"Measured {plots.caption(res.get('machine', {}))} (from `{DATA.relative_to(ROOT)}/quant_accuracy.json`)."]
+    lines = [f"Measured on {plots.caption(res.get('machine', {}))} (from `{DATA.relative_to(ROOT)}/quant_accuracy.json`)."]
     items = body.items() if isinstance(body, dict) else [("results", body)]
+    bullets = []
     for key, value in items:
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             heads = list(dict.fromkeys(k for v in value for k in v if not isinstance(v[k], (dict, list))))
-            lines += ["", f"{key}:", "", table(heads, [[v.get(h, "") for h in heads] for v in value], 5)]
+            lines += ["", f"{key} (one training run each):", "",
+                      table(heads, [[v.get(h, "") for h in heads] for v in value], 5)]
         elif not isinstance(value, (dict, list)):
-            lines.append(f"- {key}: {value}")
-    return "\n".join(lines)
+            bullets.append(f"- {key}: {value}")
+    return "\n".join(lines + [""] + bullets)
 
 
 def accuracy_target(res: Optional[dict]) -> list:
