@@ -43,8 +43,8 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def blocking_vs_size(stall: dict, machine: dict, path: Path) -> Optional[Path]:
-    """stall = bench_async results["stall"]: {size: {peer: worker result}}."""
+def blocking_vs_size(stall: dict, machine: dict, path: Path, names: Optional[dict] = None) -> Optional[Path]:
+    """stall = bench_async results["stall"]: {size: {peer: worker result}}; names: legend labels."""
     series: dict = {}
     for size in sorted(stall, key=float):
         for peer, r in stall[size].items():
@@ -56,7 +56,7 @@ def blocking_vs_size(stall: dict, machine: dict, path: Path) -> Optional[Path]:
     for peer, pts in series.items():
         style = "--" if peer == "floor" else "-"
         ax.errorbar([p[0] for p in pts], [p[1][0] for p in pts], yerr=[[p[1][1] for p in pts], [p[1][2] for p in pts]],
-                    marker="o", linestyle=style, capsize=3, label=peer)
+                    marker="o", linestyle=style, capsize=3, label=(names or {}).get(peer, peer))
     ax.set_xscale("log")
     ax.set_yscale("log")
     xs = sorted({round(p[0]) for pts in series.values() for p in pts})

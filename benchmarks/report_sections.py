@@ -175,7 +175,7 @@ def async_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str, li
     stall = r.get("stall")
     if stall:
         targets = stall_targets(stall[sorted(stall, key=float)[-1]])
-        p = plots.blocking_vs_size(stall, res["machine"], png / "blocking_vs_size.png")
+        p = plots.blocking_vs_size(stall, res["machine"], png / "blocking_vs_size.png", PEER_NAMES)
         text += ["How long one save keeps the training thread, per method and state size (a GPT-like fp32 state; "
                  "each method in its own process: a warm-up save, then 3 timed saves, the state changed in place "
                  "before each and the previous save finished, so blocking is the snapshot alone). "
