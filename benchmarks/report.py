@@ -144,8 +144,9 @@ def header(runs: dict, results: dict) -> str:
         lines += [f"> **SMOKE RUN** (`{cmd}`): small states on a shared, loaded machine. These numbers only show "
                   "that the tooling works end to end; they are not the project's measurements. Regenerate with "
                   "`python -m benchmarks` on a quiet machine.", ""]
-    loads = [x for r in results.values() if r for x in (r["machine"].get("loadavg", [0])[0],
-                                                          r["machine"].get("loadavg_end", [0])[0])]
+    # Timing benchmarks only: the accuracy experiment measures loss and AUC, which load does not move.
+    loads = [x for name, r in results.items() if r and name != "quant_accuracy"
+             for x in (r["machine"].get("loadavg", [0])[0], r["machine"].get("loadavg_end", [0])[0])]
     cores = machine.get("cores") or 1
     if loads and max(loads) > 1.5 * cores:  # the benchmark itself keeps about `cores` busy
         lines += [f"> **Loaded machine**: the load average reached {max(loads):.1f} on {cores} cores during these runs "
