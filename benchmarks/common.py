@@ -175,23 +175,9 @@ def torch_save_file(obj: Any, path: Path, fsync: bool = True) -> tuple[float, fl
 
 
 def state_bytes(state: Any) -> int:
-    seen, total = set(), 0
-
-    def walk(x):
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            key = (x.untyped_storage().data_ptr(), x.nbytes)
-            if key not in seen:
-                seen.add(key)
-                total += x.nbytes
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-    walk(state)
-    return total
+    """Bytes of the distinct tensor storages in ``state`` (views of one storage count once)."""
+    distinct = {(t.untyped_storage().data_ptr(), t.nbytes): t.nbytes for t in tensors(state)}
+    return sum(distinct.values())
 
 
 def tensors(state: Any) -> list[torch.Tensor]:
