@@ -10,7 +10,9 @@ saves to local disk through each CheckpointIO:
 * checkrun: ``CheckrunCheckpointIO()`` with the engine defaults (asynchronous, incremental, lossless,
   byte-shuffle + zstd-1);
 * checkrun-raw: the same with ``overrides={"compression.compress": False}`` (chunks stored raw: the
-  background work is hashing and writing only, which matters on a 2-core machine).
+  background work is hashing and writing only, which matters on a 2-core machine);
+* checkrun-nofsync: the defaults with ``overrides={"storage.fsync": False}`` (no fsync, like
+  ``torch.save``: the kernel writes the files back whenever it likes).
 
 Per configuration: ``fit`` seconds (until ``fit`` returns, i.e. including the plugin's teardown that
 waits for pending saves), the process CPU seconds of the fit (all threads; less sensitive to other load
@@ -49,7 +51,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from lightning_ckpt import CheckrunCheckpointIO  # noqa: E402
 
-CONFIGS = ("none", "torch", "async", "checkrun", "checkrun-raw")
+CONFIGS = ("none", "torch", "async", "checkrun", "checkrun-raw", "checkrun-nofsync")
 
 
 class LitGPT(LightningModule):
@@ -102,7 +104,8 @@ class TimedCheckrun(Timed, CheckrunCheckpointIO):
 def make_io(name: str) -> Optional[Any]:
     io = {"none": None, "torch": lambda: TimedTorch(), "async": lambda: TimedAsync(TorchCheckpointIO()),
           "checkrun": lambda: TimedCheckrun(),
-          "checkrun-raw": lambda: TimedCheckrun(overrides={"compression.compress": False})}[name]
+          "checkrun-raw": lambda: TimedCheckrun(overrides={"compression.compress": False}),
+          "checkrun-nofsync": lambda: TimedCheckrun(overrides={"storage.fsync": False})}[name]
     if io is None:
         return None
     plugin = io()

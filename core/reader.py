@@ -21,6 +21,7 @@ from .config import CompressionConfig, EngineConfig
 from .errors import CheckrunError, CorruptCheckpointError, FormatError, UnsafeLoadError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from .objects import deserialize_object
+from .staging import empty_host
 from .storage import Store
 from .tree import unflatten, validate_skeleton
 
@@ -59,7 +60,7 @@ class Scratch:
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(slot)
         if buf is None or buf.size < nbytes:
-            buf = bufs[slot] = np.empty(nbytes, dtype=np.uint8)
+            buf = bufs[slot] = empty_host(nbytes, torch.uint8).numpy()
         return memoryview(buf)[:nbytes]
 
 
@@ -108,13 +109,13 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
         dtype = DTYPES[rec.dtype]
         pipe = _pipeline(rec, where)
         try:
-            flat = torch.empty(rec.numel, dtype=dtype)
+            flat = empty_host(rec.numel, dtype)
         except (RuntimeError, MemoryError) as exc:  # a hostile or damaged manifest's size
             raise CorruptCheckpointError(f"{where}: tensor {rec.key!r} declares {rec.nbytes} bytes, "
                                          f"which cannot be allocated: {exc}") from None
         lt = LoadedTensor(rec, flat)
         if keep_copy is not None and keep_copy(rec, flat):
-            lt.copy = torch.empty_like(flat)
+            lt.copy = empty_host(rec.numel, dtype)
         out.append(lt)
         for chunk in rec.base:
             tasks.append((lt, pipe, chunk, dtype))
