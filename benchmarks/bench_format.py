@@ -8,6 +8,9 @@ tokens - weights + exp_avg + exp_avg_sq, ``--size`` MB in fp32 - and the same st
 * checkrun: a fresh directory per save, ``incremental.enabled=False`` (every save is a full one),
   otherwise the defaults; save seconds = ``engine.save(...).result()`` (committed, fsync'd);
   load = ``ckpt_core.load`` (checksums verified) with the same config. One warm-up save first.
+* the two alternate: repetition r of torch, then repetition r of checkrun; "x torch" columns are
+  medians of the per-repetition ratios (a machine whose disk or CPU speed drifts during the run
+  moves both sides of each ratio); seconds columns are medians.
 * cold loads drop the page cache before each load (``/proc/sys/vm/drop_caches``, root only;
   the table says when that was impossible and loads were warm).
 
@@ -54,46 +57,62 @@ def load_times(load, cold: bool) -> tuple[float, float, object]:
     return (t_cold if dropped else float("nan")), t_warm, out
 
 
-def bench_torch(state, root, reps: int, cold: bool) -> dict:
-    res = {"bytes": [], "call": [], "save": [], "cold": [], "warm": []}
-    torch_save_file(state, fresh(root / "warm.pt"))  # warm-up (allocator, file system)
-    for r in range(reps):
-        path = fresh(root / f"torch_{r}.pt")
-        call, durable = torch_save_file(state, path)
-        res["call"].append(call)
-        res["save"].append(durable)
-        res["bytes"].append(path.stat().st_size)
-        c, w, out = load_times(lambda: torch.load(path, weights_only=True), cold)
-        res["cold"].append(c)
-        res["warm"].append(w)
-        del out
-        path.unlink()
-    return {**{k: med(v) for k, v in res.items()}, "raw": res}
+def torch_rep(state, root, res: dict, cold: bool) -> None:
+    """One torch.save + fsync and its cold and warm torch.load, appended to ``res``."""
+    path = fresh(root / "torch.pt")
+    call, durable = torch_save_file(state, path)
+    res["call"].append(call)
+    res["save"].append(durable)
+    res["bytes"].append(path.stat().st_size)
+    c, w, out = load_times(lambda: torch.load(path, weights_only=True), cold)
+    res["cold"].append(c)
+    res["warm"].append(w)
+    del out
+    path.unlink()
 
 
-def bench_checkrun(state, root, reps: int, cold: bool, overrides: dict, check: bool) -> dict:
+def checkrun_rep(engine, cfg, state, root, res: dict, cold: bool, check: bool) -> None:
+    """One full checkrun save (committed) and its cold and warm load, appended to ``res``."""
+    import ckpt_core
+
+    d = fresh(root / "ckr")
+    t0 = time.perf_counter()
+    info = engine.save(state, d / "x.ckpt").result()
+    res["save"].append(time.perf_counter() - t0)
+    res["block"].append(info.blocking_seconds)
+    res["bytes"].append(sum(f.stat().st_size for f in d.rglob("*") if f.is_file()))
+    c, w, out = load_times(lambda: ckpt_core.load(d / "x.ckpt", config=cfg), cold)
+    res["cold"].append(c)
+    res["warm"].append(w)
+    if check and not same(state, out):
+        raise AssertionError("checkrun did not restore the state bit-identically")
+    del out
+    shutil.rmtree(d)
+
+
+def bench_pair(state, root, reps: int, cold: bool, overrides: dict, check: bool) -> tuple[dict, dict]:
+    """torch and checkrun measured in alternation (rep r of each back to back), so that a change of
+    the machine's speed during the run moves both sides of a ratio; (torch, checkrun) results."""
     import ckpt_core
 
     cfg = engine_config(**{"incremental.enabled": False, **overrides})
-    res = {"bytes": [], "block": [], "save": [], "cold": [], "warm": []}
+    t = {"bytes": [], "call": [], "save": [], "cold": [], "warm": []}
+    c = {"bytes": [], "block": [], "save": [], "cold": [], "warm": []}
+    torch_save_file(state, fresh(root / "warm.pt"))  # warm-ups: allocator, file system, staging buffers
+    (root / "warm.pt").unlink()
     with ckpt_core.CheckpointEngine(cfg) as engine:
-        engine.save(state, fresh(root / "warm") / "x.ckpt").result()  # warm-up: staging buffers
+        engine.save(state, fresh(root / "warm") / "x.ckpt").result()
         shutil.rmtree(root / "warm")
         for r in range(reps):
-            d = fresh(root / f"ckr_{r}")
-            t0 = time.perf_counter()
-            info = engine.save(state, d / "x.ckpt").result()
-            res["save"].append(time.perf_counter() - t0)
-            res["block"].append(info.blocking_seconds)
-            res["bytes"].append(sum(f.stat().st_size for f in d.rglob("*") if f.is_file()))
-            c, w, out = load_times(lambda: ckpt_core.load(d / "x.ckpt", config=cfg), cold)
-            res["cold"].append(c)
-            res["warm"].append(w)
-            if check and r == 0 and not same(state, out):
-                raise AssertionError("checkrun did not restore the state bit-identically")
-            del out
-            shutil.rmtree(d)
-    return {**{k: med(v) for k, v in res.items()}, "raw": res}
+            torch_rep(state, root, t, cold)
+            checkrun_rep(engine, cfg, state, root, c, cold, check and r == 0)
+    return ({**{k: med(v) for k, v in t.items()}, "raw": t}, {**{k: med(v) for k, v in c.items()}, "raw": c})
+
+
+def paired(c: dict, t: dict, key: str) -> float:
+    """Median over repetitions of checkrun / torch for ``key`` (NaN when nothing was measured)."""
+    ratios = [a / b for a, b in zip(c["raw"][key], t["raw"][key]) if b == b and a == a and b > 0]
+    return med(ratios) if ratios else float("nan")
 
 
 def main(argv=None) -> None:
@@ -106,7 +125,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
     root = workdir(args.dir)
-    started, results = machine_info(), {"cold": None, "dtypes": {}}
+    started, results = machine_info(), {"cold": None, "paired": True, "dtypes": {}}
     cold = not args.warm
     states = {"fp32": cached_state(f"gpt_{int(args.size)}mb", lambda: gpt_state(args.size))}
     states["bf16"] = cast_state(states["fp32"], torch.bfloat16)
@@ -117,14 +136,13 @@ def main(argv=None) -> None:
     rows, misses = [], []
     try:
         for name, st in states.items():
-            t = bench_torch(st, root, args.reps, cold)
-            c = bench_checkrun(st, root, args.reps, cold, {}, check=True)
+            t, c = bench_pair(st, root, args.reps, cold, {}, check=True)
             size = state_bytes(st)
             results["dtypes"][name] = {"state_bytes": size, "torch": t["raw"], "checkrun": c["raw"]}
             rows.append([name, "torch.save/load", size / MB, t["bytes"] / MB, 1.0, t["call"], t["save"], 1.0,
                          t["cold"], t["warm"], 1.0, 1.0])
-            rb, rs = c["bytes"] / t["bytes"], c["save"] / t["save"]
-            rc, rw = c["cold"] / t["cold"], c["warm"] / t["warm"]
+            rb, rs = c["bytes"] / t["bytes"], paired(c, t, "save")
+            rc, rw = paired(c, t, "cold"), paired(c, t, "warm")
             rows.append([name, "checkrun", size / MB, c["bytes"] / MB, rb, c["block"], c["save"], rs,
                          c["cold"], c["warm"], rc, rw])
             misses += [f"{name} bytes {rb:.3f}x torch.save (target <= {TARGET_BYTES[name]}x): "
@@ -150,12 +168,11 @@ def variants(states: dict, root, reps: int, cold: bool) -> None:
     print("\n### Config variations (checkrun, incremental off; ratios vs torch in the same run)\n")
     rows = []
     for name, st in states.items():
-        t = bench_torch(st, root, reps, cold)
         for ov in VARIANTS:
-            c = bench_checkrun(st, root, reps, cold, ov, check=False)
+            t, c = bench_pair(st, root, reps, cold, ov, check=False)
             label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in ov.items()) or "defaults"
-            rows.append([name, label, c["bytes"] / t["bytes"], c["save"], c["save"] / t["save"],
-                         c["cold"] / t["cold"] if cold else float("nan"), c["warm"] / t["warm"]])
+            rows.append([name, label, c["bytes"] / t["bytes"], c["save"], paired(c, t, "save"),
+                         paired(c, t, "cold") if cold else float("nan"), paired(c, t, "warm")])
             print(f"  {name} {label} done", flush=True)
     print(table(["dtype", "config", "bytes x torch", "durable save s", "save x torch", "cold load x torch",
                  "warm load x torch"], rows))
