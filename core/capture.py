@@ -14,7 +14,7 @@ import torch
 
 from .config import EngineConfig
 from .objects import serialize_object
-from .staging import BufferPool, Copier, MemoryBudget
+from .staging import BufferPool, Copier, MemoryBudget, empty_host
 from .streams import DirState, RowStream, row_eligible
 from .tree import flatten
 
@@ -97,7 +97,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
-            stream = RowStream(torch.empty(t.numel(), dtype=t.dtype), t.dtype, shape)
+            stream = RowStream(empty_host(t.numel(), t.dtype), t.dtype, shape)
             dirstate.streams[key] = stream
         rows = None
         for tracker in trackers:

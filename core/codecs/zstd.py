@@ -8,8 +8,8 @@ bytes after the frame and every zstd error are reported as FormatError.
 Levels <= 1 (the default is 1) compress with a 2^10-entry match-finder hash table instead of
 zstd's 2^13-2^14: on byte-shuffled float chunks it fits in L1 and finds the same matches, so
 encoding is 12-16% and decoding 17-20% faster at the same ratio (16 MiB chunks of a trained GPT
-state, fp32 and bf16, medians of 9; ``benchmarks/bench_format.py`` measures the whole path). Only
-the encoder changes: the frames are ordinary zstd frames.
+state, fp32 and bf16, medians of 9; ``python -m benchmarks.bench_stages`` gives the per-stage
+costs). Only the encoder changes: the frames are ordinary zstd frames.
 """
 from __future__ import annotations
 
