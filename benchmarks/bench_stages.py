@@ -2,12 +2,15 @@
 
 Chunks: ``--chunks`` 16 MiB pieces of a trained GPT-like state (``benchmarks.common.gpt_state``,
 weights + Adam moments), in fp32 and cast to bf16. Per stage, thread CPU seconds (``time.thread_time``,
-so other load on the machine moves the figures less than wall time would), median of ``--reps``,
-divided by the chunk's MB:
+so other load on the machine moves the figures less than wall time would), median of ``--reps``
+repetitions that each run every stage once, divided by the chunk's MB:
 
-* save: content hash (xxh3-128, the blob's address), byte-shuffle, zstd (the configured level),
-  checksum (xxh3-64 of the encoded blob);
-* load: checksum, zstd, unshuffle (into the destination);
+* save: content hash (xxh3-128, the blob's address), the ``shuffle_zstd`` codec (byte-shuffle, then
+  zstd on the planes that compress) and, within it, the byte-shuffle alone; checksum (xxh3-64 of
+  the encoded blob);
+* load: checksum, ``shuffle_zstd`` decoding into the destination and, within it, the unshuffle;
+* the pipeline of earlier versions (``shuffle``, then one zstd frame per chunk with a content
+  checksum), encode and decode, for comparison;
 * the same bytes through ``torch.save`` / ``torch.load`` into / from memory, for scale.
 
 Run: ``python -m benchmarks.bench_stages [--chunks 4] [--reps 5] [--size 256] [--level N]``.
@@ -23,12 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zstandard
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cached_state, gpt_state, machine_header, table, tensors  # noqa: E402
 from ckpt_core import EngineConfig  # noqa: E402
-from ckpt_core.codecs.shuffle import ShuffleCodec  # noqa: E402
+from ckpt_core.codecs.shuffle import ShuffleCodec, shuffle_into, unshuffle_into  # noqa: E402
+from ckpt_core.codecs.shuffle_zstd import ShuffleZstdCodec  # noqa: E402
 from ckpt_core.codecs.zstd import ZstdCodec  # noqa: E402
 
 CHUNK = 16 << 20
@@ -55,11 +60,18 @@ def stage_costs(chunks: list[np.ndarray], itemsize: int, level: int, reps: int) 
     """CPU seconds per MB of each stage, summed over ``chunks``."""
     import xxhash
 
-    shuffle, zstd = ShuffleCodec(itemsize), ZstdCodec(level=level)
+    codec = ShuffleZstdCodec(itemsize, level)
     mb = sum(c.nbytes for c in chunks) / 1e6
-    shuffled = [np.frombuffer(shuffle.encode(c), np.uint8) for c in chunks]
-    blobs = [zstd.encode(s) for s in shuffled]
-    scratch, dest = np.empty(CHUNK, np.uint8), np.empty(CHUNK, np.uint8)
+    blobs = [bytes(codec.encode(c)) for c in chunks]
+    n = CHUNK // itemsize
+    planes = [np.empty(n, np.uint8) for _ in range(itemsize)]
+    dest, spare = np.empty(CHUNK, np.uint8), memoryview(np.empty(CHUNK, np.uint8))
+    # The earlier default: shuffle, then one zstd frame with a content checksum.
+    old_zstd = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        level, write_checksum=1, write_content_size=1, **({"hash_log": 10} if level <= 1 else {})))
+    old_shuffle = ShuffleCodec(itemsize)
+    old_blobs = [old_zstd.compress(old_shuffle.encode(c)) for c in chunks]
+    scratch = np.empty(CHUNK, np.uint8)
     tensors_ = [torch.from_numpy(c) for c in chunks]
 
     def torch_save():
@@ -72,19 +84,33 @@ def stage_costs(chunks: list[np.ndarray], itemsize: int, level: int, reps: int) 
         torch.save(t, buf)
         saved.append(buf.getvalue())
 
+    def old_decode():
+        for b, c in zip(old_blobs, chunks):
+            ZstdCodec().decode_into(b, memoryview(scratch)[:c.nbytes])
+            old_shuffle.decode_into(memoryview(scratch)[:c.nbytes], memoryview(dest)[:c.nbytes])
+
     stages = {
         "save: content hash (xxh3-128)": lambda: [xxhash.xxh3_128_hexdigest(c) for c in chunks],
-        "save: byte-shuffle": lambda: [shuffle.encode(c) for c in chunks],
-        f"save: zstd level {level}": lambda: [zstd.encode(s) for s in shuffled],
+        f"save: shuffle_zstd, level {level}": lambda: [codec.encode(c) for c in chunks],
+        "save:   of which byte-shuffle": lambda: [shuffle_into(c, planes) for c in chunks],
         "save: checksum (xxh3-64)": lambda: [xxhash.xxh3_64_hexdigest(b) for b in blobs],
         "load: checksum (xxh3-64)": lambda: [xxhash.xxh3_64_hexdigest(b) for b in blobs],
-        f"load: zstd": lambda: [zstd.decode_into(b, memoryview(scratch)[:c.nbytes]) for b, c in zip(blobs, chunks)],
-        "load: unshuffle": lambda: [shuffle.decode_into(s, memoryview(dest)[:s.nbytes]) for s in shuffled],
+        "load: shuffle_zstd": lambda: [codec.decode_into(b, memoryview(dest)[:c.nbytes], lambda k: spare[:k])
+                                       for b, c in zip(blobs, chunks)],
+        "load:   of which unshuffle": lambda: [unshuffle_into(planes, dest) for _ in chunks],
+        "earlier versions' save: shuffle + zstd": lambda: [old_zstd.compress(old_shuffle.encode(c)) for c in chunks],
+        "earlier versions' load: zstd + unshuffle": old_decode,
         "torch.save to memory": torch_save,
         "torch.load from memory": lambda: [torch.load(io.BytesIO(b), weights_only=True) for b in saved],
     }
-    out = {name: cpu(fn, reps) / mb for name, fn in stages.items()}
+    # Repetitions interleave the stages, so a drift in the machine's speed moves them all alike.
+    times: dict[str, list[float]] = {name: [] for name in stages}
+    for _ in range(reps):
+        for name, fn in stages.items():
+            times[name].append(cpu(fn, 1))
+    out = {name: statistics.median(ts) / mb for name, ts in times.items()}
     out["ratio"] = sum(len(b) for b in blobs) / sum(c.nbytes for c in chunks)
+    out["old ratio"] = sum(len(b) for b in old_blobs) / sum(c.nbytes for c in chunks)
     return out
 
 
@@ -102,9 +128,10 @@ def main(argv=None) -> None:
     print(machine_header("CPU cost per MB of each pipeline stage (one thread)"))
     results = {"fp32": stage_costs(chunks_of(flat, args.chunks), 4, level, args.reps),
                "bf16": stage_costs(chunks_of(flat.to(torch.bfloat16), args.chunks), 2, level, args.reps)}
-    names = [k for k in results["fp32"] if k != "ratio"]
+    names = [k for k in results["fp32"] if "ratio" not in k]
     rows = [[n, results["fp32"][n] * 1e3, results["bf16"][n] * 1e3] for n in names]
-    rows.append(["stored / raw bytes (shuffle + zstd)", results["fp32"]["ratio"], results["bf16"]["ratio"]])
+    rows.append(["stored / raw bytes (shuffle_zstd)", results["fp32"]["ratio"], results["bf16"]["ratio"]])
+    rows.append(["stored / raw bytes (earlier versions)", results["fp32"]["old ratio"], results["bf16"]["old ratio"]])
     print(table(["stage", "fp32 ms CPU per MB", "bf16 ms CPU per MB"], rows))
 
 

@@ -25,9 +25,10 @@ class CompressionConfig:
     zstd_level: int = 1
     """zstd level (1 is fast and, after byte-shuffle, within a few % of higher levels)."""
     zstd_threads: int = 0
-    """zstd worker threads per chunk (0 = compress on the calling worker thread)."""
+    """zstd worker threads per frame (0 = compress on the calling worker thread)."""
     shuffle: bool = True
-    """Group the bytes of each element before zstd (ZipNN/Blosc style); pays ~1.2x on floats."""
+    """Group the bytes of each element into planes and zstd each plane that compresses, storing the
+    others raw (ZipNN/Blosc style; the ``shuffle_zstd`` codec); pays ~1.2x on floats."""
     compress: bool = True
     """Set False to store raw bytes (still chunked, content-addressed and checksummed)."""
     chunk_bytes: int = 16 * 1024 * 1024

@@ -9,15 +9,15 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
 import xxhash
 
-from .codecs import Pipeline, lossless_pipeline
+from .codecs import Pipeline, RawCodec, ShuffleCodec, ZstdCodec
 from .codecs._common import tensor_bytes
-from .config import CompressionConfig, EngineConfig
+from .config import EngineConfig
 from .errors import CheckrunError, CorruptCheckpointError, FormatError, UnsafeLoadError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from .objects import deserialize_object
@@ -55,7 +55,7 @@ class Scratch:
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def get(self, slot: int, nbytes: int) -> memoryview:
+    def get(self, slot: Hashable, nbytes: int) -> memoryview:
         """A writable buffer of ``nbytes`` for ``slot``, private to the calling thread."""
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(slot)
@@ -160,8 +160,11 @@ def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pi
 
 
 def index_pipeline() -> Pipeline:
-    """Row indices of deltas always use one fixed lossless pipeline, whatever the config says."""
-    return lossless_pipeline(torch.int64, CompressionConfig())
+    """Row indices of deltas always use one fixed lossless pipeline, whatever the config says.
+
+    The manifest does not record it, so it must never change: byte-shuffle then one zstd frame
+    (spelled out rather than taken from the defaults, which may move on)."""
+    return Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
 
 
 def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:

@@ -9,11 +9,13 @@ from .int8_block import Int8BlockCodec
 from .pipeline import Pipeline, lossless_pipeline, pipeline_for_rule
 from .raw import RawCodec, dtype_itemsize
 from .shuffle import ShuffleCodec
+from .shuffle_zstd import ShuffleZstdCodec
 from .uniform import UniformCodec
 from .zstd import ZstdCodec
 
 __all__ = [
     "ArrayCodec", "BytesCodec", "EncodeStats", "codec_from_dict", "register",
     "RawCodec", "CastCodec", "UniformCodec", "Int8BlockCodec", "ShuffleCodec", "ZstdCodec",
+    "ShuffleZstdCodec",
     "Pipeline", "lossless_pipeline", "pipeline_for_rule", "dtype_itemsize",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -54,6 +54,11 @@ class ArrayCodec(ABC):
         """``{"name": ..., "version": ..., **params}``."""
 
 
+#: ``scratch(nbytes)``: a writable buffer of at least ``nbytes`` that a ``decode_into`` call may use
+#: for its own intermediate data, reused across calls on the same thread (instead of allocating).
+Scratch = Callable[[int], memoryview]
+
+
 class BytesCodec(ABC):
     """bytes -> bytes, and back."""
 
@@ -68,9 +73,10 @@ class BytesCodec(ABC):
     def decode(self, data: bytes | memoryview, max_output: int) -> bytes | memoryview:
         """Inverse of encode; never produces more than ``max_output`` bytes (FormatError instead)."""
 
-    def decode_into(self, data: bytes | memoryview, out: memoryview) -> None:
+    def decode_into(self, data: bytes | memoryview, out: memoryview, scratch: Scratch | None = None) -> None:
         """Decode into the writable byte buffer ``out``, which the output must fill exactly
-        (FormatError otherwise). Codecs override this to skip the intermediate buffer."""
+        (FormatError otherwise). Codecs override this to skip the intermediate buffer; one that
+        needs a buffer of its own takes it from ``scratch`` (allocates one if None)."""
         decoded = memoryview(self.decode(data, out.nbytes)).cast("B")
         if decoded.nbytes != out.nbytes:
             raise FormatError(f"{self.name}: decoded {decoded.nbytes} bytes, expected {out.nbytes}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -21,7 +21,7 @@ from .base import ArrayCodec, BytesCodec, EncodeStats, codec_from_dict
 from .cast import CastCodec
 from .int8_block import Int8BlockCodec
 from .raw import RawCodec, dtype_itemsize
-from .shuffle import ShuffleCodec
+from .shuffle_zstd import ShuffleZstdCodec
 from .uniform import UniformCodec
 from .zstd import ZstdCodec
 
@@ -69,13 +69,13 @@ class Pipeline:
         return out
 
     def decode_into(self, data: bytes | memoryview, out: torch.Tensor, max_bytes: int,
-                    scratch: Callable[[int, int], memoryview] | None = None) -> None:
+                    scratch: Callable[[Hashable, int], memoryview] | None = None) -> None:
         """Decode into ``out``, a contiguous 2-D CPU tensor of the chunk's shape and dtype.
 
         Same checks and errors as ``decode``. Lossless pipelines write each stage's output into
-        the next buffer without allocating: ``scratch(i, nbytes)`` lends the buffer between stages
-        (a fresh one if None) and the last stage writes into ``out`` itself; other array codecs
-        decode and copy.
+        the next buffer without allocating: ``scratch(slot, nbytes)`` lends the buffers between
+        stages and those a stage needs itself (fresh ones if None), and the last stage writes into
+        ``out`` itself; other array codecs decode and copy.
         """
         _check_limits(data, tuple(out.shape), out.dtype, max_bytes)
         if not isinstance(self.array, RawCodec) or out.numel() == 0 or not out.is_contiguous():
@@ -86,7 +86,7 @@ class Pipeline:
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
             target = dest if last else (scratch(i, dest.nbytes) if scratch else memoryview(bytearray(dest.nbytes)))
-            stage.decode_into(data, target)
+            stage.decode_into(data, target, (lambda n, i=i: scratch(("stage", i), n)) if scratch else None)
             data = target
         if not stages:
             format_guard(memoryview(data).nbytes, dest.nbytes, self.array.name)
@@ -128,21 +128,22 @@ def _check_limits(data: bytes | memoryview, shape: Any, dtype: Any, max_bytes: i
 
 
 def _byte_stages(itemsize: int, compression: CompressionConfig) -> tuple[BytesCodec, ...]:
-    """shuffle (when it can pay) + zstd, or nothing when compression is off.
+    """shuffle + zstd per byte plane (multi-byte elements), zstd alone, or nothing when
+    compression is off.
 
     Shuffling only helps the compressor, so ``compress=False`` (store raw bytes) drops it too.
+    (Checkpoints of earlier versions used a ``shuffle`` stage then one ``zstd`` frame per chunk;
+    both codecs still decode.)
     """
     if not compression.compress:
         return ()
-    stages: list[BytesCodec] = []
     if compression.shuffle and itemsize > 1:
-        stages.append(ShuffleCodec(itemsize))
-    stages.append(ZstdCodec(compression.zstd_level, compression.zstd_threads))
-    return tuple(stages)
+        return (ShuffleZstdCodec(itemsize, compression.zstd_level, compression.zstd_threads),)
+    return (ZstdCodec(compression.zstd_level, compression.zstd_threads),)
 
 
 def lossless_pipeline(dtype: torch.dtype, compression: CompressionConfig) -> Pipeline:
-    """raw -> shuffle(itemsize) -> zstd, as ``compression`` allows."""
+    """raw -> shuffle_zstd(itemsize) (or zstd for 1-byte elements), as ``compression`` allows."""
     return Pipeline(RawCodec(), _byte_stages(dtype_itemsize(dtype), compression))
 
 

@@ -3,23 +3,28 @@
 Grouping the exponent bytes of floats together makes them compress far better with zstd. A data
 length that is not a multiple of ``itemsize`` leaves its last ``len % itemsize`` bytes unshuffled
 at the end. numpy does the transposing copy (it releases the GIL for it).
+
+``shuffle_into`` / ``unshuffle_into`` are the two directions on separate plane buffers; the
+``shuffle_zstd`` codec uses them to compress each plane on its own.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import FormatError
 from ._common import check_int
-from .base import BytesCodec, register
+from .base import BytesCodec, Scratch, register
 
-# Elements per piece. Each piece is `itemsize` numpy calls, and each call takes the GIL back: with
+# Elements per piece. Each piece is a few numpy calls, and each call takes the GIL back: with
 # small pieces a background shuffle keeps interrupting the training thread (measured: a Python +
 # small-torch-ops loop ran 918-1277 iterations beside 16K-element pieces, 1556-1604 beside 256K,
 # 1667-1828 alone), while larger pieces cost little cache locality.
 _PIECE = 1 << 18
+_LITTLE = sys.byteorder == "little"
 
 
 @register
@@ -47,7 +52,7 @@ class ShuffleCodec(BytesCodec):
             raise FormatError(f"shuffle: {memoryview(data).nbytes} bytes exceed the limit of {max_output}")
         return _transpose(data, self.itemsize, forward=False)
 
-    def decode_into(self, data: bytes | memoryview, out: memoryview) -> None:
+    def decode_into(self, data: bytes | memoryview, out: memoryview, scratch: Scratch | None = None) -> None:
         if memoryview(data).nbytes != out.nbytes:
             raise FormatError(f"shuffle: {memoryview(data).nbytes} bytes do not fill {out.nbytes}")
         if out.nbytes:
@@ -55,6 +60,55 @@ class ShuffleCodec(BytesCodec):
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "itemsize": self.itemsize}
+
+
+def as_bytes(data: bytes | memoryview) -> np.ndarray:
+    """``data`` as a 1-D uint8 array (no copy)."""
+    return np.frombuffer(data, dtype=np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
+
+
+def shuffle_into(src: np.ndarray, planes: Sequence[np.ndarray]) -> None:
+    """Write byte ``k`` of every element of ``src`` (uint8, ``len(planes)``-byte elements) into
+    ``planes[k]``; each plane holds ``len(src) // len(planes)`` bytes. A tail is not touched."""
+    itemsize, n = len(planes), planes[0].size
+    if itemsize == 2 and _swar_ok(src):
+        words = src[:2 * n].view(np.uint16)
+        for a in range(0, n, _PIECE):
+            b = min(a + _PIECE, n)
+            np.bitwise_and(words[a:b], 0xFF, out=planes[0][a:b], casting="unsafe")
+            np.right_shift(words[a:b], 8, out=planes[1][a:b], casting="unsafe")
+        return
+    elems = src[:n * itemsize].reshape(n, itemsize)
+    # One byte column at a time, in cache-sized pieces: numpy's strided 1-D copies beat its 2-D
+    # transposing copy ~4x.
+    for a in range(0, n, _PIECE):
+        b = min(a + _PIECE, n)
+        for k in range(itemsize):
+            planes[k][a:b] = elems[a:b, k]
+
+
+def unshuffle_into(planes: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """Inverse of ``shuffle_into``: interleave the planes into the first ``n * len(planes)``
+    bytes of ``out`` (uint8). Two-byte elements are put together with 16-bit shifts, which numpy
+    vectorizes (~25% faster than the strided byte copies)."""
+    itemsize, n = len(planes), planes[0].size
+    if itemsize == 2 and _swar_ok(out):
+        words = out[:2 * n].view(np.uint16)
+        for a in range(0, n, _PIECE):
+            b = min(a + _PIECE, n)
+            np.left_shift(planes[1][a:b], 8, out=words[a:b], dtype=np.uint16)
+            np.bitwise_or(words[a:b], planes[0][a:b], out=words[a:b], dtype=np.uint16)
+        return
+    elems = out[:n * itemsize].reshape(n, itemsize)
+    for a in range(0, n, _PIECE):
+        b = min(a + _PIECE, n)
+        for k in range(itemsize):
+            elems[a:b, k] = planes[k][a:b]
+
+
+def _swar_ok(buf: np.ndarray) -> bool:
+    """Whether 16-bit words of ``buf`` may stand for (low byte, high byte) pairs."""
+    return _LITTLE and buf.ctypes.data % 2 == 0
 
 
 def _transpose(data: bytes | memoryview, itemsize: int, forward: bool,
@@ -65,21 +119,16 @@ def _transpose(data: bytes | memoryview, itemsize: int, forward: bool,
     """
     if itemsize == 1 and out is None:
         return data
-    src = np.frombuffer(data, dtype=np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
+    src = as_bytes(data)
     n = src.size // itemsize
     if out is None:
         out = np.empty_like(src)
-    # Shuffled layout: plane b (byte b of every element) is [b*n, (b+1)*n). One byte column at a
-    # time, in cache-sized pieces: numpy's strided 1-D copies beat its 2-D transposing copy ~4x
-    # when unshuffling.
-    planes = (out if forward else src)[:n * itemsize].reshape(itemsize, n)
-    elems = (src if forward else out)[:n * itemsize].reshape(n, itemsize)
-    for a in range(0, n, _PIECE):
-        b = min(a + _PIECE, n)
-        for k in range(itemsize):
-            if forward:
-                planes[k, a:b] = elems[a:b, k]
-            else:
-                elems[a:b, k] = planes[k, a:b]
+    # Shuffled layout: plane b (byte b of every element) is [b*n, (b+1)*n).
+    if n:
+        planes = list((out if forward else src)[:n * itemsize].reshape(itemsize, n))
+        if forward:
+            shuffle_into(src, planes)
+        else:
+            unshuffle_into(planes, out)
     out[n * itemsize:] = src[n * itemsize:]
     return memoryview(out)

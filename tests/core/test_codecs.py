@@ -12,8 +12,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_core.codecs import (CastCodec, Int8BlockCodec, Pipeline, RawCodec, ShuffleCodec, UniformCodec,
-                              ZstdCodec, codec_from_dict, dtype_itemsize, lossless_pipeline,
+from ckpt_core.codecs import (CastCodec, Int8BlockCodec, Pipeline, RawCodec, ShuffleCodec, ShuffleZstdCodec,
+                              UniformCodec, ZstdCodec, codec_from_dict, dtype_itemsize, lossless_pipeline,
                               pipeline_for_rule)
 from ckpt_core.config import CompressionConfig, QuantRule
 from ckpt_core.errors import FormatError
@@ -97,6 +97,117 @@ def test_shuffle_inverse_and_tail_property(data, itemsize):
     assert enc[n * itemsize:] == data[n * itemsize:]      # tail left unshuffled at the end
 
 
+@settings(max_examples=80, deadline=None)
+@given(data=st.binary(max_size=3000), itemsize=st.sampled_from([2, 3, 4, 8]), level=st.integers(-3, 5))
+def test_shuffle_zstd_round_trip_property(data, itemsize, level):
+    codec = ShuffleZstdCodec(itemsize, level)
+    enc = bytes(codec.encode(data))
+    assert bytes(codec.decode(enc, len(data))) == data
+    out = memoryview(bytearray(len(data)))
+    codec.decode_into(enc, out, lambda n: memoryview(bytearray(n)))
+    assert bytes(out) == data
+
+
+def shuffle_zstd_segments(blob: bytes, itemsize: int) -> tuple[list[tuple[int, int]], int]:
+    """(kind, length) of each segment (kind 0 raw, 1 zstd) and the header's size in bytes."""
+    segments, pos = [], 0
+    for _ in range(itemsize + 1):
+        value = shift = 0
+        while True:
+            byte = blob[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        segments.append((value & 1, value >> 1))
+    return segments, pos
+
+
+def shuffle_zstd_blob(segments: list[tuple[int, bytes]]) -> bytes:
+    """A blob with these (kind, payload) segments (any header values, for hostile input)."""
+    def varint(v):
+        out = bytearray()
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        return bytes(out + bytes([v]))
+    return b"".join(varint(2 * len(p) + k) for k, p in segments) + b"".join(p for _, p in segments)
+
+
+@pytest.mark.parametrize("n", [2000, 300_000])  # below / above the size from which planes are probed
+def test_shuffle_zstd_stores_incompressible_planes_raw(n):
+    # Low byte random, high byte from a handful of values: plane 0 raw, plane 1 one zstd frame.
+    rng = np.random.default_rng(n)
+    words = rng.integers(0, 256, n, dtype=np.uint16) | (rng.integers(60, 64, n, dtype=np.uint16) << 8)
+    data = words.tobytes() + b"\x07"  # and a 1-byte tail
+    codec = ShuffleZstdCodec(2)
+    enc = bytes(codec.encode(data))
+    [(k0, l0), (k1, l1), (k2, l2)], head = shuffle_zstd_segments(enc, 2)
+    assert (k0, l0) == (0, n) and k1 == 1 and l1 < n // 3 and (k2, l2) == (0, 1)
+    assert len(enc) == head + l0 + l1 + l2 and head <= 3 * 3
+    assert enc[head:head + n] == (words & 0xFF).astype(np.uint8).tobytes()  # the raw plane, as is
+    assert bytes(codec.decode(enc, len(data))) == data
+    # A compressible plane before a raw one: the raw plane moves down over the frame's spare room.
+    swapped = ((words >> 8) | (words << 8)).astype(np.uint16).tobytes()
+    enc = bytes(codec.encode(swapped))
+    assert [k for k, _ in shuffle_zstd_segments(enc, 2)[0]] == [1, 0, 0]
+    assert bytes(codec.decode(enc, len(swapped))) == swapped
+
+
+def test_shuffle_zstd_compresses_zero_regions_of_random_planes():
+    # Half the rows zero (untouched embedding rows): the probe must not call the planes random.
+    x = torch.randn(600, 1024)
+    x[::2] = 0
+    data = x.numpy().tobytes()
+    enc = bytes(ShuffleZstdCodec(4).encode(data))
+    assert [k for k, _ in shuffle_zstd_segments(enc, 4)[0]][:4] == [1, 1, 1, 1]
+    assert len(enc) < 0.6 * len(data)
+
+
+def test_shuffle_zstd_small_chunks_have_a_small_header():
+    codec = ShuffleZstdCodec(4)
+    assert len(bytes(codec.encode(b"\x00\x00\x80\x3f"))) == 4 + 5  # a scalar: 1 byte per segment
+    assert bytes(codec.decode(codec.encode(b""), 0)) == b""
+
+
+def test_shuffle_zstd_refuses_malformed_segments():
+    data = np.random.default_rng(3).integers(0, 8, 4001, dtype=np.uint8).tobytes()
+    codec = ShuffleZstdCodec(4)
+    enc = bytes(codec.encode(data))
+    assert bytes(codec.decode(enc, len(data))) == data
+    segs, head = shuffle_zstd_segments(enc, 4)
+    payloads, pos = [], head
+    for kind, length in segs:
+        payloads.append((kind, enc[pos:pos + length]))
+        pos += length
+    assert shuffle_zstd_blob(payloads) == enc
+    plane = np.frombuffer(data[:4000], np.uint8).reshape(1000, 4)[:, 0].tobytes()
+    raw_plane = (0, plane)
+    bad_blobs = {
+        "cut off": enc[:2],
+        "longer than": b"\xff" * 11,
+        "tail segment is marked": shuffle_zstd_blob(payloads[:4] + [(1, payloads[4][1])]),
+        "runs past the end": shuffle_zstd_blob(payloads)[:-1],
+        "after the last segment": enc + b"\0",
+        "raw plane 1 holds 999": shuffle_zstd_blob([raw_plane, (0, plane[:999])] + payloads[2:]),
+        "raw plane 0 holds 1001": shuffle_zstd_blob([(0, plane + b"x")] + payloads[1:]),
+        "zstd": shuffle_zstd_blob([(1, b"not a zstd frame")] + payloads[1:]),
+    }
+    out = memoryview(bytearray(len(data)))
+    for match, bad in bad_blobs.items():
+        with pytest.raises(FormatError):
+            codec.decode(bad, 1 << 20)
+        with pytest.raises(FormatError, match=match):
+            codec.decode_into(bad, out)
+    with pytest.raises(FormatError, match="tail"):  # 4001 bytes: the output must have a 1-byte tail
+        codec.decode_into(enc, memoryview(bytearray(4000)))
+    with pytest.raises(FormatError):
+        codec.decode_into(enc, memoryview(bytearray(4005)))
+    with pytest.raises(FormatError, match="limit"):
+        codec.decode(enc, 4000)
+
+
 def test_shuffle_small_example_and_identity():
     assert bytes(ShuffleCodec(2).encode(b"\x01\x02\x03\x04\x05")) == b"\x01\x03\x02\x04\x05"
     assert bytes(ShuffleCodec(1).encode(b"abc")) == b"abc"
@@ -118,12 +229,29 @@ def test_raw_decode_of_read_only_bytes_gives_a_writable_tensor():
     assert torch.equal(y, x + 1)
 
 
-def test_zstd_frame_has_content_size_and_checksum():
+def test_zstd_frame_has_content_size_and_no_checksum():
+    # The blob's own checksum (xxh3-64 in the manifest) is checked before any codec runs; zstd's
+    # XXH64 of the content would only add ~20% to decoding.
     payload = bytes(range(256)) * 40
     for threads in (0, 2):
         frame = ZstdCodec(1, threads).encode(payload)
         params = zstandard.get_frame_parameters(frame)
-        assert params.content_size == len(payload) and params.has_checksum
+        assert params.content_size == len(payload) and not params.has_checksum
+        assert ZstdCodec().decode(frame, len(payload)) == payload
+
+
+def test_zstd_frames_of_earlier_versions_have_their_checksum_verified():
+    payload = np.random.default_rng(0).integers(0, 4, 20000, dtype=np.uint8).tobytes()
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(payload)
+    out = memoryview(bytearray(len(payload)))
+    ZstdCodec().decode_into(frame, out)
+    assert bytes(out) == payload and ZstdCodec().decode(frame, 1 << 20) == payload
+    bad = bytearray(frame)
+    bad[-1] ^= 0xFF  # the checksum itself
+    with pytest.raises(FormatError):
+        ZstdCodec().decode(bytes(bad), 1 << 20)
+    with pytest.raises(FormatError):
+        ZstdCodec().decode_into(bytes(bad), out)
 
 
 def test_codecs_are_thread_safe():
@@ -148,10 +276,11 @@ def test_codecs_are_thread_safe():
 
 def test_lossless_pipeline_composition():
     c = CompressionConfig(zstd_level=4, zstd_threads=1)
-    assert lossless_pipeline(torch.float32, c) == Pipeline(RawCodec(), (ShuffleCodec(4), ZstdCodec(4, 1)))
+    assert lossless_pipeline(torch.float32, c) == Pipeline(RawCodec(), (ShuffleZstdCodec(4, 4, 1),))
     assert lossless_pipeline(torch.uint8, c) == Pipeline(RawCodec(), (ZstdCodec(4, 1),))
     assert lossless_pipeline(torch.bool, c).stages == (ZstdCodec(4, 1),)
-    assert lossless_pipeline(torch.complex64, c).stages[0] == ShuffleCodec(8)
+    assert lossless_pipeline(torch.complex64, c).stages == (ShuffleZstdCodec(8, 4, 1),)
+    assert lossless_pipeline(torch.bfloat16, CompressionConfig()).stages == (ShuffleZstdCodec(2, 1, 0),)
     assert lossless_pipeline(torch.float32, CompressionConfig(shuffle=False)).stages == (ZstdCodec(1, 0),)
     # Raw bytes means raw: shuffling without compressing would only cost time.
     assert lossless_pipeline(torch.float32, CompressionConfig(compress=False)) == Pipeline(RawCodec(), ())
@@ -168,7 +297,7 @@ def test_pipeline_for_rule(compress):
     adaptive = QuantRule("*", method="adaptive", expected_restores=10)
     assert pipeline_for_rule(adaptive, torch.float16, 2, comp).array.bits == 4
     bf16 = pipeline_for_rule(QuantRule("*", method="bf16"), torch.float32, 2, comp)
-    assert bf16 == Pipeline(CastCodec("bfloat16"), ((ShuffleCodec(2),) + tail) if compress else ())
+    assert bf16 == Pipeline(CastCodec("bfloat16"), (ShuffleZstdCodec(2, 1, 0),) if compress else ())
     assert pipeline_for_rule(QuantRule("*", method="fp16"), torch.float64, 3, comp).array == CastCodec("float16")
     int8 = pipeline_for_rule(QuantRule("*", method="int8_block", block_size=128), torch.float32, 2, comp)
     assert int8 == Pipeline(Int8BlockCodec(128), tail) and int8.lossy
@@ -176,12 +305,14 @@ def test_pipeline_for_rule(compress):
         pipeline_for_rule(rule, torch.int64, 2, comp)
 
 
+LEGACY_LOSSLESS = Pipeline(RawCodec(), (ShuffleCodec(4), ZstdCodec(1, 0)))  # the default until 2026-12
 ALL_PIPELINES = [
     lossless_pipeline(torch.float32, CompressionConfig()),
     Pipeline(UniformCodec(4, None, "fp16", True), (ZstdCodec(3),)),
     Pipeline(UniformCodec(3, 256, "fp32", False), ()),
     Pipeline(CastCodec("float16"), (ShuffleCodec(2), ZstdCodec(1))),
     Pipeline(Int8BlockCodec(64), (ZstdCodec(1, 2),)),
+    LEGACY_LOSSLESS,
 ]
 
 
@@ -194,9 +325,16 @@ def test_manifest_form_round_trips(pipe):
     assert len(pipe.spec_id) == 16
 
 
+NEW_SPEC_ID = "72604e38ff637ff8"
+
+
 def test_spec_id_is_stable_and_distinguishes_params():
     # Golden value: content addresses depend on it, so it must never change between releases.
-    assert lossless_pipeline(torch.float32, CompressionConfig()).spec_id == "c7abb9816a06c457"
+    assert LEGACY_LOSSLESS.spec_id == "c7abb9816a06c457"
+    # Delta row indices: a pipeline the manifest does not record, so it is fixed forever.
+    from ckpt_core.reader import index_pipeline
+    assert index_pipeline() == Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
+    assert lossless_pipeline(torch.float32, CompressionConfig()).spec_id == NEW_SPEC_ID
     ids = {p.spec_id for p in ALL_PIPELINES}
     ids.add(Pipeline(UniformCodec(4, None, "fp16", False), (ZstdCodec(3),)).spec_id)
     assert len(ids) == len(ALL_PIPELINES) + 1
@@ -254,7 +392,7 @@ def test_corrupt_zstd_is_refused():
     payload = np.random.default_rng(0).integers(0, 4, 20000, dtype=np.uint8).tobytes()
     frame = ZstdCodec().encode(payload)
     codec = ZstdCodec()
-    for pos in (len(frame) // 2, len(frame) - 1, len(frame) - 5):  # payload, checksum
+    for pos in (4, 5):  # frame header: descriptor, content size
         bad = bytearray(frame)
         bad[pos] ^= 0xFF
         with pytest.raises(FormatError):
@@ -279,6 +417,9 @@ def test_corrupt_zstd_is_refused():
     [{"name": "raw", "version": 1}, {"name": "zstd", "version": 1, "level": 1, "threads": -1}],
     [{"name": "raw", "version": 1}, {"name": "shuffle", "version": 1, "itemsize": 0}],
     [{"name": "raw", "version": 1}, {"name": "shuffle", "version": 1, "itemsize": True}],
+    [{"name": "raw", "version": 1}, {"name": "shuffle_zstd", "version": 1, "itemsize": 1, "level": 1, "threads": 0}],
+    [{"name": "raw", "version": 1}, {"name": "shuffle_zstd", "version": 1, "itemsize": 4, "level": "1", "threads": 0}],
+    [{"name": "raw", "version": 1}, {"name": "shuffle_zstd", "version": 2, "itemsize": 4, "level": 1, "threads": 0}],
     [{"name": "uniform", "version": 1, "bits": 5, "block_size": None, "scale_dtype": "fp16", "greedy": False}],
     [{"name": "uniform", "version": 1, "bits": 4, "block_size": 0, "scale_dtype": "fp16", "greedy": False}],
     [{"name": "uniform", "version": 1, "bits": 4, "block_size": None, "scale_dtype": "bf16", "greedy": False}],
@@ -294,7 +435,7 @@ def test_bad_specs_are_format_errors(spec):
 
 def test_codec_from_dict_rebuilds_each_codec():
     for codec in (RawCodec(), CastCodec("float16"), UniformCodec(2, 32, "fp32", True), Int8BlockCodec(7),
-                  ShuffleCodec(3), ZstdCodec(-5, 0)):
+                  ShuffleCodec(3), ZstdCodec(-5, 0), ShuffleZstdCodec(3, -5, 2)):
         assert codec_from_dict(codec.to_dict()) == codec
 
 
@@ -312,7 +453,7 @@ def test_hostile_quantization_parameters_are_refused():
 
 
 def test_lossy_decode_refuses_non_float_dtypes():
-    for pipe in ALL_PIPELINES[1:]:
+    for pipe in ALL_PIPELINES[1:-1]:  # the lossy ones
         data = bytes(pipe.encode(torch.randn(2, 8))[0])
         with pytest.raises(FormatError):
             pipe.decode(data, (2, 8), torch.int32, LIMIT)

@@ -48,8 +48,12 @@ def test_decode_into_equals_decode(name, shape):
     pipe.decode_into(data, out, LIMIT, lender)
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     assert big[:3].isnan().all() and big[3 + out.numel():].isnan().all()  # nothing written outside
-    if name == "shuffle+zstd" and out.numel():
-        assert lender.lent == [(0, out.numel() * 4)]  # one intermediate buffer, lent not allocated
+    if name == "shuffle+zstd" and out.numel() > 1000:
+        # Only the exponent plane is compressed: decoded into one lent buffer, not allocated;
+        # the raw planes are unshuffled straight from the blob.
+        assert lender.lent == [(("stage", 0), out.numel())]
+    if name == "zstd-threads" and out.numel() > 1000:
+        assert lender.lent == [(("stage", 0), out.numel())]
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -80,8 +84,9 @@ def test_zstd_decode_into_checks_size_trailing_bytes_and_checksum():
         ZstdCodec().decode_into(frame + b"\0\0\0", out)
     with pytest.raises(FormatError, match="after the end"):  # a second, valid frame
         ZstdCodec().decode_into(frame + ZstdCodec().encode(b""), out)
-    for pos in (len(frame) // 2, len(frame) - 1):  # payload, frame checksum
-        bad = bytearray(frame)
+    legacy = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(payload)
+    for pos in (len(legacy) // 2, len(legacy) - 1):  # payload, frame checksum (earlier versions)
+        bad = bytearray(legacy)
         bad[pos] ^= 0xFF
         with pytest.raises(FormatError):
             ZstdCodec().decode_into(bytes(bad), out)

@@ -212,7 +212,7 @@ CASES = {
     "dtype-lie": (_set("tensors.1.dtype", "float64"), CorruptCheckpointError),
     "unknown-dtype": (_set("tensors.1.dtype", "float128"), FormatError),
     "unknown-codec": (_set("tensors.1.codecs.0", {"name": "evil", "version": 1}), FormatError),
-    "codec-version": (_set("tensors.1.codecs.2.version", 99), FormatError),
+    "codec-version": (_set("tensors.1.codecs.1.version", 99), FormatError),
     "codec-bad-param": (_set("tensors.1.codecs.1.itemsize", 10 ** 9), FormatError),
     "codec-extra-param": (_set("tensors.1.codecs.0.exec", "import os"), FormatError),
     "codecs-empty": (_set("tensors.1.codecs", []), FormatError),
@@ -274,10 +274,15 @@ def test_huge_files_are_not_read(env):
 
 
 # ------------------------------------------------------------------------- decompression bombs
-def _bomb_chunk(env: Env, payload: bytes, rows: int = 64, cols: int = 64) -> bytes:
+ZSTD_ONLY = [{"name": "raw", "version": 1}, {"name": "zstd", "version": 1, "level": 1, "threads": 0}]
+
+
+def _bomb_chunk(env: Env, payload: bytes, rows: int = 64, cols: int = 64,
+                codecs: list | None = None) -> bytes:
     body = env.body()
     rec = body["tensors"][1]
     rec["shape"] = [rows, cols]
+    rec["codecs"] = codecs or ZSTD_ONLY
     rec["base"] = [{"off": 0, "rows": rows, "cols": cols, "blob": env.put_blob(payload)}]
     return forge(body)
 
@@ -289,6 +294,23 @@ def test_zstd_bomb_with_declared_size_is_refused_before_decompressing(env):
     assert "decompression bomb" in str(err) and ".checkrun/blobs/" in str(err)
     small = _bomb_chunk(env, bomb, rows=4, cols=4)  # smaller chunk: refused even before zstd
     assert "exceeds the limit" in str(refused(env, small, FormatError))
+    # The same frame as one byte plane of a shuffle_zstd blob (the default pipeline).
+    plane = 64 * 64
+    segments = [(1, bomb), (0, bytes(plane)), (0, bytes(plane)), (0, bytes(plane)), (0, b"")]
+    header = b"".join(_varint(2 * len(p) + k) for k, p in segments)
+    blob = header + b"".join(p for _, p in segments)
+    shuffled = [{"name": "raw", "version": 1},
+                {"name": "shuffle_zstd", "version": 1, "itemsize": 4, "level": 1, "threads": 0}]
+    err = refused(env, _bomb_chunk(env, blob, codecs=shuffled), FormatError)
+    assert "decompression bomb" in str(err) and ".checkrun/blobs/" in str(err)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
 
 
 def test_zstd_bomb_without_declared_size_is_refused(env):
