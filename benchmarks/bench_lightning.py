@@ -28,6 +28,7 @@ Run: ``python -m benchmarks.bench_lightning [--state-mb 40] [--steps 20] [--ever
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import shutil
 import sys
@@ -113,13 +114,19 @@ def make_io(name: str) -> Optional[Any]:
     return plugin
 
 
+_FIT_NUMBERS = itertools.count()
+
+
 def fit_once(name: str, args: argparse.Namespace, data: DataLoader, root: Path) -> dict:
     """One ``fit``; returns its seconds and the per-save blocking times."""
     vocab, layers = shape_for(args.state_mb, args.d_model)
     model = LitGPT(vocab, args.d_model, layers)
     plugin = make_io(name)
-    directory = root / name
-    shutil.rmtree(directory, ignore_errors=True)
+    # A directory of its own per fit, deleted only at the end of the benchmark: on ext4 without a
+    # journal (this project's development VM) creating files is slowed for minutes after many
+    # deletions nearby (the allocator skips recently deleted inodes), which would penalize
+    # whichever writer creates many files after the previous fit's cleanup.
+    directory = root / f"{name}-{next(_FIT_NUMBERS)}"
     callbacks = [] if plugin is None else [ModelCheckpoint(dirpath=str(directory), every_n_train_steps=args.every,
                                                            save_top_k=2, monitor="step", mode="max")]
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=args.steps, max_epochs=-1, logger=False,
@@ -130,7 +137,6 @@ def fit_once(name: str, args: argparse.Namespace, data: DataLoader, root: Path) 
     trainer.fit(model, train_dataloaders=data)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     written = dir_bytes(directory) if directory.exists() else 0  # the 2 kept checkpoints (+ shared blobs)
-    shutil.rmtree(directory, ignore_errors=True)
     return {"fit": seconds, "cpu": cpu, "written": written,
             "blocked": list(plugin.blocked) if plugin is not None else []}
 

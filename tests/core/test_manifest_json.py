@@ -1,0 +1,32 @@
+"""The manifest's JSON form of its records is written out by hand (for speed): it must stay what
+``dataclasses.asdict`` gives, field for field, as fields are added."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ckpt_core.manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, parse_manifest
+
+
+def _asdict_form(t: TensorRecord) -> dict:
+    d = dataclasses.asdict(t)
+    d["shape"] = list(t.shape)
+    return json.loads(json.dumps(d))  # tuples -> lists, as in the file
+
+
+def test_record_json_equals_asdict():
+    blob = BlobRef("a" * 32, 10, "b" * 16)
+    chunk = ChunkRef(0, 2, 3, blob)
+    rec = TensorRecord("model.w", "float32", (2, 3), ({"name": "raw", "version": 1},), (chunk,),
+                       deltas=(DeltaRef(1, blob, (ChunkRef(0, 1, 3, blob),)),), written=10,
+                       quant={"method": "uniform", "bits": 4, "max_abs_error": 0.5, "rel_l2_error": 0.1},
+                       device="cuda:0")
+    plain = TensorRecord("opt.step", "float32", (), ({"name": "raw", "version": 1},), (ChunkRef(0, 1, 1, blob),))
+    obj = ObjectRecord("cfg", "builtins.object", blob)
+    m = Manifest(created=1.5, skeleton={"$t": 0}, tensors=(rec, plain), objects=(obj,))
+    body = json.loads(m.to_bytes())
+    assert body["tensors"] == [_asdict_form(rec), _asdict_form(plain)]
+    assert body["objects"] == [json.loads(json.dumps(dataclasses.asdict(obj)))]
+    assert set(body["tensors"][0]) == {f.name for f in dataclasses.fields(TensorRecord)}
+    again = parse_manifest(m.to_bytes(), "m", max_blob_bytes=1 << 30)
+    assert again.tensors == m.tensors and again.objects == m.objects
