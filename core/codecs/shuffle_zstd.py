@@ -97,8 +97,9 @@ class ShuffleZstdCodec(BytesCodec):
     def _compressed(self, plane: np.ndarray) -> bytes | None:
         """zstd frame of ``plane``, or None if it is not worth storing compressed."""
         if plane.size >= _PROBE_FROM:
-            starts = np.linspace(0, plane.size - _PROBE_BYTES, _PROBE_PIECES).astype(np.int64)
-            probe = np.concatenate([plane[s:s + _PROBE_BYTES] for s in starts])
+            span = plane.size - _PROBE_BYTES
+            probe = np.concatenate([plane[span * i // (_PROBE_PIECES - 1):][:_PROBE_BYTES]
+                                    for i in range(_PROBE_PIECES)])
             if len(compress(probe, self.level, planes=True)) > _RAW_ABOVE * probe.size:
                 return None
         frame = compress(plane, self.level, self.threads, planes=True)
