@@ -134,7 +134,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
             np.copyto(np.frombuffer(tensor_bytes(lt.copy[chunk.off:chunk.off + dest.numel()]), np.uint8),
                       np.frombuffer(tensor_bytes(dest), np.uint8))
 
-    store.map(base_task, tasks)
+    store.map(base_task, tasks, cost=lambda task: task[2].blob.size)
     del scratch
     index_pipe = index_pipeline()
     for lt in out:

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +20,7 @@ from hypothesis import strategies as st
 from ckpt_core.codecs import (CastCodec, Int8BlockCodec, Pipeline, RawCodec, ShuffleCodec, ShuffleZstdCodec,
                               UniformCodec, ZstdCodec, codec_from_dict, dtype_itemsize, lossless_pipeline,
                               pipeline_for_rule)
+from ckpt_core.codecs import shuffle as shuffle_module
 from ckpt_core.config import CompressionConfig, QuantRule
 from ckpt_core.errors import FormatError
 
@@ -206,6 +212,52 @@ def test_shuffle_zstd_refuses_malformed_segments():
         codec.decode_into(enc, memoryview(bytearray(4005)))
     with pytest.raises(FormatError, match="limit"):
         codec.decode(enc, 4000)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def shuffle_backend(request, monkeypatch):
+    """Run a test with the C kernels of ckpt_core._cshuffle and again with the numpy code."""
+    if request.param == "numpy":
+        monkeypatch.setattr(shuffle_module, "_NATIVE", None)
+    elif not shuffle_module.native_available():
+        pytest.skip("ckpt_core._cshuffle was not built")
+    return request.param
+
+
+@pytest.mark.parametrize("itemsize", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 47, 1000, 300_001])
+def test_shuffle_kernels_match_a_transpose(shuffle_backend, itemsize, n):
+    rng = np.random.default_rng(n + itemsize)
+    # One byte in: source and destination start at odd addresses, as views into blobs do.
+    src = rng.integers(0, 256, n * itemsize + 1, dtype=np.uint8)[1:]
+    planes = [np.full(n + 1, 7, np.uint8)[1:] for _ in range(itemsize)]
+    shuffle_module.shuffle_into(src, planes)
+    want = src.reshape(n, itemsize).T
+    assert all(np.array_equal(planes[k], want[k]) for k in range(itemsize))
+    out = np.zeros(n * itemsize + 3, np.uint8)
+    shuffle_module.unshuffle_into(planes, out[1:])
+    assert np.array_equal(out[1:n * itemsize + 1], src) and out[0] == 0 and not out[-2:].any()
+
+
+def test_shuffle_kernels_never_write_into_read_only_buffers(shuffle_backend):
+    planes = [np.frombuffer(bytes(range(k, k + 32)), np.uint8) for k in range(4)]
+    with pytest.raises(ValueError):
+        shuffle_module.unshuffle_into(planes, np.frombuffer(bytes(128), np.uint8))
+    with pytest.raises(ValueError):
+        shuffle_module.shuffle_into(np.zeros(128, np.uint8), planes)
+    assert all(bytes(p) == bytes(range(k, k + 32)) for k, p in enumerate(planes))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("cc") is None,
+                    reason="the C kernels are built for x86-64 with a C compiler")
+def test_c_shuffle_kernels_were_built_and_can_be_turned_off():
+    # pip install builds ckpt_core._cshuffle where a compiler exists; losing it silently would
+    # triple the CPU of every save and load.
+    assert shuffle_module.native_available()
+    code = "from ckpt_core.codecs import shuffle; print(shuffle.native_available())"
+    env = dict(os.environ, CHECKRUN_NATIVE_SHUFFLE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_shuffle_small_example_and_identity():

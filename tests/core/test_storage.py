@@ -571,6 +571,31 @@ def test_map_raises_first_failure_after_the_rest_settled(memory_root):
     assert started == finished  # nothing still running after map raised
 
 
+def test_map_with_cost_runs_small_items_together_in_order(memory_root):
+    import ckpt_core.storage as storage_mod
+
+    store = Store.for_directory(memory_root, None, StorageConfig(io_threads=3))
+    where: dict = {}
+
+    def work(i):
+        where[i] = threading.current_thread().name
+        if i == 45:
+            raise KeyError(i)
+        return -i
+
+    big = storage_mod.BATCH_COST
+    sizes = [10] * 30 + [big] + [big // 2] * 3 + [10] * 6
+    with store:
+        assert store.map(work, range(40), cost=sizes.__getitem__) == [-i for i in range(40)]
+        # the 30 small items are one pool task (one thread); the big one is alone
+        assert len({where[i] for i in range(30)}) == 1
+        assert storage_mod._batches(list(range(40)), sizes.__getitem__) == [
+            list(range(31)), [31, 32], list(range(33, 40))]
+        with pytest.raises(KeyError):  # an item's failure still surfaces from its batch
+            store.map(work, range(40, 50), cost=lambda i: 1)
+        assert store.map(work, [7], cost=lambda i: 1) == [-7]
+
+
 def test_map_nested_in_pool_does_not_deadlock(memory_root):
     with Store.for_directory(memory_root, None, StorageConfig(io_threads=2)) as store:
         out = store.map(lambda i: sum(store.map(lambda j: i * j, range(4))), range(6))
