@@ -189,7 +189,7 @@ def _object(objects: dict[str, ObjectRecord], key: str, where: str) -> ObjectRec
 
 def _decode(store: Store, pipe: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
     data = fetch_blob(store, chunk.blob)
-    raw = chunk.rows * chunk.cols * torch.empty((), dtype=dtype).element_size()
+    raw = chunk.rows * chunk.cols * dtype.itemsize
     try:
         return pipe.decode(data, (chunk.rows, chunk.cols), dtype, 2 * raw + 16 * chunk.rows + 4096)
     except FormatError as exc:

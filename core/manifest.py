@@ -140,18 +140,35 @@ class Manifest:
             "stats": self.stats,
             "meta": self.meta,
         }
-        body["checksum"] = _body_checksum(body)
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        text = _canonical_bytes(body)
+        return _with_checksum(text, xxhash.xxh3_128_hexdigest(text))
 
 
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+    return DTYPES[dtype].itemsize
 
 
 def _body_checksum(body: dict) -> str:
-    text = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True,
-                      separators=(",", ":"), allow_nan=False)
-    return xxhash.xxh3_128_hexdigest(text.encode())
+    """xxh3-128 of the canonical JSON of ``body`` without its ``checksum`` field."""
+    return xxhash.xxh3_128_hexdigest(_canonical_bytes({k: v for k, v in body.items() if k != "checksum"}))
+
+
+# Canonical JSON sorts keys, and "checksum" sorts right after MAGIC_KEY ("_checkrun"): the bytes with
+# the checksum are the bytes without it plus one field after the first, so neither writing nor
+# reading a manifest serializes it twice.
+_HEAD = b"{" + json.dumps(MAGIC_KEY).encode() + b":" + json.dumps(MAGIC).encode() + b","
+_FIELD = b'"checksum":'
+
+
+def _with_checksum(text: bytes, checksum: str) -> bytes:
+    """Canonical bytes of a body from those of the body without ``checksum``."""
+    return _HEAD + _FIELD + json.dumps(checksum).encode() + b"," + text[len(_HEAD):]
+
+
+def _without_checksum(canonical: bytes, checksum: Any) -> bytes | None:
+    """Inverse of ``_with_checksum``; None if ``canonical`` does not start that way."""
+    head = _HEAD + _FIELD + json.dumps(checksum).encode() + b","
+    return _HEAD + canonical[len(head):] if canonical.startswith(head) else None
 
 
 # Written out by hand: dataclasses.asdict deep-copies every leaf and took ~40% of the Python time
@@ -201,7 +218,8 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
         raise FormatError(f"{where}: manifest cannot be checked: {exc}") from None
     # The checksum covers the parsed body; requiring the canonical bytes too catches changes that
     # parse to the same body (the 17th digit of a float, "e" vs "E" in an exponent).
-    if body.get("checksum") != _body_checksum(body) or canonical != data.strip():
+    rest = _without_checksum(canonical, body.get("checksum")) if canonical == data.strip() else None
+    if rest is None or body.get("checksum") != xxhash.xxh3_128_hexdigest(rest):
         raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
     try:
         return _manifest_from_json(body, max_blob_bytes)

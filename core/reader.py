@@ -66,7 +66,7 @@ class Scratch:
 
 def _decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
     """Most bytes any stage of a chunk's pipeline may produce (raw size, quantization scales)."""
-    raw = chunk.rows * chunk.cols * torch.empty((), dtype=dtype).element_size()
+    raw = chunk.rows * chunk.cols * dtype.itemsize
     return 2 * raw + 16 * chunk.rows + 4096
 
 

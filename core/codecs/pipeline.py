@@ -6,6 +6,7 @@ engine mixes into content addresses (the same tensor bytes encoded differently m
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -109,9 +110,10 @@ class Pipeline:
                 raise FormatError(f"array codec {codec.name!r} may only come first in a pipeline")
         return cls(codecs[0], tuple(codecs[1:]))
 
-    @property
+    @functools.cached_property
     def spec_id(self) -> str:
-        """16 hex digits of SHA-256 over the canonical JSON of ``to_list()``; stable across runs."""
+        """16 hex digits of SHA-256 over the canonical JSON of ``to_list()``; stable across runs
+        (computed once per pipeline: a save asks for it several times per tensor)."""
         text = json.dumps(self.to_list(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

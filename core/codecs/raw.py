@@ -12,7 +12,7 @@ from .base import ArrayCodec, EncodeStats, register
 
 def dtype_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype`` (bool and float8 included)."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @register

@@ -30,3 +30,18 @@ def test_record_json_equals_asdict():
     assert set(body["tensors"][0]) == {f.name for f in dataclasses.fields(TensorRecord)}
     again = parse_manifest(m.to_bytes(), "m", max_blob_bytes=1 << 30)
     assert again.tensors == m.tensors and again.objects == m.objects
+
+
+def test_checksum_field_is_spliced_into_the_canonical_bytes():
+    # to_bytes and parse_manifest splice "checksum" in and out of the canonical JSON instead of
+    # serializing twice: the result must be what serializing the whole body gives.
+    from ckpt_core.manifest import _body_checksum
+
+    blob = BlobRef("c" * 32, 4, "d" * 16)
+    rec = TensorRecord("w", "float32", (1,), ({"name": "raw", "version": 1},), (ChunkRef(0, 1, 1, blob),))
+    m = Manifest(created=2.0, skeleton={"$t": 0}, tensors=(rec,), stats={"a": 1}, meta={"z": [1.5, None]})
+    data = m.to_bytes()
+    body = json.loads(data)
+    assert body["checksum"] == _body_checksum(body)
+    assert data == json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    parse_manifest(data, "m", max_blob_bytes=1 << 30)
