@@ -12,7 +12,10 @@ saves to local disk through each CheckpointIO:
 * checkrun-raw: the same with ``overrides={"compression.compress": False}`` (chunks stored raw: the
   background work is hashing and writing only, which matters on a 2-core machine);
 * checkrun-nofsync: the defaults with ``overrides={"storage.fsync": False}`` (no fsync, like
-  ``torch.save``: the kernel writes the files back whenever it likes).
+  ``torch.save``: the kernel writes the files back whenever it likes);
+* noop: a CheckpointIO that writes nothing: what Lightning itself spends around each save
+  (``dump_checkpoint`` collecting the state dicts, ModelCheckpoint's bookkeeping), a floor that
+  no CheckpointIO can go below.
 
 Per configuration: ``fit`` seconds (until ``fit`` returns, i.e. including the plugin's teardown that
 waits for pending saves), the process CPU seconds of the fit (all threads; less sensitive to other load
@@ -45,14 +48,14 @@ if __package__ in (None, ""):  # `python benchmarks/bench_lightning.py`: make `b
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (GPT, dir_bytes, machine_header, machine_info, med, table, verdict,  # noqa: E402
                                workdir, write_json)
-from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from lightning_ckpt import CheckrunCheckpointIO  # noqa: E402
 
-CONFIGS = ("none", "torch", "async", "checkrun", "checkrun-raw", "checkrun-nofsync")
+CONFIGS = ("none", "torch", "async", "checkrun", "checkrun-raw", "checkrun-nofsync", "noop")
 
 
 class LitGPT(LightningModule):
@@ -90,6 +93,23 @@ class Timed:
         self.blocked.append(time.perf_counter() - t0)
 
 
+class NoopCheckpointIO(CheckpointIO):
+    """Writes nothing (the Lightning-side floor of checkpointing)."""
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
+        pass
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Any = None) -> dict:
+        raise FileNotFoundError(path)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        pass
+
+
+class TimedNoop(Timed, NoopCheckpointIO):
+    blocked: list
+
+
 class TimedTorch(Timed, TorchCheckpointIO):
     blocked: list
 
@@ -106,7 +126,8 @@ def make_io(name: str) -> Optional[Any]:
     io = {"none": None, "torch": lambda: TimedTorch(), "async": lambda: TimedAsync(TorchCheckpointIO()),
           "checkrun": lambda: TimedCheckrun(),
           "checkrun-raw": lambda: TimedCheckrun(overrides={"compression.compress": False}),
-          "checkrun-nofsync": lambda: TimedCheckrun(overrides={"storage.fsync": False})}[name]
+          "checkrun-nofsync": lambda: TimedCheckrun(overrides={"storage.fsync": False}),
+          "noop": lambda: TimedNoop()}[name]
     if io is None:
         return None
     plugin = io()
@@ -186,7 +207,8 @@ def report(results: dict, args: argparse.Namespace, state_mb: float) -> str:
             f"overhead and extra CPU paired with the baseline fits just before and after, blocked over all saves\n\n"
             f"{table(head, rows)}\n\ncheckrun overhead <= 1/3 of the default's: {verdict_text} "
             f"({overhead['checkrun']:.2f} s vs {overhead['torch']:.2f} s; checkrun-raw "
-            f"{overhead.get('checkrun-raw', float('nan')):.2f} s)\n")
+            f"{overhead.get('checkrun-raw', float('nan')):.2f} s; a CheckpointIO writing nothing "
+            f"{overhead.get('noop', float('nan')):.2f} s)\n")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

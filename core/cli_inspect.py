@@ -6,7 +6,7 @@ from typing import Any
 from .cli_tree import Node, short_repr, walk
 from .cli_util import (EXIT_OK, EXIT_PROBLEM, Context, CliError, codecs_text, emit_json, fmt_float,
                        fmt_ratio, human_size, human_time, iso_time, log, one_line, ratio, table)
-from .manifest import Manifest, TensorRecord
+from .manifest import DTYPES, Manifest, TensorRecord
 
 # ----------------------------------------------------------------------------- ls
 
@@ -134,8 +134,11 @@ def _print_totals(t: dict) -> None:
 
 
 def _tensor_info(rec: TensorRecord) -> dict:
-    blobs = {b.key: b for b in rec.blobs()}
-    stored = sum(b.size for b in blobs.values())
+    # A pack (several small tensors in one blob) is split among its members by raw bytes.
+    itemsize = DTYPES[rec.dtype].itemsize
+    shares = {(c.blob.key, c.part): c.stored_share(itemsize) for c in rec.base}
+    shares.update({(b.key, None): float(b.size) for b in rec.blobs()[len(rec.base):]})
+    stored = round(sum(shares.values()))
     return {"key": rec.key, "dtype": rec.dtype, "shape": list(rec.shape), "device": rec.device,
             "codecs": list(rec.codecs), "pipeline": codecs_text(rec.codecs), "nbytes": rec.nbytes,
             "stored_bytes": stored, "ratio": ratio(rec.nbytes, stored), "deltas": len(rec.deltas),

@@ -33,6 +33,10 @@ class CompressionConfig:
     """Set False to store raw bytes (still chunked, content-addressed and checksummed)."""
     chunk_bytes: int = 16 * 1024 * 1024
     """Target size of one chunk of raw tensor data; the unit of dedup, parallelism and retries."""
+    pack_bytes: int = 64 * 1024
+    """Lossless tensors of at most this many bytes (biases, norms, step counters) are stored
+    together, up to ``chunk_bytes`` per blob ("packs", format 2), instead of one blob each: a blob
+    costs about 1 ms of CPU per save beyond its bytes. 0 turns packing off."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +306,7 @@ _POSITIVE = {
     "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
     "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
 }
-_NON_NEGATIVE = {"compression.zstd_threads", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
+_NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
 
 
 def _validate_values(obj: Any, prefix: str) -> None:

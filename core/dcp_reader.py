@@ -24,8 +24,8 @@ from .config import EngineConfig, coerce_config
 from .dcp_blobs import KNOWN
 from .dcp_format import decode_metadata
 from .errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError
-from .manifest import DTYPES, ChunkRef, Manifest, ObjectRecord
-from .reader import fetch_blob, read_manifest
+from .manifest import DTYPES, Manifest, ObjectRecord
+from .reader import decode_chunk, fetch_blob, read_manifest
 from .storage import Store
 
 __all__ = ["CheckrunStorageReader"]
@@ -165,7 +165,7 @@ class CheckrunStorageReader(StorageReader):
 
         def decode(task) -> None:
             flat, pipe, chunk, dtype = task
-            flat[chunk.off:chunk.off + chunk.rows * chunk.cols] = _decode(store, pipe, chunk, dtype).reshape(-1)
+            flat[chunk.off:chunk.off + chunk.rows * chunk.cols] = decode_chunk(store, pipe, chunk, dtype).reshape(-1)
 
         store.map(decode, tasks)
         for (rec, reqs), flat in zip(batch, buffers):
@@ -185,15 +185,6 @@ def _object(objects: dict[str, ObjectRecord], key: str, where: str) -> ObjectRec
     if rec is None:
         raise FormatError(f"{where}: item {key!r} has no object record")
     return rec
-
-
-def _decode(store: Store, pipe: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
-    data = fetch_blob(store, chunk.blob)
-    raw = chunk.rows * chunk.cols * dtype.itemsize
-    try:
-        return pipe.decode(data, (chunk.rows, chunk.cols), dtype, 2 * raw + 16 * chunk.rows + 4096)
-    except FormatError as exc:
-        raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
 
 
 def _flat_span(shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]:

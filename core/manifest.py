@@ -23,8 +23,8 @@ _KEY_RE = re.compile(r"[0-9a-f]{32,64}")
 MAGIC = "manifest"
 MAGIC_KEY = "_checkrun"
 MAGIC_PREFIX = b'{"_checkrun":'
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: chunks may be parts of a pack (ChunkRef.part); everything else as in 1
+SUPPORTED_VERSIONS = (1, 2)
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -52,12 +52,24 @@ class BlobRef:
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """A chunk of a tensor: elements [off, off + rows*cols) seen as a (rows, cols) array."""
+    """A chunk of a tensor: elements [off, off + rows*cols) seen as a (rows, cols) array.
+
+    ``part`` (format 2, lossless base chunks only): the blob is a *pack* of several small tensors
+    and this chunk is bytes ``[part[0], part[0] + rows*cols*itemsize)`` of its decoded content,
+    which is ``part[1]`` bytes long. None: the blob decodes to exactly this chunk.
+    """
 
     off: int
     rows: int
     cols: int
     blob: BlobRef
+    part: tuple[int, int] | None = None
+
+    def stored_share(self, itemsize: int) -> float:
+        """Stored bytes attributable to this chunk (a pack's size split by raw bytes)."""
+        if self.part is None:
+            return float(self.blob.size)
+        return self.blob.size * self.rows * self.cols * itemsize / max(1, self.part[1])
 
 
 @dataclass(frozen=True)
@@ -178,7 +190,10 @@ def _blob_to_json(b: BlobRef) -> dict:
 
 
 def _chunk_to_json(c: ChunkRef) -> dict:
-    return {"off": c.off, "rows": c.rows, "cols": c.cols, "blob": _blob_to_json(c.blob)}
+    d = {"off": c.off, "rows": c.rows, "cols": c.cols, "blob": _blob_to_json(c.blob)}
+    if c.part is not None:
+        d["part"] = list(c.part)
+    return d
 
 
 def _tensor_to_json(t: TensorRecord) -> dict:
@@ -260,14 +275,29 @@ def _blob(d: Any, what: str, max_blob_bytes: int) -> BlobRef:
     return BlobRef(key, _nonneg(d, "size", what, max_blob_bytes), csum)
 
 
-def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int) -> ChunkRef:
+def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int, parts: bool = False) -> ChunkRef:
+    """A chunk; ``parts``: whether it may be part of a pack (format 2, lossless base chunk)."""
     rows, cols = _nonneg(d, "rows", what), _nonneg(d, "cols", what)
     if rows * cols * itemsize > max_blob_bytes:
         raise FormatError(f"{what}: chunk of {rows}x{cols} exceeds the blob size limit")
-    return ChunkRef(_nonneg(d, "off", what), rows, cols, _blob(d.get("blob"), what + ".blob", max_blob_bytes))
+    part = d.get("part")
+    if part is not None:
+        if not parts:
+            raise FormatError(f"{what}: field 'part' is not allowed here (format version 2, lossless base "
+                              "chunks only)")
+        if (not isinstance(part, list) or len(part) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in part)):
+            raise FormatError(f"{what}: field 'part' must be [start, total], two non-negative integers")
+        start, total = part
+        if total > max_blob_bytes or total % itemsize or start % itemsize or start + rows * cols * itemsize > total:
+            raise FormatError(f"{what}: part {part} does not fit in a pack of {total} bytes of "
+                              f"{itemsize}-byte elements (limit {max_blob_bytes})")
+        part = (start, total)
+    return ChunkRef(_nonneg(d, "off", what), rows, cols, _blob(d.get("blob"), what + ".blob", max_blob_bytes),
+                    part)
 
 
-def _tensor_from_json(d: Any, max_blob_bytes: int) -> TensorRecord:
+def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION) -> TensorRecord:
     key = _req(d, "key", str, "tensor")
     what = f"tensor {key!r}"
     dtype = _req(d, "dtype", str, what)
@@ -278,7 +308,8 @@ def _tensor_from_json(d: Any, max_blob_bytes: int) -> TensorRecord:
         raise FormatError(f"{what}: invalid shape {list(shape)!r}")
     isz = _itemsize(dtype)
     codecs = tuple(_req(d, "codecs", list, what))
-    base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes) for c in _req(d, "base", list, what))
+    parts = version >= 2 and bool(codecs) and isinstance(codecs[0], dict) and codecs[0].get("name") == "raw"
+    base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes, parts) for c in _req(d, "base", list, what))
     deltas = []
     for dd in d.get("deltas") or []:
         n = _nonneg(dd, "n", f"{what} delta")
@@ -329,7 +360,8 @@ def _check_coverage(rec: TensorRecord, what: str) -> None:
 
 def _manifest_from_json(body: dict, max_blob_bytes: int) -> Manifest:
     created = _req(body, "created", (int, float), "manifest")
-    tensors = tuple(_tensor_from_json(t, max_blob_bytes) for t in _req(body, "tensors", list, "manifest"))
+    version = body["format_version"]
+    tensors = tuple(_tensor_from_json(t, max_blob_bytes, version) for t in _req(body, "tensors", list, "manifest"))
     objects = []
     for o in _req(body, "objects", list, "manifest"):
         key = _req(o, "key", str, "object")

@@ -70,12 +70,22 @@ def _decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
     return 2 * raw + 16 * chunk.rows + 4096
 
 
-def _decode(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
+def decode_chunk(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
+    """Fetch, verify and decode one chunk (a part of a pack included) into a new (rows, cols) tensor."""
     data = fetch_blob(store, chunk.blob)
     try:
-        return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, _decode_limit(chunk, dtype))
+        if chunk.part is None:
+            return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, _decode_limit(chunk, dtype))
+        start, total = chunk.part
+        pack = pipeline.decode(data, (1, total // dtype.itemsize), dtype, _pack_limit(total)).reshape(-1)
+        first = start // dtype.itemsize
+        return pack[first:first + chunk.rows * chunk.cols].clone().view(chunk.rows, chunk.cols)
     except FormatError as exc:
         raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
+
+
+def _pack_limit(total: int) -> int:
+    return 2 * total + 4096
 
 
 def _pipeline(rec: TensorRecord, where: str) -> Pipeline:
@@ -104,7 +114,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
     Tensors ``keep_copy`` selects get a second copy (``LoadedTensor.copy``), made chunk by chunk
     on the io threads right after each chunk is decoded (the engine keeps it as the reference of
     the next row-delta save)."""
-    out, tasks = [], []
+    out, tasks, packs = [], [], {}
     for rec in manifest.tensors:
         dtype = DTYPES[rec.dtype]
         pipe = _pipeline(rec, where)
@@ -118,11 +128,35 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
             lt.copy = empty_host(rec.numel, dtype)
         out.append(lt)
         for chunk in rec.base:
-            tasks.append((lt, pipe, chunk, dtype))
+            if chunk.part is None:
+                tasks.append((lt, pipe, chunk, dtype))
+            else:  # parts of one pack are decoded together, once
+                packs.setdefault((chunk.blob, chunk.part[1], pipe.spec_id, dtype.itemsize), []).append(
+                    (lt, pipe, chunk, dtype))
+    tasks.extend(packs.values())
 
     scratch = Scratch()
 
+    def pack_task(members: list) -> None:
+        _, pipe, first, dtype = members[0]
+        total = first.part[1]
+        data = fetch_blob(store, first.blob, scratch.get(-1, first.blob.size + 1))
+        pack = torch.frombuffer(scratch.get(-2, total), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+        try:
+            pipe.decode_into(data, pack.view(dtype).view(1, -1), _pack_limit(total), scratch.get)
+        except FormatError as exc:
+            raise FormatError(f"{store.blob_path(first.blob.key)}: {exc}") from None
+        for lt, _, chunk, _ in members:
+            n = chunk.rows * chunk.cols
+            part = pack[chunk.part[0]:chunk.part[0] + n * dtype.itemsize]
+            lt.flat[chunk.off:chunk.off + n].view(torch.uint8).copy_(part)
+            if lt.copy is not None:
+                lt.copy[chunk.off:chunk.off + n].view(torch.uint8).copy_(part)
+
     def base_task(task) -> None:
+        if isinstance(task, list):
+            pack_task(task)
+            return
         lt, pipe, chunk, dtype = task
         dest = lt.flat[chunk.off:chunk.off + chunk.rows * chunk.cols].view(chunk.rows, chunk.cols)
         data = fetch_blob(store, chunk.blob, scratch.get(-1, chunk.blob.size + 1))
@@ -134,7 +168,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
             np.copyto(np.frombuffer(tensor_bytes(lt.copy[chunk.off:chunk.off + dest.numel()]), np.uint8),
                       np.frombuffer(tensor_bytes(dest), np.uint8))
 
-    store.map(base_task, tasks, cost=lambda task: task[2].blob.size)
+    store.map(base_task, tasks, cost=lambda task: (task[0] if isinstance(task, list) else task)[2].blob.size)
     del scratch
     index_pipe = index_pipeline()
     for lt in out:
@@ -148,10 +182,10 @@ def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pi
     rows, cols = rec.row_shape
     t2d = lt.flat.view(rows, cols)
     for delta in rec.deltas:
-        idx = _decode(store, index_pipe, ChunkRef(0, 1, delta.n, delta.idx), torch.int64).reshape(-1)
+        idx = decode_chunk(store, index_pipe, ChunkRef(0, 1, delta.n, delta.idx), torch.int64).reshape(-1)
         if delta.n and (int(idx.min()) < 0 or int(idx.max()) >= rows):
             raise CorruptCheckpointError(f"{where}: tensor {rec.key!r}: delta row index out of range")
-        parts = store.map(lambda c: _decode(store, pipe, c, lt.flat.dtype), list(delta.chunks))
+        parts = store.map(lambda c: decode_chunk(store, pipe, c, lt.flat.dtype), list(delta.chunks))
         values = torch.cat([p.reshape(-1, cols) for p in parts]) if parts else t2d[:0]
         t2d.index_copy_(0, idx, values)
         if lt.copy is not None:

@@ -54,6 +54,22 @@ def _as_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.numel() else t.view(torch.uint8)
 
 
+class _Part:
+    """The result of one member of a pack, in the shape of a chunk future (``result()``): its chunk
+    is bytes [start, start + nbytes) of the pack's ``size`` bytes, and it is charged its share of
+    the bytes the pack wrote (the shares of a pack add up to exactly what it wrote)."""
+
+    def __init__(self, pack: Future, st: StagedTensor, start: int, size: int) -> None:
+        self.pack, self.start, self.size = pack, start, size
+        self.end = start + st.nbytes
+        self.rows, self.cols = (st.shape[0], math.prod(st.shape[1:])) if len(st.shape) >= 2 else (1, st.data.numel())
+
+    def result(self) -> ChunkResult:
+        res: ChunkResult = self.pack.result()
+        written = res.written * self.end // self.size - res.written * self.start // self.size
+        return ChunkResult(ChunkRef(0, self.rows, self.cols, res.ref.blob, (self.start, self.size)), written, None)
+
+
 class SnapshotWriter:
     """Writes one snapshot to one store. Created and run on the background (coordinator) thread."""
 
@@ -132,6 +148,51 @@ class SnapshotWriter:
             delta_futures = self._chunks(t2d.index_select(0, idx), pipeline, prefix) if idx.numel() else []
             return st, pipeline, rule, plan, base, None, (idx, idx_future, delta_futures)
         return st, pipeline, rule, plan, None, self._chunks(t2d, pipeline, prefix, force), None
+
+    def _packed_jobs(self) -> dict[int, tuple]:
+        """Jobs of the small tensors stored together in packs, by index in the snapshot.
+
+        Small lossless tensors without a row stream, grouped by pipeline and element size, are
+        concatenated into packs of up to ``chunk_bytes``; each gets one chunk that is a part of
+        its pack's blob (``ChunkRef.part``). A group of one stays a tensor of its own."""
+        limit = min(self.config.compression.pack_bytes, self.config.compression.chunk_bytes)
+        groups: dict[tuple[str, int], list] = {}
+        for i, st in enumerate(self.snap.tensors):
+            if st.stream is not None or not 0 < st.nbytes <= limit:
+                continue
+            pipeline, rule = self._pipeline(st)
+            if rule is None:
+                groups.setdefault((pipeline.spec_id, st.data.element_size()), []).append((i, st, pipeline))
+        jobs: dict[int, tuple] = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            packs, total = [[]], 0
+            for m in members:
+                if total + m[1].nbytes > self.config.compression.chunk_bytes and packs[-1]:
+                    packs.append([])
+                    total = 0
+                packs[-1].append(m)
+                total += m[1].nbytes
+            for pack in packs:
+                sts = [st for _, st, _ in pack]
+                future = self._submit(self._put_pack, sts, pack[0][2])
+                size, start = sum(st.nbytes for st in sts), 0
+                for i, st, pipeline in pack:
+                    part = _Part(future, st, start, size)
+                    jobs[i] = (st, pipeline, None, None, None, [part], None)
+                    start += st.nbytes
+        return jobs
+
+    def _put_pack(self, sts: list[StagedTensor], pipeline: Pipeline) -> ChunkResult:
+        """Concatenate the staged bytes of ``sts`` (same element size) and store them as one blob."""
+        buf = torch.empty(sum(st.nbytes for st in sts), dtype=torch.uint8)
+        pos = 0
+        for st in sts:
+            buf[pos:pos + st.nbytes] = st.data.reshape(-1).view(torch.uint8)
+            pos += st.nbytes
+        data = buf.view(sts[0].dtype).view(1, -1)
+        return self._put_chunk(data, 0, pipeline, f"{pipeline.spec_id}|pack")
 
     def _put_index(self, idx: torch.Tensor) -> tuple[BlobRef, int]:
         from .reader import index_pipeline
@@ -218,7 +279,8 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         if self.snap.event is not None:
             self.snap.event.synchronize()
-        jobs = [self._tensor_jobs(st) for st in self.snap.tensors]
+        packed = self._packed_jobs()
+        jobs = [packed.get(i) or self._tensor_jobs(st) for i, st in enumerate(self.snap.tensors)]
         obj_futures = [self._submit(self._put_object, o) for o in self.snap.objects]
         records, written = [], 0
         for st, job in zip(self.snap.tensors, jobs):

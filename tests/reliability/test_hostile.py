@@ -81,7 +81,7 @@ def audited():
 
 # ----------------------------------------------------------------------------------- fixtures
 class Env:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, state: dict | None = None) -> None:
         self.tmp = tmp
         self.root = tmp / "run"
         self.url = f"faultfile://{self.root}"
@@ -89,7 +89,8 @@ class Env:
         self.outside.mkdir()
         (self.outside / "secret").write_bytes(b"do not read me")
         self.marker = tmp / "pwned"
-        state = {"emb": torch.randn(2048, 16), "w": torch.randn(64, 64), "obj": Marker(1), "step": 1}
+        if state is None:
+            state = {"emb": torch.randn(2048, 16), "w": torch.randn(64, 64), "obj": Marker(1), "step": 1}
         with CheckpointEngine(config()) as engine:
             engine.save(state, self.root / "good.ckpt").result()
         self.good = json.loads((self.root / "good.ckpt").read_bytes())
@@ -218,7 +219,7 @@ CASES = {
     "codecs-empty": (_set("tensors.1.codecs", []), FormatError),
     "codecs-bytes-first": (_set("tensors.1.codecs", [{"name": "zstd", "version": 1, "level": 1, "threads": 0}]),
                            FormatError),
-    "format-version": (_set("format_version", 2), FormatError),
+    "format-version": (_set("format_version", 99), FormatError),
     "bad-device": (_set("tensors.1.device", "bogus:0"), FormatError),
     "leaf-table": (_set("meta.leaves", [0, 7]), FormatError),
     "skeleton-ref-out-of-range": (_set("skeleton", {"$d": ["w", {"$t": 9}]}), FormatError),
@@ -234,6 +235,44 @@ CASES = {
 def test_fields_that_do_not_match_the_data(env, case):
     mutate, expected = CASES[case]
     refused(env, mutate(env.body(), env), expected)
+
+
+# Small tensors stored together: each chunk is a byte range ("part") of one pack blob (format 2).
+def _pack_env(tmp_path) -> Env:
+    env = Env(tmp_path, {"a": torch.randn(8), "b": torch.randn(8), "c": torch.randn(4, 4), "obj": Marker(1)})
+    assert [t["base"][0]["part"] for t in env.good["tensors"]] == [[0, 128], [32, 128], [64, 128]]
+    return env
+
+
+def _lossy(body: dict, env: Env) -> bytes:
+    body["tensors"][1]["codecs"][0] = {"name": "cast", "version": 1, "to": "bfloat16"}
+    return forge(body)
+
+
+def _part_in_delta(body: dict, env: Env) -> bytes:
+    rec = body["tensors"][2]
+    rec["deltas"] = [{"n": 1, "idx": rec["base"][0]["blob"], "chunks": [dict(rec["base"][0], rows=1)]}]
+    return forge(body)
+
+
+PACK_CASES = {
+    "part-outside-pack": _set("tensors.2.base.0.part", [96, 128]),
+    "part-misaligned": _set("tensors.1.base.0.part", [34, 128]),
+    "part-total-lie": _set("tensors.0.base.0.part", [0, 132]),
+    "part-total-over-limit": _set("tensors.0.base.0.part", [0, 2 ** 62]),
+    "part-not-a-pair": _set("tensors.0.base.0.part", [0, 128, 5]),
+    "part-negative": _set("tensors.0.base.0.part", [-4, 128]),
+    "part-bool": _set("tensors.0.base.0.part", [False, 128]),
+    "part-in-format-1": _set("format_version", 1),
+    "part-of-lossy-chunk": _lossy,
+    "part-in-delta": _part_in_delta,
+}
+
+
+@pytest.mark.parametrize("case", sorted(PACK_CASES))
+def test_pack_parts_that_do_not_match_the_data(tmp_path, case):
+    env = _pack_env(tmp_path)
+    refused(env, PACK_CASES[case](env.body(), env), FormatError)
 
 
 def test_nan_and_infinity_literals(env):

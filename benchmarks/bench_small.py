@@ -1,0 +1,168 @@
+"""Small tensors: what each tensor costs a save and a load, with and without packs (issues 2 and 6).
+
+Two states, each saved with checkrun's defaults (small tensors stored together in packs,
+``compression.pack_bytes`` = 64 KiB) and with ``compression.pack_bytes: 0`` (one blob per tensor, as
+before packs), and with ``torch.save`` for scale; ``incremental.enabled: false`` and every tensor
+changed between saves, so every save writes everything:
+
+* ``tiny``: ``--tiny`` tensors of 768 fp32 values (3 KB, a bias or a norm);
+* ``lightning``: the 31 MB Lightning-like training state of ``bench_lightning`` (a GPT-like model's
+  weights and Adam moments: 64 tensors, 46 of them below 8 KB, from ``gpt_state(32)``).
+
+Per save: CPU seconds of the process (``time.process_time`` around ``save(...).result()``; for torch,
+``torch.save`` into a file), and, for ``lightning``, what a Python training loop on the main thread
+(64x64 matmuls, one torch thread) loses while the save runs in the background: wall time minus its
+iterations divided by its rate measured just before ("lost"), the measure of how much a background
+save slows training through the GIL and the shared cores. torch.save runs in a thread there (as
+Lightning's ``AsyncCheckpointIO`` does); TorchCheckpointIO instead blocks for the whole save. Per
+load: CPU seconds of ``ckpt_core.load`` / ``torch.load`` (page cache warm). The writers alternate
+within each repetition; medians.
+
+Run: ``python -m benchmarks.bench_small [--reps 8] [--tiny 1000] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import gpt_state, machine_header, machine_info, table, workdir, write_json  # noqa: E402
+
+import ckpt_core  # noqa: E402
+from ckpt_core import EngineConfig  # noqa: E402
+from ckpt_core.tree import flatten  # noqa: E402
+
+WRITERS = ("checkrun", "checkrun, no packs", "torch.save")
+_N = itertools.count()
+
+
+def _bump(state: Any) -> None:
+    """Change every floating-point tensor a little (so no blob can be reused)."""
+    for t in flatten(state).tensors:
+        if t.tensor.is_floating_point():
+            t.tensor.add_(1e-3)
+
+
+class Probe:
+    """A Python + small-torch-ops loop standing in for the training thread."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(64, 64)
+
+    def run(self, stop: Callable[[], bool]) -> int:
+        n = 0
+        while not stop():
+            (self.x @ self.x).relu_()
+            n += 1
+        return n
+
+    def rate(self, seconds: float = 0.2) -> float:
+        t0 = time.perf_counter()
+        return self.run(lambda: time.perf_counter() - t0 > seconds) / seconds
+
+
+def save_once(name: str, engine: Any, state: Any, root: Path, probe: Probe | None) -> dict:
+    path = root / f"{next(_N)}"
+    base = probe.rate() if probe is not None else 0.0
+    c0, t0 = time.process_time(), time.perf_counter()
+    if name == "torch.save":
+        worker = threading.Thread(target=torch.save, args=(state, f"{path}.pt"))
+        worker.start()
+        done = lambda: not worker.is_alive()  # noqa: E731
+    else:
+        handle = engine.save(state, f"{path}.ckpt")
+        done = handle.done
+    blocked = time.perf_counter() - t0
+    n = probe.run(done) if probe is not None else 0
+    if name == "torch.save":
+        worker.join()
+        target = f"{path}.pt"
+    else:
+        handle.result()
+        target = f"{path}.ckpt"
+    wall = time.perf_counter() - t0
+    out = {"cpu": time.process_time() - c0, "wall": wall, "blocked": blocked}
+    if probe is not None:
+        out["lost"] = wall - n / base
+        out["cpu"] = float("nan")  # the probe's own CPU is in process_time
+    c0 = time.process_time()
+    if name == "torch.save":
+        torch.load(target, weights_only=True)
+    else:
+        ckpt_core.load(target, config=engine.config)
+    out["load_cpu"] = time.process_time() - c0
+    return out
+
+
+def bench(state: Any, n_tensors: int, reps: int, root: Path, probe: Probe | None) -> dict:
+    engines = {
+        "checkrun": ckpt_core.CheckpointEngine(EngineConfig().replace(**{"incremental.enabled": False})),
+        "checkrun, no packs": ckpt_core.CheckpointEngine(
+            EngineConfig().replace(**{"incremental.enabled": False, "compression.pack_bytes": 0})),
+        "torch.save": None,
+    }
+    runs: dict = {w: [] for w in WRITERS}
+    try:
+        for rep in range(reps + 1):  # the first repetition warms up
+            for w in WRITERS[rep % len(WRITERS):] + WRITERS[:rep % len(WRITERS)]:
+                _bump(state)
+                r = save_once(w, engines[w], state, root, probe)
+                if rep:
+                    runs[w].append(r)
+    finally:
+        for e in engines.values():
+            if e is not None:
+                e.close()
+    return {"tensors": n_tensors, "runs": runs}
+
+
+def rows(name: str, res: dict) -> list[list]:
+    out = []
+    n = res["tensors"]
+    for w in WRITERS:
+        runs = res["runs"][w]
+        med = lambda k: statistics.median(r[k] for r in runs) if runs and k in runs[0] else float("nan")  # noqa: E731
+        out.append([name, n, w, med("cpu") * 1e3, med("cpu") * 1e3 / n, med("blocked") * 1e3,
+                    med("lost") * 1e3, med("load_cpu") * 1e3, med("load_cpu") * 1e3 / n])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--tiny", type=int, default=1000, help="tensors in the 'tiny' state")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    started = machine_info()
+    torch.set_num_threads(1)
+    root = workdir(args.dir)
+    try:
+        tiny = {f"t{i}": torch.randn(768) for i in range(args.tiny)}
+        results = {"tiny": bench(tiny, len(tiny), args.reps, root, None)}
+        light = gpt_state(32)
+        n = len(flatten(light).tensors)
+        results["lightning"] = bench(light, n, args.reps, root, Probe())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_json(args.json, "small", args, results, started)
+    head = ["state", "tensors", "writer", "save CPU ms", "per tensor", "blocked ms", "training lost ms",
+            "load CPU ms", "per tensor"]
+    print(f"{machine_header('Small tensors: cost per tensor, with and without packs')}\n"
+          f"{args.reps} repetitions, medians; 'lightning' saves run beside a training-like loop on the "
+          "main thread (save CPU then includes it: n/a)\n")
+    print(table(head, rows("tiny", results["tiny"]) + rows("lightning", results["lightning"])))
+
+
+if __name__ == "__main__":
+    main()
