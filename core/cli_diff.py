@@ -20,8 +20,10 @@ _BLOCK_ELEMS = 1 << 22
 
 
 def _same_blobs(a: TensorRecord, b: TensorRecord) -> bool:
+    # A pack (several tensors in one blob) holds the same bytes for both only at the same part.
     return (a.dtype == b.dtype and a.shape == b.shape and list(a.codecs) == list(b.codecs)
-            and [x.key for x in a.blobs()] == [x.key for x in b.blobs()])
+            and [x.key for x in a.blobs()] == [x.key for x in b.blobs()]
+            and [c.part for c in a.base] == [c.part for c in b.base])
 
 
 def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:

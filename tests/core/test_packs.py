@@ -182,3 +182,16 @@ def _tensors(node) -> list:
     if isinstance(node, list):
         return [t for v in node for t in _tensors(v)]
     return []
+
+
+def test_diff_does_not_call_tensors_equal_for_sharing_a_pack_at_different_parts(tmp_path, capsys):
+    from ckpt_core.cli import main
+
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    ckpt_core.save({"a": a, "b": b}, tmp_path / "one.ckpt", config=config())
+    ckpt_core.save({"b": a.clone(), "a": b.clone()}, tmp_path / "two.ckpt", config=config())  # same pack bytes
+    one, two = manifest_of(tmp_path / "one.ckpt"), manifest_of(tmp_path / "two.ckpt")
+    assert {r.base[0].blob.key for r in one.tensors} == {r.base[0].blob.key for r in two.tensors}
+    assert main(["diff", "--json", str(tmp_path / "one.ckpt"), str(tmp_path / "two.ckpt")]) == 0
+    status = {d["key"]: d["status"] for d in json.loads(capsys.readouterr().out)["tensors"]}
+    assert status == {"a": "changed", "b": "changed"}
