@@ -18,7 +18,13 @@ Lightning's ``AsyncCheckpointIO`` does); TorchCheckpointIO instead blocks for th
 load: CPU seconds of ``ckpt_core.load`` / ``torch.load`` (page cache warm). The writers alternate
 within each repetition; medians.
 
-Run: ``python -m benchmarks.bench_small [--reps 8] [--tiny 1000] [--json PATH]``.
+A third table asks why: the same loop beside 0.15 s of background work of one kind, in a thread
+(zstd-compressing 4 MiB buffers, which releases the GIL while it runs; small file writes with
+fsync; pure Python) or in a separate process (the same zstd work). What the loop loses beside a
+thread that mostly runs without the GIL, against a process doing the same work, is the cost of
+handing the GIL back and forth.
+
+Run: ``python -m benchmarks.bench_small [--reps 8] [--tiny 1000] [--json PATH]`` (about a minute).
 """
 from __future__ import annotations
 
@@ -126,6 +132,58 @@ def bench(state: Any, n_tensors: int, reps: int, root: Path, probe: Probe | None
     return {"tensors": n_tensors, "runs": runs}
 
 
+def _zstd_work(seconds: float) -> None:
+    import zstandard
+
+    data, c = bytes(range(256)) * (16 << 12), zstandard.ZstdCompressor(level=1)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        c.compress(data)
+
+
+def _io_work(seconds: float, root: str) -> None:
+    import os
+
+    t0, i = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        with open(f"{root}/io{i % 50}", "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        i += 1
+
+
+def _python_work(seconds: float) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        sum(range(1000))
+
+
+def background_kinds(reps: int, root: Path, probe: Probe, seconds: float = 0.15) -> dict:
+    """What the probe loop loses beside ``seconds`` of each kind of background work."""
+    import multiprocessing as mp
+
+    kinds: dict[str, Callable[[], Any]] = {
+        "zstd in a thread": lambda: threading.Thread(target=_zstd_work, args=(seconds,)),
+        "file writes + fsync in a thread": lambda: threading.Thread(target=_io_work, args=(seconds, str(root))),
+        "pure Python in a thread": lambda: threading.Thread(target=_python_work, args=(seconds,)),
+        "zstd in a process": lambda: mp.get_context("fork").Process(target=_zstd_work, args=(seconds,)),
+    }
+    out: dict = {k: [] for k in kinds}
+    for rep in range(reps + 1):
+        for name, make in kinds.items():
+            base = probe.rate()
+            t0 = time.perf_counter()
+            worker = make()
+            worker.start()
+            n = probe.run(lambda: not worker.is_alive())
+            worker.join()
+            wall = time.perf_counter() - t0
+            if rep:
+                out[name].append({"wall": wall, "lost": wall - n / base})
+    return out
+
+
 def rows(name: str, res: dict) -> list[list]:
     out = []
     n = res["tensors"]
@@ -153,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         light = gpt_state(32)
         n = len(flatten(light).tensors)
         results["lightning"] = bench(light, n, args.reps, root, Probe())
+        results["background"] = background_kinds(args.reps, root, Probe())
     finally:
         shutil.rmtree(root, ignore_errors=True)
     write_json(args.json, "small", args, results, started)
@@ -162,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.reps} repetitions, medians; 'lightning' saves run beside a training-like loop on the "
           "main thread (save CPU then includes it: n/a)\n")
     print(table(head, rows("tiny", results["tiny"]) + rows("lightning", results["lightning"])))
+    print("\nWhat the same loop loses beside 0.15 s of background work:\n")
+    print(table(["background work", "wall ms", "training lost ms", "lost / wall"], [
+        [k, statistics.median(r["wall"] for r in v) * 1e3, statistics.median(r["lost"] for r in v) * 1e3,
+         statistics.median(r["lost"] / r["wall"] for r in v)] for k, v in results["background"].items()]))
 
 
 if __name__ == "__main__":
