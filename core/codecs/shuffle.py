@@ -7,7 +7,8 @@ at the end.
 The transposing copies run in the C kernels of the optional extension ``ckpt_core._cshuffle``
 (SSE2, element sizes 2 and 4: about 3x faster than numpy, and without the GIL) when it was built
 at install time; otherwise, and for other element sizes, numpy does them (releasing the GIL for
-each copy). Both give the same bytes. ``CHECKRUN_NATIVE_SHUFFLE=0`` turns the C kernels off.
+each copy). Both give the same bytes (tests/core/test_codecs.py runs both), so there is no
+setting for it: ``native_available()`` says which one runs.
 
 ``shuffle_into`` / ``unshuffle_into`` are the two directions on separate plane buffers; the
 ``shuffle_zstd`` codec uses them to compress each plane on its own.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -39,9 +39,7 @@ log = logging.getLogger(__name__)
 
 
 def _load_native() -> ctypes.CDLL | None:
-    """The C kernels (``ckpt_core._cshuffle``), or None when not built or turned off."""
-    if os.environ.get("CHECKRUN_NATIVE_SHUFFLE", "1") == "0":
-        return None
+    """The C kernels (``ckpt_core._cshuffle``), or None when they were not built."""
     try:
         spec = importlib.util.find_spec("ckpt_core._cshuffle")
     except (ImportError, ValueError):
