@@ -137,7 +137,9 @@ class RetentionConfig:
     a stored blob older than half of it writes that blob again, so a concurrent gc cannot take it
     (0 = a single writer: nothing is rewritten and gc may delete any unreferenced blob)."""
     gc_after_save: bool = True
-    """Run garbage collection after retention removed a checkpoint."""
+    """Run garbage collection after a save whose retention removed a checkpoint, and after the
+    first save that follows a ``remove`` (e.g. by Lightning's ModelCheckpoint) once this engine's
+    last collection in the directory is ``gc_grace_seconds / 4`` old."""
 
 
 @dataclass(frozen=True)

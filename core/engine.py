@@ -124,11 +124,14 @@ class CheckpointEngine:
         return state
 
     def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
-        """Delete the checkpoint's manifest (waits for a pending save to it). Blobs go at ``gc``."""
+        """Delete the checkpoint's manifest (waits for a pending save to it). Its blobs go at ``gc``,
+        which, with ``retention.gc_after_save``, the next committed save in the directory runs
+        when this engine's last collection there is at least a quarter of the grace period old."""
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
         store.delete_manifest(name)
+        self._dirstate(store).removed = True
 
     def latest(self, directory: PathLike, storage_options: dict | None = None, verify: bool = True) -> str | None:
         """Newest committed checkpoint in ``directory`` that verifies, or None.
@@ -353,14 +356,24 @@ class CheckpointEngine:
                 log.exception("checkrun: save callback failed")
         try:
             removed = apply_retention(job.store, self.config, keep={job.name})
-            if removed and self.config.retention.gc_after_save:
+            if self.config.retention.gc_after_save and (removed or self._collection_due(job.store)):
                 self._collect(job.store, None, False)
         except CheckrunError as exc:
             log.warning("checkrun: retention/gc after saving %s failed: %s", info.path, exc)
 
-    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool) -> GCReport:
-        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run)
+    def _collection_due(self, store: Store) -> bool:
+        """Checkpoints were removed here (``remove``, e.g. by Lightning's ModelCheckpoint) and the
+        last collection is a quarter of the grace period old: blobs become collectable only once
+        older than the grace, so collecting (listing every blob) more often frees little."""
         state = self._dirs.get((store.url(""),))
+        return (state is not None and state.removed
+                and time.time() - state.collected_at >= self.config.retention.gc_grace_seconds / 4)
+
+    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool) -> GCReport:
+        state = self._dirs.get((store.url(""),))
+        if state is not None and not dry_run:
+            state.removed, state.collected_at = False, time.time()
+        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run)
         if state is not None and not dry_run:
             for key in report.deleted:
                 state.index.pop(key, None)

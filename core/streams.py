@@ -170,6 +170,10 @@ class DirState:
     records: dict[str, TensorRecord] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     last: object = None
+    removed: bool = False
+    """A checkpoint was removed (``CheckpointEngine.remove``) since this engine last collected here."""
+    collected_at: float = 0.0
+    """``time.time()`` of this engine's last garbage collection here (0: never)."""
 
     def invalidate(self) -> None:
         """After a failed save the buffers no longer match what is committed: next save is full."""

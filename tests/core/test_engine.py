@@ -108,6 +108,54 @@ def test_keep_last_and_gc(tmp_path):
             assert engine.verify(tmp_path / n).ok
 
 
+def blob_files(root) -> set:
+    return {b.name for b in (root / ".checkrun" / "blobs").rglob("*") if b.is_file()}
+
+
+def test_blobs_of_removed_checkpoints_are_collected_by_a_later_save(tmp_path):
+    # Lightning's ModelCheckpoint removes old checkpoints with remove(): a long run must not keep
+    # every blob it ever wrote until teardown.
+    cfg = EngineConfig.from_dict({"retention": {"gc_grace_seconds": 0}, "incremental": {"enabled": False}})
+    with CheckpointEngine(cfg) as engine:
+        engine.save({"w": torch.full((100, 100), 1.0)}, tmp_path / "s1.ckpt").result()
+        first = blob_files(tmp_path)
+        engine.save({"w": torch.full((100, 100), 2.0)}, tmp_path / "s2.ckpt").result()
+        engine.remove(tmp_path / "s1.ckpt")
+        assert first <= blob_files(tmp_path)  # remove() itself deletes no blob
+        engine.save({"w": torch.full((100, 100), 3.0)}, tmp_path / "s3.ckpt").result()
+        assert not first & blob_files(tmp_path)
+        assert engine.verify(tmp_path / "s2.ckpt").ok and engine.verify(tmp_path / "s3.ckpt").ok
+    cfg = EngineConfig.from_dict({"retention": {"gc_after_save": False, "gc_grace_seconds": 0}})
+    with CheckpointEngine(cfg) as engine:
+        engine.save({"w": torch.full((100, 100), 4.0)}, tmp_path / "s4.ckpt").result()
+        before = blob_files(tmp_path)
+        engine.remove(tmp_path / "s2.ckpt")
+        engine.save({"w": torch.full((100, 100), 5.0)}, tmp_path / "s5.ckpt").result()
+        assert before <= blob_files(tmp_path)  # gc_after_save off: nothing collected
+
+
+def test_collection_after_removals_waits_a_quarter_of_the_grace(tmp_path, monkeypatch):
+    import ckpt_core.engine as engine_mod
+
+    runs = []
+    real = engine_mod.collect_garbage
+    monkeypatch.setattr(engine_mod, "collect_garbage", lambda *a, **k: runs.append(1) or real(*a, **k))
+    with CheckpointEngine(EngineConfig.from_dict({"retention": {"gc_grace_seconds": 3600}})) as engine:
+        for i in range(3):
+            engine.save({"w": torch.full((10,), float(i))}, tmp_path / f"s{i}.ckpt").result()
+        assert runs == []  # nothing removed yet
+        engine.remove(tmp_path / "s0.ckpt")
+        engine.save({"w": torch.zeros(10)}, tmp_path / "s3.ckpt").result()
+        assert len(runs) == 1
+        engine.remove(tmp_path / "s1.ckpt")
+        engine.save({"w": torch.ones(10)}, tmp_path / "s4.ckpt").result()
+        assert len(runs) == 1  # collected less than 15 minutes ago
+        state = next(iter(engine._dirs.values()))
+        state.collected_at -= 901
+        engine.save({"w": torch.ones(10) * 2}, tmp_path / "s5.ckpt").result()
+        assert len(runs) == 2
+
+
 def test_retention_protect_patterns_are_neither_counted_nor_removed(tmp_path):
     cfg = EngineConfig.from_dict({"retention": {"keep_last": 2, "protect": ["last*.ckpt"]}})
     with CheckpointEngine(cfg) as engine:
