@@ -54,6 +54,11 @@ def _as_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.numel() else t.view(torch.uint8)
 
 
+def _row_shape(st: StagedTensor) -> tuple[int, int]:
+    """The (rows, cols) a tensor is chunked as: rows = first dim for ndim >= 2, else one row."""
+    return (st.shape[0], math.prod(st.shape[1:])) if len(st.shape) >= 2 else (1, st.data.numel())
+
+
 class _Part:
     """The result of one member of a pack, in the shape of a chunk future (``result()``): its chunk
     is bytes [start, start + nbytes) of the pack's ``size`` bytes, and it is charged its share of
@@ -62,7 +67,7 @@ class _Part:
     def __init__(self, pack: Future, st: StagedTensor, start: int, size: int) -> None:
         self.pack, self.start, self.size = pack, start, size
         self.end = start + st.nbytes
-        self.rows, self.cols = (st.shape[0], math.prod(st.shape[1:])) if len(st.shape) >= 2 else (1, st.data.numel())
+        self.rows, self.cols = _row_shape(st)
 
     def result(self) -> ChunkResult:
         res: ChunkResult = self.pack.result()
@@ -133,7 +138,7 @@ class SnapshotWriter:
         pipeline, rule = self._pipeline(st)
         if lossless:
             pipeline, rule = lossless_pipeline(st.dtype, self.config.compression), None
-        rows, cols = (st.shape[0], math.prod(st.shape[1:])) if len(st.shape) >= 2 else (1, st.data.numel())
+        rows, cols = _row_shape(st)
         t2d = st.data.view(rows, cols)
         prefix = f"{pipeline.spec_id}|{dtype_name(st.dtype)}"
         plan: RowPlan | None = None
