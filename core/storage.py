@@ -135,9 +135,10 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-#: Least total cost (bytes) of one pool task in ``Store.map(..., cost=...)``. Measured on 2 cores
-#: (docs/performance.md): 1000 blobs of 3 KB loaded with 0.81 ms of CPU each as one task per blob,
-#: 0.35 ms in one thread; a 1 MiB task takes about 1 ms, so the hand-over no longer counts.
+#: Least total cost (bytes) of one pool task in ``Store.map(..., cost=...)``. Measured on 2 cores:
+#: 1000 blobs of 3 KB loaded with 0.81 ms of CPU each as one task per blob on 4 threads, 0.2 ms on
+#: one thread (several threads taking turns at the GIL for tiny blobs cost more than they gain); a
+#: task of 4 MiB takes a few ms, so handing it over no longer counts.
 BATCH_COST = 4 << 20
 
 
