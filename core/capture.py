@@ -14,7 +14,7 @@ import torch
 
 from .config import EngineConfig
 from .objects import serialize_object
-from .staging import BufferPool, Copier, MemoryBudget, empty_host
+from .staging import BufferPool, Copier, MemoryBudget
 from .streams import DirState, RowStream, row_eligible
 from .tree import flatten
 
@@ -86,6 +86,7 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
             tracker.captured()
         objects = tuple(StagedObject(o.key, o.type_name, serialize_object(o.obj)) for o in flat.objects)
     except BaseException:
+        copier.settle()
         budget.release(charged)
         raise
     return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, _meta(state))
@@ -97,7 +98,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
-            stream = RowStream(empty_host(t.numel(), t.dtype), t.dtype, shape)
+            stream = RowStream(pool.new_host(t.numel(), t.dtype), t.dtype, shape)
             dirstate.streams[key] = stream
         rows = None
         for tracker in trackers:

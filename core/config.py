@@ -73,6 +73,11 @@ class SavingConfig:
     """Cap on host staging memory; None = whatever ``max_pending`` snapshots need."""
     workers: int = 2
     """Threads that hash, encode and upload chunks in the background."""
+    background: Literal["thread", "process"] = "thread"
+    """Where the background part of a save runs. ``thread``: threads of the training process.
+    ``process``: a writer process of its own, fed through shared-memory staging buffers
+    (``/dev/shm``), so the training thread never waits for the GIL the writer holds: use it when
+    training runs Python on the CPU (measured in docs/performance.md). Not for ``memory://``."""
     thread_nice: int = 10
     """Linux: the background threads run this much nicer than the training loop, so encoding yields
     the CPU to training on busy cores (the save then takes longer in the background; 0 = same

@@ -3,7 +3,8 @@
 Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are
 called from the training thread (any one thread at a time). Each save's background part runs on one
 coordinator thread in submission order (so saves to one path commit in order), fanning chunk work out
-to a pool of ``saving.workers`` threads.
+to a pool of ``saving.workers`` threads; with ``saving.background: process`` the coordinator hands each
+save to a writer process instead (``writer_process``), which does the same there.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from .staging import BufferPool, Copier, MemoryBudget
 from .storage import Store
 from .streams import DirState, RowStream, row_eligible
 from .tracking import EmbeddingTracker
-from .writer import SnapshotWriter
+from .writer import Committed, commit_streams, write_and_commit
+from .writer_process import WriterProcess, check_store
 
 import torch
 
@@ -54,7 +56,8 @@ class CheckpointEngine:
     def __init__(self, config: EngineConfig | dict | PathLike | None = None) -> None:
         self.config = coerce_config(config)
         sc = self.config.saving
-        self._pool = BufferPool(pin_memory=sc.pin_memory)
+        self._process = WriterProcess(self.config) if sc.background == "process" else None
+        self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared)
         self._budget = MemoryBudget(sc.staging_budget_bytes)
         self._copier = Copier()
         self._slots = threading.BoundedSemaphore(sc.max_pending)
@@ -84,6 +87,8 @@ class CheckpointEngine:
         self._raise_pending_error()
         started = time.perf_counter()
         store, name = self._store(path, storage_options)
+        if self._process is not None:
+            check_store(store)
         handle = SaveHandle(store.url(name))
         self._slots.acquire()
         try:
@@ -214,6 +219,9 @@ class CheckpointEngine:
                 self._queue.put(None)
                 self._thread.join()
             self._workers.shutdown(wait=True)
+            self._copier.close()
+            if self._process is not None:
+                self._process.close()
             for store in self._stores.values():
                 store.close()
             self._pool.clear()
@@ -293,18 +301,19 @@ class CheckpointEngine:
     def _run(self, job: _Job) -> None:
         """Background part of one save; never raises (errors go to the handle)."""
         info, error = None, None
-        writer = SnapshotWriter(job.snap, job.store, job.dir, self.config, self._matcher, self._workers)
         try:
             t0 = time.perf_counter()
             try:
-                manifest, stats = writer.write()
+                if self._process is not None:
+                    done = self._process.commit(job.snap, job.store, job.name)
+                else:
+                    done = write_and_commit(job.snap, job.store, job.name, job.dir, self.config,
+                                            self._matcher, self._workers)
             finally:
                 self._release_staging(job.snap)
-            data = manifest.to_bytes()
-            job.store.write_manifest(job.name, data)
-            writer.adopt(manifest)
-            info = self._info(job, stats, len(data), time.perf_counter() - t0, manifest)
-            self._after_commit(job, info)
+            commit_streams(job.snap, done, self.config.incremental.max_chain)
+            info = self._info(job, done, time.perf_counter() - t0)
+            self._after_commit(job, info, done.unmatched_rules)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
             job.dir.invalidate()
             error = exc
@@ -324,28 +333,24 @@ class CheckpointEngine:
                 self._pool.give(st.data)
         self._budget.release(snap.charged)
 
-    def _info(self, job: _Job, stats: dict, manifest_bytes: int, background: float,
-              manifest: Manifest) -> SaveInfo:
-        blobs = manifest.blobs()
-        new = sum(1 for r in manifest.tensors if r.written)
-        quantized = [r for r in manifest.tensors if r.quant]
-        saved = sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized)
+    def _info(self, job: _Job, done: Committed, background: float) -> SaveInfo:
+        stats = done.stats
         return SaveInfo(
             path=job.handle.path, tensor_bytes=stats["tensor_bytes"],
-            written_bytes=stats["written_bytes"] + manifest_bytes, stored_bytes=stats["stored_bytes"],
+            written_bytes=stats["written_bytes"] + done.manifest_bytes, stored_bytes=stats["stored_bytes"],
             blocking_seconds=job.blocking, background_seconds=background,
-            total_seconds=time.perf_counter() - job.started, new_blobs=new,
-            reused_blobs=len(blobs) - new, chain_depth=stats["chain_depth"],
-            quantized_tensors=len(quantized), quantization_saved_bytes=saved)
+            total_seconds=time.perf_counter() - job.started, new_blobs=done.new_blobs,
+            reused_blobs=done.reused_blobs, chain_depth=stats["chain_depth"],
+            quantized_tensors=done.quantized_tensors, quantization_saved_bytes=done.quantization_saved_bytes)
 
-    def _after_commit(self, job: _Job, info: SaveInfo) -> None:
+    def _after_commit(self, job: _Job, info: SaveInfo, unmatched_rules: tuple) -> None:
         log.info("checkrun: saved %s: %.1f MB of tensors, wrote %.1f MB (%.1f%%), ratio %.2fx, "
                  "blocked %.3f s, background %.2f s", info.path, info.tensor_bytes / 1e6,
                  info.written_bytes / 1e6, 100 * info.write_ratio, info.compression_ratio,
                  info.blocking_seconds, info.background_seconds)
         if not self._rules_checked:  # once, after the first committed save has seen every tensor
             self._rules_checked = True
-            for rule in self._matcher.unmatched_rules():
+            for rule in unmatched_rules:
                 warnings.warn(f"checkrun: quantization rule {rule.pattern!r} ({rule.method}) matched no tensor "
                               f"of {info.path}; check its pattern, dtype and min_numel against the keys "
                               "`checkrun inspect` lists", UserWarning, stacklevel=2)
@@ -377,6 +382,8 @@ class CheckpointEngine:
         if state is not None and not dry_run:
             for key in report.deleted:
                 state.index.pop(key, None)
+        if self._process is not None and not dry_run:
+            self._process.forget(store, list(report.deleted))
         return report
 
     def _raise_pending_error(self) -> None:
@@ -402,12 +409,15 @@ class CheckpointEngine:
         state = self._dirstate(store)
         for b in manifest.blobs():
             state.index[b.key] = b
+        if self._process is not None:
+            self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
         for lt in loaded:
             rec = lt.record
             state.records[rec.key] = rec
             if lt.copy is None:
                 continue
-            stream = RowStream(lt.copy, lt.copy.dtype, tuple(rec.shape), valid=True, record=rec)
+            buffer = self._pool.host_copy(lt.copy)
+            stream = RowStream(buffer, buffer.dtype, tuple(rec.shape), valid=True, record=rec)
             mask = torch.zeros(rec.shape[0], dtype=torch.bool)
             for idx in lt.delta_indices:
                 mask[idx] = True

@@ -230,7 +230,7 @@ class SnapshotWriter:
         rec = TensorRecord(st.key, dtype_name(st.dtype), st.shape, tuple(pipeline.to_list()), tuple(base),
                            deltas, written, quant, st.device)
         if st.stream is not None:
-            self.stream_updates[st.key] = (st.stream, plan, rec, pipeline.spec_id, st.changed is not None)
+            self.stream_updates[st.key] = (plan, rec, pipeline.spec_id, st.changed is not None)
         return rec, written
 
     def _tensor(self, st: StagedTensor, job, force: bool = False) -> tuple[TensorRecord, int]:
@@ -324,13 +324,48 @@ class SnapshotWriter:
         return ref, len(obj.data)
 
     def adopt(self, manifest: Manifest) -> None:
-        """After the commit: remember blobs and advance the row streams."""
+        """After the commit: remember its blobs and records (the row streams: ``commit_streams``)."""
         for b in manifest.blobs():
             self.dir.index[b.key] = b
         for rec in manifest.tensors:
             self.dir.records[rec.key] = rec
-        for stream, plan, rec, spec_id, detected in self.stream_updates.values():
-            stream.commit(plan, rec, spec_id, detected, self.config.incremental.max_chain)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What the background part of one save reports (from a thread or from the writer process)."""
+
+    stats: dict
+    manifest_bytes: int
+    new_blobs: int
+    reused_blobs: int
+    quantized_tensors: int
+    quantization_saved_bytes: int
+    stream_updates: dict
+    """Row stream key -> (plan, record, spec id, detected): applied by ``commit_streams``."""
+    unmatched_rules: tuple
+
+
+def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState, config: EngineConfig,
+                     matcher: RuleMatcher, workers: Executor) -> Committed:
+    """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds."""
+    writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers)
+    manifest, stats = writer.write()
+    data = manifest.to_bytes()
+    store.write_manifest(name, data)
+    writer.adopt(manifest)
+    new = sum(1 for r in manifest.tensors if r.written)
+    quantized = [r for r in manifest.tensors if r.quant]
+    return Committed(stats, len(data), new, len(manifest.blobs()) - new, len(quantized),
+                     sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
+                     writer.stream_updates, matcher.unmatched_rules())
+
+
+def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:
+    """Advance the snapshot's row streams to what was committed (on the engine's side)."""
+    streams = {st.key: st.stream for st in snap.tensors if st.stream is not None}
+    for key, (plan, rec, spec_id, detected) in done.stream_updates.items():
+        streams[key].commit(plan, rec, spec_id, detected, max_chain)
 
 
 def _quant_record(rule: QuantRule | None, pipeline: Pipeline, stats: EncodeStats,

@@ -50,3 +50,16 @@ def test_resume_from_last_is_bit_exact(lroot, tmp_path) -> None:
     _run(str(tmp_path / "torch"), TorchCheckpointIO(), N)
     torch_resumed = _run(str(tmp_path / "torch"), TorchCheckpointIO(), 2 * N, ckpt_path="last")
     assert tensors_equal(resumed.fit_loop.state_dict(), torch_resumed.fit_loop.state_dict())
+
+
+def test_resume_with_a_writer_process_is_bit_exact(lroot, tmp_path) -> None:
+    """The same with ``saving.background: process`` (the writer process saves on local disk and on S3)."""
+    root, opts = lroot
+    reference = _run(str(tmp_path / "reference"), TorchCheckpointIO(), 2 * N)
+    overrides = {"saving.background": "process"}
+    _run(root, make_io(storage_options=opts, overrides=overrides), N)
+    resumed = _run(root, make_io(storage_options=opts, overrides=overrides), 2 * N, ckpt_path="last")
+    assert resumed.ckpt_path == join(root, "ckpts", "last.ckpt")
+    ref, res = _training_state(reference), _training_state(resumed)
+    for key in ref:
+        assert tensors_equal(res[key], ref[key]), key

@@ -1,0 +1,242 @@
+"""``saving.background: process``: the background part of every save runs in a writer process.
+
+Why: in one process, the background threads need the GIL for every step between C calls (hash,
+encode, checksum, open, write, fsync, rename: about 15 per blob) and the training thread waits for
+each hand-off. Measured beside a Lightning fit on CPU (``benchmarks/bench_lightning.py``,
+``--mode interleaved``), that cost the training loop several times the snapshot itself. In a
+process of its own the writer competes only for cores.
+
+How: the engine stages tensors into ``SharedBuffers`` (files under ``/dev/shm`` mapped by both
+processes, reused from save to save like any staging buffer), then sends the snapshot with a
+pickler that replaces each staging buffer by its file name, so only the tree, the small objects
+and the names cross the pipe. The writer process (``python -m ckpt_core.writer_process``, started
+with ``subprocess``: it never imports the training script) keeps its own blob index per directory,
+writes and commits exactly as a background thread would (``writer.write_and_commit``), and answers
+with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
+runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
+which blobs exist or are gone, in order, on the same pipe.
+
+Lifetime: started at the first save, stopped by ``CheckpointEngine.close``. It ignores SIGINT and
+SIGTERM (the engine decides when it stops; SIGTERM's grace is the engine's) and exits when the
+engine's end of the pipe closes, deleting the shared buffers if the engine could not. If it dies,
+the save in flight fails with a ``BackgroundSaveError`` naming its exit status and the next save
+starts a new one.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from .capture import Snapshot
+from .config import EngineConfig
+from .errors import CheckrunError, ConfigError
+from .staging import SharedBuffers, map_shared
+from .storage import Store
+from .streams import DirState
+
+log = logging.getLogger("ckpt_core")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles staging buffers of ``shared`` as references to their files."""
+
+    def __init__(self, file: io.BytesIO, shared: SharedBuffers) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared = shared
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            name = self.shared.name_of(obj)
+            if name is not None:
+                return (name, obj.dtype, obj.numel())
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, directory: str, maps: dict) -> None:
+        super().__init__(file)
+        self.directory, self.maps = directory, maps
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        name, dtype, numel = pid
+        t = self.maps.get(name)
+        if t is None:
+            t = self.maps[name] = map_shared(self.directory, name, dtype, numel)
+        return t
+
+
+def check_store(store: Store) -> None:
+    """Refuse a filesystem the writer process cannot share (``memory://``)."""
+    if "memory" in (store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)):
+        raise ConfigError(f"saving.background 'process' cannot save to {store.url('')}: a memory:// "
+                          "filesystem lives in one process; use saving.background 'thread'")
+
+
+class WriterProcess:
+    """The engine's side of the writer process. ``commit`` is called from the engine's coordinator
+    thread; ``adopt`` and ``forget`` from any thread. Messages are handled in the order sent."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.shared = SharedBuffers()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> Connection:
+        ours, theirs = socket.socketpair()
+        code = ("import sys; sys.path[:0] = %r; from ckpt_core.writer_process import serve; serve(%d)"
+                % ([p for p in sys.path if p], theirs.fileno()))
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                                          stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        conn.send_bytes(pickle.dumps((self.config, self.shared.directory)))
+        return conn
+
+    def _send(self, message: tuple) -> Connection:
+        buf = io.BytesIO()
+        _Pickler(buf, self.shared).dump(message)
+        with self._lock:
+            if self._conn is None:
+                self._conn = self._start()
+            self._conn.send_bytes(buf.getbuffer())
+            return self._conn
+
+    def commit(self, snap: Snapshot, store: Store, name: str) -> Any:
+        """Write and commit ``snap`` as ``name`` in ``store`` in the writer process; its ``Committed``."""
+        check_store(store)
+        if snap.event is not None:
+            snap.event.synchronize()
+            snap = Snapshot(snap.skeleton, snap.tensors, snap.objects, snap.leaves, None, snap.charged,
+                            snap.created, snap.meta)
+        try:
+            conn = self._send(("save", (store.fs, store.root, store.url_prefix), name, snap))
+            status, value = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise CheckrunError(f"the checkrun writer process died ({self._reap()}) while saving "
+                                f"{store.url(name)}") from exc
+        if status == "error":
+            raise value
+        return value
+
+    def adopt(self, store: Store, blobs: list, records: list) -> None:
+        """Blobs and records of a loaded checkpoint: the next save there reuses them."""
+        if self._conn is not None or blobs:
+            self._notify(("adopt", store.url(""), blobs, records))
+
+    def forget(self, store: Store, keys: list[str]) -> None:
+        """Blobs garbage collection deleted."""
+        if self._conn is not None and keys:
+            self._notify(("forget", store.url(""), keys))
+
+    def _notify(self, message: tuple) -> None:
+        try:
+            self._send(message)
+        except OSError:
+            self._reap()  # reported by the next commit
+
+    def _reap(self) -> str:
+        """Forget a dead writer process (the next message starts a new one); its exit status."""
+        with self._lock:
+            proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return "not running"
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        return f"exit status {code}"
+
+    def close(self) -> None:
+        """Stop the writer process (after the messages already sent) and delete the shared buffers."""
+        with self._lock:
+            conn = self._conn
+        if conn is not None:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+            self._reap()
+        self.shared.close()
+
+
+def serve(fd: int) -> None:
+    """The writer process: handle messages until the engine says stop or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from . import lifecycle
+    from .quant_rules import RuleMatcher
+    from .writer import write_and_commit
+
+    logging.basicConfig(level=logging.WARNING, format="checkrun writer process: %(levelname)s %(message)s")
+    parent = os.getppid()
+    conn = Connection(fd)
+    config, directory = pickle.loads(conn.recv_bytes())
+    lifecycle.lower_thread_priority(config.saving.thread_nice)
+    torch.set_num_threads(1)
+    matcher = RuleMatcher(config.quantization)
+    workers = ThreadPoolExecutor(config.saving.workers, thread_name_prefix="checkrun-worker")
+    stores: dict[tuple, Store] = {}
+    dirs: dict[str, DirState] = {}
+    maps: dict[str, torch.Tensor] = {}
+    try:
+        while True:
+            try:
+                message = _Unpickler(io.BytesIO(conn.recv_bytes()), directory, maps).load()
+            except EOFError:
+                return
+            if message is None:
+                return
+            kind, *args = message
+            if kind == "save":
+                (fs, root, prefix), name, snap = args
+                store = stores.get((prefix, root))
+                if store is None:
+                    store = stores[(prefix, root)] = Store(fs, root, config.storage, prefix)
+                state = dirs.setdefault(store.url(""), DirState())
+                try:
+                    reply = ("ok", write_and_commit(snap, store, name, state, config, matcher, workers))
+                except BaseException as exc:  # noqa: BLE001 - reported to the engine
+                    reply = ("error", exc)
+                del snap
+                try:
+                    data = pickle.dumps(reply)
+                except Exception:  # an exception that does not pickle: its text
+                    data = pickle.dumps(("error", CheckrunError(f"{type(reply[1]).__name__}: {reply[1]}")))
+                conn.send_bytes(data)
+            elif kind == "adopt":
+                url, blobs, records = args
+                state = dirs.setdefault(url, DirState())
+                state.index.update((b.key, b) for b in blobs)
+                state.records.update((r.key, r) for r in records)
+            elif kind == "forget":
+                url, keys = args
+                state = dirs.get(url)
+                for key in keys if state is not None else ():
+                    state.index.pop(key, None)
+    finally:
+        workers.shutdown(wait=True)
+        for store in stores.values():
+            store.close()
+        if os.getppid() != parent:  # the engine's process died: nobody else deletes its buffers
+            shutil.rmtree(directory, ignore_errors=True)
+

@@ -1,0 +1,138 @@
+"""``saving.background: process``: saves written by a writer process through shared staging buffers."""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine, CheckrunError, ConfigError, EngineConfig, StorageError
+from ckpt_core import staging
+
+PROCESS = {"saving": {"background": "process"}, "incremental": {"row_delta_min_rows": 64},
+           "retention": {"gc_grace_seconds": 0}}
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(2048, 16, generator=g), "w": torch.randn(300, 70, generator=g),
+            "bias": torch.randn(16, generator=g), "half": torch.randn(40, 3, generator=g).bfloat16(),
+            "step": 3, "note": "text", "empty": torch.empty(0, 5)}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if isinstance(a[k], torch.Tensor) and a[k].numel()
+        else (a[k].shape == b[k].shape if isinstance(a[k], torch.Tensor) else a[k] == b[k]) for k in a)
+
+
+def test_round_trip_row_deltas_and_same_blobs_as_threads(tmp_path) -> None:
+    state = _state()
+    with CheckpointEngine(PROCESS) as engine:
+        first = engine.save(state, tmp_path / "p" / "0.ckpt").result()
+        state["emb"][[3, 700, 2000]] += 1.0
+        state["w"] += 1.0
+        second = engine.save(state, tmp_path / "p" / "1.ckpt").result()
+        assert _equal(engine.load(tmp_path / "p" / "1.ckpt"), state)
+        directory = engine.staging.shared.directory
+        assert os.listdir(directory)  # the staging buffers are files there
+    assert not os.path.exists(directory)
+    assert second.chain_depth == 1 and second.reused_blobs > 0
+    assert second.written_bytes < 0.6 * first.written_bytes
+    # the writer process stores exactly what the threads would
+    with CheckpointEngine({**PROCESS, "saving": {"background": "thread"}}) as engine:
+        engine.save(_state(), tmp_path / "t" / "0.ckpt").result()
+        blobs = {b.key for b in engine.read_manifest(tmp_path / "t" / "0.ckpt").blobs()}
+        assert blobs == {b.key for b in engine.read_manifest(tmp_path / "p" / "0.ckpt").blobs()}
+
+
+def test_a_loaded_checkpoint_is_reused_by_the_writer_process(tmp_path) -> None:
+    state = _state()
+    with CheckpointEngine(PROCESS) as engine:
+        engine.save(state, tmp_path / "0.ckpt").result()
+    with CheckpointEngine(PROCESS) as engine:
+        loaded = engine.load(tmp_path / "0.ckpt")
+        loaded["emb"][5] += 1.0
+        info = engine.save(loaded, tmp_path / "1.ckpt").result()
+        assert _equal(engine.load(tmp_path / "1.ckpt"), loaded)
+    assert info.chain_depth == 1  # a row delta against the loaded base
+    assert info.written_bytes < 5000
+
+
+def test_a_killed_writer_process_fails_one_save_and_the_next_starts_a_new_one(tmp_path) -> None:
+    state = _state()
+    with CheckpointEngine(PROCESS) as engine:
+        engine.save(state, tmp_path / "0.ckpt").result()
+        proc = engine._process._proc
+        proc.kill()
+        proc.wait()
+        state["w"] += 1.0
+        handle = engine.save(state, tmp_path / "1.ckpt")
+        with pytest.raises(CheckrunError, match=r"writer process died \(exit status -9\).*1\.ckpt"):
+            handle.result()
+        state["w"] += 1.0
+        engine.save(state, tmp_path / "2.ckpt").result()
+        assert engine._process._proc.pid != proc.pid
+        assert _equal(engine.load(tmp_path / "2.ckpt"), state)
+        assert sorted(e.name for e in engine.list(tmp_path)) == ["0.ckpt", "2.ckpt"]
+
+
+def test_blobs_collected_by_gc_are_written_again(tmp_path) -> None:
+    a, b = _state(0), _state(1)
+    with CheckpointEngine(PROCESS) as engine:
+        engine.save(a, tmp_path / "a.ckpt").result()
+        engine.save(b, tmp_path / "b.ckpt").result()
+        engine.remove(tmp_path / "a.ckpt")
+        assert engine.gc(tmp_path, grace_seconds=0).deleted
+        engine.save(a, tmp_path / "a2.ckpt").result()
+        assert engine.verify(tmp_path / "a2.ckpt").ok
+        assert _equal(engine.load(tmp_path / "a2.ckpt"), a)
+
+
+def test_memory_filesystem_is_refused_on_the_calling_thread() -> None:
+    with CheckpointEngine(PROCESS) as engine:
+        with pytest.raises(ConfigError, match="memory://.*saving.background 'thread'"):
+            engine.save(_state(), "memory://wp/0.ckpt")
+
+
+def test_full_shared_memory_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "posix_fallocate", full)
+    with CheckpointEngine(PROCESS) as engine:
+        with pytest.raises(StorageError, match=r"cannot reserve \d+ bytes of shared memory in .*--shm-size"):
+            engine.save(_state(), tmp_path / "0.ckpt")
+        assert engine.pending == 0
+    assert not (tmp_path / "0.ckpt").exists()
+
+
+def test_writer_process_deletes_the_buffers_when_the_training_process_dies(tmp_path) -> None:
+    script = textwrap.dedent(f"""
+        import os, torch, ckpt_core
+        engine = ckpt_core.CheckpointEngine({{"saving": {{"background": "process"}}}})
+        engine.save({{"w": torch.ones(1000)}}, {str(tmp_path / "0.ckpt")!r}).result()
+        print(engine.staging.shared.directory, engine._process._proc.pid, flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    directory, pid = out.split()
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        fd = None  # already gone
+    if fd is not None:
+        select.select([fd], [], [], 60)  # readable when the writer process exits
+        os.close(fd)
+    assert not os.path.exists(directory)
+    assert (tmp_path / "0.ckpt").exists()
+
+
+def test_background_is_validated() -> None:
+    with pytest.raises(ConfigError, match="saving.background"):
+        EngineConfig.from_dict({"saving": {"background": "fork"}})
