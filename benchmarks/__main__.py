@@ -43,7 +43,7 @@ def arguments(name: str, size: float, extra: bool) -> list[str]:
     if name == "quant":
         return ["--size", s(size)]
     if name == "lightning":  # --extra adds checkrun with compression off
-        return ["--state-mb", s(max(16.0, size / 8)), "--threads", "1", "--every", "10", "--saves", "40",
+        return ["--state-mb", s(max(16.0, size / 8)), "--threads", "1", "--every", "10", "--saves", "100",
                 "--configs", "noop,torch,async,checkrun,checkrun-process" + (",checkrun-raw" if extra else "")]
     if name == "accelerate":
         return ["--params-mb", str(max(8, round(size / 3))), "--saves", "3"]

@@ -161,7 +161,7 @@ class Rotating(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
         for other, io in self.ios.items():  # a background save still running: its cost spills over
             engine = getattr(io, "_engine", None)
-            if engine is not None and engine.pending:
+            if engine is not None and engine.pending and len(self.order) >= WARMUP_ROUNDS * len(self.names):
                 self.spilled[other] += 1
         name = self.names[len(self.order) % len(self.names)]
         self.order.append(name)
