@@ -105,7 +105,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
             rows = tracker.rows_for(t, stream.tracker_since)
             if rows is not None:
                 break
-        changed = stream.capture(t, rows, config.incremental)
+        changed = stream.capture(t, rows, config.incremental, copier.copy)
         if rows is None and changed is not None:
             for tracker in trackers:
                 tracker.check(t, changed, stream.tracker_since)

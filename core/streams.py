@@ -84,14 +84,17 @@ class RowStream:
         return self.valid and t.dtype == self.dtype and tuple(t.shape) == self.shape
 
     def capture(self, src: torch.Tensor, rows: torch.Tensor | None = None,
-                cfg: IncrementalConfig | None = None) -> torch.Tensor | None:
+                cfg: IncrementalConfig | None = None, copy=None) -> torch.Tensor | None:
         """Update the buffer from ``src``; return changed row indices, or None after a full copy.
 
         ``rows``: the only rows that can have changed (from an EmbeddingTracker): copied without
-        comparing. Runs on the training thread (the blocking part of save)."""
+        comparing. ``copy(src, flat_buffer)`` makes full copies (the engine's ``Copier.copy``,
+        finished by its ``finish``); default: ``copy_`` here. Runs on the training thread (the
+        blocking part of save)."""
         dst = self.buffer.view(self.shape)
+        full = copy or (lambda s, flat: flat.view(s.shape).copy_(s))
         if not self.matches(src) or self.dense_countdown > 0:
-            dst.copy_(src)
+            full(src, self.buffer)
             return None
         if rows is not None:
             if rows.numel():
@@ -100,7 +103,7 @@ class RowStream:
         if cfg is not None and self._looks_dense(src, dst, cfg.rebase_ratio):
             # Dense training changes every row: skip the full comparison (it would only cost time)
             # and save this tensor whole for the next max_chain saves.
-            dst.copy_(src)
+            full(src, self.buffer)
             self.dense_countdown = cfg.max_chain + 1
             return None
         return copy_changed_rows(src, dst)
