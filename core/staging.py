@@ -201,7 +201,6 @@ class Copier:
         self._pending.clear()
         return _MultiEvent(events)
 
-
     def settle(self) -> list[Future]:
         """Wait until no helper copy runs (also after an error: they write into staging buffers)."""
         halves, self._halves = self._halves, []
@@ -239,6 +238,9 @@ class SharedBuffers:
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.directory = tempfile.mkdtemp(prefix="checkrun-staging-", dir=base)
         self._names: dict[int, str] = {}
+        # Held until close: a freed buffer's address could be reused by another allocation, which
+        # ``name_of`` would then take for this buffer (its file stays until close anyway).
+        self._buffers: list[torch.Tensor] = []
         self._count = 0
         self._lock = threading.Lock()
 
@@ -268,15 +270,19 @@ class SharedBuffers:
         advise_huge_pages(t)
         with self._lock:
             self._names[t.data_ptr()] = name
+            self._buffers.append(t)
         return t
 
     def name_of(self, t: torch.Tensor) -> str | None:
-        """The file name of a whole buffer allocated here, else None."""
+        """The file name of a buffer allocated here (or a flat view of its start), else None."""
         name = self._names.get(t.data_ptr()) if t.numel() else None
-        return name if name is not None and t.is_contiguous() and t.storage_offset() == 0 else None
+        return name if name is not None and t.dim() == 1 and t.is_contiguous() else None
 
     def close(self) -> None:
         """Delete the files (mappings stay valid until the tensors that use them are gone)."""
+        with self._lock:
+            self._buffers.clear()
+            self._names.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

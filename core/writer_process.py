@@ -94,6 +94,7 @@ class WriterProcess:
         self.shared = SharedBuffers()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._backlog: list[bytes] = []  # adopted blobs told before the writer process started
         self._lock = threading.Lock()
 
     def _start(self) -> Connection:
@@ -107,12 +108,19 @@ class WriterProcess:
             theirs.close()
         conn = Connection(ours.detach())
         conn.send_bytes(pickle.dumps((self.config, self.shared.directory)))
+        for data in self._backlog:
+            conn.send_bytes(data)
+        self._backlog.clear()
         return conn
 
-    def _send(self, message: tuple) -> Connection:
+    def _send(self, message: tuple, start: bool = True) -> Connection | None:
+        """Send ``message`` (starting the writer process if ``start``, else keeping it for its start)."""
         buf = io.BytesIO()
         _Pickler(buf, self.shared).dump(message)
         with self._lock:
+            if self._conn is None and not start:
+                self._backlog.append(buf.getvalue())
+                return None
             if self._conn is None:
                 self._conn = self._start()
             self._conn.send_bytes(buf.getbuffer())
@@ -137,17 +145,18 @@ class WriterProcess:
 
     def adopt(self, store: Store, blobs: list, records: list) -> None:
         """Blobs and records of a loaded checkpoint: the next save there reuses them."""
-        if self._conn is not None or blobs:
+        if blobs:
             self._notify(("adopt", store.url(""), blobs, records))
 
     def forget(self, store: Store, keys: list[str]) -> None:
         """Blobs garbage collection deleted."""
-        if self._conn is not None and keys:
+        if keys:
             self._notify(("forget", store.url(""), keys))
 
     def _notify(self, message: tuple) -> None:
+        """Tell the writer process, or, before it runs, its start (no process is started for it)."""
         try:
-            self._send(message)
+            self._send(message, start=False)
         except OSError:
             self._reap()  # reported by the next commit
 

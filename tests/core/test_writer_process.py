@@ -57,6 +57,7 @@ def test_a_loaded_checkpoint_is_reused_by_the_writer_process(tmp_path) -> None:
         engine.save(state, tmp_path / "0.ckpt").result()
     with CheckpointEngine(PROCESS) as engine:
         loaded = engine.load(tmp_path / "0.ckpt")
+        assert engine._process._proc is None  # a load alone starts no writer process
         loaded["emb"][5] += 1.0
         info = engine.save(loaded, tmp_path / "1.ckpt").result()
         assert _equal(engine.load(tmp_path / "1.ckpt"), loaded)
