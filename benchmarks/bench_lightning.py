@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
 import statistics
 import shutil
 import sys
@@ -54,8 +53,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 if __package__ in (None, ""):  # `python benchmarks/bench_lightning.py`: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import (GPT, dir_bytes, machine_header, machine_info, med, table, verdict,  # noqa: E402
-                               workdir, write_json)
+from benchmarks.common import (GPT, dir_bytes, machine_header, machine_info, med, overheads, table,  # noqa: E402
+                               verdict, workdir, write_json)
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -226,11 +225,11 @@ def fit_interleaved(names: list[str], args: argparse.Namespace, root: Path) -> d
 def interleaved_report(res: dict, args: argparse.Namespace, state_mb: float) -> str:
     """Per-save overhead = mean interval after that configuration's saves - mean after noop's."""
     iv = res["intervals"]
-    base, se_base = statistics.mean(iv["noop"]), statistics.stdev(iv["noop"]) / math.sqrt(len(iv["noop"]))
-    over = {n: statistics.mean(v) - base for n, v in iv.items()}
+    stats = overheads(iv, "noop")
+    over = {n: o for n, (o, _) in stats.items()}
     rows = []
     for name, v in iv.items():
-        se = math.hypot(statistics.stdev(v) / math.sqrt(len(v)), se_base) if name != "noop" else 0.0
+        se = stats[name][1]
         ratio = over[name] / over["torch"] if over.get("torch", 0) > 0 else float("nan")
         blocked = res["blocked"][name]
         rows.append([name, len(v), statistics.mean(v), over[name] * 1e3, se * 1e3,

@@ -114,6 +114,16 @@ def med(xs: Iterable[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def overheads(samples: dict[str, list[float]], base: str) -> dict[str, tuple[float, float]]:
+    """{name: (mean of its samples - mean of ``base``'s, one standard error of that difference)}."""
+    def se(xs: list[float]) -> float:
+        return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+
+    ref = statistics.mean(samples[base])
+    return {name: (statistics.mean(xs) - ref, 0.0 if name == base else math.hypot(se(xs), se(samples[base])))
+            for name, xs in samples.items()}
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks import plots
-from benchmarks.common import table
+from benchmarks.common import overheads, table
 from benchmarks.report_sections import MB, args_text, caption, img, med, missing, ms, target
 
 LIGHTNING_TARGETS = [["6", "Lightning fit-time overhead of checkrun <= 1/3 of TorchCheckpointIO's"]]
@@ -57,17 +57,13 @@ def lightning_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str
 
 def _lightning_interleaved(title: str, res: dict) -> tuple[str, list]:
     """``bench_lightning --mode interleaved``: per-save overheads from one fit (see its docstring)."""
-    import math
-    import statistics
-
     r = res["results"]["interleaved"]
     iv = r["intervals"]
-    base = statistics.mean(iv["noop"])
-    se_base = statistics.stdev(iv["noop"]) / math.sqrt(len(iv["noop"]))
-    over = {n: statistics.mean(v) - base for n, v in iv.items()}
+    stats = overheads(iv, "noop")
+    over = {n: o for n, (o, _) in stats.items()}
     rows = []
     for name, v in iv.items():
-        se = math.hypot(statistics.stdev(v) / math.sqrt(len(v)), se_base) if name != "noop" else 0.0
+        se = stats[name][1]
         ratio = f"{over[name] / over['torch']:.2f}" if over.get("torch", 0) > 0 and name != "noop" else "-"
         blocked = r["blocked"][name]
         rows.append([LIGHTNING_NAMES.get(name, name), len(v), f"{over[name] * 1e3:.1f} +- {se * 1e3:.1f}",
