@@ -12,6 +12,8 @@ import atexit
 import logging
 import math
 import os
+import pathlib
+import threading
 import time
 import warnings
 import weakref
@@ -19,10 +21,13 @@ from typing import Any
 
 import ckpt_core
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
+from ckpt_core import composite, inflight
 
-from . import layout, state
+from . import layout, resolve as paths, state
+from .commit import IndexCommitter
 from .config import AdapterOptions, resolve
-from .group import GroupCommitter, Job, make_group
+from .group import FailedPart, GroupCommitter, Job, make_group
+from .layout import Target
 
 log = logging.getLogger("accelerate_ckpt")
 _PATCHED = ("save_state", "load_state", "end_training")
@@ -53,6 +58,8 @@ class AcceleratorCheckpointer:
         self.history: list[dict] = []
         self._originals: dict[str, Any] = {}
         self._resumed: set[str] = set()
+        self._writing: list[str] = []  # names of checkpoints submitted, not committed yet
+        self._names_lock = threading.Lock()
         self._last_root: str | None = None
         self._seq = 0
         self._unwrapped: dict[int, tuple] = {}
@@ -63,11 +70,12 @@ class AcceleratorCheckpointer:
         # retained here instead (layout.apply_retention).
         engine_cfg = self.config.replace(**{"retention.keep_last": None})
         self._engine = CheckpointEngine(engine_cfg)
+        self._sync = not self.config.saving.asynchronous
         group, self.rank, self.world = make_group(self.options.collective_timeout_seconds)
-        self._group = GroupCommitter(group, self.rank, self.world)
+        self._group = GroupCommitter(group, self.rank, self.world, synchronous=self._sync)
         self._token = self._group.token()
-        self._committer = CheckpointEngine(engine_cfg.replace(**{
-            "saving.asynchronous": False, "saving.sigterm_grace_seconds": None})) if self.rank == 0 else None
+        self._committer = IndexCommitter(engine_cfg, storage_options, self._keep_last,
+                                         self._protected) if self.rank == 0 else None
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref()._close_at_exit())
 
@@ -107,42 +115,53 @@ class AcceleratorCheckpointer:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, step: int | None = None, *, output_dir: str | os.PathLike | None = None) -> str:
-        """Snapshot the whole state and return the checkpoint's index path; the write continues in
-        the background and commits once every rank's part is durable.
+        """Snapshot the whole state and return the checkpoint's folder (what accelerate's ``save_state``
+        returns); the write continues in the background and commits once every rank's part is durable
+        (with ``saving.asynchronous: false``: before this returns).
 
-        Named ``checkpoint_{step}`` when ``step`` is given, else ``checkpoint_{iteration}``; the
-        iteration counter advances like accelerate's. Raises a failed earlier save's error first."""
+        The folder exists when this returns; its index appears at the commit, and a load of it meanwhile
+        (any Accelerator or engine of this process) waits for the commit. Named ``checkpoint_{step}``
+        when ``step`` is given, else ``checkpoint_{iteration}``; the iteration counter advances like
+        accelerate's. Raises a failed earlier save's error first."""
         if self.unsupported:
             return self._native_save(output_dir)
         started = time.perf_counter()
         self._before_call()
         acc = self.accelerator
-        root = self._save_root(output_dir)
         iteration = acc.project_configuration.iteration
-        name = layout.checkpoint_name(iteration if step is None else step)
-        parts = layout.part_names(name, self._token, self._seq, self.world)
+        target = self._target(output_dir, iteration if step is None else step)
+        composite.make_folder(target.folder, self.storage_options, self.config)
+        rel_base, rel_index = target.part_names(self._token, self._seq, self.world)
         self._seq += 1
         weights = state.model_weights(acc, self._unwrapped)
         for hook in acc._save_model_state_pre_hook.values():
-            hook(acc._models, weights, root)
+            hook(acc._models, weights, target.folder)
         tree = {"rank": state.gather_rank(acc)}
         if self.rank == 0:
             tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)
-        handle = self._engine_save(tree, layout.join(root, parts[self.rank]))
-        acc.project_configuration.iteration = iteration + 1
-        index_url = layout.join(root, layout.index_name(name))
         meta = {"step": int(acc.step), "iteration": iteration + 1,
                 "distributed_type": state.distributed_type_name(acc)}
         if step is not None:
             meta["global_step"] = int(step)
-        blocking = time.perf_counter() - started
-        finish = None
-        if self.rank == 0:
-            index = layout.make_index(name, parts, meta)
-            finish = lambda outcomes: self._finish(root, index_url, index, outcomes, blocking, started)  # noqa: E731
-        self._group.submit(Job(handle, finish))
-        self._last_root = root
-        return index_url
+        key = composite.store_url(target.index_url, self.storage_options, self.config)
+        self._begin(target.name, key)
+        try:
+            handle = self._engine_save(tree, layout.join(target.base, rel_base[self.rank]))
+            blocking = time.perf_counter() - started
+            finish = None
+            if self.rank == 0:
+                index = composite.make_index(target.name, rel_index, meta)
+                finish = lambda outcomes: self._committer.finish(target, index, outcomes, blocking, started)  # noqa: E731
+            job = Job(handle, finish, lambda: self._end(target.name, key))
+        except BaseException:
+            self._end(target.name, key)
+            raise
+        acc.project_configuration.iteration = iteration + 1
+        self._group.submit(job)  # from here on, the job's verdict ends the registration
+        self._last_root = target.base
+        if self._sync:
+            self._before_call()
+        return self._shown(output_dir, target)
 
     def wait(self) -> None:
         """Block until every pending checkpoint is committed (or failed) on all ranks; raise its error."""
@@ -153,12 +172,14 @@ class AcceleratorCheckpointer:
 
     # -- load ------------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike | None = "latest", **model_kwargs: Any) -> str:
-        """Restore the whole state; returns the checkpoint's index path.
+        """Restore the whole state; returns the checkpoint's folder (an earlier release's: its index).
 
-        ``path``: ``"latest"``/None (newest committed checkpoint of the default directory), an index
-        file (a path ending in ``.ckpt``), or any other path: a directory, whose newest is loaded.
-        Pending saves are waited for first. ``model_kwargs`` go to each model's ``load_state_dict``
-        (e.g. ``strict=False``). The checkpoint loaded is never removed by this process's retention."""
+        ``path``: ``"latest"``/None (newest committed checkpoint of the default directory), a checkpoint
+        folder (``.../checkpoints/checkpoint_3``, absolute or relative, as accelerate names it), an index
+        file (a path ending in ``.ckpt``), or a directory of checkpoints (its newest). Pending saves of
+        this checkpointer are waited for first, a save in flight to that checkpoint by another one of
+        this process too. ``model_kwargs`` go to each model's ``load_state_dict`` (e.g. ``strict=False``).
+        The checkpoint loaded is never removed by this process's retention."""
         if self.unsupported:
             return self._native_load(path, model_kwargs)
         self.wait()
@@ -171,26 +192,27 @@ class AcceleratorCheckpointer:
             self._load_part(urls[self.rank], own=True) if self.rank < len(urls) else None)
         replicated = first["replicated"]
         models = list(acc._models)
+        folder = layout.folder_of(url)
         for hook in acc._load_model_state_pre_hook.values():
-            hook(models, layout.parent(url))
+            hook(models, folder if folder != url else layout.parent(url))
         state.apply_replicated(acc, replicated, models, model_kwargs)
         if mine is not None:
             state.apply_rank(acc, mine["rank"])
         else:
             warnings.warn(f"{url} was saved by {len(urls)} process(es): rank {self.rank} has no RNG/dataloader "
                           "state in it and keeps its current one", RuntimeWarning, stacklevel=2)
-        self._resumed.add(url.rpartition("/")[2])
-        return url
+        with self._names_lock:
+            self._resumed.add(layout.checkpoint_key(url))
+        return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:
-        """The newest committed checkpoint of ``directory`` (default: where ``load()`` looks), or None.
-
-        Collective: rank 0 looks, every rank gets its answer. Pending saves are waited for first."""
+        """The newest committed checkpoint's folder in ``directory`` (default: where ``load()`` looks),
+        or None. Collective: rank 0 looks, every rank gets its answer. Pending saves are waited for first."""
         if self.unsupported:
             raise UnsupportedDistributedTypeError(f"accelerate_ckpt: {self.unsupported}")
         self.wait()
         found = self._group.broadcast(self._resolve(directory) if self.rank == 0 else None)
-        return None if isinstance(found, CheckpointNotFoundError) else self._raise_or(found)
+        return None if isinstance(found, CheckpointNotFoundError) else layout.folder_of(self._raise_or(found))
 
     # -- close -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -222,11 +244,13 @@ class AcceleratorCheckpointer:
 
     # -- accelerate-compatible replacements ----------------------------------------------------------
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
-                    **save_model_func_kwargs: Any) -> str:
-        """``Accelerator.save_state`` through checkrun (``safe_serialization``: always no pickle)."""
+                    **save_model_func_kwargs: Any) -> "pathlib.Path | str":
+        """``Accelerator.save_state`` through checkrun (``safe_serialization``: always no pickle). Returns
+        the folder as accelerate does: a ``pathlib.Path`` (a ``str`` for a URL, which Path would mangle)."""
         if save_model_func_kwargs:
             log.debug("accelerate_ckpt: ignoring save_state kwargs %s", sorted(save_model_func_kwargs))
-        return self.save(output_dir=output_dir)
+        folder = self.save(output_dir=output_dir)
+        return folder if "://" in folder else pathlib.Path(folder)
 
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                     **load_model_func_kwargs: Any) -> str:
@@ -253,92 +277,68 @@ class AcceleratorCheckpointer:
         if errors:
             raise BackgroundSaveError("; ".join(errors))
 
-    def _engine_save(self, tree: dict, url: str) -> ckpt_core.SaveHandle:
+    def _engine_save(self, tree: dict, url: str) -> "ckpt_core.SaveHandle | FailedPart":
         try:
             return self._engine.save(tree, url, storage_options=self.storage_options)
-        except BackgroundSaveError:
+        except BackgroundSaveError as exc:
+            if self._sync:  # this very save failed (on this rank): the group learns it from the part
+                return FailedPart(url, exc)
             # An earlier part's failure, surfaced by the engine before the helper thread read it: that
             # error reaches every rank through the group, so raising here (this rank only) would
             # desynchronise the ranks. The engine raised before snapshotting: just save again.
             return self._engine.save(tree, url, storage_options=self.storage_options)
 
-    def _finish(self, root: str, index_url: str, index: dict, outcomes: list[dict], blocking: float,
-                started: float) -> dict:
-        """Rank 0, helper thread: commit the index once every part is durable, then retention."""
-        failed = [f"rank {r}: {o['error']}" for r, o in enumerate(outcomes) if o.get("error")]
-        parts = layout.part_urls(index_url, index)
-        if failed:
-            self._cleanup(parts)
-            return {"error": f"checkpoint {index_url} not committed: " + "; ".join(failed)}
-        try:
-            previous = self._previous_parts(index_url)
-            info = self._committer.save(index, index_url, storage_options=self.storage_options).result()
-        except Exception as exc:  # noqa: BLE001 - becomes the verdict on every rank
-            self._cleanup(parts)
-            return {"error": f"checkpoint {index_url} not committed: {exc}"}
-        self._cleanup([p for p in previous if p not in parts])
-        self._retain(root, index_url)
-        m = layout.metrics(outcomes, info.written_bytes, blocking, time.perf_counter() - started, index_url)
-        return {"error": None, "metrics": m}
+    def _begin(self, name: str, key: str) -> None:
+        """A checkpoint is being written: its index counts as in flight for every load of this process,
+        and retention leaves a checkpoint of that name alone."""
+        with self._names_lock:
+            self._writing.append(name)
+        inflight.begin(key)
 
-    def _previous_parts(self, index_url: str) -> list[str]:
-        """Parts of an index already at ``index_url`` (saving again under a name replaces it)."""
-        try:
-            return layout.part_urls(index_url, layout.read_index(self._committer, index_url, self.storage_options))
-        except (CheckpointNotFoundError, FileNotFoundError, CheckrunError):
-            return []
+    def _end(self, name: str, key: str) -> None:
+        """The verdict is known (any thread): undo ``_begin``."""
+        with self._names_lock:
+            self._writing.remove(name)
+        inflight.end(key)
 
-    def _retain(self, root: str, index_url: str) -> None:
-        keep = self.config.retention.keep_last or self.accelerator.project_configuration.total_limit
-        if not keep:
-            return
-        protect = self._resumed | {index_url.rpartition("/")[2]}
-        try:
-            removed = layout.apply_retention(self._committer, root, keep, protect, self.storage_options)
-            if removed and self.config.retention.gc_after_save:
-                layout.collect(self._committer, root, self.config.retention.gc_grace_seconds,
-                               self.storage_options)
-        except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
-            log.warning("accelerate_ckpt: retention in %s failed: %s", root, exc)
+    def _protected(self) -> set[str]:
+        """Checkpoints retention must keep: resumed from, or being written (commit thread)."""
+        with self._names_lock:
+            return self._resumed | set(self._writing)
 
-    def _cleanup(self, urls: list[str]) -> None:
-        for url in urls:
-            try:
-                self._committer.remove(url, storage_options=self.storage_options)
-            except Exception as exc:  # noqa: BLE001 - best effort: orphans go at a later collect()
-                log.warning("accelerate_ckpt: could not remove %s: %s", url, exc)
+    def _keep_last(self) -> int | None:
+        return self.config.retention.keep_last or self.accelerator.project_configuration.total_limit
 
     def _default_root(self) -> str | None:
         pc = self.accelerator.project_configuration
         if self.options.directory:
             return self.options.directory
         if pc.automatic_checkpoint_naming and pc.project_dir:
-            return layout.join(os.fspath(pc.project_dir), "checkpoints")
+            return os.path.join(os.fspath(pc.project_dir), "checkpoints")
         return None
 
-    def _save_root(self, output_dir: str | os.PathLike | None) -> str:
-        root = self._default_root() or (os.fspath(output_dir) if output_dir is not None else None)
-        if root is None:
+    def _target(self, output_dir: str | os.PathLike | None, number: int) -> Target:
+        """Where this save goes: ``ROOT/checkpoint_{number}`` when there is a ROOT, else ``output_dir``."""
+        root = self._default_root()
+        if root is not None:
+            return Target.in_root(root, layout.checkpoint_name(number))
+        if output_dir is None:
             raise ValueError("no checkpoint directory: pass output_dir, set automatic_checkpoint_naming "
                              "with a project_dir, or configure checkpointing.accelerate.directory")
-        return root.rstrip("/")
+        return Target.folder_only(output_dir)
+
+    def _shown(self, output_dir: str | os.PathLike | None, target: Target) -> str:
+        """The folder spelt as accelerate's ``save_state`` returns it (a relative path stays relative)."""
+        root = self._default_root()
+        if root is None:
+            return os.fspath(output_dir)
+        return layout.join(root, target.name) if "://" in root else os.path.join(root, target.name)
 
     def _resolve(self, path: str | os.PathLike | None) -> str | BaseException:
         """Rank 0: the index to load (an exception object is broadcast and raised on every rank)."""
         try:
-            if path is None or path == "latest":
-                root = self._default_root() or self._last_root
-                if root is None:
-                    raise ValueError("no checkpoint directory to resume from: pass a path, or set "
-                                     "automatic_checkpoint_naming / checkpointing.accelerate.directory")
-            else:
-                root = os.fspath(path).rstrip("/")
-                if root.endswith(".ckpt"):
-                    return root
-            latest = self._engine.latest(root, storage_options=self.storage_options)
-            if latest is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {root}")
-            return latest
+            return paths.index_for(self._engine, path, self._default_root() or self._last_root,
+                                   self.storage_options)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the broadcast
             return exc
 

@@ -8,10 +8,13 @@ handle to :class:`GroupCommitter`. On each rank a helper thread, in submission o
    :func:`make_group`, separate from the group training uses, so it never interleaves with DDP),
 3. on rank 0 only, calls the job's ``finish`` with all outcomes: it commits the checkpoint's index
    manifest when every part is durable (that file is what ``latest`` finds), or cleans up,
-4. broadcasts rank 0's verdict so every rank records the same error or metrics.
+4. broadcasts rank 0's verdict so every rank records the same error or metrics,
+5. calls the job's ``on_done`` (every rank; e.g. the index leaves the in-flight registry).
 
-The training thread only ever enqueues; it reads verdicts with :meth:`take_errors` /
-:meth:`take_metrics` and blocks only in :meth:`wait`. Collectives on the group from the training
+With ``synchronous=True`` (``saving.asynchronous: false``) ``submit`` runs these steps on the calling
+thread and returns after the verdict: no helper thread. Otherwise the training thread only ever
+enqueues; it reads verdicts with :meth:`take_errors` / :meth:`take_metrics` and blocks only in
+:meth:`wait`. Collectives on the group from the training
 thread (see :meth:`broadcast`) are allowed only while the helper is idle (after ``wait``).
 """
 from __future__ import annotations
@@ -45,17 +48,32 @@ def make_group(timeout_seconds: float) -> tuple[Any, int, int]:
 
 @dataclass
 class Job:
-    """One checkpoint's part on this rank; ``finish`` is used on rank 0 only."""
+    """One checkpoint's part on this rank; ``finish`` is used on rank 0 only; ``on_done`` runs on
+    every rank once the verdict is known (it must not raise)."""
 
-    handle: SaveHandle
+    handle: "SaveHandle | FailedPart"
     finish: Finish | None
+    on_done: Callable[[], None] | None = None
+
+
+class FailedPart:
+    """Stands in for the handle of a part whose synchronous save raised on this rank, so that the
+    failure still reaches the group (every rank must take part in the collectives)."""
+
+    def __init__(self, path: str, error: BaseException) -> None:
+        self.path, self.error = path, error
+
+    def result(self) -> Any:
+        """Raise the save's error (what ``SaveHandle.result`` does for a failed save)."""
+        raise self.error
 
 
 class GroupCommitter:
     """The helper thread of one rank. Create on every rank with the same group."""
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
+    def __init__(self, group: Any, rank: int, world: int, synchronous: bool = False) -> None:
         self.group, self.rank, self.world = group, rank, world
+        self.synchronous = synchronous
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -79,11 +97,14 @@ class GroupCommitter:
         return box[0]
 
     def submit(self, job: Job) -> None:
-        """Queue a part for the group commit; returns at once."""
+        """Queue a part for the group commit; returns at once (synchronous: after the verdict)."""
         if self._closed:
             raise RuntimeError("GroupCommitter is closed")
         with self._cond:
             self._pending += 1
+        if self.synchronous:
+            self._record(job, self._process(job))
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="accelerate-ckpt-commit", daemon=True)
             self._thread.start()
@@ -128,7 +149,13 @@ class GroupCommitter:
             job = self._queue.get()
             if job is None:
                 return
-            verdict = self._process(job)
+            self._record(job, self._process(job))
+
+    def _record(self, job: Job, verdict: dict) -> None:
+        try:
+            if job.on_done is not None:
+                job.on_done()
+        finally:
             with self._cond:
                 if verdict.get("error"):
                     self._errors.append(verdict["error"])

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import yaml
 
+from ckpt_core import CheckrunError, ConfigError
+
 from .config import CONFIG_ENV, SECTION, from_mapping, read_yaml, split_sections
 
 log = logging.getLogger("accelerate_ckpt")
@@ -35,8 +37,12 @@ def prepare_config(config_file: str, workdir: str) -> tuple[str, str | None]:
 
     The section is validated first, so a typo fails here rather than in every process."""
     data = read_yaml(config_file)
-    rest, section = split_sections(data)
+    try:
+        rest, section = split_sections(data)
+    except CheckrunError as exc:
+        raise type(exc)(f"{config_file}: {exc}") from None
     if section is None:
+        check_accelerate_config(config_file, config_file)
         return config_file, None
     from_mapping(section, f"{config_file}: {SECTION}")
     accel_path = os.path.join(workdir, "accelerate_config.yaml")
@@ -45,7 +51,20 @@ def prepare_config(config_file: str, workdir: str) -> tuple[str, str | None]:
         yaml.safe_dump(rest, f, sort_keys=False)
     with open(section_path, "w", encoding="utf-8") as f:
         yaml.safe_dump({SECTION: section}, f, sort_keys=False)
+    check_accelerate_config(accel_path, config_file)
     return accel_path, section_path
+
+
+def check_accelerate_config(path: str, shown: str) -> None:
+    """Load ``path`` with accelerate's own config loader; its error becomes a ConfigError naming
+    ``shown`` (the user's file) instead of a traceback from inside ``accelerate launch``."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        load_config_from_file(path)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        text = " ".join(str(exc).replace(path, shown).split()) or type(exc).__name__
+        raise ConfigError(f"{shown}: not a valid accelerate config: {text}") from None
 
 
 def _default_config_file() -> str | None:
@@ -81,7 +100,7 @@ def launch(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``accelerate-ckpt``."""
+    """Console entry point ``accelerate-ckpt``; a config error is one line on stderr and exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -94,7 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    launch(argv[1:])
+    try:
+        launch(argv[1:])
+    except CheckrunError as exc:  # names the file and the problem; a traceback would only bury it
+        print(f"accelerate-ckpt: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     return 0
 
 

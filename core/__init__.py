@@ -6,24 +6,72 @@ Quick use::
     with ckpt_core.CheckpointEngine({"retention": {"keep_last": 3}}) as engine:
         engine.save({"model": model.state_dict(), "step": 10}, "runs/a/step=10.ckpt")
         state = engine.load(engine.latest("runs/a"))
+
+The names below are imported on first use (PEP 562), so that ``import ckpt_core.cli`` (the
+``checkrun`` console script) answers ``--version`` and ``--help`` without importing torch. Add a
+new public name to ``_EXPORTS`` (and ``__all__``), not as an import at the top of this file.
 """
-from .config import (CompressionConfig, EngineConfig, IncrementalConfig, LoadConfig, QuantRule,
-                     RetentionConfig, RetryConfig, SavingConfig, StorageConfig)
-from .engine import CheckpointEngine, load, save
-from .errors import (BackgroundSaveError, CheckpointNotFoundError, CheckrunError, ConfigError,
-                     CorruptCheckpointError, FormatError, NotACheckpointError, StorageError,
-                     UnsafeLoadError, UnsafePathError)
-from .handles import SaveHandle, SaveInfo
-from .reader import VerifyReport
-from .retention import CheckpointEntry, GCReport
-from .tracking import EmbeddingTracker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "config": ("CompressionConfig", "EngineConfig", "IncrementalConfig", "LoadConfig", "QuantRule",
+               "RetentionConfig", "RetryConfig", "SavingConfig", "StorageConfig"),
+    "engine": ("CheckpointEngine", "load", "save"),
+    "errors": ("BackgroundSaveError", "CheckpointNotFoundError", "CheckrunError", "CommitRefusedError",
+               "ConfigError", "CorruptCheckpointError", "FormatError", "NotACheckpointError",
+               "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
+    "handles": ("SaveHandle", "SaveInfo"),
+    "inflight": ("save_in_flight", "wait_for_save"),
+    "reader": ("VerifyReport",),
+    "retention": ("CheckpointEntry", "GCReport"),
+    "tracking": ("EmbeddingTracker",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
 __all__ = [
-    "CheckpointEngine", "save", "load", "EngineConfig", "CompressionConfig", "StorageConfig",
+    "CheckpointEngine", "save", "load", "save_in_flight", "wait_for_save", "EngineConfig", "CompressionConfig", "StorageConfig",
     "RetryConfig", "SavingConfig", "IncrementalConfig", "QuantRule", "RetentionConfig", "LoadConfig",
     "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
     "ConfigError", "StorageError", "CheckpointNotFoundError", "NotACheckpointError",
     "CorruptCheckpointError", "UnsafePathError", "FormatError", "UnsafeLoadError", "BackgroundSaveError",
+    "CommitRefusedError", "SupersededError", "OrphanedWriterError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module on first use), or a submodule (``ckpt_core.manifest``)."""
+    module = _WHERE.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .config import (CompressionConfig, EngineConfig, IncrementalConfig, LoadConfig, QuantRule,
+                         RetentionConfig, RetryConfig, SavingConfig, StorageConfig)
+    from .engine import CheckpointEngine, load, save
+    from .errors import (BackgroundSaveError, CheckpointNotFoundError, CheckrunError, CommitRefusedError,
+                         ConfigError, CorruptCheckpointError, FormatError, NotACheckpointError,
+                         OrphanedWriterError, StorageError, SupersededError, UnsafeLoadError, UnsafePathError)
+    from .handles import SaveHandle, SaveInfo
+    from .inflight import save_in_flight, wait_for_save
+    from .reader import VerifyReport
+    from .retention import CheckpointEntry, GCReport
+    from .tracking import EmbeddingTracker

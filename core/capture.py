@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
+from .errors import FormatError
+from .manifest_limits import DEVICE_TYPES
+from .fence import CommitStamp, new_stamp
 from .objects import serialize_object
 from .staging import BufferPool, Copier, MemoryBudget
 from .streams import DirState, RowStream, row_eligible
@@ -56,6 +59,8 @@ class Snapshot:
     charged: int
     created: float
     meta: dict
+    stamp: CommitStamp | None = None
+    """Orders this snapshot's commit against other saves of the same name (``fence``)."""
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
@@ -66,6 +71,7 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
                   budget: MemoryBudget, config: EngineConfig, trackers: tuple = ()) -> Snapshot:
     """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread."""
     created = time.time()
+    stamp = new_stamp()
     flat = flatten(state)
     leaves: list[int] = []
     unique: dict[tuple, int] = {}
@@ -74,6 +80,9 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
         # Views of the same memory with the same layout (tied weights) are stored once.
         k = _alias_key(leaf.tensor)
         if k not in unique:
+            if leaf.tensor.device.type not in DEVICE_TYPES:  # a load would refuse the manifest
+                raise FormatError(f"{leaf.key}: cannot save a tensor on {leaf.tensor.device}: checkrun saves "
+                                  f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
             unique[k] = len(sources)
             sources.append((leaf.key, leaf.tensor.detach()))
         leaves.append(unique[k])
@@ -89,7 +98,8 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
         copier.settle()
         budget.release(charged)
         raise
-    return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, _meta(state))
+    return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, _meta(state),
+                    stamp)
 
 
 def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copier: Copier,
@@ -98,6 +108,8 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
+            if stream is not None:  # no save in flight uses it: the engine waited (_wait_streams)
+                pool.free_host(stream.buffer)
             stream = RowStream(pool.new_host(t.numel(), t.dtype), t.dtype, shape)
             dirstate.streams[key] = stream
         rows = None

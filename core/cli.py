@@ -1,6 +1,6 @@
 """``checkrun``: see and manage checkpoints without writing Python.
 
-    checkrun ls DIR                 one row per checkpoint, sizes, dedup totals
+    checkrun ls DIR                 one row per checkpoint: sizes (tensors, wrote, referenced), dedup totals
     checkrun inspect CKPT           the state tree: tensors (codecs, sizes, error) and plain values
     checkrun verify CKPT|DIR        checksums of every blob and manifest; exit 1 if anything is corrupt
     checkrun export CKPT OUT        a self-contained .pt/.ckpt (torch.save) or .safetensors file
@@ -10,7 +10,8 @@
 
 Every path may be an fsspec URL (``s3://bucket/run``); ``--storage-option key=value`` (repeatable,
 JSON values, dotted keys nest) and ``--endpoint-url`` reach the storage. Exit codes: 0 ok, 1 a
-problem was found (corrupt data, missing file, error of the engine), 2 usage errors, 130 interrupted.
+problem was found (corrupt data, missing file, error of the engine), 2 usage errors, 130 interrupted,
+141 when the reader of stdout went away (``checkrun inspect --json CKPT | head``; quietly, no message).
 
 ``main(argv)`` runs on the calling thread and returns the exit code (the console script exits with
 it); it installs a log handler on the ``ckpt_core`` logger for its duration only.
@@ -19,12 +20,44 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
 import sys
 from typing import Sequence
 
 from .cli_util import EXIT_PROBLEM, EXIT_USAGE, CliError, Context, deep_merge, log, one_line, parse_storage_options
 
 _EXIT_INTERRUPTED = 130
+_EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+
+
+def _stdout_gone() -> bool:
+    """True if stdout's reader went away (``checkrun ... | head``); stdout then goes to /dev/null
+    so that nothing (not the interpreter's last flush either) reports the broken pipe."""
+    stream = sys.stdout
+    try:
+        stream.flush()
+        fd = stream.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except BrokenPipeError:
+        gone = True
+        fd = _fileno(stream)
+    except (AttributeError, ValueError, OSError):  # no real file (a test's capture), closed
+        return False
+    if gone and fd is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return gone
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", "show a checkpoint's state tree: tensors and plain values (reads no tensor data)")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint file, or a directory (its latest)")
+    p.add_argument("--wide", action="store_true",
+                   help="do not shorten long keys and values to fit 120 columns (--json has everything)")
     _common(p)
 
     p = add("verify", "check the manifest and every blob of a checkpoint or of all checkpoints in a directory")
@@ -108,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _commands() -> dict:
     from .cli_diff import cmd_diff
     from .cli_files import cmd_export, cmd_import
-    from .cli_inspect import cmd_inspect, cmd_ls
+    from .cli_inspect import cmd_inspect
+    from .cli_ls import cmd_ls
     from .cli_maint import cmd_gc, cmd_verify
 
     return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export,
@@ -169,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         print("checkrun: interrupted", file=sys.stderr)
         return _EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - CheckrunError, OSError, and storage clients' own errors
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            return _EXIT_BROKEN_PIPE  # the reader of our output left: nothing to report
         log.debug("checkrun: traceback", exc_info=True)
         print(f"checkrun: error: {_message(exc)}", file=sys.stderr)
         return _error_code(exc)
@@ -182,6 +220,23 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``checkrun`` console script; returns the exit code (never raises SystemExit)."""
+    try:
+        code = _main(argv)
+    except BrokenPipeError:  # argparse printing --help or --version into a closed pipe
+        if not _stdout_gone():
+            raise
+        return _EXIT_BROKEN_PIPE
+    try:
+        sys.stdout.flush()  # now, not at exit: the pipe's reader may be gone (`checkrun ... | head`)
+    except BrokenPipeError:
+        _stdout_gone()
+        return _EXIT_BROKEN_PIPE
+    except (AttributeError, ValueError):  # stdout replaced or closed by the caller: nothing to flush
+        pass
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -1,7 +1,9 @@
 """``checkrun diff A B``: which tensors (and rows) and which plain values differ between checkpoints.
 
 Tensors whose manifest records name the same blobs (and dtype/shape/codecs) are equal without
-reading anything; only when some tensor needs a look are both states loaded. Rows are the first
+reading anything; only when some tensor needs a look are both states loaded. A composite
+(accelerate_ckpt) is compared part by part: its keys are ``parts.N.<key>``, its index's values
+``checkpoint.<key>``. Rows are the first
 dimension (the elements of a 1-D tensor; a 0-d tensor is one row). NaN equals NaN here.
 """
 from __future__ import annotations
@@ -11,9 +13,10 @@ from typing import Any
 
 import torch
 
-from .cli_tree import plain_values, short_repr
+from .cli_composite import View, open_view
+from .cli_tree import short_repr
 from .cli_util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, table
-from .manifest import Manifest, TensorRecord
+from .manifest import TensorRecord
 from .tree import flatten
 
 _BLOCK_ELEMS = 1 << 22
@@ -55,13 +58,17 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
             "max_abs_diff": max_diff}
 
 
-def _load_tensors(ctx: Context, path: str, unsafe: bool) -> dict[str, torch.Tensor]:
-    state = ctx.engine.load(path, map_location="cpu", weights_only=not unsafe, storage_options=ctx.storage_options)
-    return {leaf.key: leaf.tensor for leaf in flatten(state).tensors}
+def _load_tensors(ctx: Context, view: View, unsafe: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for piece in view.pieces:
+        state = ctx.engine.load(piece.url, map_location="cpu", weights_only=not unsafe,
+                                storage_options=ctx.storage_options)
+        out.update({piece.prefix + leaf.key: leaf.tensor for leaf in flatten(state).tensors})
+    return out
 
 
-def _tensor_diffs(ctx: Context, a_path: str, ma: Manifest, b_path: str, mb: Manifest) -> list[dict]:
-    ra, rb = {r.key: r for r in ma.tensors}, {r.key: r for r in mb.tensors}
+def _tensor_diffs(ctx: Context, va: View, vb: View) -> list[dict]:
+    ra, rb = va.records(), vb.records()
     out, todo = [], []
     for key in list(ra) + [k for k in rb if k not in ra]:
         x, y = ra.get(key), rb.get(key)
@@ -81,9 +88,9 @@ def _tensor_diffs(ctx: Context, a_path: str, ma: Manifest, b_path: str, mb: Mani
     if not todo:
         return out
     with ctx.bar(2 + len(todo), "comparing", unit="step") as bar:
-        ta = _load_tensors(ctx, a_path, ctx.args.unsafe)
+        ta = _load_tensors(ctx, va, ctx.args.unsafe)
         bar.update(1)
-        tb = _load_tensors(ctx, b_path, ctx.args.unsafe)
+        tb = _load_tensors(ctx, vb, ctx.args.unsafe)
         bar.update(1)
         for item in todo:
             x, y = ta.get(item["key"]), tb.get(item["key"])
@@ -97,8 +104,8 @@ def _tensor_diffs(ctx: Context, a_path: str, ma: Manifest, b_path: str, mb: Mani
     return out
 
 
-def _value_diffs(a_path: str, ma: Manifest, b_path: str, mb: Manifest) -> list[dict]:
-    va, vb = plain_values(ma, a_path), plain_values(mb, b_path)
+def _value_diffs(a: View, b: View) -> list[dict]:
+    va, vb = a.values(), b.values()
     out = []
     for key in list(va) + [k for k in vb if k not in va]:
         if key not in vb:
@@ -132,10 +139,9 @@ def _row(d: dict) -> list:
 def cmd_diff(ctx: Context) -> int:
     args = ctx.args
     a, b = ctx.checkpoint(args.a), ctx.checkpoint(args.b)
-    ma = ctx.engine.read_manifest(a, storage_options=ctx.storage_options)
-    mb = ctx.engine.read_manifest(b, storage_options=ctx.storage_options)
-    tensors = _tensor_diffs(ctx, a, ma, b, mb)
-    values = _value_diffs(a, ma, b, mb)
+    va, vb = open_view(ctx, a), open_view(ctx, b)
+    tensors = _tensor_diffs(ctx, va, vb)
+    values = _value_diffs(va, vb)
     counts = {s: sum(1 for t in tensors if t["status"] == s)
               for s in ("same", "changed", "added", "removed", "retyped")}
     counts["skipped_by_blobs"] = sum(1 for t in tensors if t.get("how") == "blobs")

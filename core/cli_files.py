@@ -5,7 +5,8 @@ Lightning-shaped state loads with ``LightningModule.load_from_checkpoint``). ``.
 files hold every tensor under its flattened dotted key; the state's structure and plain values
 travel in the metadata (``checkrun.skeleton`` / ``checkrun.tensors`` / ``checkrun.values``) so
 that ``checkrun import`` rebuilds the same tree. Pickled values cannot go into safetensors and
-are dropped with a note.
+are dropped with a note. A composite (accelerate_ckpt's ``checkpoint_N`` folder or its index) is
+exported whole: ``{"checkpoint": <the index>, "parts": [<part 0>, <part 1>, ...]}``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cli_tree import plain_values
+from .cli_composite import open_view
 from .cli_util import (EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, human_size, jsonable, log,
                        one_line)
 from .errors import CheckrunError
@@ -159,16 +160,15 @@ def cmd_export(ctx: Context) -> int:
     src = ctx.checkpoint(args.checkpoint)
     fmt = _format(args.out, args.format)
     _check_target(ctx, args.out, args.force)
+    view = open_view(ctx, src)
     with ctx.bar(1, "loading", unit="ckpt") as bar:
-        state = ctx.engine.load(src, map_location="cpu", weights_only=not args.unsafe,
-                                storage_options=ctx.storage_options)
+        state = view.load(ctx, weights_only=not args.unsafe)
         bar.update(1)
     dropped: list[str] = []
     if fmt == "safetensors":
         from safetensors.torch import save as st_save
 
-        manifest = ctx.engine.read_manifest(src, storage_options=ctx.storage_options)
-        tensors, meta, dropped = safetensors_payload(state, plain_values(manifest, src))
+        tensors, meta, dropped = safetensors_payload(state, view.values())
         data = st_save(tensors, metadata=meta)
         n_tensors = len(tensors)
 

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from .units import fmt_bytes, fmt_percent, fmt_ratio, ratio  # noqa: F401 - re-exported for the commands
+
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("ckpt_core.cli")
@@ -116,17 +118,11 @@ class Context:
         return "dir" if info.get("type") == "directory" else "file"
 
     def checkpoint(self, url: str) -> str:
-        """Resolve CKPT arguments: a checkpoint file, or a directory's newest intact checkpoint."""
-        kind = self.kind(url)
-        if kind == "file":
-            return url
-        if kind == "dir":
-            latest = self.engine.latest(url, storage_options=self.storage_options)
-            if latest is None:
-                raise CliError(f"{url}: directory holds no intact checkrun checkpoint")
-            log.info("checkrun: using the latest checkpoint %s", latest)
-            return latest
-        raise CliError(f"{url}: no such checkpoint")
+        """Resolve CKPT arguments: a checkpoint file, a checkpoint folder's index, or a directory's
+        newest intact checkpoint (see ``cli_composite.resolve_checkpoint``)."""
+        from .cli_composite import resolve_checkpoint
+
+        return resolve_checkpoint(self, url)
 
     def bar(self, total: float | None, desc: str, unit: str = "B"):
         """A tqdm progress bar on stderr; disabled under --json, --no-progress or without a TTY."""
@@ -148,16 +144,7 @@ def _isatty(stream: Any) -> bool:
 # ----------------------------------------------------------------------------- formatting
 
 
-def human_size(n: float | None) -> str:
-    """``1536 -> "1.5 KiB"``; ``None -> "-"``."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover - unreachable
+human_size = fmt_bytes  # the CLI's name for ckpt_core.units.fmt_bytes (binary units)
 
 
 def human_time(epoch: float | None) -> str:
@@ -172,37 +159,95 @@ def iso_time(epoch: float | None) -> str | None:
     return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat()
 
 
-def ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-def fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
 def fmt_float(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.3g}"
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
+ELLIPSIS = "\u2026"
+TABLE_WIDTH = 120
+"""Width tables that may be shortened fit (``inspect`` without ``--wide``), or the terminal's if wider."""
+
+
+def output_width() -> int:
+    """``TABLE_WIDTH``, or the width of the terminal on stdout when it is wider."""
+    if _isatty(sys.stdout):
+        try:
+            return max(TABLE_WIDTH, os.get_terminal_size(sys.stdout.fileno()).columns)
+        except (OSError, ValueError):
+            pass
+    return TABLE_WIDTH
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, its middle replaced by "\u2026" (leading spaces, the
+    indentation of a tree, are kept while there is room)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return ELLIPSIS[:max(width, 0)]
+    body = text.lstrip(" ")
+    indent = len(text) - len(body)
+    indent = min(indent, max(width - 8, 0))
+    room = width - indent - 1
+    head = (room + 1) // 2
+    return " " * indent + body[:head] + ELLIPSIS + body[len(body) - (room - head):]
+
+
+def shorten_end(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut at the end with "\u2026"."""
+    if len(text) <= width:
+        return text
+    return text[:max(width - 1, 0)] + ELLIPSIS if width > 0 else ""
+
+
+def _fit(widths: list[int], width: int, shrink: dict[int, int]) -> list[int]:
+    """Narrow the shrinkable columns (the widest first, none below its minimum) until a line fits."""
+    widths = list(widths)
+    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    while excess > 0:
+        room = [i for i, low in shrink.items() if widths[i] > low]
+        if not room:
+            break
+        i = max(room, key=lambda j: (widths[j] - shrink[j], widths[j]))
+        widths[i] -= 1
+        excess -= 1
+    return widths
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = (),
+          width: int | None = None, shrink: dict[int, int] | None = None) -> str:
     """Plain aligned columns; ``right`` holds the indices of right-aligned (numeric) columns.
 
     A row with only two cells is a *spanning* row: its second cell starts at the second column
-    and does not widen the columns (long values in a tree of tensors)."""
+    and does not widen the columns (long values in a tree of tensors).
+
+    With ``width``, lines are made to fit it: the columns of ``shrink`` (index -> minimum width)
+    are narrowed as needed, their cells shortened in the middle with "\u2026", and spanning rows are
+    cut at the end. Without it, nothing is shortened."""
     rows = [[("-" if c is None else str(c)) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
         cells = r if len(r) == len(headers) else r[:1]
         for i, c in enumerate(cells):
             widths[i] = max(widths[i], len(c))
+    shrink = {i: max(low, len(headers[i])) for i, low in (shrink or {}).items()} if width else {}
+    if width:
+        widths = _fit(widths, width, shrink)
     right = set(right)
+
+    def cell(i: int, c: str) -> str:
+        return shorten_middle(c, widths[i]) if i in shrink else c
 
     def line(cells):
         if len(cells) != len(headers):
-            return f"{cells[0].ljust(widths[0])}  {' '.join(cells[1:])}".rstrip()
-        out = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)]
+            rest = " ".join(cells[1:])
+            if width:
+                rest = shorten_end(rest, max(width - widths[0] - 2, 12))
+            return f"{cell(0, cells[0]).ljust(widths[0])}  {rest}".rstrip()
+        out = [cell(i, c).rjust(widths[i]) if i in right else cell(i, c).ljust(widths[i])
+               for i, c in enumerate(cells)]
         return "  ".join(out).rstrip()
 
     return "\n".join([line(headers)] + [line(r) for r in rows])

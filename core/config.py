@@ -6,6 +6,7 @@ of anything wrong; ``to_dict`` gives back plain data that ``from_dict`` accepts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,6 +156,14 @@ class LoadConfig:
     """Extra ``module.QualName`` types allowed when loading with ``weights_only=True``."""
     max_blob_bytes: int = 1 << 34
     """Refuse any blob or chunk whose declared size exceeds this (hostile manifests)."""
+    max_total_bytes: Optional[int] = None
+    """Refuse to load (or decode in ``verify``) a checkpoint whose tensors, delta row indices and
+    kept copies need more host memory than this, before allocating any (None = this machine's
+    physical memory)."""
+    max_manifest_elements: int = 4_000_000
+    """Refuse, before parsing it, a manifest whose JSON holds more elements than this, or lists and
+    objects more than a quarter of it: each costs 50-200 bytes of memory to parse, and a checkpoint
+    has ~60 per tensor and ~16 per chunk (the default admits ~65k tensors)."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,7 @@ class EngineConfig:
             *parents, leaf = dotted.split(".")
             for p in parents:
                 if not isinstance(node.get(p), dict):
-                    raise ConfigError(f"unknown config key {dotted!r}")
+                    raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(dotted, _dotted_keys(data))}")
                 node = node[p]
             node[leaf] = value
         return EngineConfig.from_dict(data)
@@ -228,6 +237,22 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     raise ConfigError(f"config must be EngineConfig, dict, YAML path or None, not {type(config).__name__}")
 
 
+def _did_you_mean(key: str, names: "typing.Iterable[str]", prefix: str = "") -> str:
+    """``"; did you mean 'saving.asynchronous'?"`` for the valid key nearest to a misspelt one, else ``""``."""
+    match = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    return f"; did you mean {prefix + match[0]!r}?" if match else ""
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a ``to_dict`` tree (sections and settings), for suggestions."""
+    keys = []
+    for key, value in data.items():
+        keys.append(prefix + key)
+        if isinstance(value, dict) and key != "storage_options":
+            keys += _dotted_keys(value, f"{prefix}{key}.")
+    return keys
+
+
 _TUPLE_ITEM_TYPES = {("EngineConfig", "quantization"): QuantRule}
 
 
@@ -242,7 +267,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {dotted!r} (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(key, names, prefix)} "
+                              f"(known: {', '.join(sorted(names))})")
         item_type = _TUPLE_ITEM_TYPES.get((cls.__name__, key))
         kwargs[key] = _check(hints[key], value, dotted, item_type)
     missing = [f.name for f in dataclasses.fields(cls)
@@ -312,6 +338,7 @@ def _check(tp: Any, value: Any, dotted: str, item_type: type | None = None) -> A
 _POSITIVE = {
     "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
     "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
+    "load.max_manifest_elements", "load.max_total_bytes",
 }
 _NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
 
@@ -320,7 +347,7 @@ def _validate_values(obj: Any, prefix: str) -> None:
     for f in dataclasses.fields(obj):
         dotted = f"{prefix}{f.name}"
         value = getattr(obj, f.name)
-        if dotted in _POSITIVE and value <= 0:
+        if dotted in _POSITIVE and value is not None and value <= 0:
             raise ConfigError(f"{dotted}: must be > 0, got {value!r}")
         if dotted in _NON_NEGATIVE and value < 0:
             raise ConfigError(f"{dotted}: must be >= 0, got {value!r}")

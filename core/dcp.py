@@ -2,9 +2,9 @@
 
 DCP does the distributed part (planning, DTensor/FSDP sharding, resharding on load, coordination);
 checkrun stores what each rank writes: content-addressed, checksummed, compressed chunks (the engine's
-codec pipelines and quantization rules), a chunk already in the store is not written again, on any
-fsspec URL, and the coordinator commits one manifest after every rank's data is durable. See
-docs/distributed.md.
+codec pipelines and quantization rules), a chunk already in the store is not written again (once its
+stored bytes were checked, once per process; a rotted one is), on any fsspec URL, and the coordinator
+commits one manifest after every rank's data is durable. See docs/distributed.md.
 
 Plain DCP (every rank)::
 

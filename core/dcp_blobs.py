@@ -4,9 +4,11 @@ Each rank runs one :class:`ItemWriter` per ``write_data`` call. A tensor item (D
 a replicated tensor, whole tensor) is cut into the engine's chunks (``chunk_spans``); each chunk's
 content key is computed from its raw bytes (``blob_key``, the same address the engine uses), and only
 chunks whose key is not already in ``DIR/.checkrun/blobs/`` are encoded and written. What this process
-knows is in :data:`KNOWN` (per directory: blob refs of the last save or load, seeded from the newest
-manifest of the directory on first use), and a known blob is still checked for existence (``has_blob``)
-before it is reused, so garbage collection between two saves cannot leave a manifest dangling.
+knows is in :data:`KNOWN` (per directory, a ``DirState``: blob refs of the last save or load, seeded
+from the newest manifest of the directory on first use, and the blobs already checked). A stored blob
+is reused only if it exists (``has_blob``: garbage collection between two saves cannot leave a manifest
+dangling) and its stored bytes were checked against the reference about to be written (``blobcheck``:
+once per process and blob; blobs a DCP load verified count as checked); a rotted one is written again.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .blobcheck import StoredBlob, adoptable, trusted
 from .codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
 from .config import EngineConfig, QuantRule
 from .dcp_format import ItemResult, record_key
@@ -31,6 +34,7 @@ from .errors import CheckrunError
 from .manifest import MAGIC_PREFIX, BlobRef, ChunkRef, ObjectRecord, TensorRecord, dtype_name, parse_manifest
 from .quant_rules import RuleMatcher
 from .storage import Store
+from .streams import DirState
 from .writer import blob_key, chunk_spans
 
 log = logging.getLogger("ckpt_core")
@@ -38,37 +42,51 @@ _DEFAULT_WINDOW = 256 << 20
 
 
 class BlobIndex:
-    """Process-wide map directory URL -> {blob key: BlobRef} (plus encode stats of lossy chunks).
+    """Process-wide map directory URL -> ``DirState``: the blob refs of the latest save or load
+    (``index``), encode stats of lossy chunks (``stats``) and the blobs whose stored bytes this
+    process checked (``verified``, see ``blobcheck``).
 
     Thread-safe. Holds the blobs of the latest save or load per directory, so memory stays
     proportional to one checkpoint."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._refs: dict[str, dict[str, BlobRef]] = {}
-        self._stats: dict[str, dict[str, EncodeStats]] = {}
+        self._dirs: dict[str, DirState] = {}
 
-    def view(self, store: Store, config: EngineConfig) -> tuple[dict[str, BlobRef], dict[str, EncodeStats]]:
+    def view(self, store: Store, config: EngineConfig) -> tuple[dict[str, BlobRef], dict[str, EncodeStats], DirState]:
+        """Copies of the directory's refs and stats (stable during a save), and its ``DirState``,
+        whose ``verified`` a save updates in place as it checks blobs."""
         url = store.url("")
         with self._lock:
-            refs, stats = self._refs.get(url), self._stats.get(url, {})
-        if refs is None:
-            refs = _seed(store, config)
+            state = self._dirs.get(url)
+        if state is None:
+            seeded = DirState(index=_seed(store, config))
             with self._lock:
-                refs = self._refs.setdefault(url, refs)
-        return dict(refs), dict(stats)
+                state = self._dirs.setdefault(url, seeded)
+        with self._lock:
+            return dict(state.index), dict(state.stats), state
 
     def remember(self, store: Store, refs: Iterable[BlobRef], stats: dict[str, EncodeStats] | None = None,
                  replace: bool = True) -> None:
-        url = store.url("")
         new = {r.key: r for r in refs}
         with self._lock:
-            if replace or url not in self._refs:
-                self._refs[url] = new
+            state = self._state(store)
+            if replace:
+                state.index = new
+                for key in [k for k in list(state.verified) if k not in new]:
+                    state.verified.pop(key, None)
             else:
-                self._refs[url].update(new)
+                state.index.update(new)
             if stats:
-                self._stats.setdefault(url, {}).update(stats)
+                state.stats.update(stats)
+
+    def adopt_verified(self, store: Store, refs: Iterable[BlobRef]) -> None:
+        """Blobs a load read and verified: the next save reuses them without reading them again."""
+        with self._lock:
+            self._state(store).adopt_verified(list(refs))
+
+    def _state(self, store: Store) -> DirState:
+        return self._dirs.setdefault(store.url(""), DirState())
 
 
 def _seed(store: Store, config: EngineConfig) -> dict[str, BlobRef]:
@@ -110,12 +128,13 @@ def _bytes_view(t2d: torch.Tensor) -> torch.Tensor:
 
 class ItemWriter:
     """Stores the items of one rank's plan. Created and used on the thread running ``write_data``;
-    chunk work runs on ``workers``. ``known`` must not change while it runs."""
+    chunk work runs on ``workers``. ``known`` must not change while it runs; ``dirstate.verified``
+    (the process's checked blobs of this directory) is updated as blobs are checked or written."""
 
     def __init__(self, store: Store, config: EngineConfig, matcher: RuleMatcher, rank: int, workers: Executor,
-                 known: dict[str, BlobRef], known_stats: dict[str, EncodeStats]) -> None:
+                 known: dict[str, BlobRef], known_stats: dict[str, EncodeStats], dirstate: DirState) -> None:
         self.store, self.config, self.matcher, self.rank, self.workers = store, config, matcher, rank, workers
-        self.known, self.known_stats = known, known_stats
+        self.known, self.known_stats, self.dir = known, known_stats, dirstate
         self.touched: dict[str, BlobRef] = {}
         self.new_stats: dict[str, EncodeStats] = {}
         self._inflight: dict[str, Future] = {}
@@ -157,10 +176,12 @@ class ItemWriter:
         key = blob_key("object|", payload)
         ref = BlobRef(key, len(payload), xxhash.xxh3_64_hexdigest(payload))
         self.touched[key] = ref
-        if self.store.has_blob(key):
-            return ObjectRecord(record_key(item.index, True), "dcp.bytes", ref), 0
-        self.store.put_blob(key, payload)
-        return ObjectRecord(record_key(item.index, True), "dcp.bytes", ref), len(payload)
+        record = ObjectRecord(record_key(item.index, True), "dcp.bytes", ref)
+        # The payload's own bytes are its only valid encoding: reuse the stored blob only if it is them.
+        if self.store.has_blob(key) and trusted(self.dir, ref, self._stored(key)):
+            return record, 0
+        self._put(ref, payload)
+        return record, len(payload)
 
     # -- tensors ---------------------------------------------------------------------------------
     def _pipeline(self, fqn: str, t: torch.Tensor) -> tuple[Pipeline, QuantRule | None]:
@@ -234,16 +255,34 @@ class ItemWriter:
         return self.new_stats.get(key) or self.known_stats.get(key)
 
     def _store_chunk(self, key: str, array2d: torch.Tensor, pipeline: Pipeline):
+        """Reuse the stored blob of a chunk once its bytes were checked (``blobcheck``), else write it.
+
+        A known blob is reused without encoding once its stored bytes match the known reference
+        and (lossy) its error is known; otherwise the chunk is encoded, and a stored blob (one this
+        process does not know: another rank's or process's) adopted if it holds the same content,
+        else (missing, rotted, truncated) written."""
+        stored = self._stored(key)
+        exists = self.store.has_blob(key)
         known = self.known.get(key)
-        if self.store.has_blob(key):
-            if known is None:  # written by another process or rank: adopt it as stored
-                data = self.store.get_blob(key, self.config.load.max_blob_bytes)
-                known = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
-            return known, 0, self._stats_of(key)
+        if exists and known is not None and trusted(self.dir, known, stored):
+            stats = self._stats_of(key)
+            if stats is not None or not pipeline.lossy:
+                return known, 0, stats
         data, stats = pipeline.encode(array2d)
-        ref = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
-        self.store.put_blob(key, data)
-        return ref, len(data), stats
+        fresh = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
+        ref = adoptable(self.dir, fresh, data, array2d, pipeline, stored) if exists else None
+        if ref is not None:
+            return ref, 0, stats
+        self._put(fresh, data)
+        return fresh, len(data), stats
+
+    def _stored(self, key: str) -> StoredBlob:
+        return StoredBlob(self.store, key, self.config.load.max_blob_bytes)
+
+    def _put(self, ref: BlobRef, data: bytes | memoryview) -> None:
+        self.store.put_blob(ref.key, data)
+        # Written, not read back: the first save that reuses it checks it.
+        self.dir.verified.pop(ref.key, None)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

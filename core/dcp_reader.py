@@ -24,7 +24,7 @@ from .config import EngineConfig, coerce_config
 from .dcp_blobs import KNOWN
 from .dcp_format import decode_metadata
 from .errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError
-from .manifest import DTYPES, Manifest, ObjectRecord
+from .manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from .reader import decode_chunk, fetch_blob, read_manifest
 from .storage import Store
 
@@ -103,7 +103,8 @@ class CheckrunStorageReader(StorageReader):
                 raise FormatError(f"{where}: no stored item for {req.storage_index}")
             by_record.setdefault(key, []).append(req)
         byte_keys = [k for k, reqs in by_record.items() if reqs[0].type == LoadItemType.BYTE_IO]
-        payloads = store.map(lambda k: fetch_blob(store, _object(objects, k, where).blob), byte_keys)
+        fetched = [_object(objects, k, where).blob for k in byte_keys]
+        payloads = store.map(lambda ref: fetch_blob(store, ref), fetched)
         for key, data in zip(byte_keys, payloads):
             for req in by_record[key]:
                 planner.load_bytes(req, io.BytesIO(data))
@@ -117,11 +118,12 @@ class CheckrunStorageReader(StorageReader):
             batch.append((rec, reqs))
             size += rec.nbytes
             if size >= _BATCH_BYTES:
-                self._read_batch(store, batch, planner, where)
+                fetched += self._read_batch(store, batch, planner, where)
                 batch, size = [], 0
         if batch:
-            self._read_batch(store, batch, planner, where)
+            fetched += self._read_batch(store, batch, planner, where)
         KNOWN.remember(store, self.manifest.blobs(), replace=False)
+        KNOWN.adopt_verified(store, fetched)  # read and checked: a save reuses them without reading again
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -142,8 +144,9 @@ class CheckrunStorageReader(StorageReader):
             self._store, self._name = Store.for_path(self.path, self.storage_options, self.config.storage)
         return self._store, self._name
 
-    def _read_batch(self, store: Store, batch: list, planner: LoadPlanner, where: str) -> None:
-        """Decode the needed chunks of a batch of records in parallel, then copy on this thread."""
+    def _read_batch(self, store: Store, batch: list, planner: LoadPlanner, where: str) -> list[BlobRef]:
+        """Decode the needed chunks of a batch of records in parallel, then copy on this thread.
+        Returns the blobs it read (each verified against its checksum)."""
         tasks, buffers = [], []
         for rec, reqs in batch:
             dtype = DTYPES[rec.dtype]
@@ -178,6 +181,7 @@ class CheckrunStorageReader(StorageReader):
                                       f"match the stored region {tuple(src.size())}")
                 target.copy_(src)
                 planner.commit_tensor(req, target)
+        return [chunk.blob for _, _, chunk, _ in tasks]
 
 
 def _object(objects: dict[str, ObjectRecord], key: str, where: str) -> ObjectRecord:

@@ -7,8 +7,9 @@ DCP's call order (``dcp.save`` / ``dcp.async_save``), and what each step does he
 2. (all ranks) ``prepare_local_plan``: resolves the store (an unsafe path fails here, before any write).
 3. (coordinator) ``prepare_global_plan``: tells every rank its rank and the world size.
 4. (all ranks) ``write_data``: every rank stores its own items as content-addressed, checksummed,
-   compressed blobs in the shared ``DIR/.checkrun/blobs/`` (a blob already there is not written again)
-   and returns, with a completed future, one WriteResult per item carrying its manifest record.
+   compressed blobs in the shared ``DIR/.checkrun/blobs/`` (a blob already there is not written again
+   once its stored bytes were checked, once per process: ``blobcheck``; a rotted one is rewritten) and
+   returns, with a completed future, one WriteResult per item carrying its manifest record.
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only after every rank's ``write_data``
    succeeded; it commits ONE manifest, atomically. A failure on any rank means DCP never calls
    ``finish``: no manifest, no checkpoint (the orphan blobs go at the next ``gc`` after its grace period).
@@ -131,11 +132,11 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         store, _ = self._resolve()
         rp = plan.storage_data
         rank = rp.rank if isinstance(rp, _RankPlan) else self.rank
-        known, stats = KNOWN.view(store, self.config)
+        known, stats, dirstate = KNOWN.view(store, self.config)
         with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
                                 initializer=lower_thread_priority,
                                 initargs=(self.config.saving.thread_nice,)) as pool:
-            writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats)
+            writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate)
             results = writer.write(plan.items, planner)
         store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
         KNOWN.remember(store, writer.touched.values(), writer.new_stats)

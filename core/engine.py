@@ -4,7 +4,9 @@ Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`
 called from the training thread (any one thread at a time). Each save's background part runs on one
 coordinator thread in submission order (so saves to one path commit in order), fanning chunk work out
 to a pool of ``saving.workers`` threads; with ``saving.background: process`` the coordinator hands each
-save to a writer process instead (``writer_process``), which does the same there.
+save to a writer process instead (``writer_process``), which does the same there. An idle engine
+holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
+they have), and the next save starts them again.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import lifecycle
+from . import inflight, lifecycle
 from .capture import Snapshot, take_snapshot
 from .config import EngineConfig, coerce_config
-from .errors import BackgroundSaveError, CheckrunError
+from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
 from .handles import SaveHandle, SaveInfo
 from .manifest import Manifest
 from .quant_rules import RuleMatcher
-from .reader import VerifyReport, load_manifest_state, read_manifest, verify_manifest
+from .reader import VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest
 from .retention import CheckpointEntry, GCReport, apply_retention, collect_garbage, list_checkpoints
 from .staging import BufferPool, Copier, MemoryBudget
 from .storage import Store
@@ -57,15 +59,15 @@ class CheckpointEngine:
         self.config = coerce_config(config)
         sc = self.config.saving
         self._process = WriterProcess(self.config) if sc.background == "process" else None
-        self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared)
         self._budget = MemoryBudget(sc.staging_budget_bytes)
+        self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared,
+                                budget=self._budget)  # the pool keeps within the staging budget too
         self._copier = Copier()
         self._slots = threading.BoundedSemaphore(sc.max_pending)
         self._matcher = RuleMatcher(self.config.quantization)
-        self._workers = ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
-                                           initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
         self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the coordinator; None while the engine is idle
+        self._retired: list[threading.Thread] = []  # coordinators that went idle, joined by wait/close
         self._dirs: dict[tuple, DirState] = {}
         self._stores: dict[tuple, Store] = {}
         self._inflight: list[SaveHandle] = []
@@ -75,6 +77,7 @@ class CheckpointEngine:
         self._failed: list[SaveHandle] = []
         self._trackers: list = []
         self._closed = False
+        self._pid = os.getpid()
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -103,12 +106,16 @@ class CheckpointEngine:
         dirstate.last = handle
         with self._cond:
             self._inflight.append(handle)
+        inflight.begin(handle.path)
         if self.config.saving.asynchronous:
             lifecycle.install_sigterm(self.config.saving.sigterm_grace_seconds)
-            self._ensure_thread()
-            self._queue.put(job)
+            with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
+                self._ensure_thread()
+                self._queue.put(job)
         else:
-            self._run(job)
+            with self._new_workers() as workers:
+                self._run(job, workers)
+            self._release_if_idle()
             handle.result()
         return handle
 
@@ -121,11 +128,12 @@ class CheckpointEngine:
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
-        manifest = read_manifest(store, name, self.config)
+        manifest = self._read_manifest(store, name)
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
                                             weights_only=weights_only, config=self.config,
-                                            keep_copy=self._wants_stream)
+                                            keep_copy=lambda rec, flat: self._wants_stream(rec, flat, map_location))
         self._adopt_loaded(store, manifest, loaded)
+        self._release_if_idle()
         return state
 
     def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
@@ -201,24 +209,31 @@ class CheckpointEngine:
         self._callbacks.append(fn)
 
     def wait(self) -> None:
-        """Block until every pending save is durable; raise a background error not yet surfaced."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._inflight)
+        """Block until every pending save is durable and the engine's threads have ended; raise a
+        background error not yet surfaced."""
+        if self._forked():
+            return
+        self._wait_idle()
         self._raise_pending_error()
 
     def close(self) -> None:
-        """Wait for pending saves, then release threads and buffers. Idempotent."""
+        """Wait for pending saves, then release threads and buffers. Idempotent.
+
+        In a forked child (a DataLoader worker) the engine belongs to the parent: ``close`` only
+        marks it closed, never waiting for the parent's saves nor touching shared resources."""
         if self._closed:
             return
+        if self._forked():
+            self._closed = True
+            return
         try:
-            with self._cond:
-                self._cond.wait_for(lambda: not self._inflight)
+            self._wait_idle()
         finally:
             self._closed = True
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
-            self._workers.shutdown(wait=True)
+            with self._cond:
+                if self._thread is not None:  # interrupted while waiting: end after the queued saves
+                    self._queue.put(None)
+            self._wait_idle()
             self._copier.close()
             if self._process is not None:
                 self._process.close()
@@ -231,7 +246,9 @@ class CheckpointEngine:
 
     @property
     def pending(self) -> int:
-        """Number of saves not yet committed or failed."""
+        """Number of saves not yet committed or failed (0 in a forked child: they are the parent's)."""
+        if self._forked():
+            return 0
         with self._cond:
             return len(self._inflight)
 
@@ -256,11 +273,44 @@ class CheckpointEngine:
         raise TypeError("CheckpointEngine holds threads and cannot be pickled; pickle its config instead")
 
     # -- internals ----------------------------------------------------------------------------
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
     def _check_open(self) -> None:
+        if self._forked():
+            raise CheckrunError(f"this CheckpointEngine belongs to process {self._pid}; a forked child "
+                                f"(pid {os.getpid()}) cannot use it: create an engine in the child")
         if self._closed:
             raise CheckrunError("this CheckpointEngine is closed")
 
-    def _store(self, path: PathLike, storage_options: dict | None) -> tuple[Store, str]:
+    def _read_manifest(self, store: Store, name: str) -> Manifest:
+        try:
+            return read_manifest(store, name, self.config)
+        except CheckpointNotFoundError as exc:
+            hint = self._directory_hint(store, name)
+            if hint is None:
+                raise
+            raise CheckpointNotFoundError(f"{exc}: {hint}") from exc
+
+    def _directory_hint(self, store: Store, name: str) -> str | None:
+        """Why a load of a directory failed, in words: how many checkpoints it holds, the newest."""
+        sub = store.subdirectory(name)
+        try:
+            if not sub.is_directory():
+                return None
+            entries = [e for e in list_checkpoints(sub, self.config) if e.manifest is not None]
+        except CheckrunError:
+            return None
+        if not entries:
+            return "it is a directory that holds no committed checkpoint"
+        return (f"it is a directory of {len(entries)} checkpoint(s); the newest is {entries[-1].url} "
+                "(load a file, e.g. engine.load(engine.latest(directory)))")
+
+    def _store(self, path: PathLike | None, storage_options: dict | None) -> tuple[Store, str]:
+        if path is None:
+            raise CheckpointNotFoundError(
+                "no checkpoint path given (None); latest(directory) returns None when the directory holds "
+                "no committed checkpoint: start from scratch or check the directory")
         store, name = Store.for_path(path, storage_options, self.config.storage)
         return self._stores.setdefault((store.url(""), _opts_key(storage_options)), store), name
 
@@ -276,29 +326,71 @@ class CheckpointEngine:
         if dirstate.streams and dirstate.last is not None:
             dirstate.last.wait()
 
-    def _wait_path(self, url: str) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not any(h.path == url for h in self._inflight))
+    @staticmethod
+    def _wait_path(url: str) -> None:
+        """Wait for a save to ``url`` by any engine of this process (DESIGN: load/remove of a path
+        wait for a save to it in flight anywhere in this process)."""
+        inflight.wait(url)
 
-    def _wait_dir(self, store: Store) -> None:
+    @staticmethod
+    def _wait_dir(store: Store) -> None:
         prefix = store.url("")
-        with self._cond:
-            self._cond.wait_for(lambda: not any(h.path.startswith(prefix) for h in self._inflight))
+        inflight.wait_under(prefix.rstrip("/") + "/")
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="checkrun-coordinator", daemon=True)
             self._thread.start()
 
-    def _loop(self) -> None:
-        lifecycle.lower_thread_priority(self.config.saving.thread_nice)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._run(job)
+    def _new_workers(self) -> ThreadPoolExecutor:
+        sc = self.config.saving
+        return ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
+                                  initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
 
-    def _run(self, job: _Job) -> None:
+    def _loop(self) -> None:
+        """Coordinator: runs the queued saves; once the queue is empty it ends, with its workers, the
+        snapshot's copy helper and the idle storage pools (an idle engine holds no thread; the next
+        save starts a new coordinator, ~0.1-0.2 ms on the training thread, measured)."""
+        lifecycle.lower_thread_priority(self.config.saving.thread_nice)
+        with self._new_workers() as workers:
+            while True:
+                job = self._queue.get()
+                if job is not None:
+                    self._run(job, workers)
+                with self._cond:
+                    if job is None or self._queue.empty():
+                        self._thread = None
+                        self._retired = [t for t in self._retired if t.is_alive()]
+                        self._retired.append(threading.current_thread())
+                        self._cond.notify_all()
+                        break
+        self._release_idle()
+
+    def _wait_idle(self) -> None:
+        """Wait until no save is pending and the coordinators that went idle have ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._inflight and self._thread is None)
+            retired, self._retired = self._retired, []
+        for thread in retired:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _release_if_idle(self) -> None:
+        """Training thread, after a sync save or a load: stop the idle threads unless a coordinator
+        runs (it stops them itself when it goes idle, off the training thread: a join there waits
+        for the GIL behind the background threads, ~10 ms per save measured)."""
+        with self._cond:
+            busy = self._thread is not None
+        if not busy:
+            self._release_idle()
+
+    def _release_idle(self) -> None:
+        """Stop the snapshot's copy helper and the storage pools that no call is using."""
+        self._copier.close()
+        for store in list(self._stores.values()):
+            store.release_idle()
+
+    def _run(self, job: _Job, workers: ThreadPoolExecutor) -> None:
         """Background part of one save; never raises (errors go to the handle)."""
         info, error = None, None
         try:
@@ -308,7 +400,7 @@ class CheckpointEngine:
                     done = self._process.commit(job.snap, job.store, job.name)
                 else:
                     done = write_and_commit(job.snap, job.store, job.name, job.dir, self.config,
-                                            self._matcher, self._workers)
+                                            self._matcher, workers)
             finally:
                 self._release_staging(job.snap)
             commit_streams(job.snap, done, self.config.incremental.max_chain)
@@ -325,6 +417,7 @@ class CheckpointEngine:
                     self._failed.append(job.handle)
                 self._inflight.remove(job.handle)
                 self._cond.notify_all()
+            inflight.end(job.handle.path)
             self._slots.release()
 
     def _release_staging(self, snap: Snapshot) -> None:
@@ -380,8 +473,7 @@ class CheckpointEngine:
             state.removed, state.collected_at = False, time.time()
         report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run)
         if state is not None and not dry_run:
-            for key in report.deleted:
-                state.index.pop(key, None)
+            state.forget(list(report.deleted))
         if self._process is not None and not dry_run:
             self._process.forget(store, list(report.deleted))
         return report
@@ -400,15 +492,24 @@ class CheckpointEngine:
                 continue
             raise wrapped
 
-    def _wants_stream(self, rec, flat: torch.Tensor) -> bool:
-        """Whether a loaded tensor becomes a row stream (which needs its own copy of the values)."""
-        return not rec.quant and row_eligible(rec.key, flat.view(rec.shape), self.config.incremental)
+    def _wants_stream(self, rec, flat: torch.Tensor, map_location: Any = None) -> bool:
+        """Whether a loaded tensor becomes a row stream (which needs its own host copy of the values).
+
+        Only where row deltas will really apply: saved from the CPU and loaded onto the CPU (a GPU
+        job resuming with ``map_location="cpu"`` saves from the GPU again, where row deltas never
+        apply, so a host copy of model + optimizer state would only double its host memory)."""
+        if rec.quant or rec.device != "cpu" or not row_eligible(rec.key, flat.view(rec.shape),
+                                                                 self.config.incremental):
+            return False
+        try:
+            return map_location_tensor(flat[:0], rec.device, map_location).device.type == "cpu"
+        except Exception:  # noqa: BLE001 - a map_location we cannot probe: no stream, no copy
+            return False
 
     def _adopt_loaded(self, store: Store, manifest: Manifest, loaded) -> None:
         """Remember a loaded checkpoint so the next save to its directory is incremental."""
         state = self._dirstate(store)
-        for b in manifest.blobs():
-            state.index[b.key] = b
+        state.adopt_verified(manifest.blobs())  # the load checked every blob: no read to reuse them
         if self._process is not None:
             self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
         for lt in loaded:

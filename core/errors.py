@@ -40,3 +40,21 @@ class UnsafeLoadError(CheckrunError):
 
 class BackgroundSaveError(CheckrunError):
     """A background save failed; the original exception is the ``__cause__``."""
+
+
+class CommitRefusedError(CheckrunError):
+    """A save wrote its blobs but did not commit its manifest, on purpose (see the subclasses)."""
+
+
+class SupersededError(CommitRefusedError):
+    """The save is older than the manifest of the same name already committed (by another engine or
+    process): the newer checkpoint is kept and this save is not committed."""
+
+
+class OrphanedWriterError(CommitRefusedError):
+    """The writer process's training process died: the writer commits nothing of its saves."""
+
+
+class ResourceLimitError(CheckrunError):
+    """Reading a checkpoint would need more memory than a configured limit allows
+    (``load.max_total_bytes``); the checkpoint itself may be intact."""

@@ -52,6 +52,18 @@ def unregister(engine) -> None:
         _engines.discard(engine)
 
 
+def _forget_in_child() -> None:
+    # A forked child (DataLoader worker, any multiprocessing fork) inherits the parent's engines
+    # but none of their threads: flushing them at the child's exit would wait forever for saves
+    # only the parent can finish. The parent keeps its obligations; the child has none.
+    global _engines, _lock
+    _engines, _lock = weakref.WeakSet(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _flush_all() -> None:
     for engine in list(_engines):
         try:

@@ -16,9 +16,12 @@ import torch
 import xxhash
 
 from .errors import FormatError, NotACheckpointError, UnsafePathError
+from .manifest_limits import (MIN_DELTAS, ManifestLimits, check_deltas, check_device, check_json,
+                              resolve_limits)
 
 # A blob key is used as a path component in the store; the storage layer checks it too.
 _KEY_RE = re.compile(r"[0-9a-f]{32,64}")
+_WRITER_RE = re.compile(r"[0-9a-f]{1,32}")
 
 MAGIC = "manifest"
 MAGIC_KEY = "_checkrun"
@@ -132,6 +135,9 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    commit: dict | None = None
+    """The commit stamp (``fence.CommitStamp.to_json``: ns, seq, writer) that fences commits of one
+    name. Optional, and ignored by readers that do not know it: no new format version."""
 
     def blobs(self) -> list[BlobRef]:
         out = [b for t in self.tensors for b in t.blobs()]
@@ -152,6 +158,8 @@ class Manifest:
             "stats": self.stats,
             "meta": self.meta,
         }
+        if self.commit is not None:
+            body["commit"] = self.commit
         text = _canonical_bytes(body)
         return _with_checksum(text, xxhash.xxh3_128_hexdigest(text))
 
@@ -181,6 +189,17 @@ def _without_checksum(canonical: bytes, checksum: Any) -> bytes | None:
     """Inverse of ``_with_checksum``; None if ``canonical`` does not start that way."""
     head = _HEAD + _FIELD + json.dumps(checksum).encode() + b","
     return _HEAD + canonical[len(head):] if canonical.startswith(head) else None
+
+
+_CHECKSUM_AT = re.compile(rb'"checksum":"([0-9a-f]{32})"')
+
+
+def checksum_matches(data: bytes) -> bool:
+    """Whether ``data`` carries a manifest checksum that matches its bytes (no JSON parsing: a
+    cheap intactness check, not a validation)."""
+    m = _CHECKSUM_AT.match(data, len(_HEAD))
+    rest = _without_checksum(data, m.group(1).decode()) if m and data.startswith(_HEAD) else None
+    return rest is not None and xxhash.xxh3_128_hexdigest(rest) == m.group(1).decode()
 
 
 # Written out by hand: dataclasses.asdict deep-copies every leaf and took ~40% of the Python time
@@ -213,10 +232,14 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")  # json.loads would accept NaN/Infinity
 
 
-def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
-    """Parse and fully validate manifest bytes read from ``where`` (named in every error)."""
+def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None,
+                   limits: ManifestLimits | None = None) -> Manifest:
+    """Parse and fully validate manifest bytes read from ``where`` (named in every error) within
+    ``limits`` (``manifest_limits.limits_for(config)``; ``max_blob_bytes`` replaces theirs)."""
+    limits = resolve_limits(limits, max_blob_bytes)
     if not data.lstrip().startswith(MAGIC_PREFIX):
         raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
+    check_json(data, where, limits)  # json.loads builds every value: bound them first
     try:
         body = json.loads(data, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
@@ -237,7 +260,7 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int) -> Manifest:
     if rest is None or body.get("checksum") != xxhash.xxh3_128_hexdigest(rest):
         raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
     try:
-        return _manifest_from_json(body, max_blob_bytes)
+        return _manifest_from_json(body, limits)
     except UnsafePathError as exc:
         raise UnsafePathError(f"{where}: {exc}") from None
     except FormatError as exc:
@@ -297,7 +320,8 @@ def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int, parts: bool = 
                     part)
 
 
-def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION) -> TensorRecord:
+def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION,
+                      max_deltas: int = MIN_DELTAS) -> TensorRecord:
     key = _req(d, "key", str, "tensor")
     what = f"tensor {key!r}"
     dtype = _req(d, "dtype", str, what)
@@ -311,7 +335,7 @@ def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION
     parts = version >= 2 and bool(codecs) and isinstance(codecs[0], dict) and codecs[0].get("name") == "raw"
     base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes, parts) for c in _req(d, "base", list, what))
     deltas = []
-    for dd in d.get("deltas") or []:
+    for dd in check_deltas(d.get("deltas") or [], what, max_deltas):
         n = _nonneg(dd, "n", f"{what} delta")
         chunks = tuple(_chunk(c, f"{what} delta chunk", isz, max_blob_bytes)
                        for c in _req(dd, "chunks", list, f"{what} delta"))
@@ -319,21 +343,11 @@ def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION
     quant = d.get("quant")
     if quant is not None and not isinstance(quant, dict):
         raise FormatError(f"{what}: field 'quant' has the wrong type")
-    device = d.get("device", "cpu")
-    if not isinstance(device, str) or len(device) > 64 or not _valid_device(device):
-        raise FormatError(f"{what}: invalid device {device!r}")
+    device = check_device(d.get("device", "cpu"), what)
     rec = TensorRecord(key, dtype, shape, codecs, base, tuple(deltas), _nonneg(d, "written", what), quant,
                        device)
     _check_coverage(rec, what)
     return rec
-
-
-def _valid_device(name: str) -> bool:
-    try:
-        torch.device(name)
-        return True
-    except (RuntimeError, ValueError):
-        return False
 
 
 def _check_coverage(rec: TensorRecord, what: str) -> None:
@@ -358,10 +372,12 @@ def _check_coverage(rec: TensorRecord, what: str) -> None:
             raise FormatError(f"{what}: delta chunks cover {pos} elements, {d.n} rows need {d.n * cols}")
 
 
-def _manifest_from_json(body: dict, max_blob_bytes: int) -> Manifest:
+def _manifest_from_json(body: dict, limits: ManifestLimits) -> Manifest:
     created = _req(body, "created", (int, float), "manifest")
     version = body["format_version"]
-    tensors = tuple(_tensor_from_json(t, max_blob_bytes, version) for t in _req(body, "tensors", list, "manifest"))
+    max_blob_bytes = limits.max_blob_bytes
+    tensors = tuple(_tensor_from_json(t, max_blob_bytes, version, limits.max_deltas)
+                    for t in _req(body, "tensors", list, "manifest"))
     objects = []
     for o in _req(body, "objects", list, "manifest"):
         key = _req(o, "key", str, "object")
@@ -372,4 +388,15 @@ def _manifest_from_json(body: dict, max_blob_bytes: int) -> Manifest:
     if not isinstance(stats, dict) or not isinstance(meta, dict):
         raise FormatError("manifest: 'stats'/'meta' must be mappings")
     return Manifest(float(created), body.get("skeleton"), tensors, tuple(objects), stats, meta,
-                    body["format_version"])
+                    body["format_version"], _commit_field(body.get("commit")))
+
+
+def _commit_field(commit: Any) -> dict | None:
+    """The optional commit stamp, kept as written (so a manifest round-trips), shape checked."""
+    if commit is None:
+        return None
+    if (not isinstance(commit, dict) or set(commit) != {"ns", "seq", "writer"}
+            or not all(type(commit[k]) is int and 0 <= commit[k] < 2**64 for k in ("ns", "seq"))
+            or not isinstance(commit["writer"], str) or not _WRITER_RE.fullmatch(commit["writer"])):
+        raise FormatError("manifest: field 'commit' must be {ns, seq, writer}: two integers and a hex id")
+    return dict(commit)

@@ -18,8 +18,9 @@ import xxhash
 from .codecs import Pipeline, RawCodec, ShuffleCodec, ZstdCodec
 from .codecs._common import tensor_bytes
 from .config import EngineConfig
-from .errors import CheckrunError, CorruptCheckpointError, FormatError, UnsafeLoadError
+from .errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, UnsafeLoadError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
+from .manifest_limits import check_load_bytes, limits_for, memory_limit
 from .objects import deserialize_object
 from .staging import empty_host
 from .storage import Store
@@ -31,7 +32,7 @@ log = logging.getLogger("ckpt_core")
 def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
     """Read and validate the manifest ``name`` of ``store`` (errors name its URL)."""
     data = store.read_manifest(name)
-    return parse_manifest(data, store.url(name), max_blob_bytes=config.load.max_blob_bytes)
+    return parse_manifest(data, store.url(name), limits=limits_for(config))
 
 
 def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> bytes | memoryview:
@@ -52,16 +53,26 @@ class Scratch:
     """Per-thread byte buffers reused by the chunks of one load, freed with it: decoding writes
     into them instead of allocating (and page-faulting) fresh memory per chunk."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: str = "") -> None:
         self._local = threading.local()
+        self.where = where
 
     def get(self, slot: Hashable, nbytes: int) -> memoryview:
         """A writable buffer of ``nbytes`` for ``slot``, private to the calling thread."""
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(slot)
         if buf is None or buf.size < nbytes:
-            buf = bufs[slot] = empty_host(nbytes, torch.uint8).numpy()
+            buf = bufs[slot] = alloc_host(nbytes, torch.uint8, self.where, "decoding buffer").numpy()
         return memoryview(buf)[:nbytes]
+
+
+def alloc_host(numel: int, dtype: torch.dtype, where: str, what: str) -> torch.Tensor:
+    """``empty_host``, with an allocation failure (the sizes come from a manifest) as a CheckrunError."""
+    try:
+        return empty_host(numel, dtype)
+    except (RuntimeError, MemoryError) as exc:
+        raise ResourceLimitError(f"{where}: {what} of {numel * dtype.itemsize} bytes cannot be allocated: "
+                                 f"{exc}") from None
 
 
 def _decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
@@ -107,25 +118,25 @@ class LoadedTensor:
 KeepCopy = Callable[[TensorRecord, torch.Tensor], bool]
 
 
-def load_tensors(store: Store, manifest: Manifest, where: str,
-                 keep_copy: KeepCopy | None = None) -> list[LoadedTensor]:
+def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCopy | None = None,
+                 max_total_bytes: int | None = None) -> list[LoadedTensor]:
     """Fetch, verify and decode every tensor (bases in parallel, then deltas in order).
 
     Tensors ``keep_copy`` selects get a second copy (``LoadedTensor.copy``), made chunk by chunk
     on the io threads right after each chunk is decoded (the engine keeps it as the reference of
-    the next row-delta save)."""
+    the next row-delta save). What the manifest declares is checked against ``max_total_bytes``
+    (``load.max_total_bytes``) before anything is allocated."""
+    limit = memory_limit(max_total_bytes)
+    total = check_load_bytes(manifest, where, limit)
     out, tasks, packs = [], [], {}
     for rec in manifest.tensors:
         dtype = DTYPES[rec.dtype]
         pipe = _pipeline(rec, where)
-        try:
-            flat = empty_host(rec.numel, dtype)
-        except (RuntimeError, MemoryError) as exc:  # a hostile or damaged manifest's size
-            raise CorruptCheckpointError(f"{where}: tensor {rec.key!r} declares {rec.nbytes} bytes, "
-                                         f"which cannot be allocated: {exc}") from None
+        flat = alloc_host(rec.numel, dtype, where, f"tensor {rec.key!r}")
         lt = LoadedTensor(rec, flat)
         if keep_copy is not None and keep_copy(rec, flat):
-            lt.copy = empty_host(rec.numel, dtype)
+            total = check_load_bytes(manifest, where, limit, total + rec.nbytes)
+            lt.copy = alloc_host(rec.numel, dtype, where, f"copy of tensor {rec.key!r}")
         out.append(lt)
         for chunk in rec.base:
             if chunk.part is None:
@@ -135,7 +146,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str,
                     (lt, pipe, chunk, dtype))
     tasks.extend(packs.values())
 
-    scratch = Scratch()
+    scratch = Scratch(where)
 
     def pack_task(members: list) -> None:
         _, pipe, first, dtype = members[0]
@@ -204,9 +215,7 @@ def index_pipeline() -> Pipeline:
 def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
     """Apply torch.load's ``map_location`` semantics to one CPU tensor saved from ``saved_device``."""
     if map_location is None:
-        target = saved_device
-        if target.startswith("cuda") and not torch.cuda.is_available():
-            target = "cpu"
+        target = _restore_device(saved_device)
         return t if target == "cpu" else t.to(target)
     if isinstance(map_location, dict):
         target = map_location.get(saved_device, saved_device)
@@ -221,15 +230,39 @@ def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -
     return t.to(torch.device(map_location))
 
 
+# Device counts of the backends a manifest may name (``manifest_limits.DEVICE_TYPES``), 0 if absent.
+_BACKENDS: dict[str, Callable[[], int]] = {
+    "cuda": lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    "mps": lambda: int(torch.backends.mps.is_available()),
+    "xpu": lambda: torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0,
+}
+
+
+def _restore_device(saved: str) -> str:
+    """Where ``map_location=None`` puts a tensor saved from ``saved``: there, or the CPU on a machine
+    without that backend at all (a CUDA checkpoint read on a CPU-only machine)."""
+    device = torch.device(saved)
+    count = _BACKENDS.get(device.type, lambda: -1)()
+    if count == 0:
+        return "cpu"
+    if count > 0 and device.index is not None and device.index >= count:
+        raise CheckrunError(f"tensor saved from {saved}, but this machine has {count} {device.type} "
+                            "device(s): pass map_location")
+    return saved
+
+
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
                         weights_only: bool, config: EngineConfig,
                         keep_copy: KeepCopy | None = None) -> tuple[Any, list[LoadedTensor]]:
     """Rebuild the saved state tree from a parsed manifest (``keep_copy``: see ``load_tensors``)."""
     where = store.url(name)
     leaves = check_structure(manifest, where)
-    loaded = load_tensors(store, manifest, where, keep_copy)
-    tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
-               for lt in loaded]
+    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes)
+    try:
+        tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
+                   for lt in loaded]
+    except CheckrunError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
     objects = []
     for rec in manifest.objects:
         data = fetch_blob(store, rec.blob)
@@ -285,7 +318,9 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     except CheckrunError as exc:
         report.add(str(exc))
         return report
-    unique = {b.key: b for b in manifest.blobs()}
+    # Every distinct reference, not one per key: references to one blob that disagree (size or
+    # checksum) cannot all match it, so such a manifest fails.
+    unique = list(dict.fromkeys(manifest.blobs()))
 
     def check(ref: BlobRef) -> str | None:
         try:
@@ -297,7 +332,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             if progress is not None:
                 progress(ref.size)
 
-    for ref, problem in zip(unique.values(), store.map(check, list(unique.values()))):
+    for ref, problem in zip(unique, store.map(check, unique)):
         report.blobs_checked += 1
         report.bytes_checked += ref.size
         if problem:
@@ -305,7 +340,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     if report.ok and decode:
         try:
             check_structure(manifest, report.path)
-            load_tensors(store, manifest, report.path)
+            load_tensors(store, manifest, report.path, max_total_bytes=config.load.max_total_bytes)
         except CheckrunError as exc:
             report.add(str(exc))
     return report

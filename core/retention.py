@@ -3,7 +3,8 @@
 Retention only ever removes manifests. Garbage collection deletes a blob only when no manifest in the
 directory references it *and* it is older than the grace period, so blobs written by a save that has
 not committed yet (in this or another process) survive. If any manifest cannot be parsed, nothing
-is collected: its references are unknown.
+is collected: its references are unknown. One removed between the listing and its read (retention
+of another writer) is gone, not unreadable: it is left out and does not stop gc.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .errors import CheckpointNotFoundError, CheckrunError
 from .manifest import MAGIC_PREFIX, Manifest, parse_manifest
+from .manifest_limits import limits_for
 from .storage import Store
 
 log = logging.getLogger("ckpt_core")
@@ -45,7 +47,8 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
         try:
             head = store.read_head(info.name, len(MAGIC_PREFIX) + 8)
         except CheckpointNotFoundError:
-            return None  # removed since the listing
+            log.debug("checkrun: %s was removed while listing", store.url(info.name))
+            return None
         except CheckrunError as exc:
             # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
@@ -54,8 +57,13 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             return None
         try:
             data = store.read_manifest(info.name)
-            m = parse_manifest(data, store.url(info.name), max_blob_bytes=config.load.max_blob_bytes)
+            m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
+        except CheckpointNotFoundError:
+            # Removed between the listing and this read (retention of another writer): it is
+            # gone, not corrupt, and gc must not stop because of it.
+            log.debug("checkrun: %s was removed while listing", store.url(info.name))
+            return None
         except CheckrunError as exc:
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
 

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
-import shutil
 import sys
-import tempfile
 import threading
-from collections import defaultdict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import StorageError
+if TYPE_CHECKING:
+    from .shm_staging import SharedBuffers
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -97,32 +96,74 @@ class MemoryBudget:
 
 @dataclass
 class BufferPool:
-    """Free host buffers keyed by (dtype, numel, pinned); ``allocations`` counts fresh allocations.
+    """Host staging buffers reused from save to save, keyed by (dtype, numel, pinned).
+
+    Bounded: the pool holds at most ``bound()`` bytes, buffers lent to saves in flight and free ones
+    together. Before allocating, it frees the least recently returned free buffers until the new one
+    fits (and on ``give`` while over the bound, after a snapshot larger than the budget was admitted
+    alone). Only free buffers are freed: a buffer comes back once no worker of its save uses it any
+    more, and in a writer process's shared memory only after the writer process answered for it.
+    The bound is ``budget.limit`` (``saving.staging_budget_bytes``), or, without a limit, the most
+    staging memory charged at once so far (``budget.peak``: the largest snapshot, or the largest
+    ``max_pending`` of them in flight together) - what the saves needed, never every size seen.
+    Pinned buffers go back to torch's pinned-memory cache, which reuses them for later pinned ones.
 
     ``shared``: allocate every buffer there instead (``SharedBuffers``, for a writer process);
-    such buffers are never pinned."""
+    such buffers are never pinned. ``allocations`` counts fresh allocations, ``allocated_bytes``
+    the bytes the pool holds now, ``peak_bytes`` their maximum, ``evictions`` buffers freed to stay
+    within the bound. ``take`` runs on the training thread, ``give`` on the coordinator thread."""
 
     pin_memory: bool = True
-    shared: "SharedBuffers | None" = None
+    shared: "SharedBuffers | None" = field(default=None, repr=False)
+    budget: "MemoryBudget | None" = field(default=None, repr=False)
     allocations: int = 0
     allocated_bytes: int = 0
-    _free: dict = field(default_factory=lambda: defaultdict(list))
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    peak_bytes: int = 0
+    evictions: int = 0
+    # key -> deque of free buffers, oldest first; id(buf) -> (key, buf), oldest first
+    _free: dict = field(default_factory=dict, repr=False)
+    _lru: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bound(self) -> int | None:
+        """Most bytes the pool may hold (None: no budget object, unbounded)."""
+        if self.budget is None:
+            return None
+        return self.budget.limit if self.budget.limit is not None else self.budget.peak
 
     def take(self, dtype: torch.dtype, numel: int, for_cuda: bool) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements: a free one of that size, else a new one."""
         pinned = for_cuda and self.pin_memory and self.shared is None and torch.cuda.is_available()
+        key = (dtype, numel, pinned)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            free = self._free[(dtype, numel, pinned)]
+            free = self._free.get(key)
             if free:
-                return free.pop()
+                buf = free.pop()
+                del self._lru[id(buf)]
+                if not free:
+                    del self._free[key]
+                return buf
+            evicted = self._evict(nbytes)
             self.allocations += 1
-            buf = torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else self.new_host(numel, dtype)
-            self.allocated_bytes += buf.nbytes
-            return buf
+            self.allocated_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        self._release(evicted)  # before allocating: the memory is given back first
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else self.new_host(numel, dtype)
+        except BaseException:
+            with self._lock:
+                self.allocated_bytes -= nbytes
+            raise
 
     def new_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer outside the pool (a row stream's own): shared memory where the pool uses it."""
         return self.shared.allocate(numel, dtype) if self.shared is not None else empty_host(numel, dtype)
+
+    def free_host(self, buf: torch.Tensor) -> None:
+        """A buffer from ``new_host`` or ``host_copy`` that no save uses any more (a row stream's
+        buffer replaced when its tensor changed size): shared memory is released at once."""
+        self._release([buf])
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` itself, or a copy of it in shared memory where the pool uses shared memory."""
@@ -133,12 +174,40 @@ class BufferPool:
         return out
 
     def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer from ``take`` once no save uses it any more."""
+        key = (buf.dtype, buf.numel(), buf.is_pinned())
         with self._lock:
-            self._free[(buf.dtype, buf.numel(), buf.is_pinned())].append(buf)
+            self._free.setdefault(key, deque()).append(buf)
+            self._lru[id(buf)] = (key, buf)
+            evicted = self._evict(0)
+        self._release(evicted)
+
+    def _evict(self, extra: int) -> list[torch.Tensor]:
+        """Take least recently returned free buffers out until ``extra`` more bytes fit (lock held)."""
+        bound = self.bound()
+        out: list[torch.Tensor] = []
+        while bound is not None and self._lru and self.allocated_bytes + extra > bound:
+            _, (key, buf) = self._lru.popitem(last=False)
+            free = self._free[key]
+            # Both are in return order and ``take`` pops the newest: the oldest of a key is first.
+            i = next(i for i, b in enumerate(free) if b is buf)
+            del free[i]
+            if not free:
+                del self._free[key]
+            self.allocated_bytes -= buf.nbytes
+            self.evictions += 1
+            out.append(buf)
+        return out
+
+    def _release(self, buffers: list[torch.Tensor]) -> None:
+        if buffers and self.shared is not None:
+            self.shared.release(buffers)  # deletes the files; the writer process unmaps them
 
     def clear(self) -> None:
+        """Forget every free buffer (the engine closes: shared files go with their directory)."""
         with self._lock:
             self._free.clear()
+            self._lru.clear()
             self.allocated_bytes = 0
 
 
@@ -159,6 +228,7 @@ class Copier:
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
         self._pending: list[tuple[torch.device, "torch.cuda.Stream"]] = []
         self._helper: ThreadPoolExecutor | None = None
+        self._helper_lock = threading.Lock()  # close() may come from the engine's coordinator
         self._halves: list[Future] = []
 
     def copy(self, src: torch.Tensor, dst_flat: torch.Tensor) -> None:
@@ -166,10 +236,11 @@ class Copier:
         dst = dst_flat.view(src.shape)
         if src.device.type != "cuda":
             if dst.nbytes >= SPLIT_COPY_BYTES and src.dim() and src.shape[0] >= 2:
-                if self._helper is None:
-                    self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
                 half = src.shape[0] // 2
-                self._halves.append(self._helper.submit(dst[half:].copy_, src[half:]))
+                with self._helper_lock:
+                    if self._helper is None:
+                        self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
+                    self._halves.append(self._helper.submit(dst[half:].copy_, src[half:]))
                 dst = dst[:half]
                 src = src[:half]
             dst.copy_(src)
@@ -209,8 +280,9 @@ class Copier:
         return halves
 
     def close(self) -> None:
-        """Stop the helper thread (a later copy starts a new one)."""
-        helper, self._helper = self._helper, None
+        """Stop the helper thread after its copies (a later copy starts a new one). Any thread."""
+        with self._helper_lock:
+            helper, self._helper = self._helper, None
         if helper is not None:
             helper.shutdown(wait=True)
 
@@ -222,76 +294,3 @@ class _MultiEvent:
     def synchronize(self) -> None:
         for e in self.events:
             e.synchronize()
-
-
-class SharedBuffers:
-    """Host buffers in shared memory, for a writer process (``saving.background: process``).
-
-    Each buffer is a file of its own in a private directory (under ``/dev/shm`` where it exists),
-    space reserved up front (``posix_fallocate``: a full ``/dev/shm`` is a clear error here, not a
-    SIGBUS when a page is first touched), mapped shared. ``name_of`` gives the file name of a buffer
-    allocated here, which the writer process maps once (``map_shared``). ``close`` deletes the
-    directory; the writer process also deletes it when its parent goes away without closing.
-    """
-
-    def __init__(self) -> None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.directory = tempfile.mkdtemp(prefix="checkrun-staging-", dir=base)
-        self._names: dict[int, str] = {}
-        # Held until close: a freed buffer's address could be reused by another allocation, which
-        # ``name_of`` would then take for this buffer (its file stays until close anyway).
-        self._buffers: list[torch.Tensor] = []
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.empty(numel, dtype=dtype)
-        with self._lock:
-            self._count += 1
-            name = f"{self._count}.buf"
-        path = os.path.join(self.directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                os.unlink(path)
-                free = shutil.disk_usage(self.directory).free
-                raise StorageError(
-                    f"saving.background 'process': cannot reserve {nbytes} bytes of shared memory in "
-                    f"{self.directory} ({free} bytes free): {exc}. Enlarge it (docker: --shm-size) or "
-                    "use saving.background 'thread'") from exc
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        t = torch.frombuffer(mm, dtype=dtype, count=numel)  # keeps the mapping alive
-        advise_huge_pages(t)
-        with self._lock:
-            self._names[t.data_ptr()] = name
-            self._buffers.append(t)
-        return t
-
-    def name_of(self, t: torch.Tensor) -> str | None:
-        """The file name of a buffer allocated here (or a flat view of its start), else None."""
-        name = self._names.get(t.data_ptr()) if t.numel() else None
-        return name if name is not None and t.dim() == 1 and t.is_contiguous() else None
-
-    def close(self) -> None:
-        """Delete the files (mappings stay valid until the tensors that use them are gone)."""
-        with self._lock:
-            self._buffers.clear()
-            self._names.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def map_shared(directory: str, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """Map a buffer of ``SharedBuffers`` in another process (the writer process)."""
-    path = os.path.join(directory, name)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, 0)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=dtype, count=numel)

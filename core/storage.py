@@ -4,7 +4,9 @@ Layout: ``run/<name>.ckpt`` manifests (a manifest is the checkpoint and appears 
 complete) next to ``run/.checkrun/blobs/ab/cdef...`` blobs shared by all manifests in ``run/``.
 Atomicity: on local filesystems a file is written to a hidden temp file in its final directory,
 fsynced and ``os.replace``d, then the directory is fsynced; on object stores and ``memory://`` one
-``pipe_file`` (for manifests always a single PUT) is atomic by itself.
+``pipe_file`` (for manifests always a single PUT) is atomic by itself. A manifest commit runs its
+``guard`` (``fence.commit_guard``) right before the rename/PUT, and a rename/PUT that reports an
+error is resolved by reading the manifest back: if it holds exactly the bytes written, it landed.
 
 s3fs answers ``info``/``exists`` from cached directory listings (``dircache``), which would hide
 files written or deleted since - by us or by another process. Store invalidates a path's cache
@@ -177,6 +179,7 @@ class Store:
         self._is_s3 = bool(_S3_PROTOCOLS & set(_protocols(fs)))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pool_lock = threading.Lock()
+        self._maps = 0  # map() calls using the pool now: release_idle() leaves their pool alone
         self._unsynced: set[str] = set()  # blob directories whose new entries are not fsynced yet
         self._in_worker = threading.local()
         self._display_root = self._user_root()
@@ -235,6 +238,14 @@ class Store:
             if short != self.url_prefix and self.fs._strip_protocol(short) == self.root:
                 return short
         return self.url_prefix + self.root
+
+    def subdirectory(self, name: str) -> "Store":
+        """The store of the directory ``name`` inside this one (same filesystem and options)."""
+        return Store(self.fs, _join(self.root, _check_name(name)), self.config, self.url_prefix)
+
+    def is_directory(self) -> bool:
+        """Whether this store's root exists as a directory (a prefix with objects on S3)."""
+        return bool(self._retry(lambda: self.fs.isdir(self.root), f"stat {self.url('')}"))
 
     def blob_path(self, key: str) -> str:
         """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
@@ -378,11 +389,17 @@ class Store:
         path = _join(self.root, name)
         self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
-    def write_manifest(self, name: str, data: bytes) -> None:
-        """Commit a manifest atomically: rename on local filesystems, one PUT on object stores."""
+    def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None) -> None:
+        """Commit a manifest atomically: rename on local filesystems, one PUT on object stores.
+
+        ``guard`` (``fence.commit_guard``) runs right before each rename/PUT attempt and refuses
+        the commit by raising. A rename/PUT that reports an error although it was applied (a lost
+        response, an NFS rename retried after its reply was lost) is resolved by reading the
+        manifest back: holding exactly ``data``, it is committed; otherwise the error stands."""
         path = self._manifest_path(name)
         self.sync()
-        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
+        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}",
+                                        guard=guard, resolve=True),
                     f"write manifest {self._display(path)}")
 
     def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX) -> bytes:
@@ -463,14 +480,18 @@ class Store:
         if len(items) <= 1 or getattr(self._in_worker, "active", False):
             return [fn(x) for x in items]
         pool = self._get_pool()
-        futures = [pool.submit(self._run_in_worker, fn, x) for x in items]
         try:
-            wait(futures, return_when=FIRST_EXCEPTION)
+            futures = [pool.submit(self._run_in_worker, fn, x) for x in items]
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+            finally:
+                if any(_failed(f) for f in futures) or not all(f.done() for f in futures):
+                    for f in futures:
+                        f.cancel()
+                    wait(futures)
         finally:
-            if any(_failed(f) for f in futures) or not all(f.done() for f in futures):
-                for f in futures:
-                    f.cancel()
-                wait(futures)
+            with self._pool_lock:
+                self._maps -= 1
         for f in futures:
             if _failed(f):
                 raise f.exception()  # type: ignore[misc]
@@ -484,11 +505,23 @@ class Store:
             self._in_worker.active = False
 
     def _get_pool(self) -> ThreadPoolExecutor:
+        """The pool, for one ``map`` (counted until it ends)."""
         with self._pool_lock:
+            self._maps += 1
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads,
                                                 thread_name_prefix="checkrun-io")
             return self._pool
+
+    def release_idle(self) -> None:
+        """Stop the pool's threads unless a ``map`` is using it; a later ``map`` starts a new pool.
+        The engine calls it when it goes idle, so that an idle engine holds no thread."""
+        with self._pool_lock:
+            if self._maps:
+                return
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def close(self) -> None:
         """Shut down the pool after its running calls; a later ``map`` starts a new one."""
@@ -542,25 +575,49 @@ class Store:
             self.fs.invalidate_cache(path)
 
     def _write(self, path: str, data: bytes | memoryview, *, single_put: bool,
-               tmp_prefix: str = "", defer_dir_sync: bool = False) -> None:
+               tmp_prefix: str = "", defer_dir_sync: bool = False,
+               guard: Optional[Callable[[], None]] = None, resolve: bool = False) -> None:
+        """Write ``path`` atomically; ``guard`` and ``resolve`` as in ``write_manifest``."""
         if self.is_local:
-            self._write_local(path, data, tmp_prefix, defer_dir_sync)
+            self._write_local(path, data, tmp_prefix, defer_dir_sync, guard, resolve)
             return
         kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and self._is_s3 else {}
+        # bytes: botocore and other clients do not all accept memoryview bodies
+        body = bytes(data) if isinstance(data, memoryview) else data
+        if guard is not None:
+            guard()  # as close to the PUT as a check can be: see fence.py for the race left
         try:
-            # bytes: botocore and other clients do not all accept memoryview bodies
-            self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data,
-                              **kwargs)
+            self._apply(path, data, resolve, lambda: self.fs.pipe_file(path, body, **kwargs))
         finally:
             self.fs.invalidate_cache(path)
 
+    def _apply(self, path: str, data: bytes | memoryview, resolve: bool, commit: Callable[[], Any]) -> None:
+        """Run the step that makes ``path`` hold ``data`` (rename, PUT). If it fails and ``resolve``,
+        look whether it was applied anyway (its answer lost): then it counts as done."""
+        try:
+            commit()
+        except Exception as exc:
+            if not resolve or not self._holds(path, data):
+                raise
+            _LOG.warning("%s: the commit reported %s: %s, but it landed (the file holds exactly this "
+                         "save's bytes): committed", self._display(path), type(exc).__name__, exc)
+
+    def _holds(self, path: str, data: bytes | memoryview) -> bool:
+        """Whether ``path`` holds exactly ``data`` now (one read; an error counts as no)."""
+        try:
+            return self._read(path, len(data), "manifest") == data
+        except Exception:  # noqa: BLE001 - unreadable: not known to hold it, the error stands
+            return False
+
     def _write_local(self, path: str, data: bytes | memoryview, tmp_prefix: str,
-                     defer_dir_sync: bool = False) -> None:
+                     defer_dir_sync: bool = False, guard: Optional[Callable[[], None]] = None,
+                     resolve: bool = False) -> None:
         """Temp file in the same directory + fsync + rename + directory fsync (if configured;
         ``defer_dir_sync`` leaves the directory fsync to ``sync``).
 
         The temp file (a fresh uuid name) is opened through the filesystem object, so it gets
-        the process umask like any open() and a wrapped filesystem can inject faults.
+        the process umask like any open() and a wrapped filesystem can inject faults. ``guard``
+        runs between the fsync of the temp file and the rename.
         """
         directory = os.path.dirname(path)
         self._makedirs_local(directory)
@@ -571,7 +628,9 @@ class Store:
                 f.flush()
                 if self.config.fsync:
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if guard is not None:
+                guard()  # the last step before the rename: see fence.py for the race left
+            self._apply(path, data, resolve, lambda: os.replace(tmp, path))
         except BaseException:
             with contextlib.suppress(OSError):  # never leave a temp file (ENOSPC, EACCES, ^C)
                 os.remove(tmp)

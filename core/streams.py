@@ -172,11 +172,31 @@ class DirState:
     streams: dict[str, RowStream] = field(default_factory=dict)
     records: dict[str, TensorRecord] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    """Blob key -> ``EncodeStats`` of its lossy encoding (what the quantization error is built from)."""
+    verified: dict[str, BlobRef] = field(default_factory=dict)
+    """Blob key -> the reference its stored bytes were read and found to match, by a save's check
+    or by a load. Only these are reused without reading them (see ``blobcheck``); a blob this
+    engine wrote counts as unchecked until its first reuse reads it back."""
+    row_norms: dict = field(default_factory=dict)
+    """Lossy row stream key -> (the record it describes, float64 sum of squares of each row): the
+    reference norm of the tensor as restored, updated row by row by delta saves."""
     last: object = None
     removed: bool = False
     """A checkpoint was removed (``CheckpointEngine.remove``) since this engine last collected here."""
     collected_at: float = 0.0
     """``time.time()`` of this engine's last garbage collection here (0: never)."""
+
+    def adopt_verified(self, blobs: list[BlobRef]) -> None:
+        """Blobs a load read and verified: reused by the next save without reading them again."""
+        for b in blobs:
+            self.index[b.key] = b
+            self.verified[b.key] = b
+
+    def forget(self, keys: list[str]) -> None:
+        """Blobs that garbage collection deleted."""
+        for key in keys:
+            self.index.pop(key, None)
+            self.verified.pop(key, None)
 
     def invalidate(self) -> None:
         """After a failed save the buffers no longer match what is committed: next save is full."""

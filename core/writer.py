@@ -1,23 +1,30 @@
 """Steps 2-5 of a save, on the background thread: plan, encode, store, commit.
 
 Content addresses are computed from the raw staged bytes *before* encoding, so an unchanged chunk
-costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all.
+costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all, once its stored blob was
+checked: every blob a save reuses is read back once per engine before it is trusted (``blobcheck``;
+the cost is one read of each reused blob per engine), and a bad one is written again.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import xxhash
 
 from .capture import Snapshot, StagedTensor
+from .blobcheck import StoredBlob, adoptable, check_reused, trusted
 from .codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
 from .config import EngineConfig, QuantRule
+from .fence import commit_guard
 from .manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, dtype_name
+from .quant_error import stream_row_norms, tensor_quant
 from .quant_rules import RuleMatcher
 from .storage import Store
 from .streams import DirState, RowPlan, plan_rows
@@ -83,7 +90,8 @@ class SnapshotWriter:
         self.snap, self.store, self.dir, self.config = snap, store, dirstate, config
         self.matcher, self.workers = matcher, workers
         self.stream_updates: dict[str, tuple] = {}
-        self.written_keys: set[str] = set()
+        self.written: dict[str, BlobRef] = {}
+        """Blobs this save wrote (key -> reference): trusted by this save only."""
         self._futures: list[Future] = []
 
     def _submit(self, fn, *args) -> Future:
@@ -94,26 +102,33 @@ class SnapshotWriter:
     # -- chunks -------------------------------------------------------------------------------
     def _put_chunk(self, array2d: torch.Tensor, off: int, pipeline: Pipeline, prefix: str,
                    force: bool = False) -> ChunkResult:
+        """Store one chunk, or reuse its stored blob once that was checked (``blobcheck``).
+
+        A blob in the index is reused without encoding once its stored bytes match the indexed
+        reference and (lossy) its error is known; otherwise the chunk is encoded, and the stored
+        blob adopted if it holds the same content, else (missing, rotted, ``force``) written."""
         rows, cols = array2d.shape
         key = blob_key(f"{prefix}|{rows}x{cols}|", _as_bytes_view(array2d).reshape(-1))
         known = None if force else self.dir.index.get(key)
-        if known is not None:
-            return ChunkResult(ChunkRef(off, rows, cols, known), 0, self.dir.stats.get(key))
+        stored = StoredBlob(self.store, key, self.config.load.max_blob_bytes)
+        if known is not None and trusted(self.dir, known, stored):
+            stats = self.dir.stats.get(key)
+            if stats is not None or not pipeline.lossy:
+                return ChunkResult(ChunkRef(off, rows, cols, known), 0, stats)
         data, stats = pipeline.encode(array2d)
-        ref = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
-        written = 0
-        if force or not self.store.has_blob(key):
-            self.store.put_blob(key, data)
-            written = len(data)
-            self.written_keys.add(key)
-        else:
-            ref = self._existing(key, ref)
-        return ChunkResult(ChunkRef(off, rows, cols, ref), written, stats if pipeline.lossy else None)
+        stats = stats if pipeline.lossy else None
+        fresh = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
+        ref = None if force else adoptable(self.dir, fresh, data, array2d, pipeline, stored)
+        if ref is not None:
+            return ChunkResult(ChunkRef(off, rows, cols, ref), 0, stats)
+        self._write_blob(fresh, data)
+        return ChunkResult(ChunkRef(off, rows, cols, fresh), len(data), stats)
 
-    def _existing(self, key: str, ref: BlobRef) -> BlobRef:
-        """A blob with this content address exists (another engine, or before a restart): adopt it."""
-        data = self.store.get_blob(key, self.config.load.max_blob_bytes)
-        return BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
+    def _write_blob(self, ref: BlobRef, data: bytes | memoryview) -> None:
+        self.store.put_blob(ref.key, data)
+        # Written, not read back: the first save that reuses it checks it.
+        self.dir.verified.pop(ref.key, None)
+        self.written[ref.key] = ref
 
     def _chunks(self, t2d: torch.Tensor, pipeline: Pipeline, prefix: str, force: bool = False):
         rows, cols = t2d.shape
@@ -206,9 +221,11 @@ class SnapshotWriter:
         res = self._put_chunk(idx.view(1, -1), 0, pipeline, f"{pipeline.spec_id}|index")
         return res.ref.blob, res.written
 
-    def _finish_tensor(self, job) -> tuple[TensorRecord, int]:
+    def _finish_tensor(self, job) -> tuple[TensorRecord, int] | None:
+        """The record of one tensor once its chunks are stored; None when it is a row delta whose
+        error cannot be bounded (stats of a blob it keeps are unknown): write it full instead."""
         st, pipeline, rule, plan, base, base_futures, delta = job
-        written, stats = 0, EncodeStats()
+        written, idx = 0, None
         if base_futures is not None:
             results = [f.result() for f in base_futures]
             base = [r.ref for r in results]
@@ -224,21 +241,32 @@ class SnapshotWriter:
         for r in results:
             written += r.written
             if r.stats is not None:
-                stats = stats.merge(r.stats)
                 self.dir.stats[r.ref.blob.key] = r.stats
-        quant = _quant_record(rule, pipeline, stats, self.dir.records.get(st.key))
+        quant, norms = None, None
+        if rule is not None and pipeline.lossy:
+            if st.stream is not None:
+                norms = stream_row_norms(self.dir, st.key, st.data.view(_row_shape(st)), idx, st.stream.record)
+            quant = tensor_quant(rule, pipeline, self.dir.stats, base, deltas, [r.stats for r in results], norms)
+            if quant is None:
+                return None
         rec = TensorRecord(st.key, dtype_name(st.dtype), st.shape, tuple(pipeline.to_list()), tuple(base),
                            deltas, written, quant, st.device)
+        if norms is not None:
+            self.dir.row_norms[st.key] = (rec, norms)
         if st.stream is not None:
             self.stream_updates[st.key] = (plan, rec, pipeline.spec_id, st.changed is not None)
         return rec, written
 
     def _tensor(self, st: StagedTensor, job, force: bool = False) -> tuple[TensorRecord, int]:
         try:
-            return self._finish_tensor(job)
+            done = self._finish_tensor(job)
         except ValueError as exc:  # a lossy codec refuses non-finite or out-of-range values
             log.warning("checkrun: %s stored lossless: %s", st.key, exc)
             return self._finish_tensor(self._tensor_jobs(st, force=force, lossless=True))
+        if done is None:  # its chunks encoded now give the error of a full record
+            log.info("checkrun: quantization error of the chain of %s unknown; writing it full", st.key)
+            return self._tensor(st, self._tensor_jobs(st, force=True), force=True)
+        return done
 
     def _needs_rewrite(self, info) -> bool:
         """A reused blob must be written again if it is gone, or so old that another engine's gc
@@ -252,15 +280,22 @@ class SnapshotWriter:
     def _repair_missing(self, records: list[TensorRecord]) -> int:
         """Blobs reused from earlier saves may have been collected since (another process's gc),
         or may be about to be: check them and rewrite, from the snapshot, every tensor that
-        lost one or holds one older than half the gc grace (see ``_needs_rewrite``)."""
-        reused = sorted({b.key for r in records for b in r.blobs() if b.key not in self.written_keys})
-        infos = self.store.map(self.store.blob_info, reused)
-        missing = {k for k, info in zip(reused, infos) if self._needs_rewrite(info)}
+        lost one or holds one older than half the gc grace (see ``_needs_rewrite``). So is every
+        tensor holding a reference whose stored blob does not match it: the base and older deltas
+        a row-delta save keeps never pass through ``_put_chunk``, so they are checked here, before
+        the manifest that references them commits (once per engine: ``blobcheck``)."""
+        reused = list(dict.fromkeys(b for r in records for b in r.blobs() if self.written.get(b.key) != b))
+        keys = sorted({b.key for b in reused})
+        infos = self.store.map(self.store.blob_info, keys)
+        missing = {k for k, info in zip(keys, infos) if self._needs_rewrite(info)}
+        present = [b for b in reused if b.key not in missing]
+        matches = check_reused(self.store, self.dir, present, self.config.load.max_blob_bytes)
+        missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0
         for i, st in enumerate(self.snap.tensors):
             if missing.intersection(b.key for b in records[i].blobs()):
-                log.warning("checkrun: blobs of %s are missing or due for collection; writing it again",
-                            st.key)
+                log.warning("checkrun: blobs of %s are missing, damaged or due for collection; "
+                            "writing it again", st.key)
                 records[i], w = self._tensor(st, self._tensor_jobs(st, force=True), force=True)
                 extra += w
         return extra
@@ -317,10 +352,12 @@ class SnapshotWriter:
     def _put_object(self, obj) -> tuple[BlobRef, int]:
         key = blob_key("object|", obj.data)
         ref = BlobRef(key, len(obj.data), xxhash.xxh3_64_hexdigest(obj.data))
-        # Objects are few and small: always check, never trust the index.
-        if not self._needs_rewrite(self.store.blob_info(key)):
+        # Objects are few and small: always look at the stored blob, never trust the index, and
+        # compare its bytes once per engine (the object's own bytes are its only valid encoding).
+        stored = StoredBlob(self.store, key, self.config.load.max_blob_bytes)
+        if not self._needs_rewrite(self.store.blob_info(key)) and trusted(self.dir, ref, stored):
             return ref, 0
-        self.store.put_blob(key, obj.data)
+        self._write_blob(ref, obj.data)
         return ref, len(obj.data)
 
     def adopt(self, manifest: Manifest) -> None:
@@ -347,12 +384,20 @@ class Committed:
 
 
 def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState, config: EngineConfig,
-                     matcher: RuleMatcher, workers: Executor) -> Committed:
-    """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds."""
+                     matcher: RuleMatcher, workers: Executor,
+                     owner_alive: Callable[[], bool] | None = None) -> Committed:
+    """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds.
+
+    The commit is fenced (``fence``): it raises ``SupersededError`` instead of replacing a newer
+    manifest of that name, and ``OrphanedWriterError`` when ``owner_alive()`` (writer process: is
+    the training process alive?) says no."""
     writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers)
     manifest, stats = writer.write()
+    if snap.stamp is not None:
+        manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
     data = manifest.to_bytes()
-    store.write_manifest(name, data)
+    guard = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
+    store.write_manifest(name, data, guard=guard)
     writer.adopt(manifest)
     new = sum(1 for r in manifest.tensors if r.written)
     quantized = [r for r in manifest.tensors if r.quant]
@@ -366,15 +411,3 @@ def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:
     streams = {st.key: st.stream for st in snap.tensors if st.stream is not None}
     for key, (plan, rec, spec_id, detected) in done.stream_updates.items():
         streams[key].commit(plan, rec, spec_id, detected, max_chain)
-
-
-def _quant_record(rule: QuantRule | None, pipeline: Pipeline, stats: EncodeStats,
-                  previous: TensorRecord | None) -> dict | None:
-    """Error of a lossy tensor over the chunks whose stats are known (reused ones keep theirs)."""
-    if rule is None or not pipeline.lossy:
-        return None
-    if stats.sq_ref_sum == 0 and previous is not None and previous.quant:
-        return previous.quant
-    rel = math.sqrt(stats.sq_error_sum / stats.sq_ref_sum) if stats.sq_ref_sum > 0 else 0.0
-    return {"method": rule.method, "bits": pipeline.array.to_dict().get("bits"),
-            "max_abs_error": stats.max_abs_error, "rel_l2_error": rel}

@@ -20,10 +20,16 @@ Lifetime: started at the first save, stopped by ``CheckpointEngine.close``. It i
 SIGTERM (the engine decides when it stops; SIGTERM's grace is the engine's) and exits when the
 engine's end of the pipe closes, deleting the shared buffers if the engine could not. If it dies,
 the save in flight fails with a ``BackgroundSaveError`` naming its exit status and the next save
-starts a new one.
+starts a new one. If the training process dies first (its parent pid changes), the writer commits
+nothing more: it checks before each save and again right before each commit (``fence``), so a
+restarted trainer's newer checkpoint is never replaced by the dead one's older state. Both pids own
+the staging directory: if both die at once, the next engine to start deletes it
+(``staging.remove_stale_directories``). Buffers the engine's pool frees (staging budget) are
+unmapped here on an ``unmap`` message.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -36,14 +42,14 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .capture import Snapshot
 from .config import EngineConfig
-from .errors import CheckrunError, ConfigError
-from .staging import SharedBuffers, map_shared
+from .errors import CheckrunError, ConfigError, OrphanedWriterError
+from .shm_staging import SharedBuffers, map_shared
 from .storage import Store
 from .streams import DirState
 
@@ -92,6 +98,9 @@ class WriterProcess:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.shared = SharedBuffers()
+        # Buffers the pool frees (staging budget): the writer process unmaps them, after every
+        # save sent before (only buffers no save in flight uses are freed).
+        self.shared.on_release = lambda names: self._notify(("unmap", names))
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._backlog: list[bytes] = []  # adopted blobs told before the writer process started
@@ -106,6 +115,8 @@ class WriterProcess:
                                           stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+        # If the trainer dies with it, the next start deletes the staging files once both are gone.
+        self.shared.add_owner(self._proc.pid)
         conn = Connection(ours.detach())
         conn.send_bytes(pickle.dumps((self.config, self.shared.directory)))
         for data in self._backlog:
@@ -131,8 +142,7 @@ class WriterProcess:
         check_store(store)
         if snap.event is not None:
             snap.event.synchronize()
-            snap = Snapshot(snap.skeleton, snap.tensors, snap.objects, snap.leaves, None, snap.charged,
-                            snap.created, snap.meta)
+            snap = dataclasses.replace(snap, event=None)
         try:
             conn = self._send(("save", (store.fs, store.root, store.url_prefix), name, snap))
             status, value = pickle.loads(conn.recv_bytes())
@@ -188,13 +198,37 @@ class WriterProcess:
         self.shared.close()
 
 
+def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple,
+          owner_alive: Callable[[], bool]) -> bytes:
+    """One ``save`` message: write and commit (unless the training process died); the pickled reply."""
+    from .writer import write_and_commit
+
+    (fs, root, prefix), name, snap = args
+    store = stores.get((prefix, root))
+    if store is None:
+        store = stores[(prefix, root)] = Store(fs, root, config.storage, prefix)
+    state = dirs.setdefault(store.url(""), DirState())
+    try:
+        if not owner_alive():  # checked again right before the commit (fence.commit_guard)
+            raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
+                                      "checkrun writer process died")
+        reply = ("ok", write_and_commit(snap, store, name, state, config, *run, owner_alive=owner_alive))
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine
+        if isinstance(exc, OrphanedWriterError):  # nobody is left to report it to
+            log.warning("%s", exc)
+        reply = ("error", exc)
+    try:
+        return pickle.dumps(reply)
+    except Exception:  # an exception that does not pickle: its text
+        return pickle.dumps(("error", CheckrunError(f"{type(reply[1]).__name__}: {reply[1]}")))
+
+
 def serve(fd: int) -> None:
     """The writer process: handle messages until the engine says stop or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from . import lifecycle
     from .quant_rules import RuleMatcher
-    from .writer import write_and_commit
 
     logging.basicConfig(level=logging.WARNING, format="checkrun writer process: %(levelname)s %(message)s")
     parent = os.getppid()
@@ -216,32 +250,26 @@ def serve(fd: int) -> None:
             if message is None:
                 return
             kind, *args = message
+            message = None  # the snapshot's buffers: referenced by ``args`` only, until unmapped
             if kind == "save":
-                (fs, root, prefix), name, snap = args
-                store = stores.get((prefix, root))
-                if store is None:
-                    store = stores[(prefix, root)] = Store(fs, root, config.storage, prefix)
-                state = dirs.setdefault(store.url(""), DirState())
+                data = _save(args, stores, dirs, config, (matcher, workers), lambda: os.getppid() == parent)
+                args = None
                 try:
-                    reply = ("ok", write_and_commit(snap, store, name, state, config, matcher, workers))
-                except BaseException as exc:  # noqa: BLE001 - reported to the engine
-                    reply = ("error", exc)
-                del snap
-                try:
-                    data = pickle.dumps(reply)
-                except Exception:  # an exception that does not pickle: its text
-                    data = pickle.dumps(("error", CheckrunError(f"{type(reply[1]).__name__}: {reply[1]}")))
-                conn.send_bytes(data)
+                    conn.send_bytes(data)
+                except OSError:
+                    return  # the engine's process is gone
+            elif kind == "unmap":  # buffers the engine freed: their memory goes when unmapped here
+                for name in args[0]:
+                    maps.pop(name, None)
             elif kind == "adopt":
                 url, blobs, records = args
                 state = dirs.setdefault(url, DirState())
-                state.index.update((b.key, b) for b in blobs)
+                state.adopt_verified(blobs)  # the load checked every one of them
                 state.records.update((r.key, r) for r in records)
             elif kind == "forget":
                 url, keys = args
-                state = dirs.get(url)
-                for key in keys if state is not None else ():
-                    state.index.pop(key, None)
+                if url in dirs:
+                    dirs[url].forget(keys)
     finally:
         workers.shutdown(wait=True)
         for store in stores.values():

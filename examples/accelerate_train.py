@@ -26,6 +26,7 @@ from accelerate.utils import ProjectConfiguration
 from torch import nn
 
 from accelerate_ckpt import AcceleratorCheckpointer
+from ckpt_core.units import fmt_bytes
 
 
 class Model(nn.Module):
@@ -86,13 +87,14 @@ def main() -> None:
         opt.zero_grad()
         progress.step += 1
         if progress.step % args.save_every == 0:
-            saved.append(accelerator.save_state())          # returns after the in-memory snapshot
+            saved.append(str(accelerator.save_state()))     # returns after the in-memory snapshot
     accelerator.end_training()                              # waits until every checkpoint is committed
 
     for m in ckpt.history:
         accelerator.print(f"{m['checkrun/checkpoint']}: blocked {m['checkrun/blocking_seconds'] * 1e3:.1f} ms, "
-                          f"wrote {m['checkrun/written_bytes'] / 1e6:.2f} MB of "
-                          f"{m['checkrun/tensor_bytes'] / 1e6:.2f} MB, ratio {m['checkrun/compression_ratio']:.2f}x")
+                          f"wrote {fmt_bytes(m['checkrun/written_bytes'])} of "
+                          f"{fmt_bytes(m['checkrun/tensor_bytes'])} of tensors, references "
+                          f"{fmt_bytes(m['checkrun/stored_bytes'])}")
     accelerator.print("RESULT " + json.dumps({"resumed": resumed, "saved": saved, "step": progress.step,
                                               "config": ckpt.config_source,
                                               "keep_last": ckpt.config.retention.keep_last}))

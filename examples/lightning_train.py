@@ -6,8 +6,11 @@ Run: ``python examples/lightning_train.py [--dir DIR_OR_URL] [--steps 40] [--eve
    through ``CheckrunCheckpointIO``: asynchronous (the loop pauses only for an in-memory copy) and
    incremental (only the embedding rows and chunks that changed are written).
 2. A second ``Trainer`` resumes with ``fit(ckpt_path="last")`` and trains to twice as many steps.
-3. Per save it prints the bytes of tensors in the state, the bytes actually written and the time the
-   training loop was blocked (from ``CheckpointMetrics``), then the totals.
+3. Per save it prints the bytes it wrote, the tensor bytes of the state, the bytes of the blobs the
+   checkpoint references and the time the training loop was blocked (``SaveInfo.summary()`` of the
+   ``CheckpointMetrics`` history), then the totals, where the checkpoints are and the command that
+   lists them: ``checkrun ls DIR`` shows the same figures (WROTE, TENSORS, REFERENCED), in the same
+   units (binary: KiB, MiB, GiB).
 
 For S3 give ``--dir s3://bucket/run`` and the endpoint with ``FSSPEC_S3_ENDPOINT_URL`` (read by both
 Lightning's and checkrun's fsspec calls), see docs/lightning.md.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import tempfile
 
@@ -25,6 +29,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_demo import DemoDataModule, DemoModel  # noqa: E402
 
+from ckpt_core.units import fmt_bytes, fmt_percent, fmt_ratio, ratio  # noqa: E402
 from lightning_ckpt import CheckpointMetrics, CheckrunCheckpointIO, CheckrunModelCheckpoint  # noqa: E402
 
 
@@ -41,17 +46,32 @@ def make_trainer(directory: str, steps: int, every: int, quantize: bool) -> tupl
     return trainer, metrics
 
 
-def report(title: str, metrics: CheckpointMetrics) -> tuple[int, int]:
-    """Print one line per save; return (tensor bytes, written bytes) summed."""
+def report(title: str, metrics: CheckpointMetrics) -> tuple[int, int, int]:
+    """Print one line per save (``SaveInfo.summary()``); return (saves, tensor bytes, written bytes)."""
     print(title)
     tensor = written = 0
     for info in metrics.history:
         name = info.path.rsplit("/", 1)[-1]
-        print(f"  {name:>28}: {info.tensor_bytes / 1e6:6.2f} MB of tensors, wrote {info.written_bytes / 1e6:6.3f} MB "
-              f"({100 * info.write_ratio:5.1f}%), blocked {1000 * info.blocking_seconds:6.1f} ms")
+        print(f"  {name:>28}: {info.summary()}")
         tensor += info.tensor_bytes
         written += info.written_bytes
-    return tensor, written
+    return len(metrics.history), tensor, written
+
+
+def totals(saves: int, tensor: int, written: int) -> str:
+    """The run's total in the words and units of ``checkrun ls``."""
+    return (f"total: {saves} saves wrote {fmt_bytes(written)} for {fmt_bytes(tensor)} of tensors "
+            f"({fmt_percent(written, tensor)}, {fmt_ratio(ratio(tensor, written))} less than full saves)")
+
+
+def where(directory: str, temporary: bool) -> str:
+    """Where the checkpoints are and the command that lists them (and, for a temp dir, removes them)."""
+    quoted = shlex.quote(directory)
+    lines = [f"checkpoints: {directory}", f"look at them: checkrun ls {quoted}"
+                                          f"   (one: checkrun inspect {shlex.quote(directory + '/last.ckpt')})"]
+    if temporary:
+        lines.append(f"a temporary directory: remove it with  rm -r {quoted}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,18 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(0, verbose=False)
     trainer, metrics = make_trainer(directory, args.steps, args.every, args.quantize)
     trainer.fit(DemoModel(), datamodule=DemoDataModule())
-    totals = [report(f"first fit: {trainer.global_step} steps, checkpoints in {directory}", metrics)]
+    sums = [report(f"first fit: {trainer.global_step} steps, checkpoints in {directory}", metrics)]
 
     trainer, metrics = make_trainer(directory, 2 * args.steps, args.every, args.quantize)
     model = DemoModel()
     trainer.fit(model, datamodule=DemoDataModule(), ckpt_path="last")
     print(f"resumed from {trainer.ckpt_path} and trained to step {trainer.global_step}")
-    totals.append(report("second fit (resumed):", metrics))
+    sums.append(report("second fit (resumed):", metrics))
 
-    tensor = sum(t for t, _ in totals)
-    written = sum(w for _, w in totals)
-    print(f"total: {tensor / 1e6:.2f} MB of checkpointed tensors, {written / 1e6:.2f} MB written "
-          f"({100 * written / max(tensor, 1):.1f}%, {tensor / max(written, 1):.1f}x less than full saves)")
+    print(totals(*(sum(column) for column in zip(*sums))))
+    print(where(directory, temporary=args.dir is None))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
 """Quickstart: a short plain-PyTorch training run that checkpoints through checkrun, then resumes.
 
-Run: ``bash .ci/main`` (sets up .venv) or ``python examples/quickstart.py [--dir DIR]``.
+Run: ``python examples/quickstart.py [--dir DIR]`` with checkrun installed (README.md, "Install";
+``bash .ci/setup`` makes the project's .venv). No CI job runs this file as a program: the main job,
+``bash .ci/main``, runs ``examples/lightning_train.py``, and the test suite runs this one
+(tests/integration/test_quickstart.py).
+
 It trains a small model with an embedding table for a few steps, saves every few steps
 asynchronously (incremental: only changed rows/chunks are written), simulates a restart by loading
 the latest checkpoint into fresh objects, checks the resume is exact, and prints what was saved.
+Without ``--dir`` the checkpoints go to a temporary folder that is removed at the end; every folder it
+creates for itself (also the uninterrupted reference run's) is removed, even on an error.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import tempfile
 
@@ -15,6 +22,7 @@ import torch
 from torch import nn
 
 import ckpt_core
+from ckpt_core.units import fmt_bytes
 
 
 class Model(nn.Module):
@@ -54,12 +62,18 @@ def train_steps(model, opt, start: int, stop: int, engine, directory: str, every
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="checkpoint directory or fsspec URL (default: a temp dir)")
+    parser.add_argument("--dir", default=None,
+                        help="checkpoint directory or fsspec URL (default: a temporary folder, removed at the end)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    directory = args.dir or tempfile.mkdtemp(prefix="checkrun-quickstart-")
+    with contextlib.ExitStack() as temporary:  # the folders made here are removed, also on an error
+        run(args, temporary)
+
+
+def run(args: argparse.Namespace, temporary: contextlib.ExitStack) -> None:
+    directory = args.dir or temporary.enter_context(tempfile.TemporaryDirectory(prefix="checkrun-quickstart-"))
     config = ckpt_core.EngineConfig.from_dict({"retention": {"keep_last": 3},
                                                "incremental": {"row_delta_min_rows": 1024}})
     half = args.steps // 2
@@ -71,9 +85,7 @@ def main() -> None:
         print(f"checkpoints in {directory}:")
         for h in handles:
             i = h.result()
-            print(f"  {i.path.rsplit('/', 1)[-1]:>16}: {i.tensor_bytes / 1e6:6.2f} MB of tensors, "
-                  f"wrote {i.written_bytes / 1e6:6.3f} MB ({100 * i.write_ratio:5.1f}%), "
-                  f"blocked {1000 * i.blocking_seconds:6.1f} ms, chain depth {i.chain_depth}")
+            print(f"  {i.path.rsplit('/', 1)[-1]:>16}: {i.summary()}, chain depth {i.chain_depth}")
 
     # "Restart": a new engine and fresh objects resume from the newest committed checkpoint.
     with ckpt_core.CheckpointEngine(config) as engine:
@@ -89,14 +101,14 @@ def main() -> None:
 
     model_ref, opt_ref = make()
     with ckpt_core.CheckpointEngine({"incremental": {"enabled": False}}) as scratch:
-        tmp = tempfile.mkdtemp(prefix="checkrun-reference-")
+        tmp = temporary.enter_context(tempfile.TemporaryDirectory(prefix="checkrun-reference-"))
         train_steps(model_ref, opt_ref, 0, args.steps, scratch, tmp, args.steps)
     exact = all(torch.equal(resumed[k], v) for k, v in model_ref.state_dict().items())
     print(f"resume exact vs an uninterrupted run: {exact}")
     with ckpt_core.CheckpointEngine(config) as engine:
         for e in engine.list(directory):
             print(f"  kept {e.name}: step {e.manifest.meta.get('step')}, "
-                  f"{e.manifest.stats['written_bytes'] / 1e6:.3f} MB written")
+                  f"its save wrote {fmt_bytes(e.manifest.stats['written_bytes'] + e.size)}")
     if not exact:
         raise SystemExit("resume was not exact")
 

@@ -6,18 +6,24 @@ one plugin::
 
     trainer = Trainer(plugins=[CheckrunCheckpointIO(keep_last=None, storage_options=None)])
 
-``ModelCheckpoint``, ``ckpt_path="last"``, the tuner, ddp_spawn and DDP keep working. Extras:
-``CheckpointMetrics`` (save figures to the loggers), ``CheckrunModelCheckpoint`` (versioned names with
-asynchronous saves, ``last`` on remote filesystems) and ``load_from_checkpoint`` (the counterpart of
-``LightningModule.load_from_checkpoint``, which bypasses CheckpointIO). See docs/lightning.md.
+``ModelCheckpoint``, ``ckpt_path="last"``, the tuner, ddp_spawn and DDP keep working. Importing this
+package installs the drop-in hooks of :mod:`lightning_ckpt.dropin` (once): ``LightningModule`` and
+``LightningDataModule.load_from_checkpoint`` and a Trainer without the plugin read checkrun checkpoints,
+and Lightning's ``ModelCheckpoint`` counts a save in flight as an existing file. Extras:
+``CheckpointMetrics`` (save figures to the loggers), ``CheckrunModelCheckpoint`` (``last`` on remote
+filesystems) and ``load_from_checkpoint`` (with engine ``config``/``storage_options``). See docs/lightning.md.
 """
 from .callbacks import CheckpointMetrics, CheckrunModelCheckpoint, find_plugin
 from .config import build_config
+from .dropin import install as _install_dropin_hooks
 from .io import CheckrunCheckpointIO
-from .loading import load_checkpoint_dict, load_from_checkpoint
+from .loading import is_checkrun_file, load_checkpoint_dict, load_from_checkpoint
 from .strategies import UnsupportedStrategyError, check_strategy
 
 __all__ = [
     "CheckrunCheckpointIO", "CheckpointMetrics", "CheckrunModelCheckpoint", "load_from_checkpoint",
-    "load_checkpoint_dict", "build_config", "check_strategy", "find_plugin", "UnsupportedStrategyError",
+    "load_checkpoint_dict", "is_checkrun_file", "build_config", "check_strategy", "find_plugin",
+    "UnsupportedStrategyError",
 ]
+
+_install_dropin_hooks()

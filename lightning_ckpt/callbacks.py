@@ -16,13 +16,13 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ckpt_core import SaveInfo
+from ckpt_core import SaveInfo, save_in_flight
 
 from .io import CheckrunCheckpointIO
-from .paths import checkpoint_kind
+from .paths import checkpoint_kind, normalize_path
 from .strategies import check_strategy
 
-__all__ = ["CheckpointMetrics", "CheckrunModelCheckpoint", "find_plugin"]
+__all__ = ["CheckpointMetrics", "CheckrunModelCheckpoint", "find_plugin", "in_flight"]
 
 
 def find_plugin(trainer: "pl.Trainer") -> Optional[CheckrunCheckpointIO]:
@@ -35,13 +35,25 @@ def find_plugin(trainer: "pl.Trainer") -> Optional[CheckrunCheckpointIO]:
     return None
 
 
+def in_flight(filepath: _PATH, trainer: "pl.Trainer") -> bool:
+    """Whether a save to ``filepath`` is in flight in this process, by any engine (resolved with the
+    storage options of the trainer's ``CheckrunCheckpointIO``, if it has one)."""
+    plugin = find_plugin(trainer)
+    options = plugin.config.storage.storage_options if plugin is not None else None
+    return save_in_flight(normalize_path(filepath), storage_options=options or None)
+
+
 class CheckpointMetrics(Callback):
     """Log each checkpoint save's figures to the Trainer's loggers.
 
     Per committed save, at the save's ``global_step``: ``{prefix}blocking_seconds`` (time the training
-    loop waited), ``{prefix}background_seconds``, ``{prefix}tensor_bytes``, ``{prefix}written_bytes``,
-    ``{prefix}write_ratio`` (written / tensor bytes) and ``{prefix}compression_ratio``
-    (tensor / stored bytes). ``history`` keeps the last ``history_size`` ``SaveInfo`` objects.
+    loop waited), ``{prefix}background_seconds``, ``{prefix}tensor_bytes`` (the state's raw tensors),
+    ``{prefix}written_bytes`` (*written by this save*: new blobs plus manifest, ``checkrun ls``'s
+    WROTE), ``{prefix}referenced_bytes`` (*referenced by this checkpoint*: every blob it needs,
+    ``checkrun ls``'s REFERENCED), ``{prefix}write_ratio`` (written / tensor bytes) and
+    ``{prefix}compression_ratio`` (tensor / referenced bytes). Bytes are exact counts; to print them
+    use ``SaveInfo.summary()`` or ``ckpt_core.units.fmt_bytes`` (binary units, as ``checkrun`` does).
+    ``history`` keeps the last ``history_size`` ``SaveInfo`` objects.
 
     Args:
         prefix: metric name prefix.
@@ -102,7 +114,7 @@ class CheckpointMetrics(Callback):
         p = self.prefix
         return {f"{p}blocking_seconds": info.blocking_seconds, f"{p}background_seconds": info.background_seconds,
                 f"{p}tensor_bytes": float(info.tensor_bytes), f"{p}written_bytes": float(info.written_bytes),
-                f"{p}write_ratio": info.write_ratio, f"{p}compression_ratio": info.compression_ratio}
+                f"{p}referenced_bytes": float(info.referenced_bytes), f"{p}write_ratio": info.write_ratio, f"{p}compression_ratio": info.compression_ratio}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -116,7 +128,7 @@ class CheckrunModelCheckpoint(ModelCheckpoint):
     Two differences, both about Lightning's own file checks:
 
     * a save still in flight counts as an existing file, so versioned names (``-v1``) come out as with
-      synchronous saves (``ModelCheckpoint.file_exists`` would not see a manifest that is not committed);
+      synchronous saves (since ``lightning_ckpt.dropin``, Lightning's own ``ModelCheckpoint`` does this too);
     * ``ckpt_path="last"`` finds ``last.ckpt`` on remote filesystems: Lightning drops the URL scheme of
       what ``fs.ls`` returns (``bucket/run/last.ckpt``) and then looks for it on the local disk. Give
       ``dirpath`` for a remote directory (the filesystem is chosen from it before ``setup``).
@@ -145,7 +157,7 @@ class CheckrunModelCheckpoint(ModelCheckpoint):
         """True if ``filepath`` exists or a save to it is in flight (decided on rank 0, shared by all)."""
         local = False
         if trainer.is_global_zero:
-            pending = self._checkrun is not None and self._checkrun.is_pending(filepath)
+            pending = in_flight(filepath, trainer)
             if not pending:
                 self._fs.invalidate_cache(str(filepath))  # s3fs answers exists() from stale listings
             local = pending or self._fs.exists(filepath)

@@ -21,10 +21,11 @@ from typing import Any, Callable, Optional, Union
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig,
-                       NotACheckpointError, SaveHandle, SaveInfo)
+from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
+                       EngineConfig, NotACheckpointError, SaveHandle, SaveInfo)
 
 from .config import build_config, lossless_config
+from .loading import is_checkrun_file, torch_load
 from .paths import checkpoint_kind, is_remote, normalize_path, parent_dir, path_key
 from .strategies import called_by_async_wrapper, calling_instance, calling_strategy, check_strategy
 
@@ -176,13 +177,13 @@ class CheckrunCheckpointIO(CheckpointIO):
         safe = True if weights_only is None else weights_only
         try:
             return self._engine_for(url).load(url, map_location=location, weights_only=safe)
-        except NotACheckpointError:
-            if not self.fallback_to_torch:
+        except (NotACheckpointError, CorruptCheckpointError):
+            # A torch file over the manifest size limit is refused as an oversized manifest.
+            if not self.fallback_to_torch or is_checkrun_file(url, self.config.storage.storage_options):
                 raise
-            from lightning.fabric.plugins import TorchCheckpointIO
-
-            log.info("lightning_ckpt: %s is not a checkrun checkpoint; loading it with torch.load", url)
-            return TorchCheckpointIO().load_checkpoint(url, map_location=map_location, weights_only=weights_only)
+        log.info("lightning_ckpt: %s is not a checkrun checkpoint; loading it with torch.load", url)
+        return torch_load(url, map_location=location, weights_only=weights_only,
+                          storage_options=self.config.storage.storage_options)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the checkpoint at ``path`` (after a pending save to it); a missing one is ignored.

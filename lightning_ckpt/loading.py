@@ -1,14 +1,17 @@
-"""``load_from_checkpoint``: ``LightningModule/LightningDataModule.load_from_checkpoint`` for checkrun files.
+"""``load_from_checkpoint``: ``LightningModule/LightningDataModule.load_from_checkpoint`` with engine options.
 
-Lightning's ``load_from_checkpoint`` reads the file with ``torch.load`` (``pl_load``), not through the
-Trainer's ``CheckpointIO``, so it cannot read a checkrun checkpoint (a JSON manifest). This function
-loads it with the engine and then hands the dict to the same Lightning code that builds the object
-(``_load_state``: hyper-parameters, ``strict`` loading, the datamodule's ``load_state_dict``).
+Lightning's ``load_from_checkpoint`` reads the file with ``pl_load``, not through the Trainer's
+``CheckpointIO``; once ``lightning_ckpt`` is imported, that loader reads checkrun checkpoints with the
+default engine settings (``lightning_ckpt.dropin``). This function does the same with an engine
+``config`` and ``storage_options`` (an S3 endpoint), then hands the dict to the same Lightning code that
+builds the object (``_load_state``: hyper-parameters, ``strict`` loading, the datamodule's
+``load_state_dict``). Like the plugin, it loads a ``torch.save`` checkpoint with ``torch.load``.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, TypeVar, Union
 
+import fsspec
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _MAP_LOCATION_TYPE, _PATH
@@ -16,24 +19,63 @@ from lightning.pytorch.core.saving import _default_map_location, _load_state, lo
     load_hparams_from_yaml
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core import CheckpointEngine, CorruptCheckpointError, EngineConfig, NotACheckpointError
+from ckpt_core.manifest import MAGIC_PREFIX
 
 from .config import build_config
 from .paths import normalize_path
 
-__all__ = ["load_from_checkpoint", "load_checkpoint_dict"]
+__all__ = ["load_from_checkpoint", "load_checkpoint_dict", "is_checkrun_file", "torch_load"]
+
+_HEAD_BYTES = 64
 
 T = TypeVar("T", "pl.LightningModule", "pl.LightningDataModule")
 
 
+def is_checkrun_file(path: _PATH, storage_options: Optional[dict] = None) -> bool:
+    """Whether the file at ``path`` starts with a checkrun manifest header (reads its first bytes only).
+
+    False for a missing file or a directory: the caller's own loader then reports it as it always did.
+    """
+    fs, fspath = fsspec.core.url_to_fs(normalize_path(path), **(storage_options or {}))
+    try:
+        head = fs.cat_file(fspath, start=0, end=_HEAD_BYTES)
+    except (OSError, ValueError):  # missing, a directory, unreadable: not ours to report
+        return False
+    return head.lstrip().startswith(MAGIC_PREFIX)
+
+
+def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_only: Optional[bool] = None,
+               storage_options: Optional[dict] = None) -> Any:
+    """``torch.load`` of a ``torch.save`` file at ``path`` (local or fsspec URL with ``storage_options``).
+
+    ``weights_only=None`` means True (torch's default since 2.6): nothing is unpickled unless asked for.
+    """
+    fs, fspath = fsspec.core.url_to_fs(normalize_path(path), **(storage_options or {}))
+    with fs.open(fspath, "rb") as f:
+        return torch.load(f, map_location=map_location, weights_only=True if weights_only is None else weights_only)
+
+
 def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_only: Optional[bool] = None,
                          config: Union[str, dict, EngineConfig, None] = None,
-                         storage_options: Optional[dict] = None) -> dict[str, Any]:
-    """The raw checkpoint dict at ``path`` (verified); ``weights_only=None`` means True."""
+                         storage_options: Optional[dict] = None, fallback_to_torch: bool = True) -> dict[str, Any]:
+    """The raw checkpoint dict at ``path`` (verified; waits for a save to it in flight in this process).
+
+    ``weights_only=None`` means True. With ``fallback_to_torch``, a file that is not a checkrun manifest
+    (a ``torch.save`` checkpoint, of any size) is read with :func:`torch_load` instead.
+    """
     cfg = build_config(config, storage_options=storage_options)
+    url = normalize_path(path)
     with CheckpointEngine(cfg) as engine:
-        return engine.load(normalize_path(path), map_location=map_location,
-                           weights_only=True if weights_only is None else weights_only)
+        try:
+            return engine.load(url, map_location=map_location,
+                               weights_only=True if weights_only is None else weights_only)
+        except (NotACheckpointError, CorruptCheckpointError):
+            # A torch file over the manifest size limit is refused as an oversized manifest.
+            if not fallback_to_torch or is_checkrun_file(url, cfg.storage.storage_options):
+                raise
+    return torch_load(url, map_location=map_location, weights_only=weights_only,
+                      storage_options=cfg.storage.storage_options)
 
 
 def load_from_checkpoint(cls: type[T], checkpoint_path: _PATH, map_location: _MAP_LOCATION_TYPE = None,
@@ -45,7 +87,8 @@ def load_from_checkpoint(cls: type[T], checkpoint_path: _PATH, map_location: _MA
 
     Same arguments and behaviour as ``cls.load_from_checkpoint`` (``kwargs`` override saved
     hyper-parameters), plus ``config``/``storage_options`` for the engine (e.g. an S3 endpoint).
-    A LightningModule is moved to the device of its saved tensors after ``map_location``.
+    A LightningModule is moved to the device of its saved tensors after ``map_location``. A
+    ``torch.save`` checkpoint (from ``TorchCheckpointIO``) is loaded with ``torch.load``.
     """
     if not (isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule))):
         raise TypeError(f"cls must be a LightningModule or LightningDataModule class, got {cls!r}")

@@ -229,10 +229,13 @@ def test_background_threads_are_nicer_than_the_training_thread(tmp_path):
         return os.getpriority(os.PRIO_PROCESS, native_id)
 
     base = nice(threading.get_native_id())
+    ours: list = []
     with CheckpointEngine({"saving": {"thread_nice": 5, "workers": 2}}) as engine:
+        # Observed from a save callback: the coordinator and its workers end once the engine is idle.
+        engine.add_callback(lambda info: ours.extend(
+            (t.name, nice(t.native_id)) for t in threading.enumerate()
+            if t.name.startswith(("checkrun-worker", "checkrun-coordinator")) and t.native_id))
         engine.save({"w": torch.randn(256, 1024)}, tmp_path / "a.ckpt",).result()
-        ours = [t for t in threading.enumerate()
-                if t.name.startswith(("checkrun-worker", "checkrun-coordinator")) and t.native_id]
-        assert {t.name.split("_")[0] for t in ours} == {"checkrun-worker", "checkrun-coordinator"}
-        assert all(nice(t.native_id) == min(19, base + 5) for t in ours)
+        assert {name.split("_")[0] for name, _ in ours} == {"checkrun-worker", "checkrun-coordinator"}
+        assert all(value == min(19, base + 5) for _, value in ours)
     assert nice(threading.get_native_id()) == base  # the caller's thread is untouched

@@ -75,6 +75,13 @@ def _run_a(tmp: pathlib.Path, ctx: dict) -> None:
         engine.save(state, tmp / "runs/a/last.ckpt")
 
 
+def _examples(tmp: pathlib.Path, ctx: dict) -> None:
+    """examples/: a copy of the checkout's examples folder (its scripts and YAML files), for blocks that
+    run ``python examples/...`` from the root of a checkout."""
+    shutil.copytree(pathlib.Path(__file__).resolve().parents[2] / "examples", tmp / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__", "outputs", "multirun", "lightning_logs"))
+
+
 def _s3(tmp: pathlib.Path, ctx: dict) -> None:
     """A moto S3 server: every http://127.0.0.1:PORT (or localhost) in the block is replaced by its
     endpoint; buckets ``bucket`` and ``ckpts`` are emptied and hold s3://ckpts/run1/step=10|20.ckpt
@@ -101,9 +108,9 @@ def _s3(tmp: pathlib.Path, ctx: dict) -> None:
 
 
 SETUPS: dict[str, Callable[[pathlib.Path, dict], None]] = {
-    "exp1": _exp1, "corrupt": _corrupt, "exported": _exported, "run-a": _run_a, "s3": _s3,
+    "exp1": _exp1, "corrupt": _corrupt, "exported": _exported, "run-a": _run_a, "examples": _examples, "s3": _s3,
 }
-_LOCAL_SETUPS = {"exp1", "corrupt", "exported", "run-a"}  # only create files under the directory
+_LOCAL_SETUPS = {"exp1", "corrupt", "exported", "run-a", "examples"}  # only create files under the directory
 
 
 def prepare(names: list[str], tmp: pathlib.Path, ctx: dict, cache: pathlib.Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 import ckpt_core
+from ckpt_core import composite
 from tests.integration.accel_scripts.harness import (TRAIN, accelerate_args, accelerate_launch, assert_same,
                                                      free_port, launch_env, load_dump)
 
@@ -47,9 +48,11 @@ def _assert_resumed_exactly(out1: Path, out2: Path, ranks: int) -> tuple[dict, d
 
 
 def _checkpoint_files(fs, root: str) -> tuple[list[str], list[str]]:
-    """(index file names in root, part file names in root/parts)."""
-    names = lambda d: sorted(p.rsplit("/", 1)[1] for p in fs.ls(d, detail=False) if fs.isfile(p))  # noqa: E731
-    return names(root), names(f"{root}/parts")
+    """(checkpoint folders in root holding an index, part file names in root/.checkrun/parts)."""
+    fs.invalidate_cache()
+    names = lambda d, ok: sorted(p.rstrip("/").rsplit("/", 1)[1] for p in fs.ls(d, detail=False) if ok(p))  # noqa: E731
+    folders = names(root, lambda p: fs.isfile(f"{p}/{composite.INDEX_NAME}"))
+    return folders, names(f"{root}/{composite.PARTS_DIR}", fs.isfile)
 
 
 def test_one_process_env_config_resume_is_exact(tmp_path: Path) -> None:
@@ -60,21 +63,22 @@ def test_one_process_env_config_resume_is_exact(tmp_path: Path) -> None:
     out1, out2 = _two_runs(tmp_path, accelerate_args(1), [], env)
     r1, _ = _assert_resumed_exactly(out1, out2, 1)
     root = tmp_path / "project" / "checkpoints"
-    assert r1["saved"] == [str(root / "checkpoint_0.ckpt"), str(root / "checkpoint_1.ckpt")]
+    assert r1["saved"] == [str(root / "checkpoint_0"), str(root / "checkpoint_1")]
     assert r1["config_source"] == f"$CHECKRUN_CONFIG={cfg}"
     assert r1["config"]["retention"]["keep_last"] == 1 and r1["config"]["compression"]["zstd_level"] == 3
     # keep_last=1: only the newest whole checkpoint (index + its part) is left
     indexes, parts = _checkpoint_files(fsspec.filesystem("file"), str(root))
-    assert indexes == ["checkpoint_1.ckpt"]
+    assert indexes == ["checkpoint_1"] and sorted(p.name for p in root.iterdir()) == [".checkrun", "checkpoint_1"]
     assert len(parts) == 1 and parts[0].startswith("checkpoint_1.") and parts[0].endswith(".rank0.ckpt")
     # metrics of both saves reached the training thread (blocking time, bytes, ratio)
     hist = r1["history"]
     assert len(hist) == 2 and all(h["checkrun/written_bytes"] > 0 and h["checkrun/blocking_seconds"] >= 0
                                   and h["checkrun/compression_ratio"] > 0 for h in hist)
     with ckpt_core.CheckpointEngine() as engine:
-        index = engine.load(str(root / "checkpoint_1.ckpt"))
-        assert index["iteration"] == 2 and index["world_size"] == 1 and index["parts"] == [f"parts/{parts[0]}"]
-        assert engine.verify(str(root / "parts" / parts[0])).ok
+        index = engine.load(str(root / "checkpoint_1" / composite.INDEX_NAME))
+        assert index["iteration"] == 2 and index["world_size"] == 1
+        assert index["parts"] == [f"../{composite.PARTS_DIR}/{parts[0]}"]
+        assert engine.verify(str(root / composite.PARTS_DIR / parts[0])).ok
 
 
 def _combined_config(tmp: Path, num_processes: int, checkpointing: dict) -> Path:
@@ -99,17 +103,18 @@ def test_two_processes_on_s3_combined_config_resume_is_exact(tmp_path: Path, s3_
     r1, _ = _assert_resumed_exactly(out1, out2, 2)
     assert r1["distributed_type"].endswith("MULTI_CPU")  # Accelerator(cpu=True) under --multi_gpu: gloo DDP
     assert r1["config_source"].startswith("$CHECKRUN_CONFIG=") and r1["config"]["saving"]["max_pending"] == 2
-    assert r1["saved"] == [f"{s3_root}/checkpoint_0.ckpt", f"{s3_root}/checkpoint_1.ckpt"]
+    assert r1["saved"] == [f"{s3_root}/checkpoint_0", f"{s3_root}/checkpoint_1"]
     assert not (tmp_path / "project" / "checkpoints").exists()  # nothing went to the local project dir
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_storage_options)
     indexes, parts = _checkpoint_files(fs, s3_root)
-    assert indexes == ["checkpoint_0.ckpt", "checkpoint_1.ckpt"]
+    assert indexes == ["checkpoint_0", "checkpoint_1"]
     # replicated state written once (rank 0's part), per-rank state kept per rank
     assert sorted(p.rsplit(".", 2)[1] for p in parts) == ["rank0", "rank0", "rank1", "rank1"]
     with ckpt_core.CheckpointEngine({"storage": {"storage_options": s3_storage_options}}) as engine:
-        index = engine.load(f"{s3_root}/checkpoint_1.ckpt")
+        index_url = f"{s3_root}/checkpoint_1/{composite.INDEX_NAME}"
+        index = engine.load(index_url)
         assert index["world_size"] == 2 and index["iteration"] == 2
-        rank0, rank1 = (engine.load(f"{s3_root}/{p}") for p in index["parts"])
+        rank0, rank1 = (engine.load(p) for p in composite.part_urls(index_url, index))
         assert set(rank0) == {"rank", "replicated"} and set(rank1) == {"rank"}
         assert rank0["rank"]["rank"] == 0 and rank1["rank"]["rank"] == 1
         assert len(rank0["replicated"]["models"]) == 2 and len(rank0["replicated"]["custom"]) == 1

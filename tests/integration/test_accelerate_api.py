@@ -18,10 +18,12 @@ from accelerate.utils import DistributedType, ProjectConfiguration
 from torch import nn
 
 import ckpt_core
+from ckpt_core import composite
 from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
 from accelerate_ckpt.config import resolve
 from accelerate_ckpt.launch import main as cli_main
 from accelerate_ckpt.launch import prepare_config
+from tests.core.faulty import FaultyFS
 from tests.integration.accel_scripts.harness import assert_same
 
 
@@ -150,21 +152,29 @@ def test_attach_roundtrip_hooks_and_detach(tmp_path: Path, make_setup) -> None:
     _train(acc, model, opt, sched, counter)  # mutate right after the snapshot
     second = acc.save_state()
     root = str(tmp_path / "proj" / "checkpoints")
-    assert (first, second) == (f"{root}/checkpoint_0.ckpt", f"{root}/checkpoint_1.ckpt")
-    assert acc.load_state(first) == first
+    assert (first, second) == (Path(root, "checkpoint_0"), Path(root, "checkpoint_1"))  # accelerate's folders
+    assert acc.load_state(first) == str(first)
     got = _snapshot(acc, model, opt, sched, counter)
     assert_same(expected, got)
-    assert acc.load_state() == second and acc.save_iteration == 2 and counter.n == 4
-    assert seen == [("save", 1, root), ("save", 1, root), ("load", 1, root), ("load", 1, root)]
+    assert acc.load_state() == str(second) and acc.save_iteration == 2 and counter.n == 4
+    # hooks get the checkpoint's folder, as with accelerate's own save_state/load_state
+    assert seen == [("save", 1, str(first)), ("save", 1, str(second)), ("load", 1, str(first)),
+                    ("load", 1, str(second))]
     ckpt.detach()
     assert "save_state" not in acc.__dict__ and "load_state" not in acc.__dict__ and not ckpt.attached
     ckpt.close()
 
 
 def _names(directory: str) -> list[str]:
-    """Names of the committed checkpoints in ``directory``, oldest first."""
+    """Names of the committed checkpoints (folders) in ``directory``, by name."""
+    return sorted(e.name for e in composite.list_in(directory, None, ckpt_core.EngineConfig())
+                  if e.manifest is not None)
+
+
+def _parts(directory: str) -> list[str]:
+    """Checkpoint names of the parts in ``directory``'s part store."""
     with ckpt_core.CheckpointEngine() as engine:
-        return sorted(e.name for e in engine.list(directory) if e.manifest is not None)
+        return sorted(e.name.split(".")[0] for e in engine.list(f"{directory}/{composite.PARTS_DIR}"))
 
 
 def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_setup) -> None:
@@ -173,14 +183,14 @@ def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_s
     for _ in range(2):
         _train(acc, model, opt, sched, counter, 1)
         acc.save_state()
-    acc.load_state(f"{memory_root}/checkpoint_0.ckpt")  # resume from the older one: iteration -> 1
+    acc.load_state(f"{memory_root}/checkpoint_0")  # resume from the older one: iteration -> 1
     for _ in range(2):
         _train(acc, model, opt, sched, counter, 1)
         acc.save_state()  # checkpoint_1 (replaces the old one), then checkpoint_2
     ckpt.wait()
-    assert _names(memory_root) == ["checkpoint_0.ckpt", "checkpoint_1.ckpt", "checkpoint_2.ckpt"]  # 0: protected
-    parts = [n.split(".")[0] for n in _names(f"{memory_root}/parts")]
-    assert parts == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # the replaced checkpoint_1's part is gone
+    assert _names(memory_root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # 0: protected
+    # the replaced checkpoint_1's part is gone
+    assert _parts(memory_root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
     ckpt.close()
     # a later process did not resume from checkpoint_0: its retention removes it like any other
     acc2, *rest = make_setup()
@@ -189,41 +199,46 @@ def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_s
         assert acc2.save_iteration == 3
         acc2.save_state()
         again.wait()
-        assert _names(memory_root) == ["checkpoint_2.ckpt", "checkpoint_3.ckpt"]
+        assert _names(memory_root) == ["checkpoint_2", "checkpoint_3"]
 
 
 def test_orphaned_parts_of_a_crashed_save_are_removed_after_the_grace(tmp_path: Path, make_setup) -> None:
     root = tmp_path / "ckpts"
+    parts = root / composite.PARTS_DIR
     acc, model, opt, sched, counter = make_setup()
     ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 1}}, directory=str(root)).attach()
     acc.save_state()
     ckpt.wait()
-    (part,) = (root / "parts").glob("*.ckpt")
+    (part,) = parts.glob("*.ckpt")
     # what a crash between the parts and the index leaves: parts no index lists (one old, one young)
-    old, young = root / "parts" / "checkpoint_9.dead-0.rank0.ckpt", root / "parts" / "checkpoint_9.dead-0.rank1.ckpt"
+    old, young = parts / "checkpoint_9.dead-0.rank0.ckpt", parts / "checkpoint_9.dead-0.rank1.ckpt"
     old.write_bytes(part.read_bytes())
     young.write_bytes(part.read_bytes())
     os.utime(old, (1e9, 1e9))
     _train(acc, model, opt, sched, counter, 1)
-    acc.save_state()  # keep_last=1 removes checkpoint_0, then orphans older than the grace go
+    acc.save_state()  # keep_last=1 removes checkpoint_0 (its folder too), then orphans older than the grace go
     ckpt.close()
-    assert sorted(p.name.split(".")[0] for p in (root / "parts").glob("*.ckpt")) == ["checkpoint_1", "checkpoint_9"]
+    assert sorted(p.name.split(".")[0] for p in parts.glob("*.ckpt")) == ["checkpoint_1", "checkpoint_9"]
     assert young.exists() and not old.exists()
-    assert _names(str(root)) == ["checkpoint_1.ckpt"]
+    assert _names(str(root)) == ["checkpoint_1"]
+    assert sorted(os.listdir(root)) == [".checkrun", "checkpoint_1"]
 
 
 def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) -> None:
-    blocker = tmp_path / "not_a_dir"
-    blocker.write_text("x")
+    FaultyFS.reset()
     acc, model, opt, sched, counter = make_setup()
     ckpt = AcceleratorCheckpointer(acc, {"storage": {"retry": {"max_attempts": 1}}},
-                                   directory=str(blocker / "ckpts")).attach()
-    acc.save_state()  # returns after the snapshot; the write fails in the background
-    with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
-        ckpt.wait()
-    ckpt.wait()  # surfaced once
-    ckpt.close()
-    assert os.path.isfile(blocker)
+                                   directory=f"gatefile://{tmp_path}/ckpts").attach()
+    FaultyFS.fail_writes, FaultyFS.fail_match = PermissionError("injected"), "/blobs/"
+    try:
+        acc.save_state()  # returns after the snapshot; the write fails in the background
+        with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
+            ckpt.wait()
+        ckpt.wait()  # surfaced once
+        ckpt.close()
+    finally:
+        FaultyFS.reset()
+    assert not (tmp_path / "ckpts" / "checkpoint_0" / composite.INDEX_NAME).exists()
 
 
 def test_metrics_reach_the_trackers(tmp_path: Path, make_setup) -> None:

@@ -31,13 +31,13 @@ def test_example_runs_and_resumes_with_both_config_ways(tmp_path: Path) -> None:
     res = _result(first.stdout)
     root = project / "checkpoints"
     assert res["resumed"] is None and res["step"] == 20 and res["keep_last"] == 2
-    assert res["saved"] == [str(root / "checkpoint_0.ckpt"), str(root / "checkpoint_1.ckpt")]
+    assert res["saved"] == [str(root / "checkpoint_0"), str(root / "checkpoint_1")]
     assert res["config"].startswith("$CHECKRUN_CONFIG=")
     assert "blocked" in first.stdout and "ratio" in first.stdout
 
     env = launch_env(tmp_path, {"CHECKRUN_CONFIG": str(REPO / "examples" / "accelerate_checkrun.yaml")})
     second = accelerate_launch(accelerate_args(1), EXAMPLE, [*args, "--steps", "30"], env)
     res = _result(second.stdout)
-    assert res["resumed"] == str(root / "checkpoint_1.ckpt") and res["step"] == 30
-    assert res["saved"] == [str(root / "checkpoint_2.ckpt")] and res["keep_last"] == 2
-    assert sorted(p.name for p in root.glob("*.ckpt")) == ["checkpoint_1.ckpt", "checkpoint_2.ckpt"]
+    assert res["resumed"] == str(root / "checkpoint_1") and res["step"] == 30
+    assert res["saved"] == [str(root / "checkpoint_2")] and res["keep_last"] == 2
+    assert sorted(p.name for p in root.iterdir()) == [".checkrun", "checkpoint_1", "checkpoint_2"]

@@ -1,0 +1,61 @@
+"""Which index a ``load_state(path)`` means (rank 0, training thread).
+
+``path`` may be what accelerate itself takes (a checkpoint folder such as
+``{project_dir}/checkpoints/checkpoint_3``, absolute or relative), an index file (``...ckpt``: the
+folder's ``checkrun.ckpt`` or an earlier release's ``ROOT/checkpoint_3.ckpt``), or a directory of
+checkpoints (its newest committed one). A save in flight anywhere in this process counts: the
+folder it writes resolves to its index (whose load then waits for the commit), and a directory is
+listed only once no save under it is in flight.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ckpt_core
+from ckpt_core import CheckpointEngine, CheckpointNotFoundError, composite, inflight
+
+from . import layout
+from .layout import INDEX_NAME, join
+
+log = logging.getLogger("accelerate_ckpt")
+
+
+def index_for(engine: CheckpointEngine, path: str | os.PathLike | None, default_root: str | None,
+              storage_options: dict | None) -> str:
+    """The index URL to load for ``path`` (None/"latest": the newest in ``default_root``)."""
+    if path is None or path == "latest":
+        if default_root is None:
+            raise ValueError("no checkpoint directory to resume from: pass a path, or set "
+                             "automatic_checkpoint_naming / checkpointing.accelerate.directory")
+        return newest(engine, default_root, storage_options)
+    text = layout.normalize(path)
+    if text.endswith(".ckpt"):
+        return text
+    index = join(text, INDEX_NAME)
+    if ckpt_core.save_in_flight(index, storage_options) or _exists(engine, index, storage_options):
+        return index
+    return newest(engine, text, storage_options)
+
+
+def newest(engine: CheckpointEngine, root: str, storage_options: dict | None) -> str:
+    """The newest committed checkpoint of ``root`` (after every save under it in this process)."""
+    root = layout.normalize(root)
+    inflight.wait_under(composite.dir_url(root, storage_options, engine.config))
+    entries = layout.list_checkpoints(engine, root, storage_options)
+    for e in entries:
+        if e.manifest is None:
+            log.warning("accelerate_ckpt: skipping unreadable checkpoint %s: %s", e.url, e.error)
+    good = [e for e in entries if e.manifest is not None]
+    if not good:
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root} (looked for folders holding "
+                                      f"{INDEX_NAME} and for earlier releases' index files)")
+    return good[-1].url
+
+
+def _exists(engine: CheckpointEngine, index: str, storage_options: dict | None) -> bool:
+    try:
+        engine.read_manifest(index, storage_options=storage_options)
+    except CheckpointNotFoundError:
+        return False
+    return True

@@ -1,0 +1,126 @@
+"""Drop-in hooks: Lightning's own loaders and ``ModelCheckpoint`` see checkrun checkpoints and saves in flight.
+
+Lightning reads and checks checkpoint files in three places that never reach a ``CheckpointIO`` plugin:
+
+* ``LightningModule/LightningDataModule.load_from_checkpoint`` call ``pl_load`` (Lightning's
+  ``lightning.fabric.utilities.cloud_io._load``, imported under that name by
+  ``lightning.pytorch.core.saving`` and ``lightning.fabric.plugins.io.torch_io``), i.e. ``torch.load``;
+* ``TorchCheckpointIO.load_checkpoint`` (a Trainer or Fabric *without* the plugin) checks ``fs.exists``,
+  then calls the same loader;
+* ``ModelCheckpoint.file_exists`` decides the ``-vN`` names with ``fs.exists``: an asynchronous save is
+  not a file until it commits, so a second save would reuse (overwrite) its name.
+
+:func:`install` wraps exactly these, once (it runs when ``lightning_ckpt`` is imported and is
+idempotent); each wrapper defers to Lightning's original for anything that is not checkrun's:
+
+* the loader: a path (local or fsspec URL, not http) with a save in flight in this process is waited
+  for; a file whose first bytes are a checkrun manifest header is loaded by the engine (every byte
+  verified; ``weights_only=None`` means True, torch's default, so nothing is unpickled unless the caller
+  opts in). Anything else (a ``torch.save`` file, a file object, an http URL) goes to Lightning's function
+  with the same arguments.
+* ``TorchCheckpointIO.load_checkpoint``: waits for a save in flight to the path, then runs Lightning's.
+* ``ModelCheckpoint.file_exists``: on global rank 0, a path with a save in flight counts as existing
+  (the decision is still reduced across ranks, as Lightning's does); otherwise Lightning's check.
+
+:func:`uninstall` restores Lightning's functions. ``torch.load`` itself is not changed: ``torch.load`` of a
+manifest fails with "invalid load key, '{'" (docs/troubleshooting.md).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Optional
+
+import lightning.fabric.plugins.io.torch_io as _torch_io
+import lightning.fabric.utilities.cloud_io as _cloud_io
+import lightning.pytorch as pl
+import lightning.pytorch.core.saving as _saving
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ckpt_core import wait_for_save
+
+from .callbacks import in_flight
+from .loading import is_checkrun_file, load_checkpoint_dict
+from .paths import normalize_path
+
+__all__ = ["install", "uninstall", "installed"]
+
+_ORIGINAL = "__checkrun_original__"
+"""Attribute of each wrapper holding the function it replaced (also the idempotency mark)."""
+
+
+def _is_path(value: Any) -> bool:
+    """A path or fsspec URL (what the engine can read); file objects and what Lightning sends to
+    ``torch.hub`` (a path starting with "http", its own test) stay Lightning's."""
+    return isinstance(value, (str, os.PathLike)) and not str(value).startswith("http")
+
+
+def _wrap_loader(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+        if _is_path(path_or_url):
+            path = normalize_path(path_or_url)
+            wait_for_save(path)
+            if is_checkrun_file(path):
+                return load_checkpoint_dict(path, map_location=map_location, weights_only=weights_only,
+                                            fallback_to_torch=False)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    return _load
+
+
+def _wrap_torch_io_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_checkpoint(self: TorchCheckpointIO, path: _PATH, *args: Any, **kwargs: Any) -> Any:
+        if _is_path(path):
+            wait_for_save(normalize_path(path))  # before Lightning's fs.exists check
+        return original(self, path, *args, **kwargs)
+
+    return load_checkpoint
+
+
+def _wrap_file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def file_exists(self: ModelCheckpoint, filepath: _PATH, trainer: "pl.Trainer") -> bool:
+        if trainer.is_global_zero and in_flight(filepath, trainer):
+            # Same collective as Lightning's own check: the other ranks reduce their (False) decision.
+            return trainer.strategy.reduce_boolean_decision(True, all=False)
+        return original(self, filepath, trainer)
+
+    return file_exists
+
+
+def _targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
+    """(owner, attribute, wrapper factory) of every hook. The three loader names share one wrapper."""
+    return [(_cloud_io, "_load", _wrap_loader), (_saving, "pl_load", _wrap_loader),
+            (_torch_io, "pl_load", _wrap_loader), (TorchCheckpointIO, "load_checkpoint", _wrap_torch_io_load),
+            (ModelCheckpoint, "file_exists", _wrap_file_exists)]
+
+
+def install() -> None:
+    """Install every hook that is not installed yet (idempotent; called when ``lightning_ckpt`` is imported)."""
+    wrapped: dict[int, Callable[..., Any]] = {}
+    for owner, name, factory in _targets():
+        current = getattr(owner, name)
+        if getattr(current, _ORIGINAL, None) is not None:
+            continue
+        wrapper = wrapped.get(id(current))
+        if wrapper is None:
+            wrapper = wrapped[id(current)] = factory(current)
+            setattr(wrapper, _ORIGINAL, current)
+        setattr(owner, name, wrapper)
+
+
+def uninstall() -> None:
+    """Put Lightning's original functions back (``install`` puts the hooks in again)."""
+    for owner, name, _ in _targets():
+        original = getattr(getattr(owner, name), _ORIGINAL, None)
+        if original is not None:
+            setattr(owner, name, original)
+
+
+def installed() -> bool:
+    """Whether every hook is in place."""
+    return all(getattr(getattr(owner, name), _ORIGINAL, None) is not None for owner, name, _ in _targets())

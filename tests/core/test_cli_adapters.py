@@ -1,0 +1,169 @@
+"""``checkrun ls/inspect/verify/export/diff`` see through adapter layouts (issue 19, point 8).
+
+An Accelerate checkpoint is an index (``checkpoint_N/checkrun.ckpt``, plain data, no tensor) naming one
+part per rank. Every command must show and check the parts' real content, given the folder, the index
+or the checkpoints directory, and an earlier release's layout (``ROOT/checkpoint_N.ckpt`` + ``ROOT/parts``)
+too; a part that is gone or corrupt is a problem, never ``OK``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_core
+from ckpt_core import composite
+from ckpt_core.cli import main
+
+accelerate = pytest.importorskip("accelerate")
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main([*map(str, argv), "--no-progress"])
+    return code, capsys.readouterr().out
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+@pytest.fixture
+def accel_run(tmp_path: Path):
+    """Two checkpoints of a real Accelerator (synchronous saves): (root, [folders], [weights at each save])."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from accelerate_ckpt import attach
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    ckpt = attach(acc, {"saving": {"asynchronous": False}})
+    folders, weights = [], []
+    for _ in range(2):
+        acc.backward(model(torch.randn(3, 4)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        folders.append(str(acc.save_state()))
+    ckpt.close()
+    yield tmp_path / "proj" / "checkpoints", folders, weights
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _part_tensors(index_url: str) -> int:
+    with ckpt_core.CheckpointEngine() as engine:
+        index = engine.load(index_url)
+        return sum(len(engine.read_manifest(p).tensors) for p in composite.part_urls(index_url, index))
+
+
+def test_inspect_and_ls_show_the_parts_content(capsys, accel_run) -> None:
+    root, folders, _ = accel_run
+    index = f"{folders[1]}/{composite.INDEX_NAME}"
+    expected = _part_tensors(index)
+    assert expected > 0
+    for arg in (folders[1], index, root):  # the folder, its index, the directory (its newest)
+        code, data = run_json(capsys, "inspect", arg)
+        assert code == 0 and data["tensors"] == expected and data["tensor_bytes"] > 0, arg
+        assert len(data["parts"]) == 1 and data["meta"]["iteration"] == 2
+        assert "parts.0.replicated.models.0.0.weight" in {n["path"] for n in data["tree"]}
+    code, text = run(capsys, "inspect", folders[1])
+    assert code == 0 and f"tensors     {expected}:" in text and "parts.0" in text
+    code, data = run_json(capsys, "ls", root)
+    assert code == 0 and [r["name"] for r in data["checkpoints"]] == ["checkpoint_0/", "checkpoint_1/"]
+    assert all(r["tensors"] == expected and r["status"] == "committed" and len(r["parts"]) == 1
+               for r in data["checkpoints"])
+    assert data["totals"]["logical_bytes"] > 0 and data["totals"]["unreferenced_bytes"] == 0
+    code, data = run_json(capsys, "ls", folders[0])
+    assert code == 0 and len(data["checkpoints"]) == 1 and data["checkpoints"][0]["tensors"] == expected
+    code, text = run(capsys, "ls", root, "--verify")
+    assert code == 0 and "2 checkpoint(s), 0 corrupt" in text
+
+
+def test_verify_checks_every_part_and_never_says_ok_for_nothing(capsys, accel_run, tmp_path: Path) -> None:
+    root, folders, _ = accel_run
+    code, data = run_json(capsys, "verify", root)
+    assert code == 0 and data["ok"] and len(data["checkpoints"]) == 2
+    assert all(c["blobs_checked"] > 0 and len(c["parts"]) == 1 for c in data["checkpoints"])
+    code, text = run(capsys, "verify", folders[1])
+    assert code == 0 and "1 part(s)" in text and "1 intact, 0 corrupt" in text
+    # a blob of the parts corrupted: both checkpoints that need it are CORRUPT
+    blobs = sorted((root / composite.PARTS_DIR / ".checkrun" / "blobs").rglob("*"))
+    victim = next(b for b in blobs if b.is_file())
+    data_bytes = bytearray(victim.read_bytes())
+    data_bytes[-1] ^= 0xFF
+    victim.write_bytes(bytes(data_bytes))
+    code, text = run(capsys, "verify", root)
+    assert code == 1 and "CORRUPT" in text and "0 corrupt" not in text
+    # a part that is gone: the index alone is not a checkpoint
+    index = f"{folders[0]}/{composite.INDEX_NAME}"
+    with ckpt_core.CheckpointEngine() as engine:
+        (part,) = composite.part_urls(index, engine.load(index))
+    os.remove(part)
+    code, text = run(capsys, "verify", index)
+    assert code == 1 and "CORRUPT" in text and "OK " not in text
+    assert run(capsys, "export", folders[0], tmp_path / "x.pt")[0] == 1 and not (tmp_path / "x.pt").exists()
+    assert run(capsys, "inspect", folders[0])[0] == 1
+    # nothing to check at all: not OK either (an empty directory, a folder a crashed save left)
+    (tmp_path / "empty").mkdir()
+    (root / "checkpoint_7").mkdir()
+    for path in (tmp_path / "empty", root / "checkpoint_7"):
+        code, text = run(capsys, "verify", path)
+        assert code == 1 and "OK" not in text
+
+
+def test_export_and_diff_use_the_parts(capsys, accel_run, tmp_path: Path) -> None:
+    root, folders, weights = accel_run
+    out = tmp_path / "ckpt1.pt"
+    code, text = run(capsys, "export", folders[1], out)
+    assert code == 0 and "0 tensors" not in text
+    state = torch.load(out, weights_only=True)
+    assert state["checkpoint"]["iteration"] == 2 and len(state["parts"]) == 1
+    saved = state["parts"][0]["replicated"]["models"][0]
+    assert set(saved) == set(weights[1]) and all(torch.equal(saved[k], weights[1][k]) for k in saved)
+    code, _ = run(capsys, "export", folders[1], tmp_path / "ckpt1.safetensors")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "ckpt1.safetensors")["parts.0.replicated.models.0.0.weight"],
+                       weights[1]["0.weight"])
+    code, data = run_json(capsys, "diff", folders[0], folders[1])
+    assert code == 0 and not data["identical"] and data["counts"]["changed"] > 0
+    changed = {t["key"] for t in data["tensors"] if t["status"] == "changed"}
+    assert "parts.0.replicated.models.0.0.weight" in changed
+    assert {"key": "checkpoint.iteration", "status": "changed", "a": 1, "b": 2} in data["values"]
+
+
+def test_earlier_release_index_is_read_through(capsys, tmp_path: Path) -> None:
+    """``ROOT/checkpoint_0.ckpt`` (index format 1) naming ``ROOT/parts/...``: before, 0 tensors and OK."""
+    root = tmp_path / "ckpts"
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with ckpt_core.CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"rank": {"rank": 0, "rng": {"torch": torch.get_rng_state()}},
+                     "replicated": {"models": [{"w": weight}], "step": 3}}, str(root / "parts" / "c0.x-0.rank0.ckpt"))
+        engine.save({"accelerate_ckpt": 1, "name": "checkpoint_0", "parts": ["parts/c0.x-0.rank0.ckpt"],
+                     "world_size": 1, "step": 3, "iteration": 1}, str(root / "checkpoint_0.ckpt"))
+    index = root / "checkpoint_0.ckpt"
+    code, data = run_json(capsys, "inspect", index)
+    assert code == 0 and data["tensors"] == 2 and data["parts"] == [str(root / "parts" / "c0.x-0.rank0.ckpt")]
+    code, data = run_json(capsys, "verify", index)
+    assert code == 0 and data["checkpoints"][0]["blobs_checked"] >= 2
+    code, data = run_json(capsys, "ls", root)
+    assert [(r["name"], r["tensors"], r["step"]) for r in data["checkpoints"]] == [("checkpoint_0.ckpt", 2, 3)]
+    code, _ = run(capsys, "export", index, tmp_path / "old.pt")
+    assert code == 0
+    assert torch.equal(torch.load(tmp_path / "old.pt")["parts"][0]["replicated"]["models"][0]["w"], weight)
+    os.remove(root / "parts" / "c0.x-0.rank0.ckpt")
+    code, data = run_json(capsys, "verify", root)
+    assert code == 1 and not data["ok"]

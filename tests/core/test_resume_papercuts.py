@@ -1,0 +1,69 @@
+"""Resume papercuts (issue 19.9, core part): loading a directory or None says what is wrong."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ckpt_core
+from ckpt_core import CheckpointNotFoundError, inflight
+from tests.core.faulty import FaultyFS
+
+
+def test_load_of_a_directory_names_its_newest_checkpoint(tmp_path) -> None:
+    with ckpt_core.CheckpointEngine() as engine:
+        for step in (1, 2):
+            engine.save({"w": torch.full((3,), float(step))}, tmp_path / f"step={step}.ckpt")
+        engine.wait()
+        with pytest.raises(CheckpointNotFoundError) as info:
+            engine.load(tmp_path)
+    message = str(info.value)
+    assert "directory of 2 checkpoint(s)" in message and f"{tmp_path}/step=2.ckpt" in message
+
+
+def test_load_of_an_empty_directory_says_so(tmp_path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="directory that holds no committed checkpoint"):
+        ckpt_core.load(tmp_path)
+
+
+def test_load_of_latest_in_an_empty_directory_is_not_a_type_error(tmp_path) -> None:
+    with ckpt_core.CheckpointEngine() as engine:
+        latest = engine.latest(tmp_path)
+        assert latest is None
+        with pytest.raises(CheckpointNotFoundError, match="no checkpoint path given"):
+            engine.load(latest)
+    with pytest.raises(CheckpointNotFoundError):
+        ckpt_core.load(None)
+
+
+def test_save_then_load_by_another_engine_waits_for_the_commit(tmp_path) -> None:
+    """A load of a path with a save in flight in another engine of this process gets that save."""
+    FaultyFS.reset()
+    FaultyFS.gate = threading.Event()
+    path = f"gatefile://{tmp_path}/a.ckpt"
+    try:
+        writer = ckpt_core.CheckpointEngine()
+        handle = writer.save({"w": torch.arange(10.0)}, path)
+        FaultyFS.entered.acquire()  # the save is inside a storage write
+        assert ckpt_core.save_in_flight(path)
+        opener = threading.Thread(target=_open_when_waited_for, args=(FaultyFS.gate,))
+        opener.start()
+        state = ckpt_core.load(path)  # another engine: blocks until the save commits
+        opener.join()
+        assert state["w"].equal(torch.arange(10.0))
+        assert not ckpt_core.save_in_flight(path)
+        writer.close()
+    finally:
+        FaultyFS.gate.set()
+        FaultyFS.reset()
+
+
+def _open_when_waited_for(gate: threading.Event) -> None:
+    """Open the storage gate once a thread waits in the in-flight registry (polls its state; bounded)."""
+    for _ in range(1_000_000):
+        with inflight._cond:
+            if inflight._cond._waiters:
+                break
+        threading.Event().wait(0.0005)
+    gate.set()

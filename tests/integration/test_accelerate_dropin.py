@@ -1,0 +1,273 @@
+"""Drop-in: unchanged Accelerate scripts keep their habits with checkrun attached (issue 19, points 2, 6,
+7, 9). The folder naming is checked against accelerate's own ``save_state`` in real ``accelerate
+launch`` runs (1 process, and 2 CPU processes); the rest runs in-process with real Accelerators.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+
+import ckpt_core
+from accelerate_ckpt import attach
+from ckpt_core import composite, inflight
+from tests.core.faulty import FaultyFS
+from tests.integration.accel_scripts.harness import BIN, HERE, REPO, accelerate_args, accelerate_launch, launch_env
+
+DROPIN = HERE / "dropin.py"
+WAIT_LIMIT = 300  # hang protection only; nothing asserts on time
+
+
+# -- real accelerate launch: folder naming, load_state(folder), load_state(), total_limit -------------
+def _launch(tmp: Path, name: str, processes: int, *extra: str) -> list[dict]:
+    out = tmp / f"out-{name}"
+    out.mkdir()
+    accelerate_launch(accelerate_args(processes), DROPIN,
+                      ["--project-dir", tmp / f"proj-{name}", "--out", out, *extra], launch_env(tmp))
+    return [json.loads((out / f"report_rank{r}.json").read_text()) for r in range(processes)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_unchanged_script_names_loads_and_prunes_like_accelerate(tmp_path: Path, processes: int) -> None:
+    native = _launch(tmp_path, "native", processes, "--native")
+    ours = _launch(tmp_path, "checkrun", processes)
+    for rank, (n, c) in enumerate(zip(native, ours)):
+        assert c["world"] == processes and c["rank"] == rank
+        # the paths save_state returns are the folders accelerate itself names, there right after the call
+        expected = [str(tmp_path / "proj-checkrun" / "checkpoints" / f"checkpoint_{i}") for i in range(4)]
+        assert c["saved"] == expected
+        assert [p.replace("proj-native", "proj-checkrun") for p in n["saved"]] == expected
+        assert c["existed"] == n["existed"] == [True] * 4 and c["types"] == n["types"]
+        # load_state(absolute folder) straight after save_state, load_state(relative), load_state()
+        assert n["loads"] == c["loads"] == {"absolute": True, "relative": True, "newest": True}
+        # total_limit=2: the same folders are left; the only extra entry is checkrun's hidden .checkrun/
+        assert n["listing"] == ["checkpoint_2", "checkpoint_3"]
+        assert c["listing"] == [".checkrun", "checkpoint_2", "checkpoint_3"]
+        assert c["final_weights"] == n["final_weights"]
+
+
+@pytest.mark.slow
+def test_fresh_process_resumes_with_load_state_and_no_argument(tmp_path: Path) -> None:
+    first = _launch(tmp_path, "run", 1, "--saves", "3")
+    out = tmp_path / "out-resume"
+    out.mkdir()
+    accelerate_launch(accelerate_args(1), DROPIN, ["--project-dir", tmp_path / "proj-run", "--out", out, "--resume"],
+                      launch_env(tmp_path))
+    again = json.loads((out / "report_rank0.json").read_text())
+    assert again["resumed_weights"] == first[0]["final_weights"]  # the newest: checkpoint_2, loaded last
+    assert again["listing"] == [".checkrun", "checkpoint_1", "checkpoint_2"]
+
+
+# -- in-process helpers ------------------------------------------------------------------------------
+def _accelerator(project_dir: Path | None = None, seed: int = 0) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
+    pc = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) \
+        if project_dir is not None else None
+    acc = Accelerator(cpu=True, project_config=pc)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _train(acc: Accelerator, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    acc.backward(model(torch.randn(3, 4)).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def _weights(acc: Accelerator, model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    FaultyFS.reset()
+    yield
+    if FaultyFS.gate is not None:
+        FaultyFS.gate.set()  # never leave a writer blocked
+    FaultyFS.reset()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class _Watched(threading.Condition):
+    """The in-flight registry's condition, telling the test when a given thread starts waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):  # noqa: ANN001 - threading.Condition's signature
+        if threading.current_thread() is self.thread:
+            self.waiting.set()
+        return super().wait(timeout)
+
+
+def _load_in_thread(cond: _Watched, load) -> dict:
+    """Run ``load()`` on a thread; return once it waits on the registry or has finished."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = load()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            result["error"] = exc
+        finally:
+            cond.waiting.set()
+
+    thread = threading.Thread(target=run, name="other-accelerator-load")
+    cond.thread, result["thread"] = thread, thread
+    thread.start()
+    assert cond.waiting.wait(WAIT_LIMIT)
+    return result
+
+
+# -- point 2: save_state, then load_state on another Accelerator of the same process --------------------
+def test_another_accelerator_loads_a_checkpoint_still_being_written(tmp_path: Path, monkeypatch) -> None:
+    cond = _Watched()
+    monkeypatch.setattr(inflight, "_cond", cond)
+    root = f"gatefile://{tmp_path}/ckpts"
+    acc1, model1, opt1 = _accelerator(seed=0)
+    ckpt1 = attach(acc1, directory=root)
+    acc2, model2, opt2 = _accelerator(seed=1)  # another Accelerator, other weights, same process
+    ckpt2 = attach(acc2, directory=root)
+    for expected_name in ("checkpoint_0", "checkpoint_1"):
+        _train(acc1, model1, opt1)
+        expected = _weights(acc1, model1)
+        FaultyFS.gate = threading.Event()  # storage stalls: the save stays in flight
+        folder = acc1.save_state()
+        assert folder == f"{root}/{expected_name}"
+        assert ckpt_core.save_in_flight(f"{folder}/{composite.INDEX_NAME}")
+        cond.waiting.clear()
+        # by its folder the first time, then load_state() with no argument (the newest)
+        args = (folder,) if expected_name == "checkpoint_0" else ()
+        result = _load_in_thread(cond, lambda: acc2.load_state(*args))
+        assert "error" not in result, f"the load did not wait for the save in flight: {result.get('error')!r}"
+        FaultyFS.gate.set()
+        result["thread"].join(WAIT_LIMIT)
+        assert result.get("value") == folder and "error" not in result
+        assert _same(_weights(acc2, model2), expected)
+    ckpt1.close()
+    ckpt2.close()
+
+
+# -- point 6 in-process: folders, old layout, no automatic naming ---------------------------------------
+def test_hooks_get_the_folder_and_save_state_output_dir_is_the_folder(tmp_path: Path) -> None:
+    acc, model, opt = _accelerator()
+    seen = []
+    acc.register_save_state_pre_hook(lambda models, weights, d: seen.append(("save", d, os.path.isdir(d))))
+    acc.register_load_state_pre_hook(lambda models, d: seen.append(("load", d, os.path.isdir(d))))
+    ckpt = attach(acc)
+    out = str(tmp_path / "my_checkpoint")
+    for _ in range(2):  # saving to the same folder again replaces the checkpoint, as accelerate overwrites
+        _train(acc, model, opt)
+        expected = _weights(acc, model)
+        assert acc.save_state(out) == Path(out)  # a Path, as accelerate's own save_state returns
+    _train(acc, model, opt)
+    assert acc.load_state(out) == out and _same(_weights(acc, model), expected)
+    ckpt.wait()
+    assert sorted(os.listdir(out)) == [".checkrun", composite.INDEX_NAME]
+    parts = [p for p in os.listdir(Path(out) / composite.PARTS_DIR) if p.endswith(".ckpt")]
+    assert len(parts) == 1  # the replaced checkpoint's part is gone
+    assert seen == [("save", out, True), ("save", out, True), ("load", out, True)]
+    ckpt.close()
+
+
+def test_earlier_releases_layout_still_loads(tmp_path: Path) -> None:
+    """``ROOT/checkpoint_0.ckpt`` (index format 1) + ``ROOT/parts/``, as written before the folders."""
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    ckpt = attach(acc, {"saving": {"asynchronous": False}})
+    _train(acc, model, opt)
+    expected = _weights(acc, model)
+    folder = str(acc.save_state())
+    root = tmp_path / "proj" / "checkpoints"
+    with ckpt_core.CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        index = engine.load(f"{folder}/{composite.INDEX_NAME}")
+        (part,) = composite.part_urls(f"{folder}/{composite.INDEX_NAME}", index)
+        engine.save(engine.load(part), str(root / "parts" / "checkpoint_0.old-0.rank0.ckpt"))
+        engine.save({**index, "accelerate_ckpt": 1, "parts": ["parts/checkpoint_0.old-0.rank0.ckpt"]},
+                    str(root / "checkpoint_0.ckpt"))
+    shutil.rmtree(folder)
+    shutil.rmtree(root / ".checkrun")
+    _train(acc, model, opt)
+    assert acc.load_state(str(root / "checkpoint_0.ckpt")) == str(root / "checkpoint_0.ckpt")
+    assert _same(_weights(acc, model), expected)
+    _train(acc, model, opt)
+    acc.load_state()  # the newest of the directory: the old index
+    assert _same(_weights(acc, model), expected)
+    ckpt.close()
+
+
+# -- point 7: saving.asynchronous false means committed when save_state returns -------------------------
+def test_synchronous_save_state_returns_after_the_commit(tmp_path: Path) -> None:
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    ckpt = attach(acc, {"saving": {"asynchronous": False}})
+    for i in range(3):
+        _train(acc, model, opt)
+        expected = _weights(acc, model)
+        folder = str(acc.save_state())
+        # no commit thread: nothing of this save is left to run
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("accelerate-ckpt")]
+        with ckpt_core.CheckpointEngine() as fresh:  # another engine, nothing shared with the adapter's
+            index = fresh.load(os.path.join(folder, composite.INDEX_NAME))
+            assert index["iteration"] == i + 1
+            (part,) = composite.part_urls(os.path.join(folder, composite.INDEX_NAME), index)
+            saved = fresh.load(part)["replicated"]["models"][0]
+            assert _same(dict(saved), expected)
+    ckpt.close()
+
+
+def test_synchronous_save_state_raises_its_own_failure(tmp_path: Path) -> None:
+    acc, model, opt = _accelerator()
+    ckpt = attach(acc, {"saving": {"asynchronous": False}, "storage": {"retry": {"max_attempts": 1}}},
+                  directory=f"gatefile://{tmp_path}/ckpts")
+    FaultyFS.fail_writes, FaultyFS.fail_match = PermissionError("injected: disk refuses blobs"), "/blobs/"
+    with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed.*injected"):
+        acc.save_state()  # the failure of this very save, raised by this call
+    folder = f"gatefile://{tmp_path}/ckpts/checkpoint_0"
+    assert not ckpt_core.save_in_flight(f"{folder}/{composite.INDEX_NAME}")
+    assert not (tmp_path / "ckpts" / "checkpoint_0" / composite.INDEX_NAME).exists()
+    FaultyFS.fail_writes = None
+    _train(acc, model, opt)
+    assert acc.save_state() == f"gatefile://{tmp_path}/ckpts/checkpoint_1"
+    assert (tmp_path / "ckpts" / "checkpoint_1" / composite.INDEX_NAME).is_file()
+    ckpt.close()
+
+
+# -- point 9: accelerate-ckpt launch with a broken config: one line, no traceback ------------------------
+@pytest.mark.parametrize("content, problem", [
+    ({"distributed_type": "NO", "checkpointing": {"saving": {"max_pendin": 2}}}, "saving.max_pendin"),
+    ({"distributed_type": "NO", "checkpointing": ["not", "a", "mapping"]}, "expected a mapping"),
+    ({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
+      "use_cpu": True, "num_procs": 2, "checkpointing": {}}, "unknown keys"),
+])
+def test_launch_config_error_is_one_line(tmp_path: Path, content, problem: str) -> None:
+    cfg = tmp_path / "accelerate_checkrun.yaml"
+    cfg.write_text(yaml.safe_dump(content))
+    proc = subprocess.run([str(BIN / "accelerate-ckpt"), "launch", "--config_file", str(cfg), str(DROPIN)],
+                          env=launch_env(tmp_path), cwd=str(REPO), capture_output=True, text=True,
+                          timeout=WAIT_LIMIT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"accelerate-ckpt: error: {cfg}: ") and problem in lines[0]

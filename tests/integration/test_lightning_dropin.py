@@ -1,0 +1,381 @@
+"""Drop-in: Lightning users' habits keep working with checkrun (issue 19, points 2, 3, 4, 5 and 9).
+
+Every test uses a real Trainer (or Fabric) on CPU with tiny models. Saves are held "in flight" by gated
+storage (``gatefile://``, tests/core/faulty.py) where the outcome depends on it; the gate opens when a
+loader starts waiting for the save (``open_gate_on_wait``), so a loader that does not wait sees no
+checkpoint and fails, and one that waits gets it - no sleeps, no timing.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.utilities import cloud_io
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import ckpt_core
+import lightning_ckpt
+from ckpt_core import UnsafeLoadError, inflight
+from lightning_ckpt import dropin
+from tests.core.faulty import FaultyFS
+from tests.integration.test_lightning_common import (TinyDataModule, TinyModel, close_plugins,  # noqa: F401
+                                                     ls, make_io, tensors_equal, trainer)
+from tests.integration.test_lightning_examples import EXAMPLES, manifest, run_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plain_trainer(**kwargs: Any) -> Trainer:
+    """A quiet CPU Trainer WITHOUT the checkrun plugin (Lightning's TorchCheckpointIO)."""
+    defaults: dict[str, Any] = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                                    enable_model_summary=False, enable_checkpointing=False, max_epochs=-1,
+                                    num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+def checkrun_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("checkrun"))
+
+
+@pytest.fixture
+def gate():
+    """Hold every storage write of ``gatefile://`` paths until the gate opens (always opened at the end)."""
+    FaultyFS.reset()
+    FaultyFS.gate = threading.Event()
+    yield FaultyFS.gate
+    FaultyFS.gate.set()
+    FaultyFS.reset()
+
+
+@pytest.fixture
+def open_gate_on_wait(gate, monkeypatch) -> threading.Event:
+    """Open the gate as soon as anything waits for a save in flight (``ckpt_core.inflight.wait``)."""
+    original = inflight.wait
+
+    def wait(url: str, timeout: float | None = None) -> bool:
+        gate.set()
+        return original(url, timeout)
+
+    monkeypatch.setattr(inflight, "wait", wait)
+    return gate
+
+
+def saved_in_flight(tmp_path, name: str = "final.ckpt") -> tuple[str, TinyModel, TinyDataModule]:
+    """Fit 3 steps with the plugin, then ``trainer.save_checkpoint`` to gated storage: returned in flight."""
+    model, dm = TinyModel(hidden=6, lr=0.01), TinyDataModule(note="saved")
+    t = trainer(str(tmp_path), make_io(), max_steps=3)
+    t.fit(model, datamodule=dm)
+    path = f"gatefile://{tmp_path}/ckpts/{name}"
+    t.save_checkpoint(path)
+    assert ckpt_core.save_in_flight(path) and not os.path.exists(f"{tmp_path}/ckpts/{name}")
+    return path, model, dm
+
+
+# ------------------------------------------------------------------------------------------------ point 2
+LOADERS: dict[str, Callable[[Trainer, "Probe", str], Any]] = {
+    "fit": lambda t, m, p: t.fit(m, ckpt_path=p),
+    "validate": lambda t, m, p: t.validate(m, ckpt_path=p),
+    "test": lambda t, m, p: t.test(m, ckpt_path=p),
+    "predict": lambda t, m, p: t.predict(m, ckpt_path=p),
+}
+
+
+class Probe(TinyModel):
+    """Records the ``global_step`` of the checkpoint a Trainer restored into it."""
+
+    restored_step = -1
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.restored_step = checkpoint["global_step"]
+
+
+@pytest.mark.parametrize("with_plugin", [True, False], ids=["plugin", "no-plugin"])
+@pytest.mark.parametrize("how", list(LOADERS))
+def test_another_trainer_loads_a_save_in_flight(tmp_path, open_gate_on_wait, how: str, with_plugin: bool) -> None:
+    path, model, _ = saved_in_flight(tmp_path)
+    other = trainer(None, make_io(), max_steps=4) if with_plugin else plain_trainer(max_steps=4)
+    probe = Probe(hidden=6, lr=0.01)
+    LOADERS[how](other, probe, path)
+    assert probe.restored_step == 3
+    if how != "fit":
+        assert tensors_equal(probe.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("how", ["lightning_ckpt.load_from_checkpoint", "LightningModule.load_from_checkpoint",
+                                 "ckpt_core.load", "cloud_io._load"])
+def test_loaders_get_a_save_in_flight(tmp_path, open_gate_on_wait, how: str) -> None:
+    path, model, _ = saved_in_flight(tmp_path)
+    if how == "lightning_ckpt.load_from_checkpoint":
+        state = lightning_ckpt.load_from_checkpoint(TinyModel, path).state_dict()
+    elif how == "LightningModule.load_from_checkpoint":
+        state = TinyModel.load_from_checkpoint(path).state_dict()
+    elif how == "ckpt_core.load":
+        state = ckpt_core.load(path)["state_dict"]
+    else:
+        state = cloud_io._load(path)["state_dict"]
+    assert tensors_equal(state, model.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------ point 3
+class HoldSaves(Callback):
+    """Keeps the storage gate closed from the start of training to its end: every save of the fit is in
+    flight while ModelCheckpoint picks the next name."""
+
+    def __init__(self, gate: threading.Event, plugin: lightning_ckpt.CheckrunCheckpointIO, saves: int) -> None:
+        self.gate, self.plugin, self.saves = gate, plugin, saves
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.gate.clear()
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        assert self.plugin.engine.pending == self.saves
+        self.gate.set()
+
+
+def test_stock_model_checkpoint_sees_saves_in_flight(tmp_path, gate) -> None:
+    """Four saves, all in flight while Lightning's own ModelCheckpoint picks the next name: each gets its
+    own file (-v1, -v2, -v3), as with synchronous saves; before, all four went to ``epoch=0.ckpt``."""
+    ckpt_dir = f"gatefile://{tmp_path}/ckpts"
+    plugin = make_io(max_pending=4)
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="step", mode="max", save_top_k=-1,
+                         every_n_train_steps=2)
+    trainer(str(tmp_path), plugin, callbacks=[mc, HoldSaves(gate, plugin, 4)], max_steps=8).fit(TinyModel())
+    names = ["epoch=0.ckpt", "epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0-v3.ckpt"]
+    assert sorted(mc.best_k_models) == sorted(f"{ckpt_dir}/{n}" for n in names)
+    assert ls(str(tmp_path / "ckpts")) == sorted([".checkrun", *names])
+    assert sorted(plugin.load_checkpoint(f"{ckpt_dir}/{n}")["global_step"] for n in names) == [2, 4, 6, 8]
+
+
+def test_stock_model_checkpoint_rerun_fit_keeps_every_checkpoint(tmp_path, gate) -> None:
+    """The issue's case: ``fit`` run again on the same Trainer with ``save_top_k=-1`` and names that repeat
+    within an epoch: four checkpoints, not two."""
+    ckpt_dir = f"gatefile://{tmp_path}/ckpts"
+    plugin = make_io(max_pending=4)
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="step", mode="max", save_top_k=-1,
+                         every_n_train_steps=4)
+    t = trainer(str(tmp_path), plugin, callbacks=[mc, HoldSaves(gate, plugin, 2)], max_steps=8)
+    t.fit(TinyModel())
+    t.fit_loop.epoch_loop.max_steps = 16  # 8 steps per epoch: the second fit trains epoch 1
+    t.fit(TinyModel())
+    names = ["epoch=0.ckpt", "epoch=0-v1.ckpt", "epoch=1.ckpt", "epoch=1-v1.ckpt"]
+    assert ls(str(tmp_path / "ckpts")) == sorted([".checkrun", *names])
+    assert sorted(mc.best_k_models) == sorted(f"{ckpt_dir}/{n}" for n in names)
+
+
+def test_hooks_are_installed_once_and_defer_to_lightning() -> None:
+    import lightning.fabric.plugins.io.torch_io as torch_io
+    import lightning.pytorch.core.saving as saving
+
+    assert dropin.installed()
+    hooked = cloud_io._load
+    dropin.install()
+    dropin.install()
+    assert cloud_io._load is hooked is saving.pl_load is torch_io.pl_load
+    original = getattr(hooked, "__checkrun_original__")
+    assert getattr(original, "__checkrun_original__", None) is None  # wraps Lightning's function, once
+    assert original.__module__ == "lightning.fabric.utilities.cloud_io"
+    assert getattr(ModelCheckpoint.file_exists, "__checkrun_original__").__qualname__ == "ModelCheckpoint.file_exists"
+    dropin.uninstall()
+    try:
+        assert cloud_io._load is original is saving.pl_load and not dropin.installed()
+    finally:
+        dropin.install()
+    assert dropin.installed()
+
+
+# ------------------------------------------------------------------------------------------------ point 4
+@pytest.fixture
+def committed(tmp_path) -> tuple[str, TinyModel, TinyDataModule]:
+    model, dm = TinyModel(hidden=6, lr=0.01), TinyDataModule(note="saved")
+    plugin = make_io()
+    t = trainer(str(tmp_path), plugin, max_steps=3)
+    t.fit(model, datamodule=dm)
+    path = str(tmp_path / "final.ckpt")
+    t.save_checkpoint(path)
+    plugin.wait()
+    assert lightning_ckpt.is_checkrun_file(path)
+    return path, model, dm
+
+
+def test_lightning_load_from_checkpoint_reads_checkrun(committed) -> None:
+    path, model, dm = committed
+    loaded = TinyModel.load_from_checkpoint(path, lr=0.5)
+    assert loaded.hparams.hidden == 6 and loaded.hparams.lr == 0.5
+    assert tensors_equal(loaded.state_dict(), model.state_dict())
+    dm2 = TinyDataModule.load_from_checkpoint(path)
+    assert dm2.hparams.note == "saved" and dm2.served == dm.served == 1
+    raw = cloud_io._load(path, map_location="cpu")
+    assert raw["global_step"] == 3 and tensors_equal(raw["state_dict"], model.state_dict())
+
+
+def test_trainer_without_plugin_resumes_from_checkrun(committed) -> None:
+    path, model, _ = committed
+    probe = Probe(hidden=6, lr=0.01)
+    plain_trainer(max_steps=5).fit(probe, ckpt_path=path)
+    assert probe.restored_step == 3
+    probe = Probe(hidden=6, lr=0.01)
+    plain_trainer().validate(probe, ckpt_path=path, verbose=False)
+    assert tensors_equal(probe.state_dict(), model.state_dict())
+
+
+class Payload:
+    """Not plain data: loading it needs pickle (refused unless the caller opts in)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class WithPayload(TinyModel):
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["payload"] = Payload(7)
+
+
+def test_weights_only_semantics_are_kept(tmp_path) -> None:
+    plugin = make_io()
+    t = trainer(str(tmp_path), plugin, max_steps=1)
+    t.fit(WithPayload())
+    path = str(tmp_path / "payload.ckpt")
+    t.save_checkpoint(path)
+    with pytest.raises(UnsafeLoadError):
+        WithPayload.load_from_checkpoint(path)  # weights_only=None: nothing unpickled
+    with pytest.raises(UnsafeLoadError):
+        cloud_io._load(path, weights_only=True)
+    assert cloud_io._load(path, weights_only=False)["payload"].value == 7
+    assert WithPayload.load_from_checkpoint(path, weights_only=False).hparams.hidden == 8
+
+
+def test_torch_files_still_go_to_lightning(tmp_path) -> None:
+    """A TorchCheckpointIO checkpoint, a file object and a missing path behave exactly as without checkrun."""
+    model = TinyModel(hidden=5)
+    t = plain_trainer(max_steps=2, default_root_dir=str(tmp_path))
+    t.fit(model)
+    path = str(tmp_path / "torch.ckpt")
+    t.save_checkpoint(path)
+    assert not lightning_ckpt.is_checkrun_file(path)
+    assert tensors_equal(TinyModel.load_from_checkpoint(path).state_dict(), model.state_dict())
+    with open(path, "rb") as f:
+        assert cloud_io._load(io.BytesIO(f.read()))["global_step"] == 2
+    with pytest.raises(FileNotFoundError):
+        TinyModel.load_from_checkpoint(str(tmp_path / "missing.ckpt"))
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        plain_trainer().validate(TinyModel(hidden=5), ckpt_path=str(tmp_path / "missing.ckpt"), verbose=False)
+
+
+def test_torch_load_of_a_manifest_fails_as_documented(committed) -> None:
+    """``torch.load`` itself cannot read a manifest; docs/troubleshooting.md gives the error and the fix."""
+    path, _, _ = committed
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError, match=re.escape("invalid load key, '{'")):
+        torch.load(path, weights_only=False)
+    with pytest.raises(pickle.UnpicklingError, match="Unsupported operand 123"):
+        torch.load(path)
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md")) as f:
+        doc = f.read()
+    assert "invalid load key, '{'" in doc and "Unsupported operand 123" in doc
+
+
+# ------------------------------------------------------------------------------------------------ point 5
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_no_thread_left_after_saves_outside_fit(tmp_path, asynchronous: bool) -> None:
+    assert checkrun_threads() == []
+    plugin = make_io(asynchronous=asynchronous)
+    t = trainer(str(tmp_path), plugin, max_steps=2)
+    t.fit(TinyModel())
+    assert checkrun_threads() == []  # teardown closed the engine
+    for i in range(2):  # the second save is incremental: its reuse checks use the storage's thread pool
+        t.save_checkpoint(str(tmp_path / f"after-fit-{i}.ckpt"))
+    if asynchronous:
+        plugin.wait()
+    assert checkrun_threads() == []
+    t.validate(TinyModel(), verbose=False)
+    t.save_checkpoint(str(tmp_path / "after-validate.ckpt"))
+    if asynchronous:
+        ckpt_core.wait_for_save(str(tmp_path / "after-validate.ckpt"))
+        plugin.wait()
+    assert checkrun_threads() == []
+    assert ckpt_core.load(str(tmp_path / "after-validate.ckpt"))["global_step"] == 2
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_no_thread_left_after_fabric_saves(tmp_path, asynchronous: bool) -> None:
+    plugin = make_io(asynchronous=asynchronous)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup(torch.nn.Linear(64, 64))
+    big = torch.nn.Linear(1024, 512)  # > 1 MiB: the snapshot splits its copy with a helper thread
+    for step in range(3):
+        fabric.save(str(tmp_path / "fabric.ckpt"), {"model": model, "big": big.state_dict(), "step": step})
+    if asynchronous:
+        plugin.wait()
+    assert checkrun_threads() == []
+    state = {"model": model, "big": {}, "step": -1}
+    fabric.load(str(tmp_path / "fabric.ckpt"), state)
+    assert state["step"] == 2 and tensors_equal(state["big"], big.state_dict())
+    assert checkrun_threads() == []
+
+
+# ------------------------------------------------------------------------------------------------ point 9
+def test_lightning_ckpt_load_from_checkpoint_accepts_torch_files(tmp_path) -> None:
+    model, dm = TinyModel(hidden=5), TinyDataModule(note="torch")
+    t = plain_trainer(max_steps=2, default_root_dir=str(tmp_path))
+    t.fit(model, datamodule=dm)
+    path = str(tmp_path / "torch.ckpt")
+    t.save_checkpoint(path)
+    loaded = lightning_ckpt.load_from_checkpoint(TinyModel, path)
+    assert loaded.hparams.hidden == 5 and tensors_equal(loaded.state_dict(), model.state_dict())
+    assert lightning_ckpt.load_from_checkpoint(TinyDataModule, path).hparams.note == "torch"
+    assert lightning_ckpt.load_checkpoint_dict(path)["global_step"] == 2
+
+
+def test_torch_files_larger_than_a_manifest_may_be_load(tmp_path) -> None:
+    """A torch.save checkpoint over checkrun's manifest size limit (64 MiB) is still a torch file."""
+    path = str(tmp_path / "big.ckpt")
+    torch.save({"state_dict": {"w": torch.arange(17 << 20, dtype=torch.float32)}, "global_step": 5}, path)
+    assert make_io().load_checkpoint(path)["global_step"] == 5
+    assert lightning_ckpt.load_checkpoint_dict(path)["state_dict"]["w"][-1] == (17 << 20) - 1
+
+
+def _documented_commands(script: str) -> list[list[str]]:
+    """The ``python <script> ...`` lines of the script's docstring, as argument lists (comments dropped)."""
+    with open(script) as f:
+        text = f.read()
+    doc = text.split('"""')[1]
+    rel = os.path.relpath(script, ROOT)
+    return [line.split("#", 1)[0].split()[2:] for line in doc.splitlines()
+            if line.strip().startswith(f"python {rel}")]
+
+
+def test_hydra_example_documented_resume_resumes(monkeypatch, tmp_path, capsys) -> None:
+    """Runs the docstring's commands as written (from a fresh directory), plus only a smaller data set and
+    quiet logging: the second one resumes the first one's run."""
+    pytest.importorskip("hydra")
+    script = os.path.join(EXAMPLES, "hydra_train", "train.py")
+    commands = _documented_commands(script)
+    assert len(commands) >= 2 and any("resume=last" in c for c in commands)
+    monkeypatch.chdir(tmp_path)
+    quiet = ["data.samples=5120", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    outs = []
+    for args in commands[:2]:
+        run_script(monkeypatch, script, *args, *quiet)
+        outs.append(capsys.readouterr().out)
+    assert "trained to step 30" in outs[0]
+    ckpts = str(tmp_path / "checkpoints")
+    assert f"resuming from {ckpts}/last.ckpt at step 30" in outs[1] and "trained to step 60" in outs[1]
+    assert "step=10" not in outs[1]  # no save of a fresh start
+    assert manifest(os.path.join(ckpts, "last.ckpt")).meta["global_step"] == 60
+
+
+def test_hydra_example_refuses_to_start_over_silently(monkeypatch, tmp_path) -> None:
+    pytest.importorskip("hydra")
+    monkeypatch.chdir(tmp_path)
+    script = os.path.join(EXAMPLES, "hydra_train", "train.py")
+    with pytest.raises(SystemExit, match="no last checkpoint"):
+        run_script(monkeypatch, script, "resume=last", "hydra/job_logging=none", "hydra/hydra_logging=none")

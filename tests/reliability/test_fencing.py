@@ -1,0 +1,301 @@
+"""Commits are fenced, and an unanswered commit is resolved by checking what landed.
+
+* An orphan writer commits nothing: a trainer in writer-process mode is SIGKILLed while its save to
+  ``last.ckpt`` is in flight in its writer process (held there with SIGSTOP); after SIGCONT the
+  writer must not commit, whether or not a restarted trainer committed a newer ``last.ckpt``.
+* An older save never replaces a newer manifest of the same name (the fence compares the commit
+  stamps of the two manifests right before the rename / PUT), in writer-process and thread mode.
+* A manifest PUT that the S3 server applied but whose response was lost (a botocore ``after-call``
+  handler raising a read timeout) is a committed save; one that did not land fails, naming the
+  file. The local equivalent: a rename that happened although the call reported an error.
+
+Synchronisation is by pipes, gates, /proc state and pidfds: no sleeps.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import signal
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from ckpt_core import BackgroundSaveError, CheckpointEngine
+from ckpt_core.errors import CheckpointNotFoundError, CheckrunError, StorageError
+from ckpt_core.storage import Store
+
+from . import fencing_child, harness
+from .crash_child import versioned_state
+from .faultfs import FaultFS, Gate, s3_fault_options
+
+WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
+
+
+def version_at(path, **kw) -> int:
+    with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
+        return engine.load(str(path), **kw)["version"]
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (its /proc state says so)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WATCHDOG
+    while _proc_state(pid) not in ("T", "t"):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        os.sched_yield()
+
+
+def resume_until_exit(pid: int) -> None:
+    """SIGCONT ``pid`` (not our child) and wait for it to exit, on a pidfd."""
+    if not hasattr(os, "pidfd_open"):
+        os.kill(pid, signal.SIGCONT)
+        pytest.skip("needs os.pidfd_open (Linux 5.3+) to wait for a process that is not a child")
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGCONT)
+        ready, _, _ = select.select([fd], [], [], WATCHDOG)
+        assert ready, f"writer process {pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+def _recv(conn):
+    assert conn.poll(WATCHDOG), "the trainer process sent nothing"
+    return conn.recv()
+
+
+# ------------------------------------------------------------------------------- orphan writers
+@pytest.mark.parametrize("restart", [True, False], ids=["restarted-trainer-commits-newer", "no-restart"])
+def test_orphan_writer_commits_nothing(tmp_path, restart):
+    root = tmp_path / "run"
+    log = tmp_path / "trainer.log"
+    ctx = harness.context()
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=fencing_child.orphan_trainer, args=(child_conn, str(root), str(log)),
+                       daemon=True)
+    proc.start()
+    child_conn.close()
+    writer_pid = None
+    try:
+        kind, writer_pid, staging_dir = _recv(conn)
+        assert kind == "writer" and os.path.isdir(staging_dir)
+        stop(writer_pid)
+        conn.send("go")
+        assert _recv(conn) == ("sent",)  # version 2 is in the stopped writer's pipe
+        proc.kill()
+        proc.join()
+        if restart:  # the restarted trainer commits a newer last.ckpt while the old writer sleeps
+            with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
+                engine.save(versioned_state(3), f"{root}/last.ckpt").result()
+        resume_until_exit(writer_pid)
+    finally:
+        proc.kill()
+        proc.join()
+        if writer_pid is not None:  # never leave a stopped writer behind a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writer_pid, signal.SIGCONT)
+    assert version_at(root / "last.ckpt") == (3 if restart else 1)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".") and p.name != ".checkrun"] == []
+    assert not os.path.exists(staging_dir)  # the orphan deleted the dead trainer's staging files
+    if not restart:
+        assert "training process" in log.read_text()  # it said why it committed nothing
+
+
+def test_older_save_in_a_paused_writer_process_never_replaces_a_newer_manifest(tmp_path):
+    from ckpt_core.errors import SupersededError
+
+    path = tmp_path / "run" / "last.ckpt"
+    with CheckpointEngine(fencing_child.engine_config("process")) as a, \
+            CheckpointEngine(fencing_child.engine_config("thread")) as b:
+        a.save(versioned_state(1), path).result()
+        writer_pid = a._process._proc.pid
+        stop(writer_pid)
+        try:
+            older = a.save(versioned_state(2), path)  # captured before b's: older
+            b.save(versioned_state(3), path).result()
+        finally:
+            os.kill(writer_pid, signal.SIGCONT)
+        with pytest.raises(BackgroundSaveError, match="last.ckpt") as info:
+            older.result(WATCHDOG)
+        assert isinstance(info.value.__cause__, SupersededError)
+        assert version_at(path) == 3
+        a.save(versioned_state(4), path).result()  # a's next save is newer than b's: it commits
+        assert version_at(path) == 4
+        assert a.verify(path).ok
+
+
+def test_fence_is_checked_between_the_written_temp_file_and_the_rename(tmp_path):
+    from ckpt_core.errors import SupersededError
+
+    root = tmp_path / "run"
+    url = f"faultfile://{root}/last.ckpt"
+    with CheckpointEngine(fencing_child.engine_config("thread")) as a, \
+            CheckpointEngine(fencing_child.engine_config("thread")) as b:
+        a.save(versioned_state(1), url).result()
+        gate = Gate("close", "manifest")  # a's manifest is written and fsynced, not yet renamed
+        FaultFS.policy = gate
+        older = a.save(versioned_state(2), url)
+        assert gate.entered.wait(WATCHDOG)
+        b.save(versioned_state(3), root / "last.ckpt").result()  # plain path: not gated
+        gate.release()
+        with pytest.raises(BackgroundSaveError, match="last.ckpt") as info:
+            older.result(WATCHDOG)
+        FaultFS.policy = None
+        assert isinstance(info.value.__cause__, SupersededError)
+        assert "newer" in str(info.value)
+    assert version_at(root / "last.ckpt") == 3
+    assert [p.name for p in root.iterdir()] and not [p for p in root.rglob("*") if ".tmp-" in p.name]
+
+
+# --------------------------------------------------------------------------- ambiguous commits
+class LostResponses:
+    """botocore hooks on the engine's s3fs client: every PutObject of a key ending in ``suffix``
+    reaches the S3 server and is applied there, then the client raises a read timeout instead of
+    returning the answer (``after-call``), as if the connection dropped before the response.
+    ``tamper(key)``: called after the server applied the PUT, before the error (another writer)."""
+
+    def __init__(self, fs, suffix: str = ".ckpt", tamper=None, before_send: bool = False) -> None:
+        fs.connect()
+        self.fs, self.suffix, self.tamper = fs, suffix, tamper
+        self.client = fs.s3
+        self.saved_retries, fs.retries = fs.retries, 1  # s3fs's own retries off: the engine's count
+        self.lost: list[str] = []
+        self.handlers = [("before-parameter-build.s3.PutObject", self._remember_key),
+                         ("before-send.s3.PutObject" if before_send else "after-call.s3.PutObject",
+                          self._drop)]
+        for event, handler in self.handlers:
+            self.client.meta.events.register(event, handler)
+
+    def _remember_key(self, params, context, **kwargs):
+        context["checkrun_test_key"] = params.get("Key", "")
+
+    def _drop(self, context=None, request=None, **kwargs):
+        from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+
+        key = (context or getattr(request, "context", None) or {}).get("checkrun_test_key", "")
+        if not key.endswith(self.suffix):
+            return None
+        self.lost.append(key)
+        if request is not None:  # before-send: the request never leaves the client
+            raise EndpointConnectionError(endpoint_url="injected: the connection failed")
+        if self.tamper is not None:
+            self.tamper(key)
+        raise ReadTimeoutError(endpoint_url="injected: the response was lost")
+
+    def remove(self) -> None:
+        for event, handler in self.handlers:
+            self.client.meta.events.unregister(event, handler)
+        self.fs.retries = self.saved_retries
+
+
+def _s3_config(opts: dict):
+    cfg = fencing_child.engine_config("thread")
+    return cfg.replace(**{"storage.storage_options": opts, "storage.retry.max_attempts": 3,
+                          "storage.retry.initial_backoff_seconds": 0.01})
+
+
+@pytest.mark.s3
+def test_s3_manifest_put_applied_but_unanswered_is_a_committed_save(s3_root, s3_storage_options,
+                                                                    sleeps, caplog):
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    assert Store.for_directory(s3_root, opts, _s3_config(opts).storage).fs is fs  # the engine's client
+    with CheckpointEngine(_s3_config(opts)) as engine:
+        engine.save(versioned_state(1), f"{s3_root}/last.ckpt").result()
+        faults = LostResponses(fs)
+        try:
+            with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+                engine.save(versioned_state(2), f"{s3_root}/last.ckpt").result()
+        finally:
+            faults.remove()
+        assert faults.lost and all(k.endswith("run/last.ckpt") for k in faults.lost)
+        assert engine.load(f"{s3_root}/last.ckpt")["version"] == 2
+        assert engine.latest(s3_root) == f"{s3_root}/last.ckpt"
+        assert any("landed" in r.getMessage() and "last.ckpt" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("how", ["not-sent", "replaced-meanwhile"])
+def test_s3_manifest_put_that_did_not_land_fails_naming_the_file(s3_root, s3_storage_options, sleeps,
+                                                                 how):
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    other = _sync_s3_client(opts)
+
+    def replace_it(key: str) -> None:  # another writer's PUT lands between ours and our check
+        other.put_object(Bucket=s3_root[5:].split("/")[0], Key=key, Body=b"another writer's bytes")
+
+    with CheckpointEngine(_s3_config(opts)) as engine:
+        engine.save(versioned_state(1), f"{s3_root}/c.ckpt").result()
+        faults = LostResponses(fs, tamper=replace_it if how == "replaced-meanwhile" else None,
+                               before_send=how == "not-sent")
+        try:
+            handle = engine.save(versioned_state(2), f"{s3_root}/new.ckpt")
+            with pytest.raises(BackgroundSaveError, match="new.ckpt") as info:
+                handle.result(WATCHDOG)
+        finally:
+            faults.remove()
+        assert isinstance(info.value.__cause__, CheckrunError) and faults.lost
+        if how == "not-sent":
+            with pytest.raises(CheckpointNotFoundError):
+                engine.load(f"{s3_root}/new.ckpt")
+        assert engine.latest(s3_root) == f"{s3_root}/c.ckpt"
+
+
+def _sync_s3_client(opts: dict):
+    """A plain (synchronous) botocore client of the same endpoint: usable inside a handler that
+    runs on s3fs's event loop, where the async client cannot be called."""
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=opts["client_kwargs"]["endpoint_url"], aws_access_key_id=opts["key"],
+        aws_secret_access_key=opts["secret"], region_name="us-east-1")
+
+
+def test_local_rename_that_happened_but_reported_an_error_is_a_committed_save(tmp_path, monkeypatch,
+                                                                               caplog):
+    """NFS: a rename whose reply was lost is retried by the client and answered ENOENT, although
+    the first one happened. The manifest holds this save's bytes: the save is committed."""
+    real_replace = os.replace
+    lost: list[str] = []
+
+    def replace(src, dst, **kwargs):
+        real_replace(src, dst, **kwargs)
+        if str(dst).endswith(".ckpt"):
+            lost.append(str(dst))
+            raise FileNotFoundError(errno.ENOENT, "injected: the retried rename found no source", src)
+
+    root = tmp_path / "run"
+    with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
+        monkeypatch.setattr(os, "replace", replace)
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+            engine.save(versioned_state(1), root / "a.ckpt").result()
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert lost == [str(root / "a.ckpt")]
+        assert engine.load(root / "a.ckpt")["version"] == 1
+    assert any("landed" in r.getMessage() for r in caplog.records)
+
+
+def test_local_rename_error_without_the_manifest_fails_naming_it(tmp_path, monkeypatch):
+    def replace(src, dst, **kwargs):
+        raise OSError(errno.EIO, "injected: I/O error", src)
+
+    root = tmp_path / "run"
+    with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
+        monkeypatch.setattr(os, "replace", replace)
+        handle = engine.save(versioned_state(1), root / "a.ckpt")
+        with pytest.raises(BackgroundSaveError, match="a.ckpt") as info:
+            handle.result(WATCHDOG)
+        monkeypatch.undo()
+        assert isinstance(info.value.__cause__, StorageError)
+    assert sorted(p.name for p in Path(root).iterdir()) == [".checkrun"]

@@ -1,0 +1,230 @@
+"""A rotted blob is never silently reused (issue 20, point 1).
+
+Content addressing skips writing a blob whose key exists. When the stored bytes of such a blob
+rotted (a flipped byte, a truncation), a save that reuses it must check it first and write it
+again: the new checkpoint verifies, loads the saved values and is what ``latest()`` returns.
+Every reuse path is covered: chunks, packs, object blobs, delta row indices, and the base and
+older deltas a row-delta save keeps. Blobs are damaged in place under ``.checkrun/blobs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import zstandard
+
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.manifest import Manifest
+from ckpt_core.storage import Store
+
+from .crash_child import Marker, digest
+
+
+def config(background: str = "thread", policy: str = "consecutive") -> EngineConfig:
+    return EngineConfig.from_dict({
+        "compression": {"chunk_bytes": 16384},
+        "incremental": {"policy": policy, "row_delta_min_rows": 64},
+        "load": {"allowed_globals": [f"{Marker.__module__}.Marker"]},
+        "retention": {"gc_grace_seconds": 0},  # no refresh of old blobs: only the check rewrites
+        "saving": {"background": background, "sigterm_grace_seconds": None},
+        "storage": {"fsync": False},
+    })
+
+
+def make_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(48, 256, generator=g),  # 48 KiB: three chunks, too few rows for deltas
+            "bias": torch.randn(40, generator=g), "scale": torch.randn(24, generator=g),  # one pack
+            "obj": Marker(7), "step": 3}
+
+
+class Blobs:
+    """The blob files of a checkpoint directory (local or memory://), read and damaged in place."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.store = Store.for_directory(root, None, EngineConfig().storage)
+
+    def path(self, key: str) -> str:
+        return self.store.blob_path(key)
+
+    def read(self, key: str) -> bytes:
+        return self.store.fs.cat_file(self.path(key))
+
+    def damage(self, key: str, how: str) -> None:
+        data = self.read(key)
+        if how == "truncate":
+            data = data[: len(data) // 2]
+        else:  # flip one byte in the middle
+            buf = bytearray(data)
+            buf[len(buf) // 2] ^= 0x5A
+            data = bytes(buf)
+        self.store.fs.pipe_file(self.path(key), data)
+
+    def of(self, engine: CheckpointEngine, name: str, tensor: str | None = None, kind: str = "base") -> list:
+        """Blob keys of checkpoint ``name``: of one tensor's base chunks, delta chunks or delta
+        indices, or (``tensor`` None) of its objects."""
+        m = engine.read_manifest(f"{self.root}/{name}")
+        if tensor is None:
+            return [o.blob.key for o in m.objects]
+        rec = next(r for r in m.tensors if r.key == tensor)
+        if kind == "base":
+            return [c.blob.key for c in rec.base]
+        if kind == "idx":
+            return [d.idx.key for d in rec.deltas]
+        return [c.blob.key for d in rec.deltas for c in d.chunks]
+
+
+def assert_good(engine: CheckpointEngine, root: str, name: str, state: dict) -> None:
+    """``name`` verifies, loads ``state`` bit for bit and is the newest valid checkpoint."""
+    report = engine.verify(f"{root}/{name}")
+    assert report.ok, report.problems
+    assert digest(engine.load(f"{root}/{name}")) == digest(state)
+    assert engine.latest(root).endswith(name)
+
+
+def damage_every_kind(blobs: Blobs, engine: CheckpointEngine, name: str, how: str) -> None:
+    """One chunk of ``w``, the pack of the small tensors and the object blob."""
+    for key in {blobs.of(engine, name, "w")[1], blobs.of(engine, name, "bias")[0],
+                blobs.of(engine, name)[0]}:
+        blobs.damage(key, how)
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return f"memory://rot-{tmp_path.name}"
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_new_engine_rewrites_a_rotted_blob_it_would_reuse(root, how):
+    state = make_state()
+    blobs = Blobs(root)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+        damage_every_kind(blobs, engine, "c1.ckpt", how)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c2.ckpt").result()
+        assert_good(engine, root, "c2.ckpt", state)
+        # The encoding is deterministic: the rewrite also repaired the older checkpoint.
+        assert engine.verify(f"{root}/c1.ckpt").ok
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_writing_engine_checks_a_blob_before_reusing_it(root, how):
+    state = make_state()
+    blobs = Blobs(root)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+        damage_every_kind(blobs, engine, "c1.ckpt", how)
+        engine.save(state, f"{root}/c2.ckpt").result()
+        assert_good(engine, root, "c2.ckpt", state)
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_writer_process_checks_reused_blobs(tmp_path, background):
+    root, state = str(tmp_path / "run"), make_state()
+    blobs = Blobs(root)
+    with CheckpointEngine(config(background)) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+        damage_every_kind(blobs, engine, "c1.ckpt", "flip")
+        engine.save(state, f"{root}/c2.ckpt").result()
+        assert_good(engine, root, "c2.ckpt", state)
+
+
+@pytest.mark.parametrize("kind", ["base", "delta", "idx"])
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_row_delta_save_checks_the_blobs_it_keeps(root, kind, policy):
+    """A delta save references the base and (consecutive) the older deltas without writing them;
+    (intermittent) it writes the same rows, so the same index and delta blobs, again. Each blob
+    is damaged after the save that wrote it, before any other save reused it."""
+    blobs = Blobs(root)
+    emb = torch.randn(1024, 16, generator=torch.Generator().manual_seed(1))
+    with CheckpointEngine(config(policy=policy)) as engine:
+        engine.save({"emb": emb}, f"{root}/c0.ckpt").result()
+        last = "c0.ckpt"
+        if kind != "base":
+            emb[7:10] += 1.0
+            engine.save({"emb": emb}, f"{root}/c1.ckpt").result()
+            last = "c1.ckpt"
+        for key in blobs.of(engine, last, "emb", kind)[:1]:
+            blobs.damage(key, "flip")
+        emb[20:22] -= 1.0 if kind == "base" else 0.0
+        engine.save({"emb": emb}, f"{root}/c2.ckpt").result()
+        assert_good(engine, root, "c2.ckpt", {"emb": emb})
+        emb[500:502] -= 1.0
+        engine.save({"emb": emb}, f"{root}/c3.ckpt").result()
+        assert_good(engine, root, "c3.ckpt", {"emb": emb})
+
+
+class _Reads:
+    """Counts the blob reads of the save path that found a blob (``Store.get_blob``)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = Store.get_blob
+
+        def counted(store, key, max_bytes):
+            data = original(store, key, max_bytes)
+            self.count += 1
+            return data
+
+        monkeypatch.setattr(Store, "get_blob", counted)
+
+    def during(self, fn) -> int:
+        before = self.count
+        fn()
+        return self.count - before
+
+
+def test_each_reused_blob_is_read_once_per_engine(tmp_path, monkeypatch):
+    root, state = str(tmp_path / "run"), make_state()
+    reads = _Reads(monkeypatch)
+    with CheckpointEngine(config()) as engine:
+        assert reads.during(lambda: engine.save(state, f"{root}/c1.ckpt").result()) == 0
+        unique = len({b.key for b in engine.read_manifest(f"{root}/c1.ckpt").blobs()})
+        # Blobs it wrote itself count as unchecked until read back once, then never again.
+        assert reads.during(lambda: engine.save(state, f"{root}/c2.ckpt").result()) == unique
+        assert reads.during(lambda: engine.save(state, f"{root}/c3.ckpt").result()) == 0
+    with CheckpointEngine(config()) as engine:
+        engine.load(f"{root}/c3.ckpt")  # a load checks every blob: no second read by the save
+        assert reads.during(lambda: engine.save(state, f"{root}/c4.ckpt").result()) == 0
+
+
+def test_a_valid_blob_of_another_encoding_is_adopted_not_overwritten(tmp_path):
+    """A stored blob that differs from this engine's encoding but decodes to the same content
+    (here a zstd frame with a content checksum, as earlier versions wrote) stays: older
+    checkpoints reference its checksum."""
+    root = str(tmp_path / "run")
+    state = {"u": torch.arange(4096, dtype=torch.int32).to(torch.uint8)}
+    blobs = Blobs(root)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+        key = blobs.of(engine, "c1.ckpt", "u")[0]
+    raw = state["u"].numpy().tobytes()
+    other = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True).compress(raw)
+    assert other != blobs.read(key)
+    blobs.store.fs.pipe_file(blobs.path(key), other)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c2.ckpt").result()
+        assert blobs.read(key) == other
+        assert_good(engine, root, "c2.ckpt", state)
+
+
+def test_references_to_one_blob_that_disagree_fail_verify_and_latest(tmp_path):
+    root = str(tmp_path / "run")
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    with CheckpointEngine(config()) as engine:
+        engine.save({"a": a, "b": a.clone()}, f"{root}/c1.ckpt").result()
+        m = engine.read_manifest(f"{root}/c1.ckpt")
+        assert m.tensors[0].base[0].blob.key == m.tensors[1].base[0].blob.key
+        first = m.tensors[0]
+        bad = dataclasses.replace(first.base[0].blob, csum="0" * len(first.base[0].blob.csum))
+        chunks = (dataclasses.replace(first.base[0], blob=bad),) + first.base[1:]
+        forged = dataclasses.replace(m, created=m.created + 1,
+                                     tensors=(dataclasses.replace(first, base=chunks),) + m.tensors[1:])
+        Store.for_directory(root, None, EngineConfig().storage).write_manifest("c2.ckpt", Manifest.to_bytes(forged))
+        assert not engine.verify(f"{root}/c2.ckpt", decode=False).ok
+        assert engine.latest(root).endswith("c1.ckpt")

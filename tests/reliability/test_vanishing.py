@@ -1,0 +1,167 @@
+"""A manifest removed between listing and reading it (another writer's retention) is gone, not corrupt.
+
+``Vanish`` wraps the real filesystem (``faultfile://``): right before the n-th storage access to one
+manifest it deletes that file, as a concurrent ``keep_last`` would, so every window between the
+directory listing and the last read of the manifest is hit deterministically (no sleeps). ``ls``,
+``verify DIR``, ``Engine.list``/``latest`` and gc must then carry on as if the checkpoint had never
+been listed: no "corrupt" row, exit code 0, and gc still collects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.cli import main
+
+from .faultfs import FaultFS, Policy
+
+# Storage accesses to one manifest while listing it: the head sniff (info, read) and the full read
+# (info, read); the commands then read it again (`verify DIR`: to size its progress bar and to
+# verify it; `ls`: a second listing for its gc dry run, then `--verify`), 2 accesses a read.
+ACCESSES = range(1, 9)
+
+
+class Vanish(Policy):
+    """Deletes ``victim`` (and ``blobs``: gc of another writer collecting what only the victim
+    referenced) right before the ``at``-th access (info/read) to ``trigger`` (default: the victim)."""
+
+    def __init__(self, victim: Path, at: int, blobs: tuple[Path, ...] = (), trigger: Path | None = None) -> None:
+        self.victim, self.at, self.blobs = str(victim), at, blobs
+        self.trigger = str(trigger or victim)
+        self.seen = 0
+        self.fired = False
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if path != self.trigger or op not in ("info", "read"):
+            return
+        self.seen += 1
+        if self.seen == self.at:
+            self.fired = True
+            os.remove(self.victim)
+            for b in self.blobs:
+                b.unlink(missing_ok=True)
+
+
+def config() -> EngineConfig:
+    return EngineConfig.from_dict({"saving": {"asynchronous": False, "sigterm_grace_seconds": None},
+                                   "storage": {"fsync": False}, "incremental": {"enabled": False}})
+
+
+class Run:
+    """``keep.ckpt`` and ``old.ckpt`` (the victim, with a blob of its own) plus one orphan blob."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.root = tmp / "run"
+        self.url = f"faultfile://{self.root}"
+        shared = torch.arange(4096, dtype=torch.float32)
+        with CheckpointEngine(config()) as engine:
+            engine.save({"w": shared, "own": torch.full((512,), 7.0)}, self.root / "old.ckpt").result()
+            engine.save({"w": shared, "step": 2}, self.root / "keep.ckpt").result()
+            engine.save({"orphan": torch.full((256,), 3.0)}, self.root / "orphan.ckpt").result()
+            keep = {b.key for b in engine.read_manifest(self.root / "keep.ckpt").blobs()}
+            old = {b.key for b in engine.read_manifest(self.root / "old.ckpt").blobs()}
+            self.orphan = {b.key for b in engine.read_manifest(self.root / "orphan.ckpt").blobs()}
+        (self.root / "orphan.ckpt").unlink()
+        self.victim = self.root / "old.ckpt"
+        self.own_blobs = tuple(self.blob(k) for k in old - keep)
+        self.keep_blobs = {k: self.blob(k) for k in keep}
+        assert self.own_blobs and self.orphan
+        past = time.time() - 3600  # every blob is older than any grace period
+        for p in (self.root / ".checkrun" / "blobs").rglob("*"):
+            if p.is_file():
+                os.utime(p, (past, past))
+
+    def blob(self, key: str) -> Path:
+        return self.root / ".checkrun" / "blobs" / key[:2] / key[2:]
+
+
+@pytest.fixture
+def run(tmp_path) -> Run:
+    return Run(tmp_path)
+
+
+def _vanish(run: Run, at: int, blobs: bool = False) -> Vanish:
+    policy = Vanish(run.victim, at, run.own_blobs if blobs else ())
+    FaultFS.policy = policy
+    return policy
+
+
+def _cli(capsys, *argv: str) -> tuple[int, dict]:
+    code = main([*argv, "--json", "--no-progress"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("at", ACCESSES)
+def test_ls_skips_a_manifest_removed_while_listing(run, capsys, at):
+    policy = _vanish(run, at)
+    code, out = _cli(capsys, "ls", run.url)
+    names = [r["name"] for r in out["checkpoints"]]
+    assert [r["status"] for r in out["checkpoints"]] == ["committed"] * len(names), out
+    assert "keep.ckpt" in names and out["totals"]["corrupt"] == 0 and code == 0
+    if policy.fired:
+        assert names == ["keep.ckpt"] or at > 4  # read whole before it vanished: listed, still fine
+
+
+@pytest.mark.parametrize("at", ACCESSES)
+def test_ls_verify_skips_a_manifest_removed_while_listing(run, capsys, at):
+    _vanish(run, at, blobs=True)
+    code, out = _cli(capsys, "ls", "--verify", run.url)
+    assert all(r["status"] == "committed" for r in out["checkpoints"]), out
+    assert out["totals"]["corrupt"] == 0 and code == 0
+
+
+@pytest.mark.parametrize("blobs", [False, True], ids=["manifest", "manifest+blobs"])
+@pytest.mark.parametrize("at", range(1, 7))
+def test_verify_dir_skips_a_manifest_removed_while_verifying(run, capsys, at, blobs):
+    policy = _vanish(run, at, blobs)
+    code, out = _cli(capsys, "verify", run.url)
+    assert policy.fired
+    _verified_keep_only(code, out)
+
+
+def test_verify_dir_skips_a_checkpoint_removed_and_collected_while_its_blobs_are_read(run, capsys):
+    """Retention removes the manifest and gc its blobs after ``verify`` read the manifest."""
+    policy = Vanish(run.victim, 1, run.own_blobs, trigger=run.own_blobs[0])
+    FaultFS.policy = policy
+    code, out = _cli(capsys, "verify", run.url)
+    assert policy.fired
+    _verified_keep_only(code, out)
+
+
+def _verified_keep_only(code: int, out: dict) -> None:
+    paths = [r["path"] for r in out["checkpoints"]]
+    assert all(r["ok"] for r in out["checkpoints"]), out
+    assert paths[-1].endswith("keep.ckpt") and code == 0 and out["ok"]
+    assert not any(p.endswith("old.ckpt") for p in paths)
+
+
+@pytest.mark.parametrize("at", ACCESSES)
+def test_gc_is_not_skipped_by_a_manifest_removed_while_listing(run, at):
+    policy = _vanish(run, at)
+    with CheckpointEngine(config()) as engine:
+        report = engine.gc(run.url, grace_seconds=0)
+        entries = engine.list(run.url)
+    assert report.problems == [] and all(e.manifest is not None for e in entries)
+    deleted = set(report.deleted)
+    assert run.orphan <= deleted, "gc was skipped"
+    assert not deleted & set(run.keep_blobs)
+    assert all(p.exists() for p in run.keep_blobs.values())
+    if policy.fired and at <= 4:  # vanished before gc read it: what only it referenced is collected
+        assert {p.name for p in run.own_blobs} <= {k[2:] for k in deleted}
+
+
+@pytest.mark.parametrize("at", ACCESSES)
+def test_latest_and_list_do_not_report_it(run, caplog, at):
+    _vanish(run, at, blobs=True)
+    with CheckpointEngine(config()) as engine:
+        entries = engine.list(run.url)
+        assert all(e.manifest is not None for e in entries)
+        with caplog.at_level("WARNING", logger="ckpt_core"):
+            assert engine.latest(run.url).endswith("keep.ckpt")
+    assert not [r for r in caplog.records if "corrupt" in r.getMessage()]
