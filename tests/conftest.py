@@ -111,3 +111,18 @@ def any_root(request: pytest.FixtureRequest, tmp_path) -> Root:
         return Root(str(tmp_path / "run"), {})
     return Root(request.getfixturevalue("s3_root"),
                 request.getfixturevalue("s3_storage_options"))
+
+
+@pytest.fixture
+def gate():
+    """Hold every storage write of ``gatefile://`` paths (tests/core/faulty.py) until the returned
+    event is set; always opened and reset at the end."""
+    import threading
+
+    from tests.core.faulty import FaultyFS
+
+    FaultyFS.reset()
+    FaultyFS.gate = threading.Event()
+    yield FaultyFS.gate
+    FaultyFS.gate.set()
+    FaultyFS.reset()

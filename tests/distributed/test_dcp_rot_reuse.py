@@ -20,6 +20,7 @@ from ckpt_core import dcp as cdcp
 from ckpt_core.storage import Store
 from tests.distributed import workers
 from tests.distributed.harness import run_ranks
+from tests.reliability.test_rot_reuse import _Reads
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -150,24 +151,6 @@ def test_written_by_dcp_load_still_checked_once_not_again(tmp_path, monkeypatch,
     assert_good(str(root), "c4.dcp", cdcp.load_state_dict(f"{root}/c1.dcp"))
 
 
-class _Reads:
-    """Counts blob reads that found a blob (``Store.get_blob``)."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        original = Store.get_blob
-
-        def counted(store, key, max_bytes):
-            data = original(store, key, max_bytes)
-            self.count += 1
-            return data
-
-        monkeypatch.setattr(Store, "get_blob", counted)
-
-    def during(self, fn) -> int:
-        before = self.count
-        fn()
-        return self.count - before
 
 
 # -- two gloo ranks --------------------------------------------------------------------------------

@@ -24,15 +24,6 @@ from tests.integration.test_lightning_common import close_plugins, make_io  # no
 HANG_GUARD_S = 120  # only bounds a broken run; a passing child exits at once
 
 
-@pytest.fixture
-def gate():
-    FaultyFS.reset()
-    FaultyFS.gate = threading.Event()
-    yield FaultyFS.gate
-    FaultyFS.gate.set()
-    FaultyFS.reset()
-
-
 def _child_exits(engine: ckpt_core.CheckpointEngine, path: str, out) -> None:
     try:
         engine.save({"x": torch.zeros(3)}, path)

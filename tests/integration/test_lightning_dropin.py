@@ -46,16 +46,6 @@ def checkrun_threads() -> list[str]:
 
 
 @pytest.fixture
-def gate():
-    """Hold every storage write of ``gatefile://`` paths until the gate opens (always opened at the end)."""
-    FaultyFS.reset()
-    FaultyFS.gate = threading.Event()
-    yield FaultyFS.gate
-    FaultyFS.gate.set()
-    FaultyFS.reset()
-
-
-@pytest.fixture
 def open_gate_on_wait(gate, monkeypatch) -> threading.Event:
     """Open the gate as soon as anything waits for a save in flight (``ckpt_core.inflight.wait``)."""
     original = inflight.wait
