@@ -255,7 +255,8 @@ class AcceleratorCheckpointer:
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                     **load_model_func_kwargs: Any) -> str:
         """``Accelerator.load_state`` through checkrun; ``input_dir=None`` resumes the newest checkpoint."""
-        load_model_func_kwargs.pop("map_location", None)  # tensors land where the live objects are
+        # Parts load onto the CPU and the values land where the live objects are (_load_part).
+        load_model_func_kwargs.pop("map_location", None)
         return self.load(input_dir, **load_model_func_kwargs)
 
     def _end_training(self) -> None:
@@ -349,9 +350,13 @@ class AcceleratorCheckpointer:
         return value
 
     def _load_part(self, url: str, own: bool) -> dict:
+        """One part, onto the CPU: ``load_state_dict`` then copies each value where its live
+        tensor is (as accelerate places them), and no rank materialises rank 0's replicated
+        state on the GPU it was saved from (all ranks on cuda:0, out of memory on big models)."""
         if own:  # the next save of this rank is incremental against what it loaded
-            return self._engine.load(url, storage_options=self.storage_options)
-        return ckpt_core.load(url, config=self._engine.config, storage_options=self.storage_options)
+            return self._engine.load(url, map_location="cpu", storage_options=self.storage_options)
+        return ckpt_core.load(url, map_location="cpu", config=self._engine.config,
+                              storage_options=self.storage_options)
 
     def _native_save(self, output_dir: Any) -> str:
         root = output_dir or self._default_root()

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ckpt_core import dcp as cdcp
 
+from .state import restore_device_states
+
 __all__ = ["save_sharded_state", "load_sharded_state"]
 
 
@@ -69,7 +71,7 @@ def _set_rng_state(rng: dict) -> None:
     np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+        restore_device_states(torch.cuda, "cuda", rng["cuda"])  # fewer GPUs now: the rest warned about
 
 
 def save_sharded_state(accelerator: Any, path: str | os.PathLike, *, models: Optional[Sequence] = None,

@@ -15,6 +15,7 @@ run on the training thread; they read or write the Accelerator's objects and do 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -155,11 +156,28 @@ def _set_rng_state(state: dict) -> None:
     device = state.get("device")
     device_type, module = _device_rng()
     if device is not None and device_type == device["type"]:
-        setter = getattr(module, "set_rng_state_all", None)
-        if setter is not None:
-            setter(device["states"])
-        else:
-            module.set_rng_state(device["states"][0])
+        restore_device_states(module, device_type, device["states"])
+
+
+def restore_device_states(module: Any, device_type: str, states: list) -> None:
+    """Set the RNG state of each visible device from ``states`` (one per device of the run that
+    saved them); states of devices not visible now are skipped with a warning, not an
+    "invalid device ordinal" (a resume with fewer GPUs)."""
+    count = _device_count(module, len(states))
+    for index, st in enumerate(states[:count]):
+        module.set_rng_state(st, index)
+    if len(states) > count:
+        warnings.warn(f"the checkpoint holds RNG states of {len(states)} {device_type} device(s) and "
+                      f"{count} are visible: restored the first {count}, the others are not used",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _device_count(module: Any, default: int) -> int:
+    count = getattr(module, "device_count", None)
+    try:
+        return int(count()) if count is not None else default
+    except Exception:  # noqa: BLE001 - a backend that cannot say: assume all are there
+        return default
 
 
 # -- dataloaders ----------------------------------------------------------------------------------

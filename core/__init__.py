@@ -14,6 +14,7 @@ new public name to ``_EXPORTS`` (and ``__all__``), not as an import at the top o
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -56,7 +57,8 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Neither: the interpreter's own AttributeError (generic lookup, which does not come back here).
+    return object.__getattribute__(sys.modules[__name__], name)
 
 
 def __dir__() -> list[str]:

@@ -38,9 +38,11 @@ def _stdout_gone() -> bool:
     try:
         stream.flush()
         fd = stream.fileno()
+        if not hasattr(select, "poll"):  # Windows: only a failing flush tells
+            return False
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
-        gone = any(ev & select.POLLERR for _, ev in poller.poll(0))
+        gone = any(ev & select.POLLERR for _, ev in poller.poll(0))  # a pipe without reader: POLLERR
     except BrokenPipeError:
         gone = True
         fd = _fileno(stream)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .cli_composite import open_view
-from .cli_util import (EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, human_size, jsonable, log,
+from .cli_util import (EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log,
                        one_line)
 from .errors import CheckrunError
 from .manifest import MAGIC_PREFIX
@@ -266,5 +266,6 @@ def cmd_import(ctx: Context) -> int:
         emit_json(result)
     else:
         print(f"imported {args.file} -> {args.checkpoint}: {human_size(info.tensor_bytes)} of tensors, wrote "
-              f"{human_size(info.written_bytes)} ({info.compression_ratio:.2f}x)")
+              f"{human_size(info.written_bytes)}, references {human_size(info.referenced_bytes)} "
+              f"({fmt_less(info.tensor_bytes, info.referenced_bytes)} than the tensor bytes)")
     return EXIT_OK

@@ -1,12 +1,13 @@
 """``checkrun inspect``: what is in a checkpoint (manifests only; a composite index with its parts)."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
 from .cli_composite import View, open_view
 from .cli_tree import Node, short_repr, walk
-from .cli_util import (EXIT_OK, Context, codecs_text, emit_json, fmt_float, fmt_ratio, human_size, human_time,
+from .cli_util import (EXIT_OK, Context, codecs_text, emit_json, fmt_float, fmt_less, fmt_ratio, human_size, human_time,
                        iso_time, log, output_width, ratio, shorten_end, table)
 from .manifest import DTYPES, Manifest, TensorRecord
 
@@ -78,8 +79,8 @@ def _node_json(node: Node) -> dict:
 def _quant_text(q: dict | None) -> str:
     if not q:
         return "-"
-    return (f"{q.get('method')}{q.get('bits') or ''}: max {fmt_float(q.get('max_abs_error'))}, "
-            f"rel {fmt_float(q.get('rel_l2_error'))}")
+    # max abs error, relative L2 error (the method and its bits are in the CODECS column)
+    return f"{fmt_float(q.get('max_abs_error'))}, {fmt_float(q.get('rel_l2_error'))}"
 
 
 def _node_row(node: Node, quant_column: bool) -> list:
@@ -132,8 +133,15 @@ def _summary(view: View) -> dict:
     return out
 
 
-# STATE, TENSOR / VALUE, CODECS, QUANT ERROR: shortened in the middle (down to these widths) to fit.
-_SHRINK = {0: 24, 2: 16, 7: 16}
+# Shortened to fit: CODECS first (parameters dropped, then cut at the end), while STATE keeps 40
+# columns; then STATE (in the middle) down to 24, CODECS to 16.
+_SHRINK = ({0: 40, 2: 18}, {0: 24, 2: 16})
+_PARAMS = re.compile(r"\((?!bits=)[^()]*\)")
+
+
+def _short_codecs(text: str, width: int) -> str:
+    """``raw > shuffle_zstd(level=1)`` -> ``raw > shuffle_zstd``; quantization keeps its bits."""
+    return shorten_end(_PARAMS.sub("", text), width)
 _HEADERS = ["STATE", "TENSOR / VALUE", "CODECS", "SIZE", "STORED", "RATIO", "DELTAS", "QUANT ERROR"]
 
 
@@ -162,15 +170,17 @@ def cmd_inspect(ctx: Context) -> int:
         print(fit(f"parts       {len(view.pieces)}: " + ", ".join(p.url for p in view.pieces)))
     print(fit(f"tensors     {summary['tensors']}: {human_size(summary['tensor_bytes'])} of tensor bytes, chain depth "
               f"{summary['chain_depth']}, {kind}"))
-    print(fit(f"referenced  {human_size(summary['referenced_bytes'])} of blobs ({fmt_ratio(summary['ratio'])} less "
-              f"than the tensor bytes); its save wrote {human_size(summary['written_bytes'])}"))
+    print(fit(f"referenced  {human_size(summary['referenced_bytes'])} of blobs "
+              f"({fmt_less(summary['tensor_bytes'], summary['referenced_bytes'])} than the tensor bytes); "
+              f"its save wrote {human_size(summary['written_bytes'])}"))
     if summary["objects"]:
         print(fit(f"objects     {summary['objects']} pickled value(s) (need --unsafe or allowed_globals to load)"))
     print()
     quant = summary["quantized"]
     headers = _HEADERS if quant else _HEADERS[:-1]
     print(table(headers, [_node_row(n, quant) for n in nodes], right=(3, 4, 5, 6), width=width,
-                shrink={i: w for i, w in _SHRINK.items() if i < len(headers)}))
+                shrink=[{i: w for i, w in stage.items() if i < len(headers)} for stage in _SHRINK],
+                shorten={2: _short_codecs}))
     if not nodes:
         log.info("checkrun: %s holds an empty state", path)
     return EXIT_OK

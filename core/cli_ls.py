@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import composite
 from .cli_composite import folders, verify_view
 from .cli_inspect import chain_depth, is_quantized, step_of, tensor_bytes, written_bytes
-from .cli_util import (EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_ratio, human_size, human_time,
+from .cli_util import (EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time,
                        iso_time, one_line, ratio, table)
 from .errors import CheckrunError
 from .manifest import Manifest
@@ -203,7 +203,7 @@ def _print_totals(t: dict) -> None:
     unref = t["unreferenced_bytes"]
     garbage = ("unknown (a manifest is unreadable)" if unref is None
                else f"{human_size(unref)} in {t['unreferenced_blobs']} blob(s)")
-    less = f" ({fmt_ratio(t['dedup_ratio'])} less than the tensor bytes)" if t["dedup_ratio"] else ""
+    less = f" ({fmt_less(t['logical_bytes'], t['used_bytes'])} than the tensor bytes)" if t["dedup_ratio"] else ""
     print(f"\n{t['checkpoints']} checkpoint(s), {t['corrupt']} corrupt")
     print(f"tensor bytes  {human_size(t['logical_bytes'])}  (all checkpoints: what full uncompressed saves hold)")
     print(f"stored        {human_size(t['used_bytes'])} in the directory{less}:")

@@ -12,9 +12,9 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from .units import fmt_bytes, fmt_percent, fmt_ratio, ratio  # noqa: F401 - re-exported for the commands
+from .units import fmt_bytes, fmt_less, fmt_percent, fmt_ratio, ratio  # noqa: F401 - re-exported for the commands
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -182,7 +182,7 @@ def output_width() -> int:
 
 def shorten_middle(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters, its middle replaced by "\u2026" (leading spaces, the
-    indentation of a tree, are kept while there is room)."""
+    indentation of a tree, are kept while there is room; the end keeps a little more than the start)."""
     if len(text) <= width:
         return text
     if width <= 1:
@@ -191,7 +191,7 @@ def shorten_middle(text: str, width: int) -> str:
     indent = len(text) - len(body)
     indent = min(indent, max(width - 8, 0))
     room = width - indent - 1
-    head = (room + 1) // 2
+    head = room * 2 // 5  # the end of a key (the parameter's name, a file name) tells more than its start
     return " " * indent + body[:head] + ELLIPSIS + body[len(body) - (room - head):]
 
 
@@ -202,43 +202,67 @@ def shorten_end(text: str, width: int) -> str:
     return text[:max(width - 1, 0)] + ELLIPSIS if width > 0 else ""
 
 
-def _fit(widths: list[int], width: int, shrink: dict[int, int]) -> list[int]:
-    """Narrow the shrinkable columns (the widest first, none below its minimum) until a line fits."""
+def _fit(widths: list[int], width: int, stages: Sequence[dict[int, int]]) -> list[int]:
+    """Narrow shrinkable columns until a line fits: stage by stage (each maps a column to the width it
+    may go down to in that stage), within a stage the column furthest above its minimum first."""
     widths = list(widths)
     excess = sum(widths) + 2 * (len(widths) - 1) - width
-    while excess > 0:
-        room = [i for i, low in shrink.items() if widths[i] > low]
-        if not room:
-            break
-        i = max(room, key=lambda j: (widths[j] - shrink[j], widths[j]))
-        widths[i] -= 1
-        excess -= 1
+    for low in stages:
+        while excess > 0:
+            room = [i for i in low if widths[i] > low[i]]
+            if not room:
+                break
+            i = max(room, key=lambda j: (widths[j] - low[j], widths[j]))
+            widths[i] -= 1
+            excess -= 1
     return widths
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = (),
-          width: int | None = None, shrink: dict[int, int] | None = None) -> str:
+          width: int | None = None, shrink: dict[int, int] | Sequence[dict[int, int]] = (),
+          shorten: dict[int, Callable[[str, int], str]] | None = None) -> str:
     """Plain aligned columns; ``right`` holds the indices of right-aligned (numeric) columns.
 
     A row with only two cells is a *spanning* row: its second cell starts at the second column
     and does not widen the columns (long values in a tree of tensors).
 
-    With ``width``, lines are made to fit it: the columns of ``shrink`` (index -> minimum width)
-    are narrowed as needed, their cells shortened in the middle with "\u2026", and spanning rows are
-    cut at the end. Without it, nothing is shortened."""
+    With ``width``, lines are made to fit it: the columns of ``shrink`` (index -> minimum width, or a
+    list of such stages applied in order) are narrowed as needed, their cells shortened in the
+    middle with "\u2026" (or by ``shorten[i](text, width)`` for column ``i``), and spanning rows are cut
+    at the end. Without it, nothing is shortened."""
     rows = [[("-" if c is None else str(c)) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
         cells = r if len(r) == len(headers) else r[:1]
         for i, c in enumerate(cells):
             widths[i] = max(widths[i], len(c))
-    shrink = {i: max(low, len(headers[i])) for i, low in (shrink or {}).items()} if width else {}
-    if width:
-        widths = _fit(widths, width, shrink)
+    stages = [shrink] if isinstance(shrink, dict) else list(shrink)
+    stages = [{i: max(low, len(headers[i])) for i, low in stage.items()} for stage in stages] if width else []
+    natural = list(widths)
+    if stages:
+        widths = _fit(widths, width, stages)
+    shrink = {i for stage in stages for i in stage}
     right = set(right)
+    how = shorten or {}
 
     def cell(i: int, c: str) -> str:
-        return shorten_middle(c, widths[i]) if i in shrink else c
+        if i not in shrink or len(c) <= widths[i]:
+            return c
+        return how.get(i, shorten_middle)(c, widths[i])
+
+    if shrink:  # a shortener may leave a column narrower than allowed: give that room to the others
+        full = [r for r in rows if len(r) == len(headers)]
+        first = [r[:1] for r in rows if len(r) != len(headers)]
+        slack = 0
+        for i in shrink:
+            used = max([len(headers[i])] + [len(cell(i, r[i])) for r in full] +
+                       ([len(cell(0, r[0])) for r in first] if i == 0 else []))
+            slack += widths[i] - used
+            widths[i] = used
+        for i in sorted(shrink):
+            grow = min(slack, natural[i] - widths[i])
+            widths[i] += grow
+            slack -= grow
 
     def line(cells):
         if len(cells) != len(headers):

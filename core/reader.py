@@ -1,4 +1,5 @@
-"""Load and verify: read manifest -> fetch blobs in parallel -> verify -> decode -> apply deltas.
+"""Load and verify: read manifest -> fetch blobs in parallel -> verify -> decode -> apply deltas ->
+place (``placement``: ``map_location`` for every tensor, those inside pickled values included).
 
 Every byte is checked against the manifest's size and xxh3 checksum before a decoder sees it, and
 every decoder is bounded by the size the manifest declares (already validated against limits).
@@ -18,10 +19,11 @@ import xxhash
 from .codecs import Pipeline, RawCodec, ShuffleCodec, ZstdCodec
 from .codecs._common import tensor_bytes
 from .config import EngineConfig
-from .errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, UnsafeLoadError
+from .errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
 from .manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from .manifest_limits import check_load_bytes, limits_for, memory_limit
 from .objects import deserialize_object
+from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from .staging import empty_host
 from .storage import Store
 from .tree import unflatten, validate_skeleton
@@ -212,45 +214,6 @@ def index_pipeline() -> Pipeline:
     return Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
 
 
-def map_location_tensor(t: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
-    """Apply torch.load's ``map_location`` semantics to one CPU tensor saved from ``saved_device``."""
-    if map_location is None:
-        target = _restore_device(saved_device)
-        return t if target == "cpu" else t.to(target)
-    if isinstance(map_location, dict):
-        target = map_location.get(saved_device, saved_device)
-        return map_location_tensor(t, target, None) if target != saved_device else map_location_tensor(
-            t, saved_device, None)
-    if callable(map_location):
-        result = map_location(t.untyped_storage(), saved_device)
-        if result is None:
-            return map_location_tensor(t, saved_device, None)
-        device = getattr(result, "device", torch.device("cpu"))
-        return t if device.type == "cpu" else t.to(device)
-    return t.to(torch.device(map_location))
-
-
-# Device counts of the backends a manifest may name (``manifest_limits.DEVICE_TYPES``), 0 if absent.
-_BACKENDS: dict[str, Callable[[], int]] = {
-    "cuda": lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    "mps": lambda: int(torch.backends.mps.is_available()),
-    "xpu": lambda: torch.xpu.device_count() if hasattr(torch, "xpu") and torch.xpu.is_available() else 0,
-}
-
-
-def _restore_device(saved: str) -> str:
-    """Where ``map_location=None`` puts a tensor saved from ``saved``: there, or the CPU on a machine
-    without that backend at all (a CUDA checkpoint read on a CPU-only machine)."""
-    device = torch.device(saved)
-    count = _BACKENDS.get(device.type, lambda: -1)()
-    if count == 0:
-        return "cpu"
-    if count > 0 and device.index is not None and device.index >= count:
-        raise CheckrunError(f"tensor saved from {saved}, but this machine has {count} {device.type} "
-                            "device(s): pass map_location")
-    return saved
-
-
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
                         weights_only: bool, config: EngineConfig,
                         keep_copy: KeepCopy | None = None) -> tuple[Any, list[LoadedTensor]]:
@@ -258,18 +221,22 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
     where = store.url(name)
     leaves = check_structure(manifest, where)
     loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes)
+    placer = Placer(map_location)
     try:
-        tensors = [map_location_tensor(lt.flat.view(lt.record.shape), lt.record.device, map_location)
-                   for lt in loaded]
+        tensors = [placer.place(lt.flat.view(lt.record.shape), lt.record.device) for lt in loaded]
     except CheckrunError as exc:
         raise type(exc)(f"{where}: {exc}") from None
+    finally:
+        placer.finish()  # one wait per device for the copies queued
     objects = []
+    object_location = object_map_location(map_location)
     for rec in manifest.objects:
         data = fetch_blob(store, rec.blob)
         try:
             objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
-                                              allowed_globals=config.load.allowed_globals))
-        except (UnsafeLoadError, CorruptCheckpointError) as exc:  # name the checkpoint and blob
+                                              allowed_globals=config.load.allowed_globals,
+                                              map_location=object_location))
+        except CheckrunError as exc:  # name the checkpoint and blob
             raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
     try:
         state = unflatten(manifest.skeleton, [tensors[i] for i in leaves], objects)

@@ -1,9 +1,10 @@
 """Host staging memory: reusable buffers, a byte budget with backpressure, and the copy itself.
 
 The copy into staging is the only part of a save the training thread waits for. Buffers are reused
-across saves (fresh allocations cost ~4x a copy in page faults); for CUDA sources they are pinned and
-filled by non-blocking copies on a side stream that the training stream then waits on, so training
-kernels queued after ``save()`` cannot overwrite a tensor before it has been copied.
+across saves (fresh allocations cost ~4x a copy in page faults); for device sources (any non-CPU
+tensor) they are carved from one pinned arena per snapshot and filled by non-blocking copies on a
+side stream that the training stream then waits on, so training kernels queued after ``save()``
+cannot overwrite a tensor before it has been copied (``pinned`` has the backends' side).
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import os
 import sys
 import threading
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from . import pinned as _pinned
+from .copier import SPLIT_COPY_BYTES, AfterCopy, Copier  # noqa: F401 - the copy is part of staging
 
 if TYPE_CHECKING:
     from .shm_staging import SharedBuffers
@@ -108,10 +111,17 @@ class BufferPool:
     ``max_pending`` of them in flight together) - what the saves needed, never every size seen.
     Pinned buffers go back to torch's pinned-memory cache, which reuses them for later pinned ones.
 
+    Device sources are staged by ``take_arena``: one pinned allocation per snapshot, of the exact
+    size of its device tensors (``pinned.alloc_pinned``), not one per tensor rounded up to a power
+    of two by torch's pinned allocator; the arena counts as one buffer here (reused by the next
+    snapshot of the same sizes) and comes back once every view of it was given back.
+
     ``shared``: allocate every buffer there instead (``SharedBuffers``, for a writer process);
     such buffers are never pinned. ``allocations`` counts fresh allocations, ``allocated_bytes``
     the bytes the pool holds now, ``peak_bytes`` their maximum, ``evictions`` buffers freed to stay
-    within the bound. ``take`` runs on the training thread, ``give`` on the coordinator thread."""
+    within the bound. ``take`` runs on the training thread, ``give`` on the coordinator thread.
+    Whether a buffer is pinned is remembered, never asked (``is_pinned()`` can create a CUDA
+    context in a CPU-only job)."""
 
     pin_memory: bool = True
     shared: "SharedBuffers | None" = field(default=None, repr=False)
@@ -124,6 +134,9 @@ class BufferPool:
     _free: dict = field(default_factory=dict, repr=False)
     _lru: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # id(buf) -> (key, buf) of buffers lent by ``take``; id(view) -> its _Arena for ``take_arena``
+    _lent: dict = field(default_factory=dict, repr=False)
+    _views: dict = field(default_factory=dict, repr=False)
 
     def bound(self) -> int | None:
         """Most bytes the pool may hold (None: no budget object, unbounded)."""
@@ -137,24 +150,67 @@ class BufferPool:
         key = (dtype, numel, pinned)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            free = self._free.get(key)
-            if free:
-                buf = free.pop()
-                del self._lru[id(buf)]
-                if not free:
-                    del self._free[key]
+            buf = self._reuse(key)
+            if buf is not None:
+                self._lent[id(buf)] = (key, buf)
                 return buf
-            evicted = self._evict(nbytes)
-            self.allocations += 1
-            self.allocated_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            evicted = self._charge(nbytes)
         self._release(evicted)  # before allocating: the memory is given back first
         try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else self.new_host(numel, dtype)
+            buf = torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else self.new_host(numel, dtype)
         except BaseException:
             with self._lock:
                 self.allocated_bytes -= nbytes
             raise
+        with self._lock:
+            self._lent[id(buf)] = (key, buf)
+        return buf
+
+    def take_arena(self, specs: list[tuple[torch.dtype, int]], device: torch.device) -> list[torch.Tensor]:
+        """Flat buffers of ``(dtype, numel)`` for the tensors of one snapshot copied from ``device``:
+        views of one pinned arena (free, of that size, else new), given back one by one with ``give``.
+        Without pinning (``pin_memory`` off, shared memory, no backend) or bytes: ``take`` each."""
+        offsets, total = _pinned.arena_layout(specs)
+        if not (total and self.pin_memory and self.shared is None and _pinned.can_pin(device)):
+            return [self.take(dtype, numel, for_cuda=False) for dtype, numel in specs]
+        key = ("arena", device.type, total)
+        with self._lock:
+            arena = self._reuse(key)
+            evicted = self._charge(total) if arena is None else []
+        if arena is None:
+            self._release(evicted)
+            try:
+                arena = _pinned.alloc_pinned(total, device)
+            except BaseException:
+                with self._lock:
+                    self.allocated_bytes -= total
+                raise
+        views = [arena[off:off + numel * dtype.itemsize].view(dtype)
+                 for off, (dtype, numel) in zip(offsets, specs)]
+        lent = _Arena(key, arena, len(views))
+        with self._lock:
+            for v in views:
+                self._views[id(v)] = (lent, v)
+        return views
+
+    def _reuse(self, key: tuple) -> torch.Tensor | None:
+        """A free buffer of ``key`` taken out of the free lists, or None (lock held)."""
+        free = self._free.get(key)
+        if not free:
+            return None
+        buf = free.pop()
+        del self._lru[id(buf)]
+        if not free:
+            del self._free[key]
+        return buf
+
+    def _charge(self, nbytes: int) -> list[torch.Tensor]:
+        """Count a new allocation of ``nbytes``; the free buffers to release first (lock held)."""
+        evicted = self._evict(nbytes)
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return evicted
 
     def new_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer outside the pool (a row stream's own): shared memory where the pool uses it."""
@@ -174,9 +230,17 @@ class BufferPool:
         return out
 
     def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from ``take`` once no save uses it any more."""
-        key = (buf.dtype, buf.numel(), buf.is_pinned())
+        """Return a buffer from ``take`` or ``take_arena`` once no save uses it any more."""
         with self._lock:
+            view = self._views.pop(id(buf), None)
+            if view is not None:
+                arena = view[0]
+                arena.out -= 1
+                if arena.out:
+                    return
+                key, buf = arena.key, arena.buf
+            else:
+                key, _ = self._lent.pop(id(buf), ((buf.dtype, buf.numel(), False), None))
             self._free.setdefault(key, deque()).append(buf)
             self._lru[id(buf)] = (key, buf)
             evicted = self._evict(0)
@@ -208,89 +272,15 @@ class BufferPool:
         with self._lock:
             self._free.clear()
             self._lru.clear()
+            self._lent.clear()
+            self._views.clear()
             self.allocated_bytes = 0
 
 
-#: Host copies at least this large are split in two, the second half copied by a helper thread.
-SPLIT_COPY_BYTES = 1 << 20
+@dataclass
+class _Arena:
+    """A pinned arena lent to one snapshot: ``out`` views of it not given back yet."""
 
-
-class Copier:
-    """Copies source tensors into flat staging buffers; one instance per engine (training thread).
-
-    Host copies of ``SPLIT_COPY_BYTES`` or more are split along the first dimension: the helper
-    thread copies the second half while this thread goes on (``copy_`` runs without the GIL). One
-    core's copy does not use the memory bandwidth: 32 MB took 9.2 ms on one thread, 5.7 ms on two,
-    on the development VM. Row streams' full copies go through ``copy`` too. ``finish`` waits for
-    the helper."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
-        self._pending: list[tuple[torch.device, "torch.cuda.Stream"]] = []
-        self._helper: ThreadPoolExecutor | None = None
-        self._helper_lock = threading.Lock()  # close() may come from the engine's coordinator
-        self._halves: list[Future] = []
-
-    def copy(self, src: torch.Tensor, dst_flat: torch.Tensor) -> None:
-        """Copy ``src`` (any strides/device) into the flat contiguous ``dst_flat``."""
-        dst = dst_flat.view(src.shape)
-        if src.device.type != "cuda":
-            if dst.nbytes >= SPLIT_COPY_BYTES and src.dim() and src.shape[0] >= 2:
-                half = src.shape[0] // 2
-                with self._helper_lock:
-                    if self._helper is None:
-                        self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
-                    self._halves.append(self._helper.submit(dst[half:].copy_, src[half:]))
-                dst = dst[:half]
-                src = src[:half]
-            dst.copy_(src)
-            return
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = torch.cuda.Stream(src.device)
-        # The side stream must see every kernel already queued that writes src.
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        self._pending.append((src.device, stream))
-
-    def finish(self) -> "torch.cuda.Event | None":
-        """Wait for the host copies; order training after the device copies and return an event the
-        background thread waits on (None without device copies)."""
-        halves = self.settle()
-        for future in halves:
-            future.result()
-        if not self._pending:
-            return None
-        events = []
-        for device, stream in dict(self._pending).items():
-            # Training kernels queued after save() returns must not overwrite a tensor mid-copy.
-            torch.cuda.current_stream(device).wait_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        self._pending.clear()
-        return _MultiEvent(events)
-
-    def settle(self) -> list[Future]:
-        """Wait until no helper copy runs (also after an error: they write into staging buffers)."""
-        halves, self._halves = self._halves, []
-        for future in halves:
-            future.exception()
-        return halves
-
-    def close(self) -> None:
-        """Stop the helper thread after its copies (a later copy starts a new one). Any thread."""
-        with self._helper_lock:
-            helper, self._helper = self._helper, None
-        if helper is not None:
-            helper.shutdown(wait=True)
-
-
-class _MultiEvent:
-    def __init__(self, events: list) -> None:
-        self.events = events
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            e.synchronize()
+    key: tuple
+    buf: torch.Tensor
+    out: int

@@ -15,6 +15,10 @@ and warns (and stops trusting the tracker for that table) if a row changed witho
 
 Rows looked up since the last optimizer step stay marked across a save, so a save taken between
 forward and ``optimizer.step()`` cannot lose the update that follows it.
+
+The marks live on the table's device: the forward hook never copies indices to the host (that
+would wait for the device on every step). Row deltas apply to CPU tables only, so a GPU table's
+marks are never read back; they cost one small kernel per lookup.
 """
 from __future__ import annotations
 
@@ -33,9 +37,16 @@ class _Table:
 
     def __init__(self, weight: nn.Parameter) -> None:
         self.weight = weight
-        self.touch = torch.full((weight.shape[0],), -1, dtype=torch.int64)
-        self.pending = torch.zeros(weight.shape[0], dtype=torch.bool)
+        self.touch = torch.full((weight.shape[0],), -1, dtype=torch.int64, device=weight.device)
+        self.pending = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
         self.trusted = True
+
+    def follow(self) -> torch.device:
+        """Move the marks to the weight's device if the model moved (``model.to(...)``); that device."""
+        device = self.weight.device
+        if self.touch.device != device:
+            self.touch, self.pending = self.touch.to(device), self.pending.to(device)
+        return device
 
 
 class EmbeddingTracker:
@@ -69,7 +80,8 @@ class EmbeddingTracker:
     def _make_hook(self, table: _Table):
         def hook(module: nn.Module, args: tuple) -> None:
             if args and isinstance(args[0], torch.Tensor):
-                rows = args[0].reshape(-1).to("cpu", torch.int64)
+                # On the table's device (where the lookup's indices already are): no host copy.
+                rows = args[0].reshape(-1).to(table.follow(), torch.int64)
                 table.touch[rows] = self.clock
                 table.pending[rows] = True
         return hook
@@ -97,14 +109,15 @@ class EmbeddingTracker:
             return None
         if self.verify_every and self._saves % self.verify_every == self.verify_every - 1:
             return None
-        return (table.touch >= since).nonzero().squeeze(1)
+        rows = (table.touch >= since).nonzero().squeeze(1)
+        return rows if rows.device == t.device else rows.to(t.device)
 
     def check(self, t: torch.Tensor, changed: torch.Tensor, since: int) -> None:
         """Verification pass: rows that changed without a lookup break the contract."""
         table = self._owner(t)
         if table is None or not changed.numel():
             return
-        unexpected = (table.touch[changed] < since).sum().item()
+        unexpected = (table.touch.to(changed.device)[changed] < since).sum().item()
         if unexpected:
             table.trusted = False
             log.warning("checkrun: %d row(s) of a tracked table changed without a lookup; the tracker's "
@@ -117,7 +130,8 @@ class EmbeddingTracker:
         self._saves += 1
         self.clock += 1
         for t in self._tables.values():
-            t.touch[t.pending] = self.clock
+            t.follow()
+            t.touch.masked_fill_(t.pending, self.clock)  # no boolean indexing: no device sync
 
     def close(self) -> None:
         for h in self._hooks:

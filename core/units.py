@@ -16,12 +16,12 @@ these words (docs/cli.md, "Sizes: what the numbers mean"):
   (``checkrun ls`` totals).
 
 Sizes are binary (1 KiB = 1024 bytes, MiB, GiB, TiB); ratios are "tensor bytes / figure"
-with two decimals (``7.26x``): ">1x" means smaller than the tensors. JSON output and metrics keep
-exact byte counts.
+with two decimals, said in words (``fmt_less``: "7.26x less", or "1.33x more" for a figure above
+the tensor bytes). JSON output and metrics keep exact byte counts.
 """
 from __future__ import annotations
 
-__all__ = ["KIB", "MIB", "GIB", "fmt_bytes", "fmt_ratio", "fmt_percent", "ratio"]
+__all__ = ["KIB", "MIB", "GIB", "fmt_bytes", "fmt_ratio", "fmt_percent", "ratio", "fmt_less"]
 
 KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -31,12 +31,10 @@ def fmt_bytes(n: float | None) -> str:
     """A byte count in binary units: ``1536 -> "1.5 KiB"``, ``5 -> "5 B"``; ``None -> "-"``."""
     if n is None:
         return "-"
-    n = float(n)
-    for unit in _UNITS:
-        if abs(n) < 1024 or unit == _UNITS[-1]:
-            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+    n, i = float(n), 0
+    while abs(n) >= 1024 and i < len(_UNITS) - 1:
+        n, i = n / 1024, i + 1
+    return f"{int(n)} B" if i == 0 else f"{n:.1f} {_UNITS[i]}"
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -55,3 +53,12 @@ def fmt_percent(part: float | None, whole: float | None) -> str:
     """``part`` as a percentage of ``whole``: ``"3.4%"``; ``"-"`` when ``whole`` is 0 or missing."""
     r = ratio(part, whole)
     return "-" if r is None else f"{100 * r:.1f}%"
+
+
+def fmt_less(tensor_bytes: float | None, figure: float | None) -> str:
+    """How ``figure`` compares with ``tensor_bytes``: ``"6.95x less"``, ``"1.33x more"`` (a figure
+    above the tensor bytes, e.g. the manifests of tiny checkpoints), ``"-"`` when unknown."""
+    r = ratio(tensor_bytes, figure)
+    if r is None or r == 0:
+        return "-"
+    return f"{r:.2f}x less" if r >= 1 else f"{1 / r:.2f}x more"

@@ -29,7 +29,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lightning_demo import DemoDataModule, DemoModel  # noqa: E402
 
-from ckpt_core.units import fmt_bytes, fmt_percent, fmt_ratio, ratio  # noqa: E402
+from ckpt_core.units import fmt_bytes, fmt_less, fmt_percent  # noqa: E402
 from lightning_ckpt import CheckpointMetrics, CheckrunCheckpointIO, CheckrunModelCheckpoint  # noqa: E402
 
 
@@ -61,16 +61,15 @@ def report(title: str, metrics: CheckpointMetrics) -> tuple[int, int, int]:
 def totals(saves: int, tensor: int, written: int) -> str:
     """The run's total in the words and units of ``checkrun ls``."""
     return (f"total: {saves} saves wrote {fmt_bytes(written)} for {fmt_bytes(tensor)} of tensors "
-            f"({fmt_percent(written, tensor)}, {fmt_ratio(ratio(tensor, written))} less than full saves)")
+            f"({fmt_percent(written, tensor)}, {fmt_less(tensor, written)} than full saves)")
 
 
 def where(directory: str, temporary: bool) -> str:
     """Where the checkpoints are and the command that lists them (and, for a temp dir, removes them)."""
-    quoted = shlex.quote(directory)
-    lines = [f"checkpoints: {directory}", f"look at them: checkrun ls {quoted}"
-                                          f"   (one: checkrun inspect {shlex.quote(directory + '/last.ckpt')})"]
+    quoted, last = shlex.quote(directory), shlex.quote(f"{directory}/last.ckpt")
+    lines = [f"checkpoints: {directory}", f"look at them: checkrun ls {quoted}   (one: checkrun inspect {last})"]
     if temporary:
-        lines.append(f"a temporary directory: remove it with  rm -r {quoted}")
+        lines.append(f"a temporary directory: remove it with rm -r {quoted}")
     return "\n".join(lines)
 
 

@@ -114,7 +114,8 @@ class CheckpointMetrics(Callback):
         p = self.prefix
         return {f"{p}blocking_seconds": info.blocking_seconds, f"{p}background_seconds": info.background_seconds,
                 f"{p}tensor_bytes": float(info.tensor_bytes), f"{p}written_bytes": float(info.written_bytes),
-                f"{p}referenced_bytes": float(info.referenced_bytes), f"{p}write_ratio": info.write_ratio, f"{p}compression_ratio": info.compression_ratio}
+                f"{p}referenced_bytes": float(info.referenced_bytes), f"{p}write_ratio": info.write_ratio,
+                f"{p}compression_ratio": info.compression_ratio}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

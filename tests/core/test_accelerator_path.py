@@ -33,11 +33,11 @@ class Tagged(torch.Tensor):
     """A tensor subclass: pickled with its class."""
 
 
-class Exploding(dict):
-    """A state whose ``get`` fails: an error in the blocking part, after the budget was charged."""
+class ExplodingStep(torch.Tensor):
+    """A "step" whose value cannot be read: an error in the blocking part after the budget was charged."""
 
-    def get(self, *args, **kwargs):
-        raise RuntimeError("exploding state")
+    def __int__(self):
+        raise RuntimeError("exploding step")
 
 
 def _forge_devices(path: Path, device: str) -> None:
@@ -186,7 +186,8 @@ def test_tracker_still_tracks_cpu_tables():
 def test_error_in_the_blocking_part_refunds_the_budget(tmp_path):
     with CheckpointEngine(SYNC) as engine:
         with pytest.raises(RuntimeError, match="exploding"):
-            engine.save(Exploding(w=torch.randn(64, 4), step=3), tmp_path / "x.ckpt")
+            engine.save({"w": torch.randn(64, 4), "step": torch.tensor(3).as_subclass(ExplodingStep)},
+                        tmp_path / "x.ckpt")
         assert engine._budget.in_use == 0
         engine.save({"w": torch.randn(64, 4)}, tmp_path / "y.ckpt")
         assert engine._budget.in_use == 0
@@ -222,7 +223,8 @@ def test_step_tensor_meta_still_recorded_for_cpu(tmp_path):
     assert meta["step"] == 12 and meta["epoch"] == 2
 
 
-def test_objects_holding_device_tensors_are_serialised_after_the_copy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_objects_holding_device_tensors_are_serialised_after_the_copy(tmp_path, monkeypatch, background):
     """The deferred path (what a CUDA storage inside a pickled value takes), forced for CPU
     storages: the value is snapshotted in save() and pickled by the background part."""
     from ckpt_core import capture, objects
@@ -234,7 +236,7 @@ def test_objects_holding_device_tensors_are_serialised_after_the_copy(tmp_path, 
     monkeypatch.setattr(capture, "serialize_object", lambda obj: calls.append(obj) or real(obj))
     t = torch.arange(8.0)
     dd = collections.defaultdict(list, x=[t, t[2:5]])
-    with CheckpointEngine() as engine:
+    with CheckpointEngine({"saving": {"background": background}}) as engine:
         handle = engine.save({"dd": dd, "pair": Pair(t, 3)}, tmp_path / "o.ckpt")
         t.add_(100)  # after save(): must not reach the checkpoint
         handle.result()
@@ -273,15 +275,18 @@ def test_device_staging_is_one_arena_per_snapshot_within_the_budget(monkeypatch)
 
     # Stand-in for pinned memory on a CPU-only machine: exact-size host memory.
     monkeypatch.setattr(pinned, "alloc_pinned", lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(pinned, "can_pin", lambda device: True)
     budget = MemoryBudget(None)
     pool = BufferPool(budget=budget)
     specs = [(torch.float32, 1000), (torch.float16, 3), (torch.int64, 0), (torch.uint8, 77)]
     staged = sum(n * dt.itemsize for dt, n in specs)
-    budget.acquire(staged)
+    charged = pinned.arena_layout(specs)[1]  # what a snapshot charges: the arena, alignment included
+    assert staged <= charged <= staged + 64 * len(specs)
+    budget.acquire(charged)
     views = pool.take_arena(specs, torch.device("cuda", 0))
     assert pool.allocations == 1
     assert [(v.dtype, v.numel()) for v in views] == specs
-    assert staged <= pool.allocated_bytes <= staged + 64 * len(specs)
+    assert pool.allocated_bytes == charged
     ptrs = sorted((v.data_ptr(), v.nbytes) for v in views if v.numel())
     assert all(a + n <= b for (a, n), (b, _) in zip(ptrs, ptrs[1:]))  # disjoint
     for v in views:
@@ -293,12 +298,12 @@ def test_device_staging_is_one_arena_per_snapshot_within_the_budget(monkeypatch)
         v.data_ptr() for v in again if v.numel()}
     for v in again + other:
         pool.give(v)
-    budget.release(staged)
+    budget.release(charged)
 
 
 def test_give_never_asks_whether_a_buffer_is_pinned(monkeypatch):
     """``is_pinned()`` can create a CUDA context in a CPU-only job."""
-    pool = BufferPool(budget=MemoryBudget(None))
+    pool = BufferPool(budget=MemoryBudget(1 << 20))
     buf = pool.take(torch.float32, 16, for_cuda=False)
 
     def boom(self, *a, **k):
@@ -328,6 +333,24 @@ def test_callable_map_location_is_called_once_per_tensor_and_its_result_used(tmp
     assert got == sorted(r.data_ptr() for r in results)  # used as is, not copied again
     for k, v in state.items():
         assert torch.equal(out[k], v)
+
+
+def test_callable_map_location_sees_each_tensors_values_once(tmp_path):
+    """A row-delta candidate is probed first (before its values are decoded) with an empty storage:
+    nothing of it is copied for the probe."""
+    emb = torch.randn(2048, 8)
+    with CheckpointEngine(SYNC) as engine:
+        engine.save({"emb": emb}, tmp_path / "c.ckpt")
+    sizes = []
+
+    def place(storage, location):
+        sizes.append(storage.nbytes())
+        return storage.clone()
+
+    with CheckpointEngine(SYNC) as engine:
+        out = engine.load(tmp_path / "c.ckpt", map_location=place)
+    assert sorted(sizes, reverse=True)[0] == emb.nbytes and all(n == 0 for n in sorted(sizes, reverse=True)[1:])
+    assert torch.equal(out["emb"], emb)
 
 
 def test_callable_map_location_returning_none_keeps_the_default(tmp_path):

@@ -165,8 +165,9 @@ def test_ls_local(capsys, local_run):
     assert t["used_bytes"] == t["blob_bytes"] + t["manifest_bytes"] + t["unreferenced_bytes"]
     assert t["used_bytes"] < t["logical_bytes"] and t["unreferenced_bytes"] == 0
     code, out, _ = run(capsys, "ls", root)
-    assert code == 0 and "step=2.ckpt" in out and "quantized" in out and "logical size" in out
-    assert "KiB" in out
+    assert code == 0 and "step=2.ckpt" in out and "quantized" in out and "tensor bytes" in out
+    assert "KiB" in out and "WROTE" in out.splitlines()[0]
+    assert s2["written_bytes"] < s2["referenced_bytes"] == s2["stored_bytes"]
 
 
 def test_inspect_reads_no_blobs(capsys, local_run):

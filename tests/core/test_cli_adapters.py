@@ -32,6 +32,12 @@ def run_json(capsys, *argv: str) -> tuple[int, dict]:
     return code, json.loads(out)
 
 
+class _Run(tuple):
+    """(root, [folders], [weights at each save]); ``history``: the checkpointer's metrics per save."""
+
+    history: list[dict]
+
+
 @pytest.fixture
 def accel_run(tmp_path: Path):
     """Two checkpoints of a real Accelerator (synchronous saves): (root, [folders], [weights at each save])."""
@@ -58,7 +64,9 @@ def accel_run(tmp_path: Path):
         weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         folders.append(str(acc.save_state()))
     ckpt.close()
-    yield tmp_path / "proj" / "checkpoints", folders, weights
+    run_ = _Run((tmp_path / "proj" / "checkpoints", folders, weights))
+    run_.history = list(ckpt.history)
+    yield run_
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
@@ -86,6 +94,10 @@ def test_inspect_and_ls_show_the_parts_content(capsys, accel_run) -> None:
     assert all(r["tensors"] == expected and r["status"] == "committed" and len(r["parts"]) == 1
                for r in data["checkpoints"])
     assert data["totals"]["logical_bytes"] > 0 and data["totals"]["unreferenced_bytes"] == 0
+    # WROTE of a composite: what its save wrote over all parts, index included (the adapter's figure)
+    history = accel_run.history
+    assert [r["written_bytes"] for r in data["checkpoints"]] == [m["checkrun/written_bytes"] for m in history]
+    assert [r["referenced_bytes"] for r in data["checkpoints"]] == [m["checkrun/stored_bytes"] for m in history]
     code, data = run_json(capsys, "ls", folders[0])
     assert code == 0 and len(data["checkpoints"]) == 1 and data["checkpoints"][0]["tensors"] == expected
     code, text = run(capsys, "ls", root, "--verify")

@@ -33,7 +33,7 @@ def test_example_runs_and_resumes_with_both_config_ways(tmp_path: Path) -> None:
     assert res["resumed"] is None and res["step"] == 20 and res["keep_last"] == 2
     assert res["saved"] == [str(root / "checkpoint_0"), str(root / "checkpoint_1")]
     assert res["config"].startswith("$CHECKRUN_CONFIG=")
-    assert "blocked" in first.stdout and "ratio" in first.stdout
+    assert "blocked" in first.stdout and "references" in first.stdout and " MB" not in first.stdout
 
     env = launch_env(tmp_path, {"CHECKRUN_CONFIG": str(REPO / "examples" / "accelerate_checkrun.yaml")})
     second = accelerate_launch(accelerate_args(1), EXAMPLE, [*args, "--steps", "30"], env)

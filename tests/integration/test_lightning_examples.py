@@ -36,6 +36,7 @@ def test_lightning_train_example_on_s3(monkeypatch, capsys, s3_root, s3_server) 
     out = capsys.readouterr().out
     assert f"resumed from {s3_root}/last.ckpt and trained to step 12" in out
     assert out.count("last.ckpt:") == 4 and "x less than full saves" in out
+    assert f"checkpoints: {s3_root}\nlook at them: checkrun ls {s3_root}" in out and " MB" not in out
     assert manifest(f"{s3_root}/last.ckpt").meta["global_step"] == 12
 
 
