@@ -80,13 +80,8 @@ def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
     ``writer``: reuse one writer across saves (optional)."""
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
     writer.last_save = None
-    try:
-        _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
-                  planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
-    except BaseException:
-        writer.release_lease(committed=False)
-        raise
-    writer.release_lease()  # committed on every rank's return: the manifest protects the blobs
+    _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
+              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
     return writer.last_save
 
 
@@ -100,9 +95,7 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
     result = _dcp.async_save(state_dict, checkpoint_id=path, storage_writer=writer,
                              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
-    future = getattr(result, "upload_completion", result)
-    future.add_done_callback(lambda f: writer.release_lease(committed=not f.cancelled() and f.exception() is None))
-    return future
+    return getattr(result, "upload_completion", result)
 
 
 def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,

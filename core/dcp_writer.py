@@ -12,13 +12,7 @@ DCP's call order (``dcp.save`` / ``dcp.async_save``), and what each step does he
    returns, with a completed future, one WriteResult per item carrying its manifest record.
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only after every rank's ``write_data``
    succeeded; it commits ONE manifest, atomically. A failure on any rank means DCP never calls
-   ``finish``: no manifest, no checkpoint.
-
-Every rank's ``write_data`` holds a lease (``save_lease``) on the blobs it writes or reuses, renewed
-until the checkpoint is committed: the coordinator releases its own in ``finish``; the other ranks
-theirs when ``ckpt_core.dcp.save``/``async_save`` return (``release_lease``), else at the writer's next
-save (``reset``), when their process ends, or when it expires (``retention.lease_seconds``). A lease
-left by a failed save is marked expired at the next save: its orphan blobs go at the next collection.
+   ``finish``: no manifest, no checkpoint (the orphan blobs go at the next ``gc`` after its grace period).
 """
 from __future__ import annotations
 
@@ -45,8 +39,7 @@ from .lifecycle import lower_thread_priority
 from .errors import CheckrunError, FormatError
 from .manifest import ObjectRecord, TensorRecord
 from .quant_rules import RuleMatcher
-from .retention import apply_retention, blob_sizes, collect_garbage
-from .save_lease import SaveLease
+from .retention import apply_retention, collect_garbage
 from .storage import Store
 
 log = logging.getLogger("ckpt_core")
@@ -109,11 +102,9 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         self.last_written_bytes = 0
         self._store: Store | None = None
         self._name = ""
-        self._lease: SaveLease | None = None
 
     # -- StorageWriter ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self.release_lease(committed=False)  # a lease still held: of a save that failed, or raw dcp.save
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self._store = None
@@ -142,18 +133,12 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         rp = plan.storage_data
         rank = rp.rank if isinstance(rp, _RankPlan) else self.rank
         known, stats, dirstate = KNOWN.view(store, self.config)
-        self.release_lease(committed=False)
-        self._lease = lease = SaveLease(store, self.config)
-        try:
-            with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
-                                    initializer=lower_thread_priority,
-                                    initargs=(self.config.saving.thread_nice,)) as pool:
-                writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate, lease)
-                results = writer.write(plan.items, planner)
-            store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
-        except BaseException:
-            self.release_lease(committed=False)
-            raise
+        with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
+                                initializer=lower_thread_priority,
+                                initargs=(self.config.saving.thread_nice,)) as pool:
+            writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate)
+            results = writer.write(plan.items, planner)
+        store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
         KNOWN.remember(store, writer.touched.values(), writer.new_stats)
         self.last_written_bytes = writer.written
         fut: Future = Future()
@@ -174,7 +159,6 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
                                   [wr.index for wr in flat])
         data = manifest.to_bytes()
         store.write_manifest(name, data)
-        self.release_lease()  # the coordinator's own; the manifest protects every rank's blobs now
         KNOWN.remember(store, manifest.blobs())
         st = manifest.stats
         self.last_save = DcpSaveInfo(store.url(name), st["tensor_bytes"], st["written_bytes"], st["stored_bytes"],
@@ -182,14 +166,6 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         log.info("checkrun: committed DCP checkpoint %s: %.1f MB of tensors, %d ranks wrote %.1f MB",
                  self.last_save.path, st["tensor_bytes"] / 1e6, len(results), st["written_bytes"] / 1e6)
         self._retain(store, name)
-
-    def release_lease(self, committed: bool = True) -> None:
-        """Release this rank's lease of the last save (call on every rank once the checkpoint is
-        committed: ``ckpt_core.dcp.save`` does); ``committed=False`` marks it expired instead, so that
-        the next collection deletes what no manifest references."""
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release() if committed else lease.abandon()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -223,11 +199,10 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         return self._store, self._name
 
     def _retain(self, store: Store, name: str) -> None:
-        """Retention, then collection of the blobs of the removed checkpoints (no listing of blobs)."""
         try:
             removed = apply_retention(store, self.config, keep={name})
             if removed and self.config.retention.gc_after_save:
-                collect_garbage(store, self.config, candidates=blob_sizes(removed))
+                collect_garbage(store, self.config)
         except CheckrunError as exc:
             log.warning("checkrun: retention/gc after saving %s failed: %s", store.url(name), exc)
 

@@ -33,7 +33,6 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from .config import StorageConfig
-from .owner import temp_tag
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from .retry import call_with_retry
 
@@ -44,8 +43,6 @@ _LOG = logging.getLogger("ckpt_core.storage")
 _KEY_RE = re.compile(r"[0-9a-f]{32,64}")
 _META_DIR = ".checkrun"
 _BLOB_DIR = ".checkrun/blobs"
-LEASE_DIR = ".checkrun/leases"
-"""Where ``leases`` keeps its objects (its temp files are listed here with the others)."""
 _TMP_MARK = ".tmp-"
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
@@ -248,14 +245,7 @@ class Store:
 
     def is_directory(self) -> bool:
         """Whether this store's root exists as a directory (a prefix with objects on S3)."""
-        def probe() -> bool:  # not fs.isdir: it answers False for a transient error
-            self.fs.invalidate_cache(self.root)
-            try:
-                return self.fs.info(self.root).get("type") == "directory"
-            except FileNotFoundError:
-                return False
-
-        return bool(self._retry(probe, f"stat {self.url('')}"))
+        return bool(self._retry(lambda: self.fs.isdir(self.root), f"stat {self.url('')}"))
 
     def blob_path(self, key: str) -> str:
         """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
@@ -340,17 +330,10 @@ class Store:
 
         return self._retry(stat, f"check blob {self._display(path)}")
 
-    def delete_blob(self, key: str, guard: Optional[Callable[[], None]] = None) -> None:
-        """Delete a blob; a missing blob is not an error. ``guard`` runs before every attempt and
-        refuses it by raising (garbage collection's deletion window, ``retention``)."""
+    def delete_blob(self, key: str) -> None:
+        """Delete a blob; a missing blob is not an error."""
         path = self.blob_path(key)
-
-        def delete() -> None:
-            if guard is not None:
-                guard()
-            self._remove(path)
-
-        self._retry(delete, f"delete blob {self._display(path)}")
+        self._retry(lambda: self._remove(path), f"delete blob {self._display(path)}")
 
     def list_blobs(self) -> list[BlobInfo]:
         """All blobs of the store (temp files and stray names skipped), sorted by key."""
@@ -359,8 +342,7 @@ class Store:
         def scan() -> dict:
             self.fs.invalidate_cache(base)
             try:
-                # on_error: fsspec's walk would omit a directory whose listing failed (transiently)
-                return self.fs.find(base, detail=True, **({"on_error": "raise"} if self.is_local else {}))
+                return self.fs.find(base, detail=True)
             except FileNotFoundError:
                 return {}
 
@@ -386,11 +368,10 @@ class Store:
 
         def scan() -> list:
             out = []
-            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find),
-                                 (_join(self.root, LEASE_DIR), self.fs.ls)):
+            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find)):
                 self.fs.invalidate_cache(base)
                 try:
-                    found = finder(base, detail=True, **({"on_error": "raise"} if finder == self.fs.find else {}))
+                    found = finder(base, detail=True)
                 except FileNotFoundError:
                     continue
                 for info in found.values() if isinstance(found, dict) else found:
@@ -640,8 +621,7 @@ class Store:
         """
         directory = os.path.dirname(path)
         self._makedirs_local(directory)
-        # The tag names this process: gc deletes the temp files of processes that ended (``owner``).
-        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{temp_tag()}-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{uuid.uuid4().hex}")
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)

@@ -4,11 +4,6 @@ Content addresses are computed from the raw staged bytes *before* encoding, so a
 costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all, once its stored blob was
 checked: every blob a save reuses is read back once per engine before it is trusted (``blobcheck``;
 the cost is one read of each reused blob per engine), and a bad one is written again.
-
-Every save holds a lease (``save_lease``) on the blobs it writes or reuses: a blob is written only
-once the lease names it, and before the commit the lease names every blob of the manifest and the
-reused ones are checked to exist (after that, no collection can take them). The lease goes after
-the commit, or is marked expired after a failure.
 """
 from __future__ import annotations
 
@@ -27,12 +22,10 @@ from .capture import Snapshot, StagedTensor
 from .blobcheck import StoredBlob, adoptable, check_reused, trusted
 from .codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
 from .config import EngineConfig, QuantRule
-from .errors import CheckrunError
 from .fence import commit_guard
 from .manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, dtype_name
 from .quant_error import stream_row_norms, tensor_quant
 from .quant_rules import RuleMatcher
-from .save_lease import SaveLease
 from .storage import Store
 from .streams import DirState, RowPlan, plan_rows
 
@@ -93,9 +86,9 @@ class SnapshotWriter:
     """Writes one snapshot to one store. Created and run on the background (coordinator) thread."""
 
     def __init__(self, snap: Snapshot, store: Store, dirstate: DirState, config: EngineConfig,
-                 matcher: RuleMatcher, workers: Executor, lease: SaveLease) -> None:
+                 matcher: RuleMatcher, workers: Executor) -> None:
         self.snap, self.store, self.dir, self.config = snap, store, dirstate, config
-        self.matcher, self.workers, self.lease = matcher, workers, lease
+        self.matcher, self.workers = matcher, workers
         self.stream_updates: dict[str, tuple] = {}
         self.written: dict[str, BlobRef] = {}
         """Blobs this save wrote (key -> reference): trusted by this save only."""
@@ -132,7 +125,6 @@ class SnapshotWriter:
         return ChunkResult(ChunkRef(off, rows, cols, fresh), len(data), stats)
 
     def _write_blob(self, ref: BlobRef, data: bytes | memoryview) -> None:
-        self.lease.cover([ref.key])  # named by the lease before it exists: no collection takes it
         self.store.put_blob(ref.key, data)
         # Written, not read back: the first save that reuses it checks it.
         self.dir.verified.pop(ref.key, None)
@@ -276,37 +268,37 @@ class SnapshotWriter:
             return self._tensor(st, self._tensor_jobs(st, force=True), force=True)
         return done
 
-    def _repair_missing(self, records: list[TensorRecord], everything: bool = False) -> int:
-        """Before the commit: make the lease name every blob of ``records``, then check that the
-        reused ones (``everything``: all of them, after a lapse of the lease) exist, and rewrite,
-        from the snapshot, every tensor that lost one: it may have been collected (another
-        process's gc) before the lease named it. Once named and found, no collection can take it.
-        So is every tensor holding a reference whose stored blob does not match it: the base and
-        older deltas a row-delta save keeps never pass through ``_put_chunk``, so they are checked
-        here, before the manifest that references them commits (once per engine: ``blobcheck``)."""
-        refs = list(dict.fromkeys(b for r in records for b in r.blobs()))
-        self.lease.cover(b.key for b in refs)
-        reused = [b for b in refs if everything or self.written.get(b.key) != b]
+    def _needs_rewrite(self, info) -> bool:
+        """A reused blob must be written again if it is gone, or so old that another engine's gc
+        may be collecting it right now: rewriting refreshes its mtime, and gc looks at the mtime
+        again just before deleting (retention.collect_garbage), so a blob this save checked
+        cannot be deleted before the commit unless save or gc stall for over a quarter of the
+        grace. A grace of 0 declares a single writer: nothing old is rewritten then."""
+        grace = self.config.retention.gc_grace_seconds
+        return info is None or (grace > 0 and time.time() - info.mtime > grace / 2)
+
+    def _repair_missing(self, records: list[TensorRecord]) -> int:
+        """Blobs reused from earlier saves may have been collected since (another process's gc),
+        or may be about to be: check them and rewrite, from the snapshot, every tensor that
+        lost one or holds one older than half the gc grace (see ``_needs_rewrite``). So is every
+        tensor holding a reference whose stored blob does not match it: the base and older deltas
+        a row-delta save keeps never pass through ``_put_chunk``, so they are checked here, before
+        the manifest that references them commits (once per engine: ``blobcheck``)."""
+        reused = list(dict.fromkeys(b for r in records for b in r.blobs() if self.written.get(b.key) != b))
         keys = sorted({b.key for b in reused})
         infos = self.store.map(self.store.blob_info, keys)
-        missing = {k for k, info in zip(keys, infos) if info is None}
-        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
+        missing = {k for k, info in zip(keys, infos) if self._needs_rewrite(info)}
+        present = [b for b in reused if b.key not in missing]
         matches = check_reused(self.store, self.dir, present, self.config.load.max_blob_bytes)
         missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0
         for i, st in enumerate(self.snap.tensors):
             if missing.intersection(b.key for b in records[i].blobs()):
-                log.warning("checkrun: blobs of %s are missing or damaged; writing it again", st.key)
+                log.warning("checkrun: blobs of %s are missing, damaged or due for collection; "
+                            "writing it again", st.key)
                 records[i], w = self._tensor(st, self._tensor_jobs(st, force=True), force=True)
                 extra += w
         return extra
-
-    def _recheck_objects(self, objects: list[ObjectRecord]) -> int:
-        """After a lapse of the lease: write again every object blob that is gone."""
-        gone = [i for i, o in enumerate(objects) if self.store.blob_info(o.blob.key) is None]
-        for i in gone:
-            self._write_blob(objects[i].blob, self.snap.objects[i].data)
-        return sum(objects[i].blob.size for i in gone)
 
     # -- whole snapshot -----------------------------------------------------------------------
     def write(self) -> tuple[Manifest, dict]:
@@ -341,11 +333,6 @@ class SnapshotWriter:
             ref, w = fut.result()
             objects.append(ObjectRecord(o.key, o.type_name, ref))
             written += w
-        if not self.lease.intact():  # renewals failed for a while: a collection may have taken any
-            log.warning("checkrun: the lease of the save to %s lapsed; checking its blobs again",
-                        self.store.url(""))
-            self.lease.refresh()
-            written += self._repair_missing(records, everything=True) + self._recheck_objects(objects)
         tensor_bytes = sum(st.nbytes for st in self.snap.tensors)
         stats = {
             "tensor_bytes": tensor_bytes,
@@ -368,26 +355,10 @@ class SnapshotWriter:
         # Objects are few and small: always look at the stored blob, never trust the index, and
         # compare its bytes once per engine (the object's own bytes are its only valid encoding).
         stored = StoredBlob(self.store, key, self.config.load.max_blob_bytes)
-        self.lease.cover([key])  # before looking: once named, a blob found stays
-        if self.store.blob_info(key) is not None and trusted(self.dir, ref, stored):
+        if not self._needs_rewrite(self.store.blob_info(key)) and trusted(self.dir, ref, stored):
             return ref, 0
         self._write_blob(ref, obj.data)
         return ref, len(obj.data)
-
-    def check_lease(self, manifest: Manifest, fence: Callable[[], None] | None) -> None:
-        """Right before the commit's rename/PUT: if the lease lapsed since the last check (renewals
-        failing while the commit waited), take it again and make sure every blob still exists;
-        then the commit fence (``fence.commit_guard``)."""
-        if not self.lease.intact():
-            self.lease.refresh()
-            keys = sorted(manifest.blob_keys())
-            gone = [k for k, info in zip(keys, self.store.map(self.store.blob_info, keys)) if info is None]
-            if gone:
-                raise CheckrunError(f"{len(gone)} blob(s) of the save to {self.store.url('')} were collected "
-                                    f"while its lease had lapsed (e.g. {self.store.blob_path(gone[0])}); "
-                                    "not committed")
-        if fence is not None:
-            fence()
 
     def adopt(self, manifest: Manifest) -> None:
         """After the commit: remember its blobs and records (the row streams: ``commit_streams``)."""
@@ -419,20 +390,14 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
 
     The commit is fenced (``fence``): it raises ``SupersededError`` instead of replacing a newer
     manifest of that name, and ``OrphanedWriterError`` when ``owner_alive()`` (writer process: is
-    the training process alive?) says no. The save's lease is held from its first blob to the commit."""
-    lease = SaveLease(store, config)
-    try:
-        writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers, lease)
-        manifest, stats = writer.write()
-        if snap.stamp is not None:
-            manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
-        data = manifest.to_bytes()
-        fence = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
-        store.write_manifest(name, data, guard=lambda: writer.check_lease(manifest, fence))
-    except BaseException:
-        lease.abandon()  # its keys become candidates of the next collection
-        raise
-    lease.release()  # the manifest protects the blobs from now on
+    the training process alive?) says no."""
+    writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers)
+    manifest, stats = writer.write()
+    if snap.stamp is not None:
+        manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
+    data = manifest.to_bytes()
+    guard = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
+    store.write_manifest(name, data, guard=guard)
     writer.adopt(manifest)
     new = sum(1 for r in manifest.tensors if r.written)
     quantized = [r for r in manifest.tensors if r.quant]
