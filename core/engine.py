@@ -362,6 +362,7 @@ class CheckpointEngine:
                         self._thread = None
                         self._retired = [t for t in self._retired if t.is_alive()]
                         self._retired.append(threading.current_thread())
+                        lifecycle.retiring(threading.current_thread())  # a fork waits for our end
                         self._cond.notify_all()
                         break
         self._release_idle()

@@ -56,12 +56,34 @@ def _forget_in_child() -> None:
     # A forked child (DataLoader worker, any multiprocessing fork) inherits the parent's engines
     # but none of their threads: flushing them at the child's exit would wait forever for saves
     # only the parent can finish. The parent keeps its obligations; the child has none.
-    global _engines, _lock
-    _engines, _lock = weakref.WeakSet(), threading.Lock()
+    global _engines, _lock, _retiring
+    _engines, _lock, _retiring = weakref.WeakSet(), threading.Lock(), weakref.WeakSet()
+
+
+_retiring: "weakref.WeakSet" = weakref.WeakSet()
+RETIRE_JOIN_SECONDS = 30.0
+
+
+def retiring(thread: threading.Thread) -> None:
+    """A background thread announces that it is ending (with the threads it owns): a fork waits for
+    it first. CPython 3.11 can deadlock a forked child (in its after-fork thread cleanup) when the
+    fork happens while another thread is being torn down; DataLoader workers fork at every epoch."""
+    with _lock:
+        _retiring.add(thread)
+
+
+def _join_retiring() -> None:
+    # Runs in the forking thread just before fork(); join() releases the GIL while it waits.
+    with _lock:
+        threads = [t for t in _retiring if t is not threading.current_thread()]
+    for t in threads:
+        t.join(RETIRE_JOIN_SECONDS)
+        if t.is_alive():
+            log.warning("checkrun: forking while background thread %s still ends", t.name)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    os.register_at_fork(before=_join_retiring, after_in_child=_forget_in_child)
 
 
 def _flush_all() -> None:
