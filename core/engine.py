@@ -40,6 +40,8 @@ import torch
 
 log = logging.getLogger("ckpt_core")
 PathLike = str | os.PathLike
+IDLE_SECONDS = 30.0
+"""An asynchronous engine's coordinator and workers end after this long without a save."""
 
 
 class _Job:
@@ -338,8 +340,14 @@ class CheckpointEngine:
         inflight.wait_under(prefix.rstrip("/") + "/")
 
     def _ensure_thread(self) -> None:
+        """Start the coordinator (training thread, under ``_cond``) with its workers already running:
+        no thread starts in the background while training goes on (see ``_loop``)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="checkrun-coordinator", daemon=True)
+            workers = self._new_workers()
+            for _ in range(self.config.saving.workers):
+                workers.submit(int)  # each submit with no idle worker starts one, here
+            self._thread = threading.Thread(target=self._loop, args=(workers,), name="checkrun-coordinator",
+                                            daemon=True)
             self._thread.start()
 
     def _new_workers(self) -> ThreadPoolExecutor:
@@ -347,30 +355,40 @@ class CheckpointEngine:
         return ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
                                   initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
 
-    def _loop(self) -> None:
-        """Coordinator: runs the queued saves; once the queue is empty it ends, with its workers, the
-        snapshot's copy helper and the idle storage pools (an idle engine holds no thread; the next
-        save starts a new coordinator, ~0.1-0.2 ms on the training thread, measured)."""
+    def _loop(self, workers: ThreadPoolExecutor) -> None:
+        """Coordinator: runs the queued saves. It ends, with its workers, the snapshot's copy helper
+        and the idle storage pools, when ``wait``/``close`` ask (a sentinel) or after
+        ``IDLE_SECONDS`` without a save: an idle engine holds no thread, yet training that saves
+        often does not start and end threads at every save (a fork racing a thread's start or end
+        can deadlock the child in CPython 3.11, and DataLoader workers fork every epoch)."""
         lifecycle.lower_thread_priority(self.config.saving.thread_nice)
-        with self._new_workers() as workers:
+        with workers:
             while True:
-                job = self._queue.get()
+                try:
+                    job = self._queue.get(timeout=IDLE_SECONDS)
+                except queue.Empty:
+                    job = None
                 if job is not None:
                     self._run(job, workers)
+                    continue
                 with self._cond:
-                    if job is None or self._queue.empty():
-                        self._thread = None
-                        self._retired = [t for t in self._retired if t.is_alive()]
-                        self._retired.append(threading.current_thread())
-                        lifecycle.retiring(threading.current_thread())  # a fork waits for our end
-                        self._cond.notify_all()
-                        break
+                    if not self._queue.empty():  # a save came in meanwhile (queued under _cond)
+                        continue
+                    self._thread = None
+                    self._retired = [t for t in self._retired if t.is_alive()]
+                    self._retired.append(threading.current_thread())
+                    lifecycle.retiring(threading.current_thread())  # a fork waits for our end
+                    self._cond.notify_all()
+                    break
         self._release_idle()
 
     def _wait_idle(self) -> None:
-        """Wait until no save is pending and the coordinators that went idle have ended."""
+        """Wait until no save is pending, then end the coordinator and join it."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._inflight and self._thread is None)
+            self._cond.wait_for(lambda: not self._inflight)
+            if self._thread is not None:
+                self._queue.put(None)
+            self._cond.wait_for(lambda: self._thread is None)
             retired, self._retired = self._retired, []
         for thread in retired:
             if thread is not threading.current_thread():
