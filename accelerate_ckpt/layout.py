@@ -31,8 +31,10 @@ from ckpt_core.composite import INDEX_NAME, PARTS_DIR, Composite, join, parent
 log = logging.getLogger("accelerate_ckpt")
 
 LEGACY_PARTS_DIR = "parts"
-MIN_GC_GRACE_SECONDS = 600.0
-"""Floor of the grace period when collecting part blobs: other ranks may be writing the next save."""
+MIN_GC_GRACE_SECONDS = 3600.0
+"""Age below which a part no index lists is kept: it may belong to a save whose other ranks are still
+writing (their blobs are protected by leases, the committed part manifests only by this age; it was
+the effective age before leases too, ``gc_grace_seconds``' old default)."""
 
 __all__ = ["Target", "join", "parent", "INDEX_NAME", "PARTS_DIR"]
 
@@ -165,8 +167,11 @@ def remove_orphan_parts(engine: CheckpointEngine, root: str, grace_seconds: floa
 
 
 def collect(engine: CheckpointEngine, root: str, grace_seconds: float, storage_options: dict | None) -> None:
-    """Remove orphaned parts, then garbage-collect unreferenced blobs of the parts (grace floored at
-    ``MIN_GC_GRACE_SECONDS``). Never collects ``root`` itself: indexes are registered in flight there."""
+    """Remove orphaned parts older than the grace (floored at ``MIN_GC_GRACE_SECONDS``: a part no
+    index lists yet may belong to a save still in flight on some rank), then collect the blobs of
+    the parts this engine removed (leases protect those of saves in flight: no grace, no listing of
+    the blobs); the parts folder of earlier releases gets a full collection. Never collects ``root``
+    itself: indexes are registered in flight there."""
     grace = max(grace_seconds, MIN_GC_GRACE_SECONDS)
     try:
         orphans = remove_orphan_parts(engine, root, grace, storage_options)
@@ -174,9 +179,9 @@ def collect(engine: CheckpointEngine, root: str, grace_seconds: float, storage_o
             log.info("accelerate_ckpt: removed %d orphaned part(s) in %s", len(orphans), root)
     except CheckrunError as exc:
         log.warning("accelerate_ckpt: orphan cleanup in %s failed: %s", root, exc)
-    for directory in (join(root, PARTS_DIR), join(root, LEGACY_PARTS_DIR)):
+    for directory, full in ((join(root, PARTS_DIR), False), (join(root, LEGACY_PARTS_DIR), True)):
         try:
-            engine.gc(directory, grace_seconds=grace, storage_options=storage_options)
+            engine.gc(directory, storage_options=storage_options, full=full)
         except CheckrunError as exc:
             log.warning("accelerate_ckpt: gc of %s failed: %s", directory, exc)
 

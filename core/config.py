@@ -138,14 +138,23 @@ class RetentionConfig:
     """Glob patterns of checkpoint names that retention neither counts nor removes (the Lightning
     plugin adds ``last*.ckpt``, so ``keep_last`` never deletes the checkpoint ``ckpt_path="last"``
     resumes from)."""
-    gc_grace_seconds: float = 3600.0
-    """Blobs younger than this are never collected (protects concurrent saves). A save that reuses
-    a stored blob older than half of it writes that blob again, so a concurrent gc cannot take it
-    (0 = a single writer: nothing is rewritten and gc may delete any unreferenced blob)."""
+    lease_seconds: float = 300.0
+    """How long the lease of a save in flight protects its blobs from garbage collection without
+    being renewed. A save renews its lease as it works, once a quarter of this has passed, so a slow
+    save is never cut short (one that went 3/4 of it without renewing checks its blobs again before
+    its commit); only the lease of a writer that died (SIGKILL, lost node) runs out, and the blobs it
+    protected become collectable after this long (at once where its process is known gone: same
+    host). Clocks of hosts writing one directory must agree within a quarter of it. See
+    docs/operations.md."""
+    gc_grace_seconds: float = 0.0
+    """Garbage collection also keeps unreferenced blobs younger than this. Leases protect saves in
+    flight, so 0 is safe; set it (e.g. 3600, the default of versions without leases) while a writer
+    of such a version may still write to the directory: it takes no leases."""
     gc_after_save: bool = True
-    """Run garbage collection after a save whose retention removed a checkpoint, and after the
-    first save that follows a ``remove`` (e.g. by Lightning's ModelCheckpoint) once this engine's
-    last collection in the directory is ``gc_grace_seconds / 4`` old."""
+    """After each commit, in the save's background step: retention, then deletion of the blobs of
+    the checkpoints it removed (or ``remove`` removed, or a failed save wrote) that no manifest
+    references and no live lease protects, without listing the blobs; a collection that finds the
+    lease of a dead writer also lists them and deletes what that writer left (like ``gc``)."""
 
 
 @dataclass(frozen=True)
@@ -338,7 +347,7 @@ def _check(tp: Any, value: Any, dotted: str, item_type: type | None = None) -> A
 _POSITIVE = {
     "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
     "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
-    "load.max_manifest_elements", "load.max_total_bytes",
+    "load.max_manifest_elements", "load.max_total_bytes", "retention.lease_seconds",
 }
 _NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
 

@@ -80,8 +80,13 @@ def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
     ``writer``: reuse one writer across saves (optional)."""
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
     writer.last_save = None
-    _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
-              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
+    try:
+        _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
+                  planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
+    except BaseException:
+        writer.release_lease(committed=False)
+        raise
+    writer.release_lease()  # committed on every rank's return: the manifest protects the blobs
     return writer.last_save
 
 
@@ -95,7 +100,9 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
     result = _dcp.async_save(state_dict, checkpoint_id=path, storage_writer=writer,
                              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
-    return getattr(result, "upload_completion", result)
+    future = getattr(result, "upload_completion", result)
+    future.add_done_callback(lambda f: writer.release_lease(committed=not f.cancelled() and f.exception() is None))
+    return future
 
 
 def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,

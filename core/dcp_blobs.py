@@ -9,6 +9,8 @@ from the newest manifest of the directory on first use, and the blobs already ch
 is reused only if it exists (``has_blob``: garbage collection between two saves cannot leave a manifest
 dangling) and its stored bytes were checked against the reference about to be written (``blobcheck``:
 once per process and blob; blobs a DCP load verified count as checked); a rotted one is written again.
+Each rank's save holds a lease (``save_lease``): a key is named by it before the blob is looked at or
+written, so no collection takes it until the coordinator's manifest references it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from .dcp_format import ItemResult, record_key
 from .errors import CheckrunError
 from .manifest import MAGIC_PREFIX, BlobRef, ChunkRef, ObjectRecord, TensorRecord, dtype_name, parse_manifest
 from .quant_rules import RuleMatcher
+from .save_lease import SaveLease
 from .storage import Store
 from .streams import DirState
 from .writer import blob_key, chunk_spans
@@ -132,8 +135,10 @@ class ItemWriter:
     (the process's checked blobs of this directory) is updated as blobs are checked or written."""
 
     def __init__(self, store: Store, config: EngineConfig, matcher: RuleMatcher, rank: int, workers: Executor,
-                 known: dict[str, BlobRef], known_stats: dict[str, EncodeStats], dirstate: DirState) -> None:
+                 known: dict[str, BlobRef], known_stats: dict[str, EncodeStats], dirstate: DirState,
+                 lease: SaveLease) -> None:
         self.store, self.config, self.matcher, self.rank, self.workers = store, config, matcher, rank, workers
+        self.lease = lease
         self.known, self.known_stats, self.dir = known, known_stats, dirstate
         self.touched: dict[str, BlobRef] = {}
         self.new_stats: dict[str, EncodeStats] = {}
@@ -177,6 +182,7 @@ class ItemWriter:
         ref = BlobRef(key, len(payload), xxhash.xxh3_64_hexdigest(payload))
         self.touched[key] = ref
         record = ObjectRecord(record_key(item.index, True), "dcp.bytes", ref)
+        self.lease.cover([key])
         # The payload's own bytes are its only valid encoding: reuse the stored blob only if it is them.
         if self.store.has_blob(key) and trusted(self.dir, ref, self._stored(key)):
             return record, 0
@@ -232,6 +238,7 @@ class ItemWriter:
 
     # -- chunks (worker threads) -----------------------------------------------------------------
     def _chunk(self, array2d: torch.Tensor, off: int, pipeline: Pipeline, prefix: str) -> _Chunk:
+        self.lease.renew_if_due()  # the rank's threads renew its lease as they work
         rows, cols = array2d.shape
         key = blob_key(f"{prefix}|{rows}x{cols}|", _bytes_view(array2d))
         with self._lock:  # one writer per key in this save: identical chunks (zeros) are common
@@ -262,6 +269,7 @@ class ItemWriter:
         process does not know: another rank's or process's) adopted if it holds the same content,
         else (missing, rotted, truncated) written."""
         stored = self._stored(key)
+        self.lease.cover([key])  # before looking: once named, a blob found stays
         exists = self.store.has_blob(key)
         known = self.known.get(key)
         if exists and known is not None and trusted(self.dir, known, stored):

@@ -12,13 +12,22 @@ DCP's call order (``dcp.save`` / ``dcp.async_save``), and what each step does he
    returns, with a completed future, one WriteResult per item carrying its manifest record.
 5. (coordinator) ``finish(metadata, results)``: DCP calls it only after every rank's ``write_data``
    succeeded; it commits ONE manifest, atomically. A failure on any rank means DCP never calls
-   ``finish``: no manifest, no checkpoint (the orphan blobs go at the next ``gc`` after its grace period).
+   ``finish``: no manifest, no checkpoint.
+
+Every rank's ``write_data`` holds a lease (``save_lease``) on the blobs it writes or reuses, renewed
+while it writes and kept until the checkpoint is committed: the coordinator releases its own in
+``finish`` (after checking, for a save that took over half of ``lease_seconds``, that no blob of another
+rank was collected: ``_check_leases``); the other ranks theirs when ``ckpt_core.dcp.save``/``async_save``
+return (``release_lease``), else at the writer's next save (``reset``), when their process ends, or when
+it expires (``retention.lease_seconds``). A lease left by a failed save is marked expired at the next
+save: its orphan blobs go at the next collection.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +48,8 @@ from .lifecycle import lower_thread_priority
 from .errors import CheckrunError, FormatError
 from .manifest import ObjectRecord, TensorRecord
 from .quant_rules import RuleMatcher
-from .retention import apply_retention, collect_garbage
+from .retention import apply_retention, blob_sizes, collect_garbage
+from .save_lease import SaveLease
 from .storage import Store
 
 log = logging.getLogger("ckpt_core")
@@ -102,9 +112,11 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         self.last_written_bytes = 0
         self._store: Store | None = None
         self._name = ""
+        self._lease: SaveLease | None = None
 
     # -- StorageWriter ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.release_lease(committed=False)  # a lease still held: of a save that failed, or raw dcp.save
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             self._store = None
@@ -133,12 +145,19 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         rp = plan.storage_data
         rank = rp.rank if isinstance(rp, _RankPlan) else self.rank
         known, stats, dirstate = KNOWN.view(store, self.config)
-        with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
-                                initializer=lower_thread_priority,
-                                initargs=(self.config.saving.thread_nice,)) as pool:
-            writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate)
-            results = writer.write(plan.items, planner)
-        store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
+        self.release_lease(committed=False)
+        self._lease = lease = SaveLease(store, self.config)
+        self._started = time.monotonic()
+        try:
+            with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
+                                    initializer=lower_thread_priority,
+                                    initargs=(self.config.saving.thread_nice,)) as pool:
+                writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate, lease)
+                results = writer.write(plan.items, planner)
+            store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
+        except BaseException:
+            self.release_lease(committed=False)
+            raise
         KNOWN.remember(store, writer.touched.values(), writer.new_stats)
         self.last_written_bytes = writer.written
         fut: Future = Future()
@@ -158,7 +177,9 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         manifest = build_manifest(metadata, [wr.storage_data for wr in flat], len(results),
                                   [wr.index for wr in flat])
         data = manifest.to_bytes()
+        self._check_leases(store, manifest)
         store.write_manifest(name, data)
+        self.release_lease()  # the coordinator's own; the manifest protects every rank's blobs now
         KNOWN.remember(store, manifest.blobs())
         st = manifest.stats
         self.last_save = DcpSaveInfo(store.url(name), st["tensor_bytes"], st["written_bytes"], st["stored_bytes"],
@@ -166,6 +187,29 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         log.info("checkrun: committed DCP checkpoint %s: %.1f MB of tensors, %d ranks wrote %.1f MB",
                  self.last_save.path, st["tensor_bytes"] / 1e6, len(results), st["written_bytes"] / 1e6)
         self._retain(store, name)
+
+    def _check_leases(self, store: Store, manifest) -> None:
+        """(coordinator, before the commit) The other ranks renewed their leases until their last
+        chunk, so every lease is valid for at least half of ``lease_seconds`` after this rank started
+        writing. A save that took longer: name every blob in this rank's lease, wait for collections,
+        and check that each still exists (else nothing is committed)."""
+        lease = self._lease
+        if lease is None or time.monotonic() - self._started < 0.5 * lease.seconds:
+            return
+        keys = sorted(manifest.blob_keys())
+        lease.cover(keys)
+        gone = [k for k, info in zip(keys, store.map(store.blob_info, keys)) if info is None]
+        if gone:
+            raise CheckrunError(f"{len(gone)} blob(s) of the DCP save to {store.url('')} were collected while "
+                                f"the ranks waited for the commit (e.g. {store.blob_path(gone[0])}); not committed")
+
+    def release_lease(self, committed: bool = True) -> None:
+        """Release this rank's lease of the last save (call on every rank once the checkpoint is
+        committed: ``ckpt_core.dcp.save`` does); ``committed=False`` marks it expired instead, so that
+        the next collection deletes what no manifest references."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release() if committed else lease.abandon()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -199,10 +243,11 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         return self._store, self._name
 
     def _retain(self, store: Store, name: str) -> None:
+        """Retention, then collection of the blobs of the removed checkpoints (no listing of blobs)."""
         try:
             removed = apply_retention(store, self.config, keep={name})
             if removed and self.config.retention.gc_after_save:
-                collect_garbage(store, self.config)
+                collect_garbage(store, self.config, candidates=blob_sizes(removed))
         except CheckrunError as exc:
             log.warning("checkrun: retention/gc after saving %s failed: %s", store.url(name), exc)
 

@@ -28,12 +28,12 @@ from .handles import SaveHandle, SaveInfo
 from .manifest import Manifest
 from .quant_rules import RuleMatcher
 from .reader import VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest
-from .retention import CheckpointEntry, GCReport, apply_retention, collect_garbage, list_checkpoints
+from .retention import CheckpointEntry, GCReport, apply_retention, blob_sizes, collect_garbage, list_checkpoints
 from .staging import BufferPool, Copier, MemoryBudget
 from .storage import Store
 from .streams import DirState, RowStream, row_eligible
 from .tracking import EmbeddingTracker
-from .writer import Committed, commit_streams, write_and_commit
+from .commit import Committed, commit_streams, write_and_commit
 from .writer_process import WriterProcess, check_store
 
 import torch
@@ -139,14 +139,20 @@ class CheckpointEngine:
         return state
 
     def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
-        """Delete the checkpoint's manifest (waits for a pending save to it). Its blobs go at ``gc``,
-        which, with ``retention.gc_after_save``, the next committed save in the directory runs
-        when this engine's last collection there is at least a quarter of the grace period old."""
+        """Delete the checkpoint's manifest (waits for a pending save to it). Its blobs that no other
+        manifest references go in the background step of the next save committed in the directory
+        (``retention.gc_after_save``), or at ``gc(directory, full=False)``."""
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
+        state = self._dirstate(store)
+        try:  # its blobs are the candidates of the next collection here
+            state.pending.update((b.key, b.size) for b in read_manifest(store, name, self.config).blobs())
+        except CheckpointNotFoundError:
+            pass
+        except CheckrunError:  # unreadable: its blobs are unknown, the next collection here lists them
+            state.full_due = True
         store.delete_manifest(name)
-        self._dirstate(store).removed = True
 
     def latest(self, directory: PathLike, storage_options: dict | None = None, verify: bool = True) -> str | None:
         """Newest committed checkpoint in ``directory`` that verifies, or None.
@@ -184,12 +190,18 @@ class CheckpointEngine:
         return verify_manifest(store, name, self.config, decode=decode, progress=progress)
 
     def gc(self, directory: PathLike, grace_seconds: float | None = None, dry_run: bool = False,
-           storage_options: dict | None = None) -> GCReport:
-        """Delete blobs in ``directory`` that no manifest references and that are older than the grace."""
+           storage_options: dict | None = None, full: bool = True) -> GCReport:
+        """Delete blobs in ``directory`` that no manifest references and no live lease protects.
+
+        ``full=False``: only the blobs of checkpoints this engine removed there and of dead writers'
+        leases (no listing of the blobs). ``grace_seconds``: also keep unreferenced blobs younger than
+        this (default 0; ``retention.gc_grace_seconds`` where no lease-aware writer ever wrote)."""
         self._check_open()
         store = self._dir_store(directory, storage_options)
-        self._wait_dir(store)
-        return self._collect(store, grace_seconds, dry_run)
+        if full:  # a full collection reports on settled saves; leases protect those in flight anyway
+            self._wait_dir(store)
+        state = self._dirstate(store)
+        return self._collect(store, grace_seconds, dry_run, None if full else dict(state.pending))
 
     def list(self, directory: PathLike, storage_options: dict | None = None) -> list[CheckpointEntry]:
         """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error."""
@@ -472,26 +484,33 @@ class CheckpointEngine:
             except Exception:  # a metrics callback must not fail a committed save
                 log.exception("checkrun: save callback failed")
         try:
-            removed = apply_retention(job.store, self.config, keep={job.name})
-            if self.config.retention.gc_after_save and (removed or self._collection_due(job.store)):
-                self._collect(job.store, None, False)
+            self._retain(job.store, job.name, job.dir)
         except CheckrunError as exc:
             log.warning("checkrun: retention/gc after saving %s failed: %s", info.path, exc)
 
-    def _collection_due(self, store: Store) -> bool:
-        """Checkpoints were removed here (``remove``, e.g. by Lightning's ModelCheckpoint) and the
-        last collection is a quarter of the grace period old: blobs become collectable only once
-        older than the grace, so collecting (listing every blob) more often frees little."""
-        state = self._dirs.get((store.url(""),))
-        return (state is not None and state.removed
-                and time.time() - state.collected_at >= self.config.retention.gc_grace_seconds / 4)
+    def _retain(self, store: Store, name: str, state: DirState) -> None:
+        """Retention, then collection of what it (or ``remove``, or failed saves) made garbage: the
+        candidates only, without listing the blobs (unless it finds that a writer died here: then
+        everything, see ``collect_garbage``)."""
+        removed = apply_retention(store, self.config, keep={name})
+        if not self.config.retention.gc_after_save:
+            return
+        candidates = {**state.pending, **blob_sizes(removed)}
+        if state.full_due:
+            self._collect(store, None, False, None)
+        elif candidates or state.leases_seen:
+            self._collect(store, None, False, candidates)
 
-    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool) -> GCReport:
-        state = self._dirs.get((store.url(""),))
-        if state is not None and not dry_run:
-            state.removed, state.collected_at = False, time.time()
-        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run)
-        if state is not None and not dry_run:
+    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool,
+                 candidates: dict[str, int] | None) -> GCReport:
+        state = self._dirstate(store)
+        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run,
+                                 candidates=candidates)
+        if not dry_run and not report.problems:
+            state.pending = dict(report.pending)
+            state.full_due = state.full_due and candidates is not None
+            state.leases_seen = report.leases > 0
+        if not dry_run:
             state.forget(list(report.deleted))
         if self._process is not None and not dry_run:
             self._process.forget(store, list(report.deleted))

@@ -33,6 +33,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from .config import StorageConfig
+from .owner import temp_tag
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from .retry import call_with_retry
 
@@ -43,6 +44,8 @@ _LOG = logging.getLogger("ckpt_core.storage")
 _KEY_RE = re.compile(r"[0-9a-f]{32,64}")
 _META_DIR = ".checkrun"
 _BLOB_DIR = ".checkrun/blobs"
+LEASE_DIR = ".checkrun/leases"
+"""Where ``leases`` keeps its objects (its temp files are listed here with the others)."""
 _TMP_MARK = ".tmp-"
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
@@ -245,7 +248,14 @@ class Store:
 
     def is_directory(self) -> bool:
         """Whether this store's root exists as a directory (a prefix with objects on S3)."""
-        return bool(self._retry(lambda: self.fs.isdir(self.root), f"stat {self.url('')}"))
+        def probe() -> bool:  # not fs.isdir: it answers False for a transient error
+            self.fs.invalidate_cache(self.root)
+            try:
+                return self.fs.info(self.root).get("type") == "directory"
+            except FileNotFoundError:
+                return False
+
+        return bool(self._retry(probe, f"stat {self.url('')}"))
 
     def blob_path(self, key: str) -> str:
         """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
@@ -330,10 +340,17 @@ class Store:
 
         return self._retry(stat, f"check blob {self._display(path)}")
 
-    def delete_blob(self, key: str) -> None:
-        """Delete a blob; a missing blob is not an error."""
+    def delete_blob(self, key: str, guard: Optional[Callable[[], None]] = None) -> None:
+        """Delete a blob; a missing blob is not an error. ``guard`` runs before every attempt and
+        refuses it by raising (garbage collection's deletion window, ``retention``)."""
         path = self.blob_path(key)
-        self._retry(lambda: self._remove(path), f"delete blob {self._display(path)}")
+
+        def delete() -> None:
+            if guard is not None:
+                guard()
+            self._remove(path)
+
+        self._retry(delete, f"delete blob {self._display(path)}")
 
     def list_blobs(self) -> list[BlobInfo]:
         """All blobs of the store (temp files and stray names skipped), sorted by key."""
@@ -342,7 +359,8 @@ class Store:
         def scan() -> dict:
             self.fs.invalidate_cache(base)
             try:
-                return self.fs.find(base, detail=True)
+                # on_error: fsspec's walk would omit a directory whose listing failed (transiently)
+                return self.fs.find(base, detail=True, **({"on_error": "raise"} if self.is_local else {}))
             except FileNotFoundError:
                 return {}
 
@@ -368,10 +386,11 @@ class Store:
 
         def scan() -> list:
             out = []
-            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find)):
+            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find),
+                                 (_join(self.root, LEASE_DIR), self.fs.ls)):
                 self.fs.invalidate_cache(base)
                 try:
-                    found = finder(base, detail=True)
+                    found = finder(base, detail=True, **({"on_error": "raise"} if finder == self.fs.find else {}))
                 except FileNotFoundError:
                     continue
                 for info in found.values() if isinstance(found, dict) else found:
@@ -621,7 +640,8 @@ class Store:
         """
         directory = os.path.dirname(path)
         self._makedirs_local(directory)
-        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{uuid.uuid4().hex}")
+        # The tag names this process: gc deletes the temp files of processes that ended (``owner``).
+        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{temp_tag()}-{uuid.uuid4().hex}")
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)

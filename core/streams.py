@@ -181,10 +181,13 @@ class DirState:
     """Lossy row stream key -> (the record it describes, float64 sum of squares of each row): the
     reference norm of the tensor as restored, updated row by row by delta saves."""
     last: object = None
-    removed: bool = False
-    """A checkpoint was removed (``CheckpointEngine.remove``) since this engine last collected here."""
-    collected_at: float = 0.0
-    """``time.time()`` of this engine's last garbage collection here (0: never)."""
+    pending: dict = field(default_factory=dict)
+    """Blob key -> size: candidates of the next collection here (blobs of checkpoints ``remove``
+    deleted, or that a collection found protected by a lease)."""
+    full_due: bool = False
+    """The next collection here lists every blob (a removed checkpoint could not be read)."""
+    leases_seen: bool = False
+    """The last collection here saw live leases of other saves: look again at the next commit."""
 
     def adopt_verified(self, blobs: list[BlobRef]) -> None:
         """Blobs a load read and verified: reused by the next save without reading them again."""

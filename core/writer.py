@@ -1,20 +1,22 @@
-"""Steps 2-5 of a save, on the background thread: plan, encode, store, commit.
+"""Steps 2-4 of a save, on the background thread: plan, encode, store (the commit: ``commit``).
 
 Content addresses are computed from the raw staged bytes *before* encoding, so an unchanged chunk
 costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all, once its stored blob was
 checked: every blob a save reuses is read back once per engine before it is trusted (``blobcheck``;
 the cost is one read of each reused blob per engine), and a bad one is written again.
+
+Every save holds a lease (``save_lease``) on the blobs it writes or reuses: a blob is written only
+once the lease names it, and before the commit the lease names every blob of the manifest and the
+reused ones are checked to exist (after that, no collection can take them). The lease goes after
+the commit, or is marked expired after a failure.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import xxhash
 
@@ -22,10 +24,10 @@ from .capture import Snapshot, StagedTensor
 from .blobcheck import StoredBlob, adoptable, check_reused, trusted
 from .codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
 from .config import EngineConfig, QuantRule
-from .fence import commit_guard
 from .manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, dtype_name
 from .quant_error import stream_row_norms, tensor_quant
 from .quant_rules import RuleMatcher
+from .save_lease import SaveLease
 from .storage import Store
 from .streams import DirState, RowPlan, plan_rows
 
@@ -86,9 +88,9 @@ class SnapshotWriter:
     """Writes one snapshot to one store. Created and run on the background (coordinator) thread."""
 
     def __init__(self, snap: Snapshot, store: Store, dirstate: DirState, config: EngineConfig,
-                 matcher: RuleMatcher, workers: Executor) -> None:
+                 matcher: RuleMatcher, workers: Executor, lease: SaveLease) -> None:
         self.snap, self.store, self.dir, self.config = snap, store, dirstate, config
-        self.matcher, self.workers = matcher, workers
+        self.matcher, self.workers, self.lease = matcher, workers, lease
         self.stream_updates: dict[str, tuple] = {}
         self.written: dict[str, BlobRef] = {}
         """Blobs this save wrote (key -> reference): trusted by this save only."""
@@ -107,6 +109,7 @@ class SnapshotWriter:
         A blob in the index is reused without encoding once its stored bytes match the indexed
         reference and (lossy) its error is known; otherwise the chunk is encoded, and the stored
         blob adopted if it holds the same content, else (missing, rotted, ``force``) written."""
+        self.lease.renew_if_due()  # the save's threads renew its lease as they work
         rows, cols = array2d.shape
         key = blob_key(f"{prefix}|{rows}x{cols}|", _as_bytes_view(array2d).reshape(-1))
         known = None if force else self.dir.index.get(key)
@@ -125,6 +128,7 @@ class SnapshotWriter:
         return ChunkResult(ChunkRef(off, rows, cols, fresh), len(data), stats)
 
     def _write_blob(self, ref: BlobRef, data: bytes | memoryview) -> None:
+        self.lease.cover([ref.key])  # named by the lease before it exists: no collection takes it
         self.store.put_blob(ref.key, data)
         # Written, not read back: the first save that reuses it checks it.
         self.dir.verified.pop(ref.key, None)
@@ -268,37 +272,37 @@ class SnapshotWriter:
             return self._tensor(st, self._tensor_jobs(st, force=True), force=True)
         return done
 
-    def _needs_rewrite(self, info) -> bool:
-        """A reused blob must be written again if it is gone, or so old that another engine's gc
-        may be collecting it right now: rewriting refreshes its mtime, and gc looks at the mtime
-        again just before deleting (retention.collect_garbage), so a blob this save checked
-        cannot be deleted before the commit unless save or gc stall for over a quarter of the
-        grace. A grace of 0 declares a single writer: nothing old is rewritten then."""
-        grace = self.config.retention.gc_grace_seconds
-        return info is None or (grace > 0 and time.time() - info.mtime > grace / 2)
-
-    def _repair_missing(self, records: list[TensorRecord]) -> int:
-        """Blobs reused from earlier saves may have been collected since (another process's gc),
-        or may be about to be: check them and rewrite, from the snapshot, every tensor that
-        lost one or holds one older than half the gc grace (see ``_needs_rewrite``). So is every
-        tensor holding a reference whose stored blob does not match it: the base and older deltas
-        a row-delta save keeps never pass through ``_put_chunk``, so they are checked here, before
-        the manifest that references them commits (once per engine: ``blobcheck``)."""
-        reused = list(dict.fromkeys(b for r in records for b in r.blobs() if self.written.get(b.key) != b))
+    def _repair_missing(self, records: list[TensorRecord], everything: bool = False) -> int:
+        """Before the commit: make the lease name every blob of ``records``, then check that the
+        reused ones (``everything``: all of them, after a lapse of the lease) exist, and rewrite,
+        from the snapshot, every tensor that lost one: it may have been collected (another
+        process's gc) before the lease named it. Once named and found, no collection can take it.
+        So is every tensor holding a reference whose stored blob does not match it: the base and
+        older deltas a row-delta save keeps never pass through ``_put_chunk``, so they are checked
+        here, before the manifest that references them commits (once per engine: ``blobcheck``)."""
+        refs = list(dict.fromkeys(b for r in records for b in r.blobs()))
+        self.lease.cover(b.key for b in refs)
+        reused = [b for b in refs if everything or self.written.get(b.key) != b]
         keys = sorted({b.key for b in reused})
         infos = self.store.map(self.store.blob_info, keys)
-        missing = {k for k, info in zip(keys, infos) if self._needs_rewrite(info)}
-        present = [b for b in reused if b.key not in missing]
+        missing = {k for k, info in zip(keys, infos) if info is None}
+        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
         matches = check_reused(self.store, self.dir, present, self.config.load.max_blob_bytes)
         missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0
         for i, st in enumerate(self.snap.tensors):
             if missing.intersection(b.key for b in records[i].blobs()):
-                log.warning("checkrun: blobs of %s are missing, damaged or due for collection; "
-                            "writing it again", st.key)
+                log.warning("checkrun: blobs of %s are missing or damaged; writing it again", st.key)
                 records[i], w = self._tensor(st, self._tensor_jobs(st, force=True), force=True)
                 extra += w
         return extra
+
+    def _recheck_objects(self, objects: list[ObjectRecord]) -> int:
+        """After a lapse of the lease: write again every object blob that is gone."""
+        gone = [i for i, o in enumerate(objects) if self.store.blob_info(o.blob.key) is None]
+        for i in gone:
+            self._write_blob(objects[i].blob, self.snap.objects[i].data)
+        return sum(objects[i].blob.size for i in gone)
 
     # -- whole snapshot -----------------------------------------------------------------------
     def write(self) -> tuple[Manifest, dict]:
@@ -333,6 +337,11 @@ class SnapshotWriter:
             ref, w = fut.result()
             objects.append(ObjectRecord(o.key, o.type_name, ref))
             written += w
+        if not self.lease.intact():  # renewals failed for a while: a collection may have taken any
+            log.warning("checkrun: the lease of the save to %s lapsed; checking its blobs again",
+                        self.store.url(""))
+            self.lease.refresh()
+            written += self._repair_missing(records, everything=True) + self._recheck_objects(objects)
         tensor_bytes = sum(st.nbytes for st in self.snap.tensors)
         stats = {
             "tensor_bytes": tensor_bytes,
@@ -355,7 +364,8 @@ class SnapshotWriter:
         # Objects are few and small: always look at the stored blob, never trust the index, and
         # compare its bytes once per engine (the object's own bytes are its only valid encoding).
         stored = StoredBlob(self.store, key, self.config.load.max_blob_bytes)
-        if not self._needs_rewrite(self.store.blob_info(key)) and trusted(self.dir, ref, stored):
+        self.lease.cover([key])  # before looking: once named, a blob found stays
+        if self.store.blob_info(key) is not None and trusted(self.dir, ref, stored):
             return ref, 0
         self._write_blob(ref, obj.data)
         return ref, len(obj.data)
@@ -366,48 +376,3 @@ class SnapshotWriter:
             self.dir.index[b.key] = b
         for rec in manifest.tensors:
             self.dir.records[rec.key] = rec
-
-
-@dataclass(frozen=True)
-class Committed:
-    """What the background part of one save reports (from a thread or from the writer process)."""
-
-    stats: dict
-    manifest_bytes: int
-    new_blobs: int
-    reused_blobs: int
-    quantized_tensors: int
-    quantization_saved_bytes: int
-    stream_updates: dict
-    """Row stream key -> (plan, record, spec id, detected): applied by ``commit_streams``."""
-    unmatched_rules: tuple
-
-
-def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState, config: EngineConfig,
-                     matcher: RuleMatcher, workers: Executor,
-                     owner_alive: Callable[[], bool] | None = None) -> Committed:
-    """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds.
-
-    The commit is fenced (``fence``): it raises ``SupersededError`` instead of replacing a newer
-    manifest of that name, and ``OrphanedWriterError`` when ``owner_alive()`` (writer process: is
-    the training process alive?) says no."""
-    writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers)
-    manifest, stats = writer.write()
-    if snap.stamp is not None:
-        manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
-    data = manifest.to_bytes()
-    guard = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
-    store.write_manifest(name, data, guard=guard)
-    writer.adopt(manifest)
-    new = sum(1 for r in manifest.tensors if r.written)
-    quantized = [r for r in manifest.tensors if r.quant]
-    return Committed(stats, len(data), new, len(manifest.blobs()) - new, len(quantized),
-                     sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
-                     writer.stream_updates, matcher.unmatched_rules())
-
-
-def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:
-    """Advance the snapshot's row streams to what was committed (on the engine's side)."""
-    streams = {st.key: st.stream for st in snap.tensors if st.stream is not None}
-    for key, (plan, rec, spec_id, detected) in done.stream_updates.items():
-        streams[key].commit(plan, rec, spec_id, detected, max_chain)

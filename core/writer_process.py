@@ -11,7 +11,7 @@ processes, reused from save to save like any staging buffer), then sends the sna
 pickler that replaces each staging buffer by its file name, so only the tree, the small objects
 and the names cross the pipe. The writer process (``python -m ckpt_core.writer_process``, started
 with ``subprocess``: it never imports the training script) keeps its own blob index per directory,
-writes and commits exactly as a background thread would (``writer.write_and_commit``), and answers
+writes and commits exactly as a background thread would (``commit.write_and_commit``), and answers
 with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
 runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
 which blobs exist or are gone, in order, on the same pipe.
@@ -201,7 +201,7 @@ class WriterProcess:
 def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple,
           owner_alive: Callable[[], bool]) -> bytes:
     """One ``save`` message: write and commit (unless the training process died); the pickled reply."""
-    from .writer import write_and_commit
+    from .commit import write_and_commit
 
     (fs, root, prefix), name, snap = args
     store = stores.get((prefix, root))

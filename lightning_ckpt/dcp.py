@@ -18,7 +18,7 @@ is one value of the same DCP save instead of a separate ``meta.pt``. Loading res
 and metadata like Lightning's own sharded path, and falls back to it for checkpoints checkrun did not
 write. ``weights_only=None`` means True (non-tensor values use torch's restricted unpickler; allow
 extra types with ``checkrun_config={"load": {"allowed_globals": [...]}}``). ``remove_checkpoint`` deletes
-the manifest and collects unreferenced blobs older than ``retention.gc_grace_seconds``.
+the manifest and collects its blobs that no other checkpoint references (leases protect saves in flight).
 
 Every rank calls these methods (Lightning's FSDP/ModelParallel save and load are collective).
 """
@@ -90,7 +90,7 @@ class _CheckrunDCP:
             with ckpt_core.CheckpointEngine(self.checkrun_config) as engine:
                 engine.remove(path, storage_options=self._options())
                 if self.checkrun_config.retention.gc_after_save:
-                    engine.gc(path.rsplit("/", 1)[0], storage_options=self._options())
+                    engine.gc(path.rsplit("/", 1)[0], storage_options=self._options(), full=False)
         return None
 
 

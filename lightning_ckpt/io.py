@@ -188,8 +188,9 @@ class CheckrunCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the checkpoint at ``path`` (after a pending save to it); a missing one is ignored.
 
-        Blobs no longer referenced are garbage-collected at ``teardown`` (after the engine's grace
-        period); those of Lightning's temporary checkpoints right away.
+        Its blobs that no other checkpoint references are deleted in the background step of the next
+        save (``retention.gc_after_save``) and at ``teardown``; those of Lightning's temporary
+        checkpoints right away.
         """
         self._check_caller()
         url = normalize_path(path)
@@ -278,12 +279,10 @@ class CheckrunCheckpointIO(CheckpointIO):
         self._save_steps[handle.path] = step if isinstance(step, int) else None
 
     def _collect_temporary(self, engine: CheckpointEngine, directory: str) -> None:
-        """Delete the blobs of a removed temporary checkpoint now (the engine's grace would keep them
-        an hour); skipped while a regular save is in flight, since its new blobs are unreferenced yet."""
-        if any(e.pending for e in self._open_engines()):
-            return
+        """Delete the blobs of a removed temporary checkpoint now (only those: no listing of the
+        blobs; saves in flight are protected by their leases)."""
         try:
-            engine.gc(directory, grace_seconds=0)
+            engine.gc(directory, full=False)
         except CheckrunError as exc:
             log.warning("lightning_ckpt: cleaning up after a temporary checkpoint in %s failed: %s", directory, exc)
 

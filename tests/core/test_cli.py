@@ -363,7 +363,9 @@ def test_gc(capsys, local_run):
     with CheckpointEngine() as eng:
         eng.remove(f"{root}/step=2.ckpt")
     code, data = run_json(capsys, "gc", root, "--dry-run")
-    assert code == 0 and data["deleted_blobs"] == 0 and data["kept_young"] > 0  # default grace: 1 h
+    assert code == 0 and data["deleted_blobs"] > 0 and data["kept_young"] == 0  # leases, no grace (default 0)
+    code, data = run_json(capsys, "gc", root, "--dry-run", "--grace", "3600")
+    assert code == 0 and data["deleted_blobs"] == 0 and data["kept_young"] > 0  # an explicit grace still holds
     code, data = run_json(capsys, "gc", root, "--dry-run", "--grace", "0")
     freed = data["freed_bytes"]
     assert code == 0 and data["dry_run"] and data["deleted_blobs"] > 0 and freed > 0

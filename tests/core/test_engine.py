@@ -134,26 +134,22 @@ def test_blobs_of_removed_checkpoints_are_collected_by_a_later_save(tmp_path):
         assert before <= blob_files(tmp_path)  # gc_after_save off: nothing collected
 
 
-def test_collection_after_removals_waits_a_quarter_of_the_grace(tmp_path, monkeypatch):
-    import ckpt_core.engine as engine_mod
+def test_a_removed_checkpoints_blobs_go_at_the_next_commit_without_listing_blobs(tmp_path, monkeypatch):
+    from ckpt_core.storage import Store
 
-    runs = []
-    real = engine_mod.collect_garbage
-    monkeypatch.setattr(engine_mod, "collect_garbage", lambda *a, **k: runs.append(1) or real(*a, **k))
-    with CheckpointEngine(EngineConfig.from_dict({"retention": {"gc_grace_seconds": 3600}})) as engine:
+    listings = []
+    real = Store.list_blobs
+    monkeypatch.setattr(Store, "list_blobs", lambda self: listings.append(1) or real(self))
+    with CheckpointEngine() as engine:
         for i in range(3):
             engine.save({"w": torch.full((10,), float(i))}, tmp_path / f"s{i}.ckpt").result()
-        assert runs == []  # nothing removed yet
+        assert listings == []  # nothing removed, no dead writer: no collection
+        gone = {k[2:] for k in engine.read_manifest(tmp_path / "s0.ckpt").blob_keys()}  # file names
         engine.remove(tmp_path / "s0.ckpt")
-        engine.save({"w": torch.zeros(10)}, tmp_path / "s3.ckpt").result()
-        assert len(runs) == 1
-        engine.remove(tmp_path / "s1.ckpt")
-        engine.save({"w": torch.ones(10)}, tmp_path / "s4.ckpt").result()
-        assert len(runs) == 1  # collected less than 15 minutes ago
-        state = next(iter(engine._dirs.values()))
-        state.collected_at -= 901
-        engine.save({"w": torch.ones(10) * 2}, tmp_path / "s5.ckpt").result()
-        assert len(runs) == 2
+        assert gone <= blob_files(tmp_path)  # the manifest only, until the next commit
+        engine.save({"w": torch.full((10,), 3.0)}, tmp_path / "s3.ckpt").result()
+        assert not gone & blob_files(tmp_path)  # collected in that save's background step
+        assert listings == []  # from the removed manifest's references, not from a listing
 
 
 def test_retention_protect_patterns_are_neither_counted_nor_removed(tmp_path):

@@ -11,6 +11,7 @@ exactly there. Phases:
     capture          inside ``save()``: tensors staged, the non-tensor values being pickled
     blob-write       a blob's temp file was created, nothing written yet
     blob-torn        half of a blob's bytes written to its temp file
+    lease-write      a lease object's temp file was created (a save taking or renewing its lease)
     manifest-write   the manifest's temp file was created, nothing written yet
     manifest-rename  the manifest's bytes written and fsynced, the rename not done
     committed        right after the commit (save callback), before retention
@@ -39,13 +40,14 @@ from . import faultfs
 
 SEED = 20240917
 ROWS, DIM, BATCH, IDS = 2048, 16, 32, 4
-PHASES = ("step", "capture", "blob-write", "blob-torn", "manifest-write", "manifest-rename",
+PHASES = ("step", "capture", "lease-write", "blob-write", "blob-torn", "manifest-write", "manifest-rename",
           "committed", "retention", "gc")
 
 
 def engine_config(**overrides: Any) -> EngineConfig:
-    """What the crash trials run with: lossless, async, incremental, keep_last=2 + gc (grace 0:
-    a single writer, so nothing in flight can be collected), small chunks (several blobs per tensor)."""
+    """What the crash trials run with: lossless, async, incremental, keep_last=2 + gc after every save
+    (leases protect saves in flight; the grace only applies to directories without leases), small
+    chunks (several blobs per tensor)."""
     cfg = EngineConfig.from_dict({
         "compression": {"chunk_bytes": 32768},
         "retention": {"keep_last": 2, "gc_grace_seconds": 0.0, "gc_after_save": True},
@@ -86,6 +88,7 @@ class CrashPolicy(faultfs.Policy):
 
     def on(self, op: str, kind: str, path: str) -> None:
         phase = {("open", "blob"): "blob-write", ("open", "manifest"): "manifest-write",
+                 ("open", "lease"): "lease-write",
                  ("close", "manifest"): "manifest-rename", ("delete", "manifest"): "retention",
                  ("delete", "blob"): "gc"}.get((op, kind))
         if phase is not None:
@@ -266,6 +269,9 @@ def engine_server(conn, events, root: str, config: dict, log: str | None = None)
     Commands: ("save", name, version, wait, frozen_seed) -> the path (committed if ``wait``);
     ("result", name) waits for that save;
     ("arm", op, kind, n) installs a gate, whose ``("entered", path)`` goes to ``events``;
+    ("hold_put", n) holds the n-th blob write (``Store.put_blob``, any backend: S3 too) until
+    ("release_put",) or SIGKILL, reporting ``("entered", key)``: the lease names the blob, earlier
+    blobs are written;
     ("release",); ("wait",); ("gc", grace); ("latest",); ("close",) ends the server."""
     _redirect_stderr(log)
     torch.set_num_threads(1)
@@ -290,6 +296,12 @@ def engine_server(conn, events, root: str, config: dict, log: str | None = None)
             elif cmd == "release":
                 gate.release()
                 reply = None
+            elif cmd == "hold_put":
+                _hold_put(int(args[0]), events)
+                reply = None
+            elif cmd == "release_put":
+                _HELD.set()
+                reply = None
             elif cmd == "wait":
                 engine.wait()
                 reply = None
@@ -306,6 +318,26 @@ def engine_server(conn, events, root: str, config: dict, log: str | None = None)
             conn.send(("ok", reply))
         except Exception as exc:  # noqa: BLE001 - the parent asserts on it
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+_HELD = threading.Event()
+
+
+def _hold_put(n: int, events) -> None:
+    from ckpt_core.storage import Store
+
+    real, calls, lock = Store.put_blob, [0], threading.Lock()
+
+    def put_blob(self, key, data):
+        with lock:
+            calls[0] += 1
+            mine = calls[0] == n
+        if mine:
+            events.send(("entered", key))
+            _HELD.wait()  # until release_put (or SIGKILL)
+        return real(self, key, data)
+
+    Store.put_blob = put_blob
 
 
 def _report_entry(gate: faultfs.Gate, events) -> None:

@@ -8,7 +8,8 @@ keeps its temp-file + fsync + rename commit; the bytes land on the real disk.
 Operations reported to a policy: ``on(op, kind, path)`` with op in ``info`` (a stat of one path),
 ``stat`` (a stat of each entry inside a listing), ``read``, ``list``,
 ``open`` (a file opened for writing, after it exists), ``close`` (a written file, after flush and
-fsync, before the engine renames it), ``delete``; ``kind`` is ``"blob"`` or ``"manifest"``.
+fsync, before the engine renames it), ``delete``; ``kind`` is ``"blob"``, ``"lease"`` (lease objects,
+``.checkrun/leases/``) or ``"manifest"`` (anything else).
 Written data goes through ``data(kind, path, buf, write)`` so a policy can write part of it
 (ENOSPC after a quota, a torn write before a kill).
 
@@ -30,10 +31,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 BLOB_MARK = "/.checkrun/blobs"
+LEASE_MARK = "/.checkrun/leases"
 
 
 def kind_of(path: str) -> str:
-    return "blob" if BLOB_MARK in str(path) else "manifest"
+    path = str(path)
+    return "blob" if BLOB_MARK in path else "lease" if LEASE_MARK in path else "manifest"
 
 
 def group_of(path: str) -> str:

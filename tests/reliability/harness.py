@@ -264,7 +264,8 @@ def crash_sequence(workdir: Path, ref: Reference, kills: Iterable[tuple[str, int
 
 
 def count_temp_files(path: Path) -> int:
-    """Temp files of interrupted writes (ignored by every reader; gc deletes them after the grace)."""
+    """Temp files of interrupted writes (ignored by every reader; a later collection that finds the
+    dead writer's lease deletes them)."""
     return sum(1 for _, _, files in os.walk(path) for f in files if ".tmp-" in f)
 
 
@@ -279,7 +280,7 @@ def _check_final(report: SequenceReport, out: Outcome, ref: Reference) -> None:
 
 # Ranges of the kill occurrence per phase: small enough that most kills land, wide enough to
 # reach different saves and different blobs of a save.
-OCCURRENCES = {"step": (1, 9), "capture": (1, 3), "blob-write": (1, 24), "blob-torn": (1, 24),
+OCCURRENCES = {"step": (1, 9), "capture": (1, 3), "lease-write": (1, 8), "blob-write": (1, 24), "blob-torn": (1, 24),
                "manifest-write": (1, 3), "manifest-rename": (1, 3), "committed": (1, 3),
                "retention": (1, 3), "gc": (1, 12)}
 

@@ -26,7 +26,7 @@ def _assert_clean(report: harness.SequenceReport) -> None:
 
 
 # (phase, occurrence) twice in a row: the second kill hits a process that resumed from the first.
-AIMED = [("capture", 2), ("blob-write", 5), ("blob-torn", 4), ("manifest-write", 2),
+AIMED = [("capture", 2), ("lease-write", 2), ("blob-write", 5), ("blob-torn", 4), ("manifest-write", 2),
          ("manifest-rename", 2), ("committed", 2), ("retention", 1), ("gc", 2), ("step", 5)]
 
 

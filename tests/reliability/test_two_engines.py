@@ -3,8 +3,10 @@ save: neither may delete a blob that the other's in-flight or committed checkpoi
 
 Engine A runs in a child process and is driven command by command; engine B runs here. Gates in
 the storage of either process hold a save or a garbage collection at the exact point of a race
-while the other engine acts. Time passing is emulated by ageing blob mtimes past the gc grace
-(``os.utime``), never by sleeping.
+while the other engine acts, never sleeping. Leases protect saves in flight (no grace period):
+blobs are aged (``os.utime``) where earlier versions relied on their age, to show it no longer
+matters. ``lease_seconds`` is short so that a save that meets a collection in progress waits
+briefly (twice its deletion window, ``leases.Collection``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ WATCHDOG = 120
 def shared_config() -> EngineConfig:
     return EngineConfig.from_dict({
         "compression": {"chunk_bytes": 16384},
-        "retention": {"keep_last": 1, "gc_grace_seconds": GRACE, "gc_after_save": True},
+        "retention": {"keep_last": 1, "gc_grace_seconds": GRACE, "gc_after_save": True, "lease_seconds": 8.0},
         "saving": {"sigterm_grace_seconds": None},
         "storage": {"fsync": False},  # durability against power loss is not what is tested here
     })
@@ -118,7 +120,7 @@ def test_inflight_blobs_survive_the_other_engines_retention_and_gc(shared):
     for v in (3, 4):  # B's retention removes a1 (and b3); its gc sees a2's uncommitted blobs
         b.save(crash_child.versioned_state(v, frozen_seed=1), f"{root}/b{v}.ckpt").result()
     report = b.gc(root)
-    assert report.kept_young >= 1  # a2's fresh blobs: unreferenced, protected by the grace
+    assert report.kept_leased >= 1 and report.leases == 1  # a2's fresh blobs: unreferenced, leased
     a.call("release")
     a.call("result", "a2.ckpt")
     assert_state(root, "a2.ckpt", 2)
@@ -170,9 +172,9 @@ def test_commit_during_the_other_engines_gc_listing_keeps_its_reused_blobs(share
     root, a, b = shared
     a.call("save", "a1.ckpt", 1, True, 0)
     age_blobs(root, 2 * GRACE)
-    # B's save b3 -> retention removes a1 -> gc lists the manifests (a2 is not among them) and
-    # is held before listing the blobs.
-    gate = Gate("list", "blob", 1)
+    # B's save b3 -> retention removes a1 (reading b3: reads 1-2) -> the collection of a1's blobs has
+    # read the leases and listed the manifests (a2 is not among them) and is held reading b3 (read 3).
+    gate = Gate("read", "manifest", 3, match="b3.ckpt")
     FaultFS.policy = gate
     errors: list = []
     t = _b_saves_in_background(b, f"faultfile://{root}", errors)
@@ -185,24 +187,27 @@ def test_commit_during_the_other_engines_gc_listing_keeps_its_reused_blobs(share
     assert_all_intact(root)
 
 
-def test_gc_looks_at_a_victim_again_right_before_deleting_it(shared):
+def test_a_collection_deletes_nothing_it_chose_before_a_save_took_its_lease(shared):
+    """B's full gc has read leases and manifests (a1 removed: its frozen blob is unreferenced) and is
+    held before listing the blobs; A's save a2 then reuses that blob and commits. A's lease came
+    after B's reads, so A waited out B's deletion window before checking the blob; B, released, finds
+    its window over and reads leases and manifests again: a2 references the blob, it stays."""
     root, a, b = shared
     a.call("save", "a1.ckpt", 1, True, 0)
     with CheckpointEngine(shared_config()) as engine:
         frozen = next(t for t in engine.read_manifest(root / "a1.ckpt").tensors if t.key == "frozen")
+        engine.remove(root / "a1.ckpt")
     key = frozen.base[0].blob.key
-    age_blobs(root, 2 * GRACE)
-    # B's gc has listed everything and chosen a1's frozen blob as a victim; it is held right
-    # before its last look at it.
-    gate = Gate("info", "blob", 1, match=f"{key[:2]}/{key[2:]}")
+    gate = Gate("list", "blob", 1)
     FaultFS.policy = gate
-    errors: list = []
-    t = _b_saves_in_background(b, f"faultfile://{root}", errors)
+    reports: list = []
+    t = threading.Thread(target=lambda: reports.append(b.gc(f"faultfile://{root}")))
+    t.start()
     assert gate.entered.wait(WATCHDOG)
-    a.call("save", "a2.ckpt", 2, True, 0)  # a2 reuses (and refreshes) that blob, and commits
+    a.call("save", "a2.ckpt", 2, True, 0)  # reuses the frozen blobs and commits
     gate.release()
     t.join(WATCHDOG)
-    assert errors == []
+    assert key not in reports[0].deleted
     assert_state(root, "a2.ckpt", 2)
     assert_all_intact(root)
 

@@ -1,0 +1,423 @@
+"""Leases: the blobs of saves in flight are protected by the lease of their save, not by their age.
+
+* a blob of a save in flight survives a concurrent gc (the save held at a gate or inside a blob
+  write; local disk, memory:// and S3), and the save then commits intact;
+* the lease of a dead writer does not protect: expired (forged with a past expiry), or of a
+  process of this host that has ended (SIGKILLed mid-save, another engine collecting right after);
+* hostile lease objects are refused with an error naming the file, and nothing is collected;
+* collection is prompt: after every commit with ``keep_last=3`` no unreferenced blob is left;
+* a lease that lapsed (renewals failing) makes the save check every blob again before it commits;
+* two writers (two processes) saving, retaining and collecting in one directory in a random
+  order lose no blob, on local disk and on S3.
+
+No sleeps: gates and held writes are threading.Events; a save that meets a collection in progress
+waits twice that collection's deletion window (``lease_seconds / 20``, short here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.leases import LeaseDir, LeaseRecord, record
+from ckpt_core.storage import Store
+
+from . import crash_child, harness
+from .faultfs import FaultFS, Gate
+
+WATCHDOG = 120
+LEASE = 8.0  # renewal every 2 s, deletion windows of 0.4 s
+
+
+def config(root_opts: dict | None = None, **retention) -> EngineConfig:
+    ret = {"lease_seconds": LEASE, **retention}
+    return EngineConfig.from_dict({
+        "compression": {"chunk_bytes": 16384},
+        "retention": ret,
+        "saving": {"sigterm_grace_seconds": None},
+        "storage": {"fsync": False, "storage_options": root_opts or {}},
+    })
+
+
+def state(version: int, frozen_seed: int = 0) -> dict:
+    return crash_child.versioned_state(version, frozen_seed)
+
+
+def store_of(url: str, opts: dict | None = None) -> Store:
+    return Store.for_directory(url, opts, config(opts).storage)
+
+
+def stored(url: str, opts: dict | None = None) -> dict[str, int]:
+    return {b.key: b.size for b in store_of(url, opts).list_blobs()}
+
+
+def referenced(engine: CheckpointEngine, url: str, opts: dict | None = None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in engine.list(url, storage_options=opts):
+        out.update((b.key, b.size) for b in e.manifest.blobs())
+    return out
+
+
+def verify_all(url: str, opts: dict | None = None) -> list[str]:
+    """Every checkpoint of ``url`` verifies (sizes, checksums, decoding): no blob was lost."""
+    with CheckpointEngine(config(opts)) as engine:
+        names = [e.name for e in engine.list(url, storage_options=opts)]
+        for name in names:
+            report = engine.verify(f"{url}/{name}", storage_options=opts)
+            assert report.ok, (name, report.problems)
+    return names
+
+
+# --------------------------------------------------------------------------- in-flight protection
+def test_blobs_of_a_save_held_at_its_commit_survive_a_concurrent_gc(tmp_path):
+    root = tmp_path / "run"
+    url = f"faultfile://{root}"
+    with CheckpointEngine(config()) as a, CheckpointEngine(config(keep_last=1)) as b:
+        a.save(state(1), f"{url}/a1.ckpt").result()
+        gate = Gate("open", "manifest", 1)  # a2: every blob written and checked, its commit held
+        FaultFS.policy = gate
+        handle = a.save(state(2, frozen_seed=5), f"{url}/a2.ckpt")
+        assert gate.entered.wait(WATCHDOG)
+        fresh = set(stored(str(root))) - set(referenced(b, str(root)))
+        assert fresh  # a2's new blobs: in the store, referenced by no manifest yet
+        b.remove(root / "a1.ckpt")
+        report = b.gc(root)  # a full collection: a1's blobs go, a2's stay (leased)
+        assert report.leases == 1 and report.kept_leased >= len(fresh)
+        assert fresh <= set(stored(str(root))) and not fresh & set(report.deleted)
+        gate.release()
+        handle.result()
+    FaultFS.policy = None
+    assert verify_all(str(root)) == ["a2.ckpt"]
+    assert not list((root / ".checkrun" / "leases").iterdir())  # released at the commit
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_blob_written_before_a_held_write_survives_gc(backend, tmp_path, request):
+    """A (another process) is inside a save: its first blobs written, the next write held. B's
+    collections (its save's, then a full gc) keep A's blobs; A, released, commits intact."""
+    url, opts = _root(backend, tmp_path, request)
+    cfg = config(opts, keep_last=1)
+    a = _RemoteEngine(url, cfg, tmp_path / "a.log")
+    try:
+        a.call("save", "a1.ckpt", 1, True, 0)
+        a.call("hold_put", 2)
+        a.call("save", "a2.ckpt", 2, False, 7)  # a new frozen part: new blobs
+        a.entered()
+        with CheckpointEngine(cfg) as b:
+            b.save(state(3, frozen_seed=1), f"{url}/b3.ckpt", storage_options=opts).result()  # removes a1
+            in_flight = set(stored(url, opts)) - set(referenced(b, url, opts))
+            assert in_flight  # a2's first blob: in the store, referenced by no manifest
+            report = b.gc(url, storage_options=opts)
+            assert report.leases == 1 and report.kept_leased >= len(in_flight) and not report.problems
+            assert in_flight <= set(stored(url, opts))
+            a.call("release_put")
+            a.call("result", "a2.ckpt")
+        assert verify_all(url, opts) == ["a2.ckpt", "b3.ckpt"]  # a2 was captured before b3: it is older
+    finally:
+        a.kill()
+
+
+def _root(backend: str, tmp_path: Path, request) -> tuple[str, dict]:
+    if backend == "s3":
+        return request.getfixturevalue("s3_root"), request.getfixturevalue("s3_storage_options")
+    return str(tmp_path / "run"), {}
+
+
+# --------------------------------------------------------------------------------- dead writers
+def _orphans(url: str, opts: dict | None = None, n: int = 3) -> list[str]:
+    """Blobs no manifest references (as a killed save leaves them)."""
+    store = store_of(url, opts)
+    keys = [f"{i:02x}" + "ab" * 15 for i in range(n)]
+    for k in keys:
+        store.put_blob(k, b"orphan " + k.encode())
+    return keys
+
+
+def _forge(url: str, keys: list[str], expires_in: float, host: str = "another-host/boot/1",
+           pid: int = 4242, start: int = 1) -> LeaseRecord:
+    """A lease as another writer would have written it."""
+    ldir = LeaseDir(store_of(url))
+    now = time.time()
+    rec = LeaseRecord(f"{'0f' * 8}-{pid}.json", "save", "0f" * 8, pid, start, host, now - 60,
+                      now + expires_in, 0.0, frozenset(keys))
+    ldir.write(rec)
+    return rec
+
+
+def test_an_expired_lease_of_a_dead_writer_does_not_protect(tmp_path):
+    url = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        live = _orphans(url, n=2)
+        _forge(url, live, expires_in=LEASE)  # another host's save in flight
+        report = engine.gc(url)
+        assert report.deleted == [] and report.kept_leased == 2 and report.leases == 1
+        dead = _forge(url, live, expires_in=-1.0)  # the same writer, which died: its lease ran out
+        report = engine.gc(url)
+        assert sorted(report.deleted) == sorted(live) and report.leases == 0
+        assert not (Path(url) / ".checkrun" / "leases" / dead.name).exists()  # removed with its blobs
+    assert verify_all(url) == ["a1.ckpt"]
+
+
+def test_the_lease_of_an_ended_process_of_this_host_does_not_protect(tmp_path):
+    url = str(tmp_path / "run")
+    ctx = harness.context()
+    proc = ctx.Process(target=os.getpid)
+    proc.start()
+    proc.join()
+    keys = _orphans(url, n=2)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        me = record("x", "save", LEASE)  # this host's key and a pid that ended (start time known)
+        _forge(url, keys, expires_in=LEASE, host=me.host, pid=proc.pid, start=max(me.start, 1))
+        report = engine.gc(url)
+    if not me.host:
+        pytest.skip("no /proc here: processes cannot be looked up, only expiry decides")
+    assert sorted(report.deleted) == sorted(keys)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_writer_killed_mid_save_and_another_collecting_right_after(backend, tmp_path, request):
+    """A in another process: a1 committed, a2 SIGKILLed inside a blob write (lease held, some
+    blobs written). B, right after: its save's retention and collection, then a full gc. Nothing
+    committed is lost; A's orphans, lease and temp files go (same host: its process is gone)."""
+    url, opts = _root(backend, tmp_path, request)
+    cfg = config(opts, keep_last=2)
+    a = _RemoteEngine(url, cfg, tmp_path / "a.log")
+    try:
+        a.call("save", "a1.ckpt", 1, True, 0)
+        a.call("hold_put", 3)
+        a.call("save", "a2.ckpt", 2, False, 7)  # new frozen part: several new blobs
+        a.entered()
+        a.kill()
+        with CheckpointEngine(cfg) as b:
+            b.save(state(3, frozen_seed=1), f"{url}/b3.ckpt", storage_options=opts).result()
+            report = b.gc(url, storage_options=opts)
+            assert report.leases == 0 and not report.problems
+            assert set(stored(url, opts)) == set(referenced(b, url, opts))  # nothing left over
+        assert sorted(verify_all(url, opts)) == ["a1.ckpt", "b3.ckpt"]
+        assert LeaseDir(store_of(url, opts)).listing() == set()
+    finally:
+        a.kill()
+
+
+class _RemoteEngine:
+    """An engine in another process (``crash_child.engine_server``) that can be SIGKILLed."""
+
+    def __init__(self, root: str, cfg: EngineConfig, log: Path) -> None:
+        ctx = harness.context()
+        self.conn, child = ctx.Pipe()
+        self.events, events_child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=crash_child.engine_server,
+                                args=(child, events_child, root, cfg.to_dict(), str(log)), daemon=True)
+        self.proc.start()
+        child.close()
+        events_child.close()
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(WATCHDOG), f"engine A did not answer {cmd}"
+        status, value = self.conn.recv()
+        assert status == "ok", f"engine A: {cmd[0]} failed: {value}"
+        return value
+
+    def entered(self) -> str:
+        assert self.events.poll(WATCHDOG), "engine A never reached its hold"
+        return self.events.recv()[1]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(WATCHDOG)
+
+
+# ------------------------------------------------------------------------------- hostile leases
+_KEY = "ab" * 16
+_GOOD = {"_checkrun": "lease", "version": 1, "kind": "save", "writer": "0f" * 8, "pid": 1, "start": 1,
+         "host": "h", "written": 1.0, "expires": 9e12, "window": 0.0, "keys": [_KEY]}
+HOSTILE = {
+    "not-json": b"{nope",
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "not-a-lease": json.dumps({**_GOOD, "_checkrun": "manifest"}).encode(),
+    "version": json.dumps({**_GOOD, "version": 99}).encode(),
+    "path-key": json.dumps({**_GOOD, "keys": ["../../../outside"]}).encode(),
+    "upper-key": json.dumps({**_GOOD, "keys": [_KEY.upper()]}).encode(),
+    "keys-not-list": json.dumps({**_GOOD, "keys": {"a": 1}}).encode(),
+    "nan-expiry": json.dumps({**_GOOD, "expires": float("nan")}).encode(),
+    "bool-pid": json.dumps({**_GOOD, "pid": True}).encode(),
+    "kind-mismatch": json.dumps({**_GOOD, "kind": "gc"}).encode(),
+    "huge": None,  # a sparse file over the size limit: refused by its size, unread
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_lease_objects_are_refused_naming_the_file(tmp_path, case):
+    root = tmp_path / "run"
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep me")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), root / "a1.ckpt").result()
+        garbage = _orphans(str(root), n=1)
+        path = root / ".checkrun" / "leases" / f"{'0e' * 8}-1.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if HOSTILE[case] is None:
+            with open(path, "wb") as f:
+                f.truncate(17 << 20)
+        else:
+            path.write_bytes(HOSTILE[case])
+        report = engine.gc(root)
+        assert report.deleted == [] and report.problems  # what it protects is unknown: nothing goes
+        assert path.name in report.problems[0] and "lease" in report.problems[0]
+        assert set(garbage) <= set(stored(str(root)))
+        path.unlink()
+        assert engine.gc(root).deleted == garbage
+    assert outside.read_bytes() == b"keep me"
+    assert verify_all(str(root)) == ["a1.ckpt"]
+
+
+def test_a_hostile_collection_object_fails_a_save_naming_it(tmp_path):
+    root = tmp_path / "run"
+    path = root / ".checkrun" / "leases" / f"gc-{'0e' * 8}-1.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"_checkrun":"lease"')
+    with CheckpointEngine(config()) as engine:
+        with pytest.raises(Exception, match=path.name):
+            engine.save(state(1), root / "a1.ckpt").result()
+        path.unlink()
+        engine.save(state(1), root / "a1.ckpt").result()
+    assert verify_all(str(root)) == ["a1.ckpt"]
+
+
+# ------------------------------------------------------------------------------ prompt collection
+def test_nothing_unreferenced_is_left_after_each_commit_with_keep_last_3(any_root):
+    url, opts = any_root
+    with CheckpointEngine(config(opts, keep_last=3)) as engine:
+        for step in range(10):
+            st = {"emb": torch.randn(64, 256), "frozen": state(0)["frozen"], "step": step}
+            engine.save(st, f"{url}/step={step}.ckpt").result()  # returns after the background step
+            have, live = stored(url, opts), referenced(engine, url, opts)
+            assert set(have) == set(live), f"after step {step}: {len(set(have) - set(live))} unreferenced"
+        assert len(engine.list(url)) == 3
+    assert LeaseDir(store_of(url, opts)).listing() == set()
+
+
+# --------------------------------------------------------------------------------- lapsed leases
+def test_a_lapsed_lease_makes_the_save_check_every_blob_again(tmp_path, monkeypatch):
+    """Renewals failed for longer than the lease's validity while the save ran: a collection may
+    have taken any of its blobs meanwhile (here: one it wrote). The save takes its lease again,
+    finds the blob gone and writes it again before it commits."""
+    from ckpt_core import save_lease
+
+    root = tmp_path / "run"
+    lapses: list = []
+    real = save_lease.SaveLease.intact
+
+    def intact(self):
+        if not lapses:
+            written = [p for p in (root / ".checkrun" / "blobs").rglob("*") if p.is_file()]
+            lapses.append(written[0].parent.name + written[0].name)
+            written[0].unlink()  # what a collection would have done while the lease was out
+            return False
+        return real(self)
+
+    monkeypatch.setattr(save_lease.SaveLease, "intact", intact)
+    with CheckpointEngine(config()) as engine:
+        info = engine.save(state(1), root / "a1.ckpt").result()
+    assert lapses and (root / ".checkrun" / "blobs" / lapses[0][:2] / lapses[0][2:]).exists()
+    assert info.written_bytes > 0
+    assert verify_all(str(root)) == ["a1.ckpt"]
+
+
+# ------------------------------------------------------------------------- two writers, at random
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_two_writers_at_random_lose_no_blob(backend, tmp_path, request):
+    """A (another process) and B (here) save, retain (``keep_last=1``: each removes the other's
+    checkpoints) and collect in one directory, in a random order, saves overlapping; the states
+    share a frozen part chosen at random, so the writers reuse each other's blobs. After every
+    step every checkpoint of the directory verifies."""
+    url, opts = _root(backend, tmp_path, request)
+    cfg = config(opts, keep_last=1)
+    rng = random.Random(21)
+    a = _RemoteEngine(url, cfg, tmp_path / "a.log")
+    pending: list[str] = []
+    try:
+        with CheckpointEngine(cfg) as b:
+            for i in range(14 if backend == "s3" else 24):
+                what = rng.choice(["a-save", "a-save", "b-save", "b-save", "a-gc", "b-gc", "a-wait"])
+                seed = rng.randint(0, 2)
+                if what == "a-save":
+                    a.call("save", f"a{i}.ckpt", i, False, seed)
+                    pending.append(f"a{i}.ckpt")
+                elif what == "b-save":
+                    b.save(state(i, seed), f"{url}/b{i}.ckpt", storage_options=opts)
+                elif what == "a-gc":
+                    a.call("gc", None)
+                elif what == "b-gc":
+                    b.gc(url, storage_options=opts)
+                else:
+                    for name in pending:
+                        a.call("result", name)
+                    pending.clear()
+                    b.wait()
+                    verify_all(url, opts)
+            for name in pending:
+                a.call("result", name)
+            b.wait()
+        a.call("wait")
+        names = verify_all(url, opts)
+        assert names  # keep_last=1 per writer's retention: the newest survive
+    finally:
+        a.kill()
+
+
+# ------------------------------------------------------------------------------------ DCP ranks
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_saves_release_their_lease_and_retention_collects_at_once(tmp_path):
+    """``ckpt_core.dcp.save`` (one process, no process group): the rank's lease is held while it
+    writes and released on return; the coordinator's retention collects the removed checkpoints'
+    blobs right after its commit."""
+    from ckpt_core import dcp as cdcp
+
+    url = str(tmp_path / "run")
+    cfg = config(keep_last=1)
+    writer = cdcp.CheckrunStorageWriter(None, cfg)
+    for step in range(3):
+        cdcp.save({"w": torch.randn(64, 64), "frozen": state(0)["frozen"]}, f"{url}/s{step}.dcp", config=cfg,
+                  writer=writer)
+        assert LeaseDir(store_of(url)).listing() == set()
+    with CheckpointEngine(cfg) as engine:
+        assert set(stored(url)) == set(referenced(engine, url))  # nothing unreferenced left
+    assert verify_all(url) == ["s2.dcp"]
+
+
+def test_a_save_renews_its_lease_as_it_works(tmp_path, monkeypatch):
+    """No renewal thread: the save's threads rewrite the lease (new expiry) once a quarter of
+    ``lease_seconds`` has passed; a lease not renewed for 3/4 of it is no longer intact."""
+    from ckpt_core import save_lease
+
+    store = store_of(str(tmp_path / "run"))
+    clock = [1000.0]
+    monkeypatch.setattr(save_lease, "_now", lambda: clock[0])
+    lease = save_lease.SaveLease(store, config())
+    lease.cover([_KEY])
+    first = LeaseDir(store).read(lease.name)
+    clock[0] += LEASE / 8
+    lease.renew_if_due()  # not due yet
+    assert LeaseDir(store).read(lease.name) == first
+    clock[0] += LEASE / 8 + 0.1
+    lease.renew_if_due()
+    second = LeaseDir(store).read(lease.name)
+    assert second.written > first.written and second.expires > first.expires and second.keys == first.keys
+    assert lease.intact()
+    clock[0] += 0.8 * LEASE  # nothing renewed it for longer than its validity
+    assert not lease.intact()
+    lease.refresh()
+    assert lease.intact()
+    lease.release()
+    assert LeaseDir(store).listing() == set()
