@@ -21,7 +21,8 @@ from typing import Any
 
 import ckpt_core
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
-from ckpt_core import composite, inflight
+from ckpt_core.format import composite
+from ckpt_core.saving import inflight
 
 from . import layout, resolve as paths, state
 from .commit import IndexCommitter

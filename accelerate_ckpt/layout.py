@@ -12,7 +12,7 @@
 ``ROOT`` is ``{project_dir}/checkpoints`` (automatic naming) or the configured directory. Without
 either, ``save_state(output_dir)`` makes ``output_dir`` the folder and keeps the parts in
 ``output_dir/.checkrun/parts`` (saving there again replaces the checkpoint, as accelerate does).
-The index format and the reading rules are ``ckpt_core.composite``'s (the CLI reads them too).
+The index format and the reading rules are ``ckpt_core.format.composite``'s (the CLI reads them too).
 ``<run>-<seq>`` is unique per save, so saving again under an existing name never touches the parts
 the old index still points at. Earlier releases' ``ROOT/checkpoint_3.ckpt`` + ``ROOT/parts/`` load.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ckpt_core import CheckpointEngine, CheckrunError, NotACheckpointError
-from ckpt_core import composite
-from ckpt_core.composite import INDEX_NAME, PARTS_DIR, Composite, join, parent
+from ckpt_core.format import composite
+from ckpt_core.format.composite import INDEX_NAME, PARTS_DIR, Composite, join, parent
 
 log = logging.getLogger("accelerate_ckpt")
 

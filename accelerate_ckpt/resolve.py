@@ -13,7 +13,9 @@ import logging
 import os
 
 import ckpt_core
-from ckpt_core import CheckpointEngine, CheckpointNotFoundError, composite, inflight
+from ckpt_core import CheckpointEngine, CheckpointNotFoundError
+from ckpt_core.format import composite
+from ckpt_core.saving import inflight
 
 from . import layout
 from .layout import INDEX_NAME, join

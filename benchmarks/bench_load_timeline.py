@@ -30,7 +30,7 @@ from benchmarks.common import (cached_state, cast_state, drop_caches, engine_con
 def instrument(events: list) -> None:
     """Time every blob read and chunk decode of this process into ``events``."""
     from ckpt_core.codecs.pipeline import Pipeline
-    from ckpt_core.storage import Store
+    from ckpt_core.storage.store import Store
 
     lock = threading.Lock()
     for cls, name, label in ((Store, "get_blob_into", "read"), (Pipeline, "decode_into", "decode")):

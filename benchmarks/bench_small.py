@@ -47,7 +47,7 @@ from benchmarks.common import gpt_state, machine_header, machine_info, table, wo
 
 import ckpt_core  # noqa: E402
 from ckpt_core import EngineConfig  # noqa: E402
-from ckpt_core.tree import flatten  # noqa: E402
+from ckpt_core.format.tree import flatten  # noqa: E402
 
 WRITERS = ("checkrun", "checkrun, no packs", "torch.save")
 PROCESS = "checkrun, writer process"  # its save CPU is in another process: measured beside the probe only

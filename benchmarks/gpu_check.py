@@ -119,7 +119,7 @@ def devices(tree: Any) -> set[str]:
 def check_round_trip(ck: Any, tmp: Path) -> str:
     import torch
 
-    from ckpt_core.manifest import DTYPES
+    from ckpt_core.format.manifest import DTYPES
 
     dev = torch.device("cuda", 0)
     state: dict = {}
@@ -299,7 +299,7 @@ def check_tracker(ck: Any, tmp: Path) -> str:
     import torch
     from torch import nn
 
-    from ckpt_core.tracking import EmbeddingTracker
+    from ckpt_core.saving.tracking import EmbeddingTracker
 
     emb = nn.Embedding(100_000, 64, sparse=True).cuda()
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
@@ -344,7 +344,7 @@ def check_dcp(ck: Any, tmp: Path) -> str:
     import torch.distributed as dist
 
     from ckpt_core import dcp as cdcp
-    from ckpt_core.dcp_writer import CheckrunStorageWriter
+    from ckpt_core.dcp.writer import CheckrunStorageWriter
 
     started = False
     if not dist.is_initialized():

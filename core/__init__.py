@@ -3,7 +3,7 @@
 Quick use::
 
     import ckpt_core
-    with ckpt_core.CheckpointEngine({"retention": {"keep_last": 3}}) as engine:
+    with ckpt_core.CheckpointEngine({"retain.retention": {"keep_last": 3}}) as engine:
         engine.save({"model": model.state_dict(), "step": 10}, "runs/a/step=10.ckpt")
         state = engine.load(engine.latest("runs/a"))
 
@@ -26,11 +26,11 @@ _EXPORTS = {
     "errors": ("BackgroundSaveError", "CheckpointNotFoundError", "CheckrunError", "CommitRefusedError",
                "ConfigError", "CorruptCheckpointError", "FormatError", "NotACheckpointError",
                "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
-    "handles": ("SaveHandle", "SaveInfo"),
-    "inflight": ("save_in_flight", "wait_for_save"),
-    "reader": ("VerifyReport",),
-    "retention": ("CheckpointEntry", "GCReport"),
-    "tracking": ("EmbeddingTracker",),
+    "saving.handles": ("SaveHandle", "SaveInfo"),
+    "saving.inflight": ("save_in_flight", "wait_for_save"),
+    "loading.reader": ("VerifyReport",),
+    "retain.retention": ("CheckpointEntry", "GCReport"),
+    "saving.tracking": ("EmbeddingTracker",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -45,7 +45,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """A public name (imported from its module on first use), or a submodule (``ckpt_core.manifest``)."""
+    """A public name (imported from its module on first use), or a submodule (``ckpt_core.format.manifest``)."""
     module = _WHERE.get(name)
     if module is not None:
         value = getattr(importlib.import_module(f".{module}", __name__), name)
@@ -72,8 +72,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .errors import (BackgroundSaveError, CheckpointNotFoundError, CheckrunError, CommitRefusedError,
                          ConfigError, CorruptCheckpointError, FormatError, NotACheckpointError,
                          OrphanedWriterError, StorageError, SupersededError, UnsafeLoadError, UnsafePathError)
-    from .handles import SaveHandle, SaveInfo
-    from .inflight import save_in_flight, wait_for_save
-    from .reader import VerifyReport
-    from .retention import CheckpointEntry, GCReport
-    from .tracking import EmbeddingTracker
+    from .saving.handles import SaveHandle, SaveInfo
+    from .saving.inflight import save_in_flight, wait_for_save
+    from .loading.reader import VerifyReport
+    from .retain.retention import CheckpointEntry, GCReport
+    from .saving.tracking import EmbeddingTracker

@@ -20,21 +20,23 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import inflight, lifecycle
-from .capture import Snapshot, take_snapshot
+from .saving import inflight, lifecycle
+from .saving.capture import Snapshot, take_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
-from .handles import SaveHandle, SaveInfo
-from .manifest import Manifest
-from .quant_rules import RuleMatcher
-from .reader import VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest
-from .retention import CheckpointEntry, GCReport, apply_retention, blob_sizes, collect_garbage, list_checkpoints
-from .staging import BufferPool, Copier, MemoryBudget
-from .storage import Store
-from .streams import DirState, RowStream, row_eligible
-from .tracking import EmbeddingTracker
-from .commit import Committed, commit_streams, write_and_commit
-from .writer_process import WriterProcess, check_store
+from .saving.handles import SaveHandle, SaveInfo
+from .format.manifest import Manifest
+from .saving.quant_rules import RuleMatcher
+from .loading.reader import (
+    VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest)
+from .retain.retention import (
+    CheckpointEntry, GCReport, apply_retention, blob_sizes, collect_garbage, list_checkpoints)
+from .saving.staging import BufferPool, Copier, MemoryBudget
+from .storage.store import Store
+from .saving.streams import DirState, RowStream, row_eligible
+from .saving.tracking import EmbeddingTracker
+from .saving.commit import Committed, commit_streams, write_and_commit
+from .saving.process import WriterProcess, check_store
 
 import torch
 

@@ -20,7 +20,7 @@ from lightning.pytorch.core.saving import _default_map_location, _load_state, lo
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 from ckpt_core import CheckpointEngine, CorruptCheckpointError, EngineConfig, NotACheckpointError
-from ckpt_core.manifest import MAGIC_PREFIX
+from ckpt_core.format.manifest import MAGIC_PREFIX
 
 from .config import build_config
 from .paths import normalize_path

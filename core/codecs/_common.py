@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..quant_rules import QUANTIZABLE_DTYPES  # the float dtypes lossy codecs take (one definition)
+from ..saving.quant_rules import QUANTIZABLE_DTYPES  # the float dtypes lossy codecs take (one definition)
 from .base import EncodeStats
 
 #: Elements the lossy codecs process at once. Temporaries are a few times this many floats (a few

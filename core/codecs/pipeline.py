@@ -16,7 +16,7 @@ import torch
 
 from ..config import CompressionConfig, QuantRule
 from ..errors import FormatError
-from ..quant_rules import adaptive_bits
+from ..saving.quant_rules import adaptive_bits
 from ._common import QUANTIZABLE_DTYPES, check_shape, format_guard, tensor_bytes
 from .base import ArrayCodec, BytesCodec, EncodeStats, codec_from_dict
 from .cast import CastCodec

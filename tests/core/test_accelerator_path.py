@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ckpt_core import CheckpointEngine, CheckrunError
-from ckpt_core.manifest import parse_manifest
-from ckpt_core.staging import BufferPool, Copier, MemoryBudget
-from ckpt_core.tracking import EmbeddingTracker
+from ckpt_core.format.manifest import parse_manifest
+from ckpt_core.saving.staging import BufferPool, Copier, MemoryBudget
+from ckpt_core.saving.tracking import EmbeddingTracker
 
 SYNC = {"saving": {"asynchronous": False}}
 Pair = collections.namedtuple("Pair", "a b")
@@ -227,7 +227,8 @@ def test_step_tensor_meta_still_recorded_for_cpu(tmp_path):
 def test_objects_holding_device_tensors_are_serialised_after_the_copy(tmp_path, monkeypatch, background):
     """The deferred path (what a CUDA storage inside a pickled value takes), forced for CPU
     storages: the value is snapshotted in save() and pickled by the background part."""
-    from ckpt_core import capture, objects
+    from ckpt_core.saving import capture
+    from ckpt_core.format import objects
 
     monkeypatch.setattr(objects, "_staged_device", lambda device: True)
     monkeypatch.setattr(capture, "_devices_in_use", lambda sources: True)
@@ -271,7 +272,7 @@ def test_non_cpu_copies_are_never_split_across_threads():
 
 # -- 8: one pinned arena per snapshot ------------------------------------------------------------
 def test_device_staging_is_one_arena_per_snapshot_within_the_budget(monkeypatch):
-    from ckpt_core import pinned
+    from ckpt_core.saving import pinned
 
     # Stand-in for pinned memory on a CPU-only machine: exact-size host memory.
     monkeypatch.setattr(pinned, "alloc_pinned", lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))

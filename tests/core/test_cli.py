@@ -21,9 +21,9 @@ import torch
 from fsspec.core import url_to_fs
 
 from ckpt_core import CheckpointEngine
-from ckpt_core import cli_util
+from ckpt_core.cli import util as cli_util
 from ckpt_core.cli import main
-from ckpt_core.cli_util import CliError, parse_storage_options
+from ckpt_core.cli.util import CliError, parse_storage_options
 
 CHANGED_ROWS = [3, 17, 100]
 QUANT = {"quantization": [{"pattern": "model.emb.weight", "method": "uniform", "bits": 8}]}

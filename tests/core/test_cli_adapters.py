@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpt_core
-from ckpt_core import composite
+from ckpt_core.format import composite
 from ckpt_core.cli import main
 
 accelerate = pytest.importorskip("accelerate")

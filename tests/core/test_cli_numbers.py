@@ -89,7 +89,7 @@ def _saves(root: Path) -> dict[str, object]:
 
 def test_one_unit_system() -> None:
     from ckpt_core import units
-    from ckpt_core.cli_util import human_size
+    from ckpt_core.cli.util import human_size
 
     assert human_size is units.fmt_bytes
     assert [units.fmt_bytes(n) for n in (0, 1023, 1536, 5 * 1024 ** 2, 3 * 1024 ** 3, None)] == \
@@ -311,7 +311,7 @@ def test_package_names_stay_importable() -> None:
             "from ckpt_core import CheckpointEngine, SaveInfo, EngineConfig\n"
             "missing = [n for n in ckpt_core.__all__ if n not in globals()]\n"
             "assert not missing, missing\n"
-            "assert ckpt_core.manifest.Manifest and ckpt_core.CheckpointEngine is CheckpointEngine\n"
+            "assert ckpt_core.format.manifest.Manifest and ckpt_core.CheckpointEngine is CheckpointEngine\n"
             "assert set(ckpt_core.__all__) <= set(dir(ckpt_core))\n"
             "try:\n    ckpt_core.no_such_name\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

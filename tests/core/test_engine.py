@@ -135,7 +135,7 @@ def test_blobs_of_removed_checkpoints_are_collected_by_a_later_save(tmp_path):
 
 
 def test_a_removed_checkpoints_blobs_go_at_the_next_commit_without_listing_blobs(tmp_path, monkeypatch):
-    from ckpt_core.storage import Store
+    from ckpt_core.storage.store import Store
 
     listings = []
     real = Store.list_blobs
@@ -193,7 +193,7 @@ def test_bad_inputs_name_the_file(tmp_path):
 def test_hostile_blob_key_rejected(tmp_path):
     import json
 
-    from ckpt_core.manifest import _body_checksum
+    from ckpt_core.format.manifest import _body_checksum
 
     with CheckpointEngine() as engine:
         engine.save({"w": torch.randn(4, 4)}, tmp_path / "good.ckpt").result()

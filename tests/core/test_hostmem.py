@@ -1,4 +1,4 @@
-"""Host buffers on transparent huge pages (ckpt_core.staging.empty_host / advise_huge_pages)."""
+"""Host buffers on transparent huge pages (ckpt_core.saving.staging.empty_host / advise_huge_pages)."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_core.staging import advise_huge_pages, empty_host
+from ckpt_core.saving.staging import advise_huge_pages, empty_host
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 madvise_mode = sys.platform.startswith("linux") and THP.exists() and "[madvise]" in THP.read_text()

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from ckpt_core import CheckpointEngine, StorageConfig
-from ckpt_core.storage import Store
+from ckpt_core.storage.store import Store
 
 
 def checkrun_threads() -> list[str]:

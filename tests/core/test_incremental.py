@@ -128,7 +128,7 @@ def test_removing_base_keeps_dependents_loadable(tmp_path):
                                         (torch.bfloat16, 8), (torch.float64, 1), (torch.int8, 5),
                                         (torch.bool, 9), (torch.complex64, 2)])
 def test_copy_changed_rows_finds_exactly_the_changed_rows(dtype, cols):
-    from ckpt_core.streams import _COMPARE_BLOCK_BYTES, copy_changed_rows
+    from ckpt_core.saving.streams import _COMPARE_BLOCK_BYTES, copy_changed_rows
 
     rng = random.Random(cols)
     rows = 3 * _COMPARE_BLOCK_BYTES // (cols * torch.empty((), dtype=dtype).element_size()) + 7  # > 3 blocks

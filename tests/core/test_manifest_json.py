@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ckpt_core.manifest import BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, parse_manifest
+from ckpt_core.format.manifest import (
+    BlobRef, ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, parse_manifest)
 
 
 def _asdict_form(t: TensorRecord) -> dict:
@@ -38,7 +39,7 @@ def test_record_json_equals_asdict():
 def test_checksum_field_is_spliced_into_the_canonical_bytes():
     # to_bytes and parse_manifest splice "checksum" in and out of the canonical JSON instead of
     # serializing twice: the result must be what serializing the whole body gives.
-    from ckpt_core.manifest import _body_checksum
+    from ckpt_core.format.manifest import _body_checksum
 
     blob = BlobRef("c" * 32, 4, "d" * 16)
     rec = TensorRecord("w", "float32", (1,), ({"name": "raw", "version": 1},), (ChunkRef(0, 1, 1, blob),))

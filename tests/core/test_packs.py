@@ -10,9 +10,9 @@ import torch
 import ckpt_core
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.errors import CorruptCheckpointError
-from ckpt_core.manifest import DTYPES, parse_manifest
-from ckpt_core.reader import decode_chunk
-from ckpt_core.storage import Store
+from ckpt_core.format.manifest import DTYPES, parse_manifest
+from ckpt_core.loading.reader import decode_chunk
+from ckpt_core.storage.store import Store
 
 LIMIT = 1 << 30
 

@@ -8,7 +8,7 @@ import torch
 
 from ckpt_core.config import QuantRule
 from ckpt_core.errors import ConfigError
-from ckpt_core.quant_rules import RuleMatcher, adaptive_bits, match_rule
+from ckpt_core.saving.quant_rules import RuleMatcher, adaptive_bits, match_rule
 
 EMB = "model.embeddings.table_0.weight"
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ckpt_core
-from ckpt_core import CheckpointNotFoundError, inflight
+from ckpt_core import CheckpointNotFoundError
+from ckpt_core.saving import inflight
 from tests.core.faulty import FaultyFS
 
 

@@ -99,7 +99,7 @@ def test_pool_reuses_buffers_of_unchanged_sizes(tmp_path):
 # ------------------------------------------------------------------------- stale /dev/shm dirs
 _OWNER = """
 import sys, torch
-from ckpt_core.shm_staging import SharedBuffers
+from ckpt_core.saving.shm_staging import SharedBuffers
 s = SharedBuffers()
 s.allocate(1024, torch.float32)
 for pid in sys.argv[1:]:

@@ -1,5 +1,5 @@
-"""Conformance suite of ckpt_core.storage.Store over memory://, local disk and a real S3 endpoint
-(moto's HTTP server), plus the retry policy of ckpt_core.retry.
+"""Conformance suite of ckpt_core.storage.store.Store over memory://, local disk and a real S3 endpoint
+(moto's HTTP server), plus the retry policy of ckpt_core.storage.retry.
 
 Faults are injected by wrapping the real fsspec filesystem (``FaultyFS``); no test sleeps: the
 retry module's ``_sleep`` is replaced by a recorder for every test.
@@ -19,12 +19,12 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given, settings, strategies as st
 
-from ckpt_core import retry as retry_mod
+from ckpt_core.storage import retry as retry_mod
 from ckpt_core.config import RetryConfig, StorageConfig
 from ckpt_core.errors import (CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
                               StorageError, UnsafePathError)
-from ckpt_core.retry import backoff_delay, call_with_retry, is_transient
-from ckpt_core.storage import BlobInfo, FileInfo, Store
+from ckpt_core.storage.retry import backoff_delay, call_with_retry, is_transient
+from ckpt_core.storage.store import BlobInfo, FileInfo, Store
 
 NOW_TOLERANCE = 30.0  # moto truncates LastModified to whole seconds; allow slow CI too
 
@@ -403,12 +403,12 @@ TRANSIENT = [TimeoutError("timed out"), ConnectionResetError(errno.ECONNRESET, "
 
 def test_transient_write_errors_are_retried(any_root, sleeps, caplog):
     store, fs = faulty_store(any_root, write=list(TRANSIENT))
-    with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
         store.write_manifest("last.ckpt", b"{}")
     assert fs.calls["write"] == 3 and len(sleeps) == 2
     assert store.read_manifest("last.ckpt") == b"{}"
     assert [p for p in all_paths(store) if ".tmp-" in p] == []
-    messages = [r.getMessage() for r in caplog.records if r.name == "ckpt_core.storage"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "ckpt_core.storage.store"]
     assert len(messages) == 2 and all(store.url("last.ckpt") in m for m in messages)
     assert "TimeoutError" in messages[0] and "ConnectionResetError" in messages[1]
 
@@ -572,7 +572,7 @@ def test_map_raises_first_failure_after_the_rest_settled(memory_root):
 
 
 def test_map_with_cost_runs_small_items_together_in_order(memory_root):
-    import ckpt_core.storage as storage_mod
+    import ckpt_core.storage.store as storage_mod
 
     store = Store.for_directory(memory_root, None, StorageConfig(io_threads=3))
     where: dict = {}
@@ -604,7 +604,7 @@ def test_map_nested_in_pool_does_not_deadlock(memory_root):
 
 def test_blob_directories_are_fsynced_before_the_manifest_is_committed(tmp_path, monkeypatch):
     """put_blob defers its directory fsync; write_manifest must do them all before its rename."""
-    import ckpt_core.storage as storage_mod
+    import ckpt_core.storage.store as storage_mod
     import torch
 
     import ckpt_core

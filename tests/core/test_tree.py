@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_core.errors import CorruptCheckpointError, FormatError, UnsafeLoadError
-from ckpt_core.objects import deserialize_object, serialize_object
-from ckpt_core.tree import ObjectLeaf, TensorLeaf, flatten, unflatten, validate_skeleton
+from ckpt_core.format.objects import deserialize_object, serialize_object
+from ckpt_core.format.tree import ObjectLeaf, TensorLeaf, flatten, unflatten, validate_skeleton
 
 
 class Color(enum.Enum):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpt_core import CheckpointEngine, CheckrunError, ConfigError, EngineConfig, StorageError
-from ckpt_core import staging
+from ckpt_core.saving import staging
 
 PROCESS = {"saving": {"background": "process"}, "incremental": {"row_delta_min_rows": 64},
            "retention": {"gc_grace_seconds": 0}}

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ckpt_core
-from ckpt_core import EngineConfig, dcp_blobs, dcp_reader, dcp_writer
+from ckpt_core import EngineConfig
+from ckpt_core.dcp import blobs as dcp_blobs, reader as dcp_reader, writer as dcp_writer
 from ckpt_core import dcp as cdcp
-from ckpt_core.storage import Store
+from ckpt_core.storage.store import Store
 from tests.distributed import workers
 from tests.distributed.harness import run_ranks
 from tests.reliability.test_rot_reuse import _Reads

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 import ckpt_core
-from ckpt_core import composite
+from ckpt_core.format import composite
 from tests.integration.accel_scripts.harness import (TRAIN, accelerate_args, accelerate_launch, assert_same,
                                                      free_port, launch_env, load_dump)
 

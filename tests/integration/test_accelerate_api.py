@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType, ProjectConfiguration
 from torch import nn
 
 import ckpt_core
-from ckpt_core import composite
+from ckpt_core.format import composite
 from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
 from accelerate_ckpt.config import resolve
 from accelerate_ckpt.launch import main as cli_main

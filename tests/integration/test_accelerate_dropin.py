@@ -21,7 +21,8 @@ from torch import nn
 
 import ckpt_core
 from accelerate_ckpt import attach
-from ckpt_core import composite, inflight
+from ckpt_core.format import composite
+from ckpt_core.saving import inflight
 from tests.core.faulty import FaultyFS
 from tests.integration.accel_scripts.harness import BIN, HERE, REPO, accelerate_args, accelerate_launch, launch_env
 

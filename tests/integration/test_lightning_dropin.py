@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import ckpt_core
 import lightning_ckpt
-from ckpt_core import UnsafeLoadError, inflight
+from ckpt_core import UnsafeLoadError
+from ckpt_core.saving import inflight
 from lightning_ckpt import dropin
 from tests.core.faulty import FaultyFS
 from tests.integration.test_lightning_common import (TinyDataModule, TinyModel, close_plugins,  # noqa: F401
@@ -47,7 +48,7 @@ def checkrun_threads() -> list[str]:
 
 @pytest.fixture
 def open_gate_on_wait(gate, monkeypatch) -> threading.Event:
-    """Open the gate as soon as anything waits for a save in flight (``ckpt_core.inflight.wait``)."""
+    """Open the gate as soon as anything waits for a save in flight (``ckpt_core.saving.inflight.wait``)."""
     original = inflight.wait
 
     def wait(url: str, timeout: float | None = None) -> bool:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_core import retry as retry_mod
+from ckpt_core.storage import retry as retry_mod
 
 from .faultfs import FaultFS, Policy
 

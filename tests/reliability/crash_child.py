@@ -324,7 +324,7 @@ _HELD = threading.Event()
 
 
 def _hold_put(n: int, events) -> None:
-    from ckpt_core.storage import Store
+    from ckpt_core.storage.store import Store
 
     real, calls, lock = Store.put_blob, [0], threading.Lock()
 

@@ -17,8 +17,8 @@ import torch
 
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckrunError
-from ckpt_core.manifest import parse_manifest
-from ckpt_core.storage import Store
+from ckpt_core.format.manifest import parse_manifest
+from ckpt_core.storage.store import Store
 
 from .crash_child import Marker, digest
 

@@ -27,7 +27,7 @@ import pytest
 
 from ckpt_core import BackgroundSaveError, CheckpointEngine
 from ckpt_core.errors import CheckpointNotFoundError, CheckrunError, StorageError
-from ckpt_core.storage import Store
+from ckpt_core.storage.store import Store
 
 from . import fencing_child, harness
 from .crash_child import versioned_state
@@ -214,7 +214,7 @@ def test_s3_manifest_put_applied_but_unanswered_is_a_committed_save(s3_root, s3_
         engine.save(versioned_state(1), f"{s3_root}/last.ckpt").result()
         faults = LostResponses(fs)
         try:
-            with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+            with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
                 engine.save(versioned_state(2), f"{s3_root}/last.ckpt").result()
         finally:
             faults.remove()
@@ -278,7 +278,7 @@ def test_local_rename_that_happened_but_reported_an_error_is_a_committed_save(tm
     root = tmp_path / "run"
     with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
         monkeypatch.setattr(os, "replace", replace)
-        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
             engine.save(versioned_state(1), root / "a.ckpt").result()
         monkeypatch.setattr(os, "replace", real_replace)
         assert lost == [str(root / "a.ckpt")]

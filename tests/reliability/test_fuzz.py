@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.codecs import Pipeline
 from ckpt_core.errors import CheckrunError, FormatError
-from ckpt_core.manifest import DTYPES, MAGIC_PREFIX, Manifest, _body_checksum, parse_manifest
+from ckpt_core.format.manifest import DTYPES, MAGIC_PREFIX, Manifest, _body_checksum, parse_manifest
 
 from .crash_child import Marker
 

@@ -1,5 +1,5 @@
 """Hostile checkpoints: manifests and blobs crafted by an attacker who can write to the checkpoint
-store (and so can recompute the manifest checksum, ``ckpt_core.manifest._body_checksum``).
+store (and so can recompute the manifest checksum, ``ckpt_core.format.manifest._body_checksum``).
 
 Every one must be refused with a ``CheckrunError`` subclass, by ``load`` and by ``verify``, while:
 no file outside the store is read or written (every storage call is audited through the
@@ -27,7 +27,7 @@ import zstandard
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.errors import (CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError,
                               UnsafeLoadError, UnsafePathError)
-from ckpt_core.manifest import _body_checksum
+from ckpt_core.format.manifest import _body_checksum
 
 from .crash_child import Marker
 from .faultfs import FaultFS, Policy

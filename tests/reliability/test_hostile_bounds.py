@@ -15,11 +15,12 @@ import pytest
 import torch
 import zstandard
 
-from ckpt_core import CheckpointEngine, EngineConfig, manifest_limits
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.format import limits as manifest_limits
 from ckpt_core.codecs import Pipeline
 from ckpt_core.errors import CheckrunError, FormatError, ResourceLimitError
-from ckpt_core.manifest import parse_manifest
-from ckpt_core.reader import index_pipeline
+from ckpt_core.format.manifest import parse_manifest
+from ckpt_core.loading.reader import index_pipeline
 
 from .test_hostile import Env, config, env, forge, refused  # noqa: F401 - env is a fixture
 
@@ -108,7 +109,7 @@ def test_the_copy_kept_for_row_deltas_counts_against_max_total_bytes(env):
 
 def test_an_allocation_that_fails_is_a_checkrun_error(env, monkeypatch):
     """The decoding buffers are sized by the manifest too: their failure is not a bare RuntimeError."""
-    from ckpt_core import reader
+    from ckpt_core.loading import reader
 
     real = reader.empty_host
 

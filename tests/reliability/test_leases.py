@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ckpt_core import CheckpointEngine, EngineConfig
-from ckpt_core.leases import LeaseDir, LeaseRecord, record
-from ckpt_core.storage import Store
+from ckpt_core.retain.leases import LeaseDir, LeaseRecord, record
+from ckpt_core.storage.store import Store
 
 from . import crash_child, harness
 from .faultfs import FaultFS, Gate
@@ -312,7 +312,7 @@ def test_a_lapsed_lease_makes_the_save_check_every_blob_again(tmp_path, monkeypa
     """Renewals failed for longer than the lease's validity while the save ran: a collection may
     have taken any of its blobs meanwhile (here: one it wrote). The save takes its lease again,
     finds the blob gone and writes it again before it commits."""
-    from ckpt_core import save_lease
+    from ckpt_core.saving import lease as save_lease
 
     root = tmp_path / "run"
     lapses: list = []
@@ -399,7 +399,7 @@ def test_dcp_saves_release_their_lease_and_retention_collects_at_once(tmp_path):
 def test_a_save_renews_its_lease_as_it_works(tmp_path, monkeypatch):
     """No renewal thread: the save's threads rewrite the lease (new expiry) once a quarter of
     ``lease_seconds`` has passed; a lease not renewed for 3/4 of it is no longer intact."""
-    from ckpt_core import save_lease
+    from ckpt_core.saving import lease as save_lease
 
     store = store_of(str(tmp_path / "run"))
     clock = [1000.0]

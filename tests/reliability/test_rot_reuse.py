@@ -15,8 +15,8 @@ import torch
 import zstandard
 
 from ckpt_core import CheckpointEngine, EngineConfig
-from ckpt_core.manifest import Manifest
-from ckpt_core.storage import Store
+from ckpt_core.format.manifest import Manifest
+from ckpt_core.storage.store import Store
 
 from .crash_child import Marker, digest
 

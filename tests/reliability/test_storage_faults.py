@@ -22,8 +22,8 @@ import torch
 
 from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckpointNotFoundError, StorageError
-from ckpt_core.staging import MemoryBudget
-from ckpt_core.storage import Store
+from ckpt_core.saving.staging import MemoryBudget
+from ckpt_core.storage.store import Store
 
 from .faultfs import (BlockAll, DiskFull, FaultFS, Gate, Permanent, Policy, S3Faults, Transient,
                       s3_fault_options)
@@ -58,7 +58,7 @@ def config(**over) -> EngineConfig:
 
 def retry_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "ckpt_core.storage" and "transient error" in r.getMessage()]
+            if r.name == "ckpt_core.storage.store" and "transient error" in r.getMessage()]
 
 
 # ------------------------------------------------------------------------------ transient errors
@@ -67,7 +67,7 @@ def test_transient_errors_on_local_storage_commit_through_retries(tmp_path, slee
     faults = Transient(0.3, seed=7)
     FaultFS.policy = faults
     states = [make_state(i) for i in range(5)]
-    with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
         with CheckpointEngine(config()) as engine:
             for i, st in enumerate(states):
                 engine.save(st, f"{root}/c{i}.ckpt")
@@ -94,7 +94,7 @@ def test_retry_policy_is_configurable(tmp_path, sleeps, caplog):
         engine.save(make_state(0), f"{root}/good.ckpt").result()
         # every manifest write fails 3 times: more than the 2 attempts allowed
         FaultFS.policy = Transient(1.0, ops=("open",), max_per_path=3)
-        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
             h = engine.save(make_state(1), f"{root}/bad.ckpt")
             with pytest.raises(BackgroundSaveError, match="failed after 2 attempts") as info:
                 h.result()
@@ -116,7 +116,7 @@ def test_transient_s3_errors_commit_through_retries(s3_root, s3_storage_options,
     faults = S3Faults(fs, 0.4, operations=("PutObject", "GetObject"), status=status, seed=3)
     states = [make_state(i) for i in range(3)]
     try:
-        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage"):
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
             with CheckpointEngine(config(**{"storage.storage_options": opts})) as engine:
                 for i, st in enumerate(states):
                     engine.save(st, f"{s3_root}/c{i}.ckpt")

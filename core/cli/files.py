@@ -1,0 +1,271 @@
+"""``checkrun export`` and ``checkrun import``: self-contained torch/safetensors files <-> checkpoints.
+
+Exported ``.pt``/``.ckpt`` files are plain ``torch.save`` output of the loaded state (so a
+Lightning-shaped state loads with ``LightningModule.load_from_checkpoint``). ``.safetensors``
+files hold every tensor under its flattened dotted key; the state's structure and plain values
+travel in the metadata (``checkrun.skeleton`` / ``checkrun.tensors`` / ``checkrun.values``) so
+that ``checkrun import`` rebuilds the same tree. Pickled values cannot go into safetensors and
+are dropped with a note. A composite (accelerate_ckpt's ``checkpoint_N`` folder or its index) is
+exported whole: ``{"checkpoint": <the index>, "parts": [<part 0>, <part 1>, ...]}``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from .composite import open_view
+from .util import (
+    EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log, one_line)
+from ..errors import CheckrunError
+from ..format.manifest import MAGIC_PREFIX
+from ..format.tree import flatten, unflatten
+
+_BLOCK = 8 << 20
+_TORCH_MAGIC = b"PK\x03\x04"   # torch.save's zip container
+
+
+def _format(path: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    return "safetensors" if str(path).lower().endswith(".safetensors") else "torch"
+
+
+def _check_target(ctx: Context, url: str, force: bool) -> None:
+    kind = ctx.kind(url)
+    if kind == "dir":
+        raise CliError(f"{url}: is a directory; give a file name", EXIT_USAGE)
+    if kind == "file" and not force:
+        raise CliError(f"{url}: already exists (use --force to overwrite)", EXIT_USAGE)
+
+
+class _ProgressWriter:
+    """A write-only file object that counts bytes into a tqdm bar (torch.save writes through it)."""
+
+    def __init__(self, f: Any, bar: Any) -> None:
+        self.f, self.bar, self.written = f, bar, 0
+
+    def write(self, data: bytes) -> int:
+        n = self.f.write(data)
+        size = memoryview(data).nbytes
+        self.written += size
+        self.bar.update(size)
+        return size if n is None else n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_file(ctx: Context, url: str, produce: Callable[[Any], None], desc: str) -> int:
+    """Write ``url`` through ``produce(fileobj)``: local files via temp + rename, remote ones
+    discarded (multipart aborted) when ``produce`` fails, so no partial file is left behind."""
+    fs, path = ctx.fs(url)
+    with ctx.bar(None, desc) as bar:
+        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "wb") as f:
+                    writer = _ProgressWriter(f, bar)
+                    produce(writer)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+        else:
+            f = fs.open(path, "wb")
+            writer = _ProgressWriter(f, bar)
+            try:
+                produce(writer)
+            except BaseException:
+                discard = getattr(f, "discard", None)
+                if callable(discard):
+                    discard()
+                raise
+            f.close()
+            fs.invalidate_cache(path)
+        return writer.written
+
+
+def read_file(ctx: Context, url: str) -> bytes:
+    fs, path = ctx.fs(url)
+    try:
+        fs.invalidate_cache(path)
+        size = fs.size(path)
+        buf = io.BytesIO()
+        with ctx.bar(size, "reading") as bar, fs.open(path, "rb") as f:
+            while True:
+                block = f.read(_BLOCK)
+                if not block:
+                    break
+                buf.write(block)
+                bar.update(len(block))
+    except FileNotFoundError:
+        raise CliError(f"{url}: no such file") from None
+    except IsADirectoryError:
+        raise CliError(f"{url}: is a directory", EXIT_USAGE) from None
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _drop_objects(skeleton: Any) -> Any:
+    """Copy of a skeleton with every pickled-object ref ({"$o": i}) replaced by null."""
+    root = [skeleton]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, slot = stack.pop()
+        node = parent[slot]
+        if isinstance(node, dict):
+            if len(node) == 1 and "$o" in node:
+                parent[slot] = None
+                continue
+            node = parent[slot] = dict(node)
+            stack.extend((node, k) for k in node)
+        elif isinstance(node, list):
+            node = parent[slot] = list(node)
+            stack.extend((node, i) for i in range(len(node)))
+    return root[0]
+
+
+def safetensors_payload(state: Any, values: dict) -> tuple[dict, dict, list[str]]:
+    """(tensors by dotted key, metadata, keys of dropped pickled values) for ``state``."""
+    flat = flatten(state)
+    tensors = {}
+    for leaf in flat.tensors:
+        tensors[leaf.key or "_"] = leaf.tensor.detach().contiguous()
+    dropped = [o.key or "_" for o in flat.objects]
+    meta = {"format": "pt",
+            "checkrun.skeleton": json.dumps(_drop_objects(flat.skeleton), separators=(",", ":")),
+            "checkrun.tensors": json.dumps(list(tensors), separators=(",", ":")),
+            "checkrun.values": json.dumps(jsonable(values), separators=(",", ":"), allow_nan=False)}
+    if dropped:
+        meta["checkrun.dropped"] = json.dumps(dropped)
+    return tensors, meta, dropped
+
+
+def cmd_export(ctx: Context) -> int:
+    args = ctx.args
+    src = ctx.checkpoint(args.checkpoint)
+    fmt = _format(args.out, args.format)
+    _check_target(ctx, args.out, args.force)
+    view = open_view(ctx, src)
+    with ctx.bar(1, "loading", unit="ckpt") as bar:
+        state = view.load(ctx, weights_only=not args.unsafe)
+        bar.update(1)
+    dropped: list[str] = []
+    if fmt == "safetensors":
+        from safetensors.torch import save as st_save
+
+        tensors, meta, dropped = safetensors_payload(state, view.values())
+        data = st_save(tensors, metadata=meta)
+        n_tensors = len(tensors)
+
+        def produce(f):
+            for i in range(0, len(data), _BLOCK):
+                f.write(data[i:i + _BLOCK])
+    else:
+        n_tensors = len(flatten(state).tensors)
+
+        def produce(f):
+            torch.save(state, f)
+    written = write_file(ctx, args.out, produce, "writing")
+    for key in dropped:
+        log.warning("checkrun: %s: value %r needs pickle and cannot be stored in safetensors; dropped",
+                    args.out, key)
+    result = {"source": src, "out": args.out, "format": fmt, "tensors": n_tensors, "bytes": written,
+              "dropped": dropped}
+    if ctx.json:
+        emit_json(result)
+    else:
+        print(f"exported {src} -> {args.out} ({fmt}, {n_tensors} tensors, {human_size(written)})")
+        if dropped:
+            print(f"note: {len(dropped)} pickled value(s) dropped (safetensors holds tensors and plain "
+                  f"data only): {', '.join(dropped)}")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def safetensors_metadata(data: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors file held in memory (header: u64 length + JSON)."""
+    if len(data) < 8:
+        return {}
+    (n,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError:
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def state_from_safetensors(data: bytes, where: str) -> Any:
+    from safetensors.torch import load as st_load
+
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError and others
+        raise CliError(f"{where}: not a valid safetensors file: {one_line(exc)}") from None
+    meta = safetensors_metadata(data)
+    if "checkrun.skeleton" not in meta:
+        return dict(tensors)
+    try:
+        skeleton = json.loads(meta["checkrun.skeleton"])
+        keys = json.loads(meta["checkrun.tensors"])
+        return unflatten(skeleton, [tensors[k] for k in keys], [])
+    except (ValueError, KeyError, TypeError, CheckrunError) as exc:
+        raise CliError(f"{where}: invalid checkrun metadata in safetensors file: {one_line(exc)}") from None
+
+
+def state_from_torch(data: bytes, where: str, unsafe: bool) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not unsafe)
+    except pickle.UnpicklingError as exc:
+        if unsafe:
+            raise CliError(f"{where}: cannot unpickle: {one_line(exc)}") from None
+        first = one_line(str(exc).split("\n")[0] if "\n" in str(exc) else exc)[:300]
+        raise CliError(f"{where}: loading it needs pickle beyond plain tensors and values ({first}); "
+                       f"rerun with --unsafe only if you trust this file") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CliError(f"{where}: not a loadable PyTorch file: {one_line(exc)[:300]}") from None
+
+
+def cmd_import(ctx: Context) -> int:
+    args = ctx.args
+    _check_target(ctx, args.checkpoint, args.force)
+    data = read_file(ctx, args.file)
+    if data.lstrip()[: len(MAGIC_PREFIX)] == MAGIC_PREFIX:
+        raise CliError(f"{args.file}: is already a checkrun checkpoint (use `checkrun export` to turn it "
+                       f"into a torch file)")
+    fmt = args.format or ("torch" if data[:4] == _TORCH_MAGIC else _format(args.file, None))
+    if fmt == "safetensors":
+        state = state_from_safetensors(data, args.file)
+    else:
+        state = state_from_torch(data, args.file, args.unsafe)
+    del data
+    with ctx.bar(1, "saving", unit="ckpt") as bar:
+        info = ctx.engine.save(state, args.checkpoint, storage_options=ctx.storage_options).result()
+        bar.update(1)
+    result = {"source": args.file, "checkpoint": info.path, "format": fmt, "tensor_bytes": info.tensor_bytes,
+              "written_bytes": info.written_bytes, "stored_bytes": info.stored_bytes,
+              "ratio": info.compression_ratio, "quantized_tensors": info.quantized_tensors}
+    if ctx.json:
+        emit_json(result)
+    else:
+        print(f"imported {args.file} -> {args.checkpoint}: {human_size(info.tensor_bytes)} of tensors, wrote "
+              f"{human_size(info.written_bytes)}, references {human_size(info.referenced_bytes)} "
+              f"({fmt_less(info.tensor_bytes, info.referenced_bytes)} than the tensor bytes)")
+    return EXIT_OK

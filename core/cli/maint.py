@@ -1,0 +1,115 @@
+"""``checkrun verify`` and ``checkrun gc``: integrity checks (through composite indexes to their parts)
+and blob garbage collection."""
+from __future__ import annotations
+
+from .composite import folders, open_view, verify_view
+from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line
+from ..format.composite import INDEX_NAME
+from ..errors import CheckrunError
+
+# ----------------------------------------------------------------------------- verify
+
+
+def _stored(ctx: Context, url: str) -> int | None:
+    """Bytes of the blobs a checkpoint (with its parts) needs, for the progress bar; None if unreadable."""
+    try:
+        return sum(b.size for b in open_view(ctx, url).blobs())
+    except CheckrunError:  # verify reports it with its file
+        return None
+
+
+def _targets(ctx: Context, path: str) -> tuple[bool, list[dict]]:
+    """(is_directory, [{"url", "error" | "stored"}]) for a checkpoint path or a directory: the
+    manifests in it and the checkpoint folders (``checkpoint_N/checkrun.ckpt``) in it."""
+    kind = ctx.kind(path)
+    if kind == "missing":
+        raise CliError(f"{path}: no such checkpoint or directory")
+    if kind == "file":
+        return False, [{"url": path, "error": None, "stored": _stored(ctx, path)}]
+    out = []
+    base = path.rstrip("/")
+    for e in ctx.engine.list(path, storage_options=ctx.storage_options):
+        # The directory as the user spelt it (engine URLs of local files are absolute).
+        url = f"{base}/{e.name}"
+        out.append({"url": url, "error": e.error if e.manifest is None else None,
+                    "stored": _stored(ctx, url) if e.manifest is not None else 0})
+    for f in folders(ctx, path):
+        url = f"{base}/{f.name}/{INDEX_NAME}"
+        out.append({"url": url, "error": f.error, "stored": _stored(ctx, url) if f.error is None else 0})
+    return True, out
+
+
+def cmd_verify(ctx: Context) -> int:
+    args = ctx.args
+    is_dir, targets = _targets(ctx, args.path)
+    results = []
+    total = sum(t["stored"] or 0 for t in targets) if is_dir else targets[0]["stored"]
+    with ctx.bar(total, "verifying") as bar:
+        for t in targets:
+            if t["error"] is not None:  # a manifest list() could not parse: nothing more to check
+                results.append({"path": t["url"], "ok": False, "problems": [one_line(t["error"])],
+                                "blobs_checked": 0, "bytes_checked": 0, "parts": None})
+                continue
+            rep = verify_view(ctx, t["url"], decode=not args.no_decode, progress=bar.update)
+            if is_dir and not rep["ok"] and ctx.kind(t["url"]) == "missing":
+                # Removed since the listing (retention of another writer): gone, not corrupt.
+                log.debug("checkrun: %s was removed while verifying", t["url"])
+                continue
+            rep["problems"] = [one_line(p) for p in rep["problems"]]
+            results.append(rep)
+    ok = bool(results) and all(r["ok"] for r in results)
+    if ctx.json:
+        emit_json({"path": args.path, "ok": ok, "checkpoints": results})
+    elif not results:
+        print(f"no checkrun checkpoints in {args.path}")
+    else:
+        for r in results:
+            parts = f"{len(r['parts'])} part(s), " if r.get("parts") is not None else ""
+            if r["ok"]:
+                print(f"OK       {r['path']}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
+            else:
+                print(f"CORRUPT  {r['path']}")
+                for p in r["problems"]:
+                    print(f"  - {p}")
+        bad = sum(1 for r in results if not r["ok"])
+        print(f"\n{len(results) - bad} intact, {bad} corrupt")
+    return EXIT_OK if ok else EXIT_PROBLEM
+
+
+# ----------------------------------------------------------------------------- gc
+
+
+def cmd_gc(ctx: Context) -> int:
+    args = ctx.args
+    kind = ctx.kind(args.directory)
+    if kind == "file":
+        raise CliError(f"{args.directory}: is a file; `checkrun gc` takes a checkpoint directory", 2)
+    if kind == "missing":
+        raise CliError(f"{args.directory}: no such directory")
+    if args.grace is not None and args.grace < 0:
+        raise CliError("--grace must be >= 0 seconds", 2)
+    with ctx.bar(None, "collecting garbage", unit="blob") as bar:
+        report = ctx.engine.gc(args.directory, grace_seconds=args.grace, dry_run=args.dry_run,
+                               storage_options=ctx.storage_options)
+        bar.update(len(report.deleted))
+    grace = ctx.engine.config.retention.gc_grace_seconds if args.grace is None else args.grace
+    code = EXIT_PROBLEM if report.problems else EXIT_OK
+    if ctx.json:
+        emit_json({"directory": report.directory, "dry_run": report.dry_run, "grace_seconds": grace,
+                   "deleted": report.deleted, "deleted_blobs": len(report.deleted),
+                   "freed_bytes": report.freed_bytes, "kept_young": report.kept_young,
+                   "referenced": report.referenced, "problems": [one_line(p) for p in report.problems]})
+        return code
+    if report.problems:
+        print(f"gc skipped {report.directory}: a manifest cannot be read, so its blobs may still be needed")
+        for p in report.problems:
+            print(f"  - {one_line(p)}")
+        return code
+    verb = "would delete" if report.dry_run else "deleted"
+    for key in report.deleted:
+        log.info("checkrun: %s blob %s", verb, key)
+    print(f"{verb} {len(report.deleted)} unreferenced blob(s), "
+          f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed_bytes)}")
+    print(f"kept {report.referenced} referenced blob(s) and {report.kept_young} unreferenced blob(s) "
+          f"younger than the grace period ({grace:g} s)")
+    return code

@@ -1,0 +1,132 @@
+"""The state tree of a checkpoint as seen from its manifest alone (no blob is read).
+
+The skeleton is rebuilt with :func:`ckpt_core.format.tree.unflatten` over placeholders: one distinct
+1-element tensor per tensor leaf and an :class:`ObjectRef` per pickled object. Plain values come
+back as the real Python values (int dict keys, tuples, inf/nan ...), tensor leaves are recognised
+by their storage, so ``nn.Parameter`` leaves map back to their manifest record too.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import FormatError
+from ..format.manifest import Manifest, ObjectRecord, TensorRecord
+from ..format.tree import unflatten
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """Placeholder of a pickled (non-plain) value: its manifest record."""
+
+    record: ObjectRecord
+
+
+@dataclass(frozen=True)
+class Node:
+    """One row of the tree: ``kind`` is "container", "tensor", "object" or "value"."""
+
+    path: str
+    label: str
+    depth: int
+    kind: str
+    value: Any = None          # the plain value ("value"), container type name ("container")
+    record: Any = None         # TensorRecord ("tensor") or ObjectRecord ("object")
+    requires_grad: bool | None = None
+    size: int = 0              # number of items of a container
+
+
+def skeleton_state(manifest: Manifest, where: str) -> tuple[Any, dict[int, TensorRecord]]:
+    """The state with placeholders, and a map ``data_ptr -> TensorRecord`` to recognise leaves."""
+    leaves = manifest.meta.get("leaves", list(range(len(manifest.tensors))))
+    if not isinstance(leaves, list) or not all(
+            type(i) is int and 0 <= i < len(manifest.tensors) for i in leaves):
+        raise FormatError(f"{where}: invalid leaf table")
+    placeholders = [torch.zeros(1) for _ in leaves]
+    objects = [ObjectRef(rec) for rec in manifest.objects]
+    try:
+        state = unflatten(manifest.skeleton, placeholders, objects)
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    by_ptr = {t.untyped_storage().data_ptr(): manifest.tensors[i] for t, i in zip(placeholders, leaves)}
+    return state, by_ptr
+
+
+def _is_container(value: Any) -> bool:
+    return type(value) in (dict, OrderedDict, list, tuple)
+
+
+def _items(value: Any) -> list[tuple[Any, Any]]:
+    return list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+
+
+def _plain(value: Any, by_ptr: dict) -> bool:
+    """True if ``value`` holds no tensor and no pickled object (iterative: no recursion limit)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (torch.Tensor, ObjectRef)):
+            return False
+        if _is_container(v):
+            stack.extend(x for _, x in _items(v))
+    return True
+
+
+def _collapsible(value: Any, by_ptr: dict, limit: int) -> bool:
+    """Plain containers with a short repr, and plain lists/tuples of scalars (shortened), are one row."""
+    if not _plain(value, by_ptr):
+        return False
+    if isinstance(value, (list, tuple)) and not any(_is_container(v) for v in value):
+        return True
+    return len(repr(value)) <= limit
+
+
+def walk(manifest: Manifest, where: str, collapse: int = 72) -> Iterator[Node]:
+    """Pre-order rows of the state tree. Plain containers whose repr fits ``collapse`` chars and
+    plain lists of scalars become one "value" row; ``collapse=0`` expands every container."""
+    state, by_ptr = skeleton_state(manifest, where)
+    stack: list[tuple[Any, str | None, str, int]] = [(state, None, "<root>", -1)]
+    while stack:
+        value, path, label, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            rec = by_ptr.get(value.untyped_storage().data_ptr())
+            grad = value.requires_grad if isinstance(value, torch.nn.Parameter) else None
+            yield Node(path or "", label, depth, "tensor", record=rec, requires_grad=grad)
+        elif isinstance(value, ObjectRef):
+            yield Node(path or "", label, depth, "object", record=value.record)
+        elif _is_container(value) and not (collapse and _collapsible(value, by_ptr, collapse)):
+            items = _items(value)
+            if depth >= 0:
+                yield Node(path or "", label, depth, "container", value=type(value).__name__,
+                           size=len(items))
+            for key, child in reversed(items):
+                child_path = str(key) if path is None else f"{path}.{key}"
+                stack.append((child, child_path, _label(key, value), depth + 1))
+        else:
+            yield Node(path or "", label, depth, "value", value=value)
+
+
+def _label(key: Any, parent: Any) -> str:
+    if isinstance(parent, (list, tuple)):
+        return f"[{key}]"
+    return key if isinstance(key, str) else repr(key)
+
+
+def plain_values(manifest: Manifest, where: str) -> dict[str, Any]:
+    """Every non-container plain leaf of the state by its dotted path (tensors/objects left out)."""
+    out: dict[str, Any] = {}
+    for node in walk(manifest, where, collapse=0):
+        if node.kind == "value":
+            out[node.path] = node.value
+    return out
+
+
+def short_repr(value: Any, limit: int = 72) -> str:
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    extra = f" ({len(value)} items)" if _is_container(value) else ""
+    return text[: limit - 3 - len(extra)] + "..." + extra

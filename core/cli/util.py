@@ -1,0 +1,319 @@
+"""Shared plumbing of the ``checkrun`` command line: options, engine, storage, output, progress.
+
+Everything here runs on the CLI's main thread. Exit codes are centralised in :class:`CliError`
+(raised by commands for problems that are not ckpt_core errors) and in ``cli.main``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from ..units import fmt_bytes, fmt_less, fmt_percent, fmt_ratio, ratio  # noqa: F401 - re-exported for the commands
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+log = logging.getLogger("ckpt_core.cli")
+
+
+class CliError(Exception):
+    """A problem the CLI reports as one line on stderr with ``code`` as the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_PROBLEM) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------- storage options
+
+
+def parse_value(text: str) -> Any:
+    """A ``--storage-option`` value: JSON when it parses (``true``, ``3``, ``{"a": 1}``), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def set_dotted(target: dict, dotted: str, value: Any) -> None:
+    """``set_dotted(d, "client_kwargs.endpoint_url", v)`` -> ``d["client_kwargs"]["endpoint_url"] = v``."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise CliError(f"invalid storage option key {dotted!r}", EXIT_USAGE)
+    node = target
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise CliError(f"storage option {'.'.join(parts[:i + 1])!r} is both a value and a "
+                           f"group (in {dotted!r})", EXIT_USAGE)
+        node = child
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
+        raise CliError(f"storage option {dotted!r} is both a value and a group", EXIT_USAGE)
+    node[parts[-1]] = value
+
+
+def parse_storage_options(items: Sequence[str], endpoint_url: str | None) -> dict:
+    """Build fsspec storage options from repeated ``key=value`` items and ``--endpoint-url``."""
+    opts: dict = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"--storage-option expects KEY=VALUE, got {item!r}", EXIT_USAGE)
+        set_dotted(opts, key.strip(), parse_value(value))
+    if endpoint_url:
+        set_dotted(opts, "client_kwargs.endpoint_url", endpoint_url)
+    return opts
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` wins key by key, nested dicts are merged (config options + command line)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What every command gets: the parsed arguments, one engine, the merged storage options."""
+
+    args: Any
+    engine: Any
+    storage_options: dict
+    json: bool = False
+    progress: bool = True
+
+    def fs(self, url: str):
+        """(filesystem, path) of ``url`` with this run's storage options."""
+        from fsspec.core import url_to_fs
+
+        try:
+            return url_to_fs(os.fspath(url), **self.storage_options)
+        except ImportError as exc:  # e.g. s3fs not installed
+            raise CliError(f"{url}: cannot open this location: {exc}") from None
+        except (ValueError, TypeError) as exc:  # unknown protocol, options the filesystem rejects
+            raise CliError(f"{url}: cannot open this location: {exc}", EXIT_USAGE) from None
+
+    def kind(self, url: str) -> str:
+        """"file", "dir" or "missing" for a path or URL (object stores: a prefix is a dir)."""
+        fs, path = self.fs(url)
+        try:
+            fs.invalidate_cache(path)
+            info = fs.info(path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            raise CliError(f"{url}: {exc}") from None
+        return "dir" if info.get("type") == "directory" else "file"
+
+    def checkpoint(self, url: str) -> str:
+        """Resolve CKPT arguments: a checkpoint file, a checkpoint folder's index, or a directory's
+        newest intact checkpoint (see ``cli_composite.resolve_checkpoint``)."""
+        from .composite import resolve_checkpoint
+
+        return resolve_checkpoint(self, url)
+
+    def bar(self, total: float | None, desc: str, unit: str = "B"):
+        """A tqdm progress bar on stderr; disabled under --json, --no-progress or without a TTY."""
+        from tqdm import tqdm
+
+        disable = not self.progress or self.json or not _isatty(sys.stderr)
+        scale = unit == "B"
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
+                    file=sys.stderr, disable=disable, leave=False, dynamic_ncols=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+human_size = fmt_bytes  # the CLI's name for ckpt_core.units.fmt_bytes (binary units)
+
+
+def human_time(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def iso_time(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat()
+
+
+def fmt_float(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}"
+
+
+ELLIPSIS = "\u2026"
+TABLE_WIDTH = 120
+"""Width tables that may be shortened fit (``inspect`` without ``--wide``), or the terminal's if wider."""
+
+
+def output_width() -> int:
+    """``TABLE_WIDTH``, or the width of the terminal on stdout when it is wider."""
+    if _isatty(sys.stdout):
+        try:
+            return max(TABLE_WIDTH, os.get_terminal_size(sys.stdout.fileno()).columns)
+        except (OSError, ValueError):
+            pass
+    return TABLE_WIDTH
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, its middle replaced by "\u2026" (leading spaces, the
+    indentation of a tree, are kept while there is room; the end keeps a little more than the start)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return ELLIPSIS[:max(width, 0)]
+    body = text.lstrip(" ")
+    indent = len(text) - len(body)
+    indent = min(indent, max(width - 8, 0))
+    room = width - indent - 1
+    head = room * 2 // 5  # the end of a key (the parameter's name, a file name) tells more than its start
+    return " " * indent + body[:head] + ELLIPSIS + body[len(body) - (room - head):]
+
+
+def shorten_end(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut at the end with "\u2026"."""
+    if len(text) <= width:
+        return text
+    return text[:max(width - 1, 0)] + ELLIPSIS if width > 0 else ""
+
+
+def _fit(widths: list[int], width: int, stages: Sequence[dict[int, int]]) -> list[int]:
+    """Narrow shrinkable columns until a line fits: stage by stage (each maps a column to the width it
+    may go down to in that stage), within a stage the column furthest above its minimum first."""
+    widths = list(widths)
+    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    for low in stages:
+        while excess > 0:
+            room = [i for i in low if widths[i] > low[i]]
+            if not room:
+                break
+            i = max(room, key=lambda j: (widths[j] - low[j], widths[j]))
+            widths[i] -= 1
+            excess -= 1
+    return widths
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = (),
+          width: int | None = None, shrink: dict[int, int] | Sequence[dict[int, int]] = (),
+          shorten: dict[int, Callable[[str, int], str]] | None = None) -> str:
+    """Plain aligned columns; ``right`` holds the indices of right-aligned (numeric) columns.
+
+    A row with only two cells is a *spanning* row: its second cell starts at the second column
+    and does not widen the columns (long values in a tree of tensors).
+
+    With ``width``, lines are made to fit it: the columns of ``shrink`` (index -> minimum width, or a
+    list of such stages applied in order) are narrowed as needed, their cells shortened in the
+    middle with "\u2026" (or by ``shorten[i](text, width)`` for column ``i``), and spanning rows are cut
+    at the end. Without it, nothing is shortened."""
+    rows = [[("-" if c is None else str(c)) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in rows:
+        cells = r if len(r) == len(headers) else r[:1]
+        for i, c in enumerate(cells):
+            widths[i] = max(widths[i], len(c))
+    stages = [shrink] if isinstance(shrink, dict) else list(shrink)
+    stages = [{i: max(low, len(headers[i])) for i, low in stage.items()} for stage in stages] if width else []
+    natural = list(widths)
+    if stages:
+        widths = _fit(widths, width, stages)
+    shrink = {i for stage in stages for i in stage}
+    right = set(right)
+    how = shorten or {}
+
+    def cell(i: int, c: str) -> str:
+        if i not in shrink or len(c) <= widths[i]:
+            return c
+        return how.get(i, shorten_middle)(c, widths[i])
+
+    if shrink:  # a shortener may leave a column narrower than allowed: give that room to the others
+        full = [r for r in rows if len(r) == len(headers)]
+        first = [r[:1] for r in rows if len(r) != len(headers)]
+        slack = 0
+        for i in shrink:
+            used = max([len(headers[i])] + [len(cell(i, r[i])) for r in full] +
+                       ([len(cell(0, r[0])) for r in first] if i == 0 else []))
+            slack += widths[i] - used
+            widths[i] = used
+        for i in sorted(shrink):
+            grow = min(slack, natural[i] - widths[i])
+            widths[i] += grow
+            slack -= grow
+
+    def line(cells):
+        if len(cells) != len(headers):
+            rest = " ".join(cells[1:])
+            if width:
+                rest = shorten_end(rest, max(width - widths[0] - 2, 12))
+            return f"{cell(0, cells[0]).ljust(widths[0])}  {rest}".rstrip()
+        out = [cell(i, c).rjust(widths[i]) if i in right else cell(i, c).ljust(widths[i])
+               for i, c in enumerate(cells)]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def one_line(text: Any) -> str:
+    """Whitespace collapsed; ``"P: P: msg"`` (a path the engine put in twice) becomes ``"P: msg"``."""
+    text = " ".join(str(text).split())
+    parts = text.split(": ", 2)
+    if len(parts) == 3 and parts[0] == parts[1]:
+        return f"{parts[0]}: {parts[2]}"
+    return text
+
+
+def jsonable(value: Any) -> Any:
+    """Strict-JSON form of plain data: non-finite floats and other scalars become strings."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return repr(value)
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(jsonable(data), indent=2, allow_nan=False))
+
+
+# Parameters that describe the implementation rather than the format, hidden in text output.
+_HIDDEN_PARAMS = frozenset({"name", "version", "threads", "itemsize", "greedy", "scale_dtype"})
+
+
+def codecs_text(codecs: Sequence[dict]) -> str:
+    """``[{"name": "raw"}, {"name": "zstd", "level": 1, ...}] -> "raw > zstd(level=1)"`` (JSON has all)."""
+    parts = []
+    for c in codecs:
+        params = [f"{k}={v}" for k, v in c.items() if k not in _HIDDEN_PARAMS and v is not None]
+        name = str(c.get("name", "?"))
+        parts.append(f"{name}({','.join(params)})" if params else name)
+    return " > ".join(parts) or "-"

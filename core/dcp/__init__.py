@@ -1,0 +1,156 @@
+"""checkrun as a torch.distributed.checkpoint (DCP) storage layer.
+
+DCP does the distributed part (planning, DTensor/FSDP sharding, resharding on load, coordination);
+checkrun stores what each rank writes: content-addressed, checksummed, compressed chunks (the engine's
+codec pipelines and quantization rules), a chunk already in the store is not written again (once its
+stored bytes were checked, once per process; a rotted one is), on any fsspec URL, and the coordinator
+commits one manifest after every rank's data is durable. See docs/distributed.md.
+
+Plain DCP (every rank)::
+
+    import torch.distributed.checkpoint as dcp
+    from ckpt_core.dcp import CheckrunStorageWriter, CheckrunStorageReader, CheckrunSavePlanner
+
+    dcp.save(state, storage_writer=CheckrunStorageWriter("s3://b/run/step=100.dcp"),
+             planner=CheckrunSavePlanner())                    # planner optional: spreads replicated tensors
+    dcp.load(state, storage_reader=CheckrunStorageReader("s3://b/run/step=100.dcp"))
+
+or the helpers below (same thing, safe unpickling on load): ``save``, ``async_save``, ``load``,
+``load_state_dict`` (whole checkpoint into one process, no process group needed), ``is_dcp_checkpoint``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as _dist
+import torch.distributed.checkpoint as _dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..config import EngineConfig, coerce_config
+from .format import FORMAT
+from .planner import CheckrunLoadPlanner, CheckrunSavePlanner, spread_save_plans
+from .reader import CheckrunStorageReader
+from .writer import CheckrunStorageWriter, DcpSaveInfo
+from ..errors import CheckrunError
+from ..loading.reader import read_manifest
+from ..storage.store import Store
+
+__all__ = ["CheckrunStorageWriter", "CheckrunStorageReader", "CheckrunSavePlanner", "CheckrunLoadPlanner",
+           "DcpSaveInfo", "save", "async_save", "load", "load_state_dict", "is_dcp_checkpoint",
+           "spread_save_plans", "FORMAT"]
+
+PathLike = str | os.PathLike
+ConfigLike = EngineConfig | dict | str | None
+
+
+@contextlib.contextmanager
+def _checkrun_errors() -> Iterator[None]:
+    """DCP reports every rank's failure as one CheckpointException (a BaseException); when a checkrun
+    error (corrupt blob, unsafe value, missing checkpoint) caused it, raise that error instead."""
+    try:
+        yield
+    except CheckpointException as exc:
+        rank = _dist.get_rank() if _dist.is_available() and _dist.is_initialized() else 0
+        failures = sorted(exc.failures.items(), key=lambda kv: kv[0] != rank)
+        for _, (err, _trace) in failures:
+            if isinstance(err, CheckrunError):
+                raise err from exc
+        raise
+
+
+def _planner(spread_replicated: bool, min_piece_bytes: int | None) -> CheckrunSavePlanner:
+    kwargs = {} if min_piece_bytes is None else {"min_piece_bytes": min_piece_bytes}
+    return CheckrunSavePlanner(spread_replicated=spread_replicated, **kwargs)
+
+
+def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
+         storage_options: dict | None = None, spread_replicated: bool = True, min_piece_bytes: int | None = None,
+         writer: CheckrunStorageWriter | None = None, process_group: Any = None) -> DcpSaveInfo | None:
+    """``dcp.save`` of ``state_dict`` to the checkrun checkpoint ``path``; call on every rank.
+
+    Returns the coordinator's :class:`DcpSaveInfo` (None on other ranks). Raises DCP's
+    ``CheckpointException`` on every rank if any rank failed; then nothing is committed.
+    ``writer``: reuse one writer across saves (optional)."""
+    writer = writer or CheckrunStorageWriter(path, config, storage_options)
+    writer.last_save = None
+    try:
+        _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
+                  planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
+    except BaseException:
+        writer.release_lease(committed=False)
+        raise
+    writer.release_lease()  # committed on every rank's return: the manifest protects the blobs
+    return writer.last_save
+
+
+def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
+               storage_options: dict | None = None, spread_replicated: bool = True,
+               min_piece_bytes: int | None = None, writer: CheckrunStorageWriter | None = None,
+               process_group: Any = None) -> Future:
+    """``dcp.async_save``: returns after the state is staged (copied to CPU); the future completes
+    when the manifest is committed (or raises). Call on every rank; the process group needs a CPU
+    backend (gloo). Pass a ``writer`` built with ``cache_staged_state_dict=True`` to reuse buffers."""
+    writer = writer or CheckrunStorageWriter(path, config, storage_options)
+    result = _dcp.async_save(state_dict, checkpoint_id=path, storage_writer=writer,
+                             planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
+    future = getattr(result, "upload_completion", result)
+    future.add_done_callback(lambda f: writer.release_lease(committed=not f.cancelled() and f.exception() is None))
+    return future
+
+
+def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
+         storage_options: dict | None = None, weights_only: bool = True, allow_partial_load: bool = False,
+         process_group: Any = None) -> None:
+    """``dcp.load`` in place into ``state_dict`` (its tensors/DTensors give the target sharding; any
+    world size); call on every rank. Non-tensor values are unpickled with torch's restricted
+    unpickler unless ``weights_only=False`` (``config.load.allowed_globals`` extends it). A checkrun
+    error behind DCP's CheckpointException (corruption, refused value) is raised as itself."""
+    cfg = coerce_config(config)
+    planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals,
+                                  allow_partial_load=allow_partial_load)
+    with _checkrun_errors():
+        _dcp.load(state_dict, checkpoint_id=path, storage_reader=CheckrunStorageReader(path, cfg, storage_options),
+                  planner=planner, process_group=process_group)
+
+
+def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_options: dict | None = None,
+                    weights_only: bool = True, keys: set[str] | None = None) -> dict[str, Any]:
+    """The whole saved state (every shard reassembled into plain tensors, nested as saved) in this
+    process, without a process group: for inspection, conversion, or resuming on a single process.
+    ``keys``: only the entries under these top-level or dotted keys (e.g. ``{"model"}``)."""
+    cfg = coerce_config(config)
+    reader = CheckrunStorageReader(path, cfg, storage_options)
+    metadata = reader.read_metadata()
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path_ = tuple(paths.get(fqn, (fqn,)))
+        if keys is not None and not any(".".join(map(str, path_[:i + 1])) in keys for i in range(len(path_))):
+            continue
+        flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) \
+            else None
+    planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals)
+    with _checkrun_errors(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    state: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        set_element(state, tuple(paths.get(fqn, (fqn,))), value)
+    return state
+
+
+def is_dcp_checkpoint(path: PathLike, *, config: ConfigLike = None, storage_options: dict | None = None) -> bool:
+    """True if ``path`` is a committed, valid checkrun manifest written through DCP."""
+    cfg = coerce_config(config)
+    try:
+        store, name = Store.for_path(path, storage_options, cfg.storage)
+        return isinstance(read_manifest(store, name, cfg).meta.get("dcp"), dict)
+    except (CheckrunError, OSError, ValueError):
+        return False

@@ -1,0 +1,221 @@
+"""Composite checkpoints: one small index manifest naming other checkpoints (its *parts*).
+
+accelerate_ckpt writes one part per rank and commits an index once every part is durable; the
+``checkrun`` CLI reads through the index to the parts. Both need the same rules, hence this module.
+
+Layout (format 2, what accelerate_ckpt writes; ``ROOT`` is e.g. ``{project_dir}/checkpoints``)::
+
+    ROOT/checkpoint_3/                     the folder Accelerate names (hooks may add files to it)
+    ROOT/checkpoint_3/checkrun.ckpt        the index (``INDEX_NAME``): plain data, committed last
+    ROOT/.checkrun/parts/<name>.rankR.ckpt the parts, as ordinary manifests
+    ROOT/.checkrun/parts/.checkrun/blobs/  blobs shared by the parts of every checkpoint of ROOT
+
+An index lists its parts relative to its own directory (``../.checkrun/parts/...``; at most one
+leading ``../``). Format 1 (earlier releases) put the index at ``ROOT/checkpoint_3.ckpt`` and the
+parts at ``ROOT/parts/``; both formats are read. Everything here runs on the calling thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import EngineConfig
+from ..errors import CheckpointNotFoundError, CheckrunError, FormatError, NotACheckpointError, UnsafePathError
+from .manifest import Manifest
+from ..loading.reader import read_manifest
+from ..retain.retention import list_checkpoints
+from ..storage.store import Store
+from .tree import unflatten
+
+log = logging.getLogger("ckpt_core")
+
+INDEX_NAME = "checkrun.ckpt"
+"""File name of the index inside a checkpoint folder."""
+INDEX_KEY = "accelerate_ckpt"
+"""Key of the format number in an index (the name of the adapter that introduced indexes)."""
+FORMAT = 2
+PARTS_DIR = ".checkrun/parts"
+"""Where the parts of the checkpoints of a directory live, relative to that directory."""
+
+
+def join(root: str, rel: str) -> str:
+    """``root/rel`` for local paths and URLs alike."""
+    return f"{root.rstrip('/')}/{rel}"
+
+
+def parent(url: str) -> str:
+    """The directory of a path or URL (``memory://a/b`` -> ``memory://a``)."""
+    head = url.rstrip("/")
+    scheme, sep, rest = head.rpartition("://")
+    if sep and "/" not in rest:
+        return head  # a bucket or filesystem root has no parent
+    return head.rpartition("/")[0]
+
+
+def make_index(name: str, parts: list[str], meta: dict) -> dict:
+    """The index tree (plain data); ``parts`` relative to the index's directory."""
+    return {INDEX_KEY: FORMAT, "name": name, "parts": list(parts), "world_size": len(parts), **meta}
+
+
+def index_of(manifest: Manifest, where: str) -> dict | None:
+    """The index a manifest holds, or None if it is an ordinary checkpoint (reads no blob).
+
+    Raises FormatError for an index this version cannot read or whose parts escape its directory."""
+    if manifest.tensors or manifest.objects:
+        return None
+    try:
+        state = unflatten(manifest.skeleton, [], [])
+    except CheckrunError:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get(INDEX_KEY), int):
+        return None
+    check_index(state, where)
+    return state
+
+
+def check_index(state: Any, where: str) -> dict:
+    """Validate an index tree; NotACheckpointError if ``state`` is not one."""
+    if not isinstance(state, dict) or not isinstance(state.get(INDEX_KEY), int):
+        raise NotACheckpointError(f"{where} is a checkrun checkpoint but not an accelerate_ckpt index "
+                                  f"(no {INDEX_KEY!r} key)")
+    if state[INDEX_KEY] > FORMAT:
+        raise FormatError(f"{where}: accelerate_ckpt index format {state[INDEX_KEY]} is newer than this "
+                          f"version supports ({FORMAT}); upgrade checkrun")
+    parts = state.get("parts")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts):
+        raise FormatError(f"{where}: accelerate_ckpt index lists no parts")
+    for rel in parts:
+        _check_rel(rel, where)
+    return state
+
+
+def _check_rel(rel: str, where: str) -> None:
+    body = rel[3:] if rel.startswith("../") else rel
+    pieces = body.split("/")
+    if "://" in rel or "\\" in rel or rel.startswith("/") or any(p in ("", ".", "..") for p in pieces):
+        raise UnsafePathError(f"{where}: part {rel!r} is not a relative path inside the checkpoint's "
+                              "directory or its parent")
+
+
+def part_urls(index_url: str, index: dict) -> list[str]:
+    """Absolute paths/URLs of an index's parts (checked by ``check_index``)."""
+    base = parent(index_url)
+    out = []
+    for rel in index["parts"]:
+        _check_rel(rel, index_url)
+        out.append(join(parent(base), rel[3:]) if rel.startswith("../") else join(base, rel))
+    return out
+
+
+@dataclass(frozen=True)
+class Composite:
+    """One composite checkpoint of a directory: in a folder (format 2) or beside the parts (format 1).
+
+    ``manifest``/``index`` are None and ``error`` is set when the index cannot be read."""
+
+    name: str
+    url: str
+    folder: str | None
+    manifest: Manifest | None
+    index: dict | None
+    error: str | None = None
+
+    @property
+    def created(self) -> float:
+        """Commit time of the index (0 when unreadable)."""
+        return self.manifest.created if self.manifest is not None else 0.0
+
+
+def _subfolders(store: Store) -> list[str]:
+    """Names of the folders directly in the store's directory (hidden ones left out)."""
+    fs, root = store.fs, store.root.rstrip("/")
+    fs.invalidate_cache(root)
+    try:
+        found = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    names = []
+    for info in found:
+        path = info["name"].rstrip("/")
+        head, _, name = path.rpartition("/")
+        if info.get("type") == "directory" and head == root and name and not name.startswith("."):
+            names.append(name)
+    return sorted(names)
+
+
+def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | None:
+    sub = Store(store.fs, join(store.root, name), store.config, store.url_prefix)
+    url = sub.url(INDEX_NAME)
+    try:
+        manifest = read_manifest(sub, INDEX_NAME, config)
+        index = index_of(manifest, url)
+    except CheckpointNotFoundError:
+        return None  # a folder without an index: a save in flight, one that crashed, or not ours
+    except CheckrunError as exc:
+        return Composite(name, url, sub.url(""), None, None, str(exc))
+    if index is None:
+        return None
+    return Composite(name, url, sub.url(""), manifest, index)
+
+
+def list_composites(store: Store, config: EngineConfig, legacy: bool = True) -> list[Composite]:
+    """Committed composite checkpoints of a directory, oldest first, unreadable ones with their error.
+
+    Folders holding an ``INDEX_NAME`` (format 2) and, with ``legacy``, index manifests directly in
+    the directory (format 1). Other folders and ordinary manifests are left out."""
+    out = [e for e in (_folder_entry(store, n, config) for n in _subfolders(store)) if e is not None]
+    if legacy:
+        for entry in list_checkpoints(store, config):
+            if entry.manifest is None:
+                continue
+            try:
+                index = index_of(entry.manifest, entry.url)
+            except CheckrunError as exc:
+                out.append(Composite(entry.name, entry.url, None, None, None, str(exc)))
+                continue
+            if index is not None:
+                out.append(Composite(entry.name, entry.url, None, entry.manifest, index))
+    return sorted(out, key=lambda e: (e.created, e.name))
+
+
+def folder_fs(url: str, storage_options: dict | None, config: EngineConfig) -> tuple[Any, str]:
+    """``(fsspec filesystem, path)`` of a folder, with the config's storage options merged in."""
+    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
+    return store.fs, store.root
+
+
+def make_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
+    """Create a checkpoint folder (and its parents); object stores have no folders: a no-op there."""
+    fs, path = folder_fs(url, storage_options, config)
+    fs.makedirs(path, exist_ok=True)
+
+
+def remove_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
+    """Delete a checkpoint folder with everything in it (what Accelerate's ``total_limit`` does)."""
+    fs, path = folder_fs(url, storage_options, config)
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(path)
+
+
+def list_in(directory: str, storage_options: dict | None, config: EngineConfig,
+            legacy: bool = True) -> list[Composite]:
+    """``list_composites`` of a directory given as a path or URL."""
+    return list_composites(Store.for_directory(os.fspath(directory), storage_options, config.storage),
+                           config, legacy)
+
+
+def store_url(path: str, storage_options: dict | None, config: EngineConfig) -> str:
+    """The URL the engine uses for ``path`` (the key of ``inflight``: absolute for local files)."""
+    store, name = Store.for_path(os.fspath(path), storage_options, config.storage)
+    return store.url(name)
+
+
+def dir_url(directory: str, storage_options: dict | None, config: EngineConfig) -> str:
+    """The URL the engine uses for a directory, with a trailing ``/`` (a prefix of its files' URLs)."""
+    store = Store.for_directory(os.fspath(directory), storage_options, config.storage)
+    return store.url("").rstrip("/") + "/"

@@ -1,0 +1,273 @@
+"""Pickled blobs for the non-plain values of a state (ObjectLeaf), loaded under torch's rules.
+
+Only values the skeleton cannot hold (Enum, Path, numpy, user classes, ...) come here.
+Loading follows ``torch.load``'s ``weights_only`` contract: with ``weights_only=True`` a type
+outside torch's allow-list is refused unless the caller allow-lists it, and ``map_location``
+applies to the tensors inside them as to every other tensor of a load.
+
+A value holding device tensors (a defaultdict of CUDA tensors) is not pickled inside ``save()``:
+torch.save would copy each tensor to the host and wait for the device. ``DeferredObject`` pickles
+its structure there with the storages left out, stages each storage through the snapshot's copier
+(non-blocking, like any device tensor), and builds the torch.save bytes in the background once the
+copies are done, each storage tagged with the device it came from (what torch.save would write).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsafeLoadError
+
+__all__ = ["serialize_object", "deserialize_object", "device_storage_bytes", "DeferredObject"]
+
+# torch's extra safe globals are one process-wide set and its context manager removes on exit
+# what it added; serialising our loads keeps one thread's exit from revoking another's allowance.
+_SAFE_GLOBALS_LOCK = threading.Lock()
+_ZIP_MAGIC = b"PK\x03\x04"
+_NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+
+
+def serialize_object(obj: Any) -> bytes:
+    """Pickle ``obj`` with ``torch.save`` (tensors inside it are kept as tensors)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _staged_device(device: torch.device) -> bool:
+    """Whether a storage on ``device`` is staged by a copy instead of pickled inside ``save()``."""
+    return device.type not in ("cpu", "meta")
+
+
+def _storage_of(obj: Any) -> tuple[torch.UntypedStorage, torch.dtype | None] | None:
+    """``(untyped storage, dtype or None)`` when the pickler meets a storage, else None."""
+    if isinstance(obj, torch.storage.TypedStorage):
+        return obj._untyped_storage, obj.dtype
+    if isinstance(obj, torch.UntypedStorage):
+        return obj, None
+    return None
+
+
+class _NullSink:
+    def write(self, b: bytes) -> int:
+        return len(b)
+
+
+class _StorageFinder(pickle.Pickler):
+    """Walks a value as pickle would (no bytes kept, no storage pickled) and sums the bytes of the
+    distinct device storages in it."""
+
+    def __init__(self) -> None:
+        super().__init__(_NullSink(), protocol=5, buffer_callback=lambda b: None)  # out of band: no copy
+        self.seen: dict[tuple, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        found = _storage_of(obj)
+        if found is None:
+            return None
+        untyped = found[0]
+        if _staged_device(untyped.device):
+            self.seen[(untyped.device, untyped.data_ptr(), untyped.nbytes())] = untyped.nbytes()
+        return 0
+
+
+def device_storage_bytes(obj: Any) -> int | None:
+    """Bytes of the device storages inside ``obj``, or None when it holds none (or cannot be
+    pickled: ``serialize_object`` reports that). Runs on the training thread; reads no device."""
+    finder = _StorageFinder()
+    try:
+        finder.dump(obj)
+    except Exception:  # noqa: BLE001 - torch.save raises it again, with its own message
+        return None
+    return sum(finder.seen.values()) if finder.seen else None
+
+
+class _Snapshotter(pickle.Pickler):
+    """Pickles a value's structure; each storage becomes a reference to its staged host copy."""
+
+    def __init__(self, file: io.BytesIO, stage: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(file, protocol=2)
+        self.stage = stage
+        self.hosts: list[tuple[torch.Tensor, str]] = []
+        self._index: dict[tuple, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        found = _storage_of(obj)
+        if found is None or found[0].device.type == "meta":
+            return None
+        untyped, dtype = found
+        key = (untyped.device, untyped.data_ptr(), untyped.nbytes())
+        idx = self._index.get(key)
+        if idx is None:
+            src = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+            host = self.stage(src) if _staged_device(untyped.device) else src.clone()
+            idx = self._index[key] = len(self.hosts)
+            self.hosts.append((host, torch.serialization.location_tag(untyped)))
+        return ("checkrun-storage", idx, dtype)
+
+
+class _Restorer(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, hosts: list[tuple[torch.Tensor, str]]) -> None:
+        super().__init__(file)
+        self.hosts = hosts
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, idx, dtype = pid
+        untyped = self.hosts[idx][0].untyped_storage()
+        if dtype is None:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+class DeferredObject:
+    """A value holding device tensors, snapshotted by ``save()`` and pickled after the copies.
+
+    ``__init__`` (training thread) pickles the structure; ``stage(src)`` must start a copy of the
+    flat uint8 device tensor ``src`` into a host buffer and return that buffer (the copier's
+    non-blocking copy). ``serialize`` (background, once the copies are done) rebuilds the value on
+    the host copies and returns its torch.save bytes, every storage tagged with its source device."""
+
+    def __init__(self, obj: Any, stage: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        buf = io.BytesIO()
+        pickler = _Snapshotter(buf, stage)
+        pickler.dump(obj)
+        self._pickle = buf.getvalue()
+        self._hosts: list[tuple[torch.Tensor, str]] = pickler.hosts
+
+    def serialize(self) -> bytes:
+        """The torch.save bytes (once; the host copies are let go after it)."""
+        hosts = self._hosts
+        obj = _Restorer(io.BytesIO(self._pickle), hosts).load()
+        tags = {h.untyped_storage().data_ptr(): tag for h, tag in hosts if h.numel()}
+        with _tagging(tags):
+            data = serialize_object(obj)
+        self._hosts = []
+        return data
+
+
+# torch.save asks its registered taggers for each storage's location; ours answers only inside
+# ``_tagging`` on the calling thread, for the host copies of device storages.
+_TAGS = threading.local()
+_TAGGER_LOCK = threading.Lock()
+_TAGGER_PRIORITY = -1_000_026  # before torch's own "cpu" tagger (10); no tie with another package
+_tagger_registered = False
+
+
+def _tag(storage: Any) -> str | None:
+    tags = getattr(_TAGS, "tags", None)
+    if not tags:
+        return None
+    try:
+        return tags.get(storage.data_ptr())
+    except Exception:  # noqa: BLE001 - a storage without a pointer: not ours
+        return None
+
+
+def _no_restore(storage: Any, location: str) -> None:
+    return None  # loading is left to torch's own deserializers
+
+
+@contextlib.contextmanager
+def _tagging(tags: dict[int, str]) -> Iterator[None]:
+    global _tagger_registered
+    with _TAGGER_LOCK:
+        if not _tagger_registered:
+            torch.serialization.register_package(_TAGGER_PRIORITY, _tag, _no_restore)
+            _tagger_registered = True
+    _TAGS.tags = tags
+    try:
+        yield
+    finally:
+        _TAGS.tags = None
+
+
+def _resolve_global(name: str) -> Any:
+    """The object named ``module.QualName``, looked up only in modules already imported.
+
+    Uses ``__dict__`` lookups so no module ``__getattr__`` can import anything.
+    """
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        obj = sys.modules.get(".".join(parts[:split]))
+        if obj is None:
+            continue
+        for attr in parts[split:]:
+            obj = getattr(obj, "__dict__", {}).get(attr)
+            if obj is None:
+                return None
+        return obj if callable(obj) else None
+    return None
+
+
+def _resolve_globals(names: Sequence[str]) -> list[Any]:
+    resolved = []
+    for name in names:
+        obj = _resolve_global(name) if isinstance(name, str) else None
+        if obj is None:
+            warnings.warn(f"load.allowed_globals: {name!r} is not a class or function of an already "
+                          "imported module; ignored (import its module before loading)",
+                          RuntimeWarning, stacklevel=3)
+        else:
+            resolved.append(obj)
+    return resolved
+
+
+def _unsafe_message(key: str, type_name: str, exc: BaseException) -> str:
+    match = _NEEDED_GLOBAL.search(str(exc))
+    needed = match.group(1) if match else type_name
+    also = f" (unpickling it needs {needed})" if needed != type_name else ""
+    return (f"refusing to load the value at key {key!r} of type {type_name}{also}: weights_only=True "
+            f"allows only tensors, plain data and allow-listed types. If you trust this checkpoint, "
+            f"load it with weights_only=False, or allow the type: add {needed!r} to the config's "
+            f"load.allowed_globals, or call torch.serialization.add_safe_globals([...]).")
+
+
+def deserialize_object(data: bytes, *, key: str, type_name: str, weights_only: bool,
+                       allowed_globals: Sequence[str] = (), map_location: Any = None) -> Any:
+    """Load a blob written by :func:`serialize_object`.
+
+    ``weights_only=True`` uses torch's restricted unpickler; ``allowed_globals`` ("module.QualName")
+    are allowed for this call only, if their module is already imported (others are ignored with
+    a warning). Raises UnsafeLoadError (naming key and type, and how to allow it) when torch
+    refuses, CorruptCheckpointError when the blob is not a torch.save archive.
+    Safe to call from several threads.
+    """
+    if not weights_only:
+        return _load(data, key, type_name, weights_only=False, map_location=map_location)
+    extra = _resolve_globals(allowed_globals)
+    with _SAFE_GLOBALS_LOCK:
+        # Only add what is not allowed yet: leaving the context removes what it added, which
+        # would otherwise revoke the user's own add_safe_globals entries.
+        already = torch.serialization.get_safe_globals()
+        new = [g for g in extra if g not in already]
+        with torch.serialization.safe_globals(new):
+            return _load(data, key, type_name, weights_only=True, map_location=map_location)
+
+
+def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_location: Any) -> Any:
+    # serialize_object writes zip archives only; without this check torch's legacy-format path
+    # would report random bytes as a weights_only refusal instead of as corruption.
+    if not data.startswith(_ZIP_MAGIC):
+        raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a torch.save archive")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=weights_only, map_location=map_location)
+    except pickle.UnpicklingError as exc:
+        if weights_only:  # torch reports every refusal of its restricted unpickler this way
+            raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc
+        raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) cannot be unpickled: "
+                                     f"{exc}") from exc
+    except RuntimeError as exc:
+        if weights_only and "weights_only" in str(exc).replace(" ", "_").lower():
+            raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc
+        raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
+                                     f"blob: {exc}") from exc
+    except EOFError as exc:
+        raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is truncated") from exc

@@ -1,0 +1,508 @@
+"""State tree <-> JSON skeleton plus tensor and object leaves.
+
+A checkpoint state (any nesting of dict / list / tuple / OrderedDict holding tensors and
+plain values) is split into a JSON skeleton, the tensors, and the non-plain objects. Plain
+values live in the skeleton and never need pickle; tensors and objects become index refs.
+All functions are pure and may be called from any thread.
+
+Skeleton: str, finite float, int within +-2**53, bool, null and list stand for themselves;
+every JSON object is a tag (so user keys such as "$t" are never ambiguous)::
+
+    {"$d": [k1, v1, k2, v2]}    dict (keys are encoded values: "a", 3, {"$tuple": [1, 2]})
+    {"$od": [k1, v1], "$meta": m}  OrderedDict; "$meta" (optional) is its _metadata
+    {"$t": 3}  tensor 3          {"$p": [3, true]}  nn.Parameter(tensor 3, requires_grad)
+    {"$o": 0}  object 0          {"$tuple": [...]}  {"$f": "nan"|"inf"|"-inf"|"nan:<bits>"}
+    {"$i": "-0x1f"}  big int     {"$b": "<base64>"}  {"$c": [re, im]}  complex
+    {"$dtype": "float32"}        {"$size": [2, 3]}   {"$device": "cuda:0"}
+
+Order lives in lists only, so the skeleton survives ``json.dumps(sort_keys=True)``.
+``max_depth`` bounds the skeleton's JSON nesting depth (a dict level costs 2); flatten
+enforces it as well, so whatever it produces loads and json stays far from recursion limits.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import gc
+import math
+import re
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..errors import FormatError
+from .dtypes import ALL_DTYPES
+
+__all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten", "unflatten", "validate_skeleton"]
+
+T_DICT, T_ODICT, T_META, T_TUPLE = "$d", "$od", "$meta", "$tuple"
+T_TENSOR, T_PARAM, T_OBJECT = "$t", "$p", "$o"
+T_FLOAT, T_INT, T_BYTES, T_COMPLEX = "$f", "$i", "$b", "$c"
+T_DTYPE, T_SIZE, T_DEVICE = "$dtype", "$size", "$device"
+_KEY_FORBIDDEN = frozenset({T_TENSOR, T_PARAM, T_OBJECT, T_DICT, T_ODICT})
+
+# Beyond 2**53, JSON tools that read numbers as doubles (jq, JavaScript) would corrupt ints.
+_SAFE_INT, _INT64 = 2**53, 2**63
+_HEX_INT = re.compile(r"-?0x[0-9a-f]+")
+_NAN_BITS = re.compile(r"nan:[0-9a-f]{16}")
+_CANONICAL_NAN_BITS = 0x7FF8000000000000
+_NOT_PLAIN, _EXIT, _FINISH, _MISSING = object(), object(), object(), object()
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    """A tensor of the state (the original object); ``key`` is its unique flattened path."""
+
+    key: str
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ObjectLeaf:
+    """A non-plain value of the state (pickled by the engine); ``type_name`` is module.qualname."""
+
+    key: str
+    obj: Any
+    type_name: str
+
+
+@dataclass(frozen=True)
+class Flattened:
+    """Result of :func:`flatten`: ``$t``/``$p`` refs index ``tensors``, ``$o`` refs ``objects``."""
+
+    skeleton: Any
+    tensors: tuple[TensorLeaf, ...]
+    objects: tuple[ObjectLeaf, ...]
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _float_name(x: float) -> str:
+    if not math.isnan(x):
+        return "inf" if x > 0 else "-inf"
+    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return "nan" if bits == _CANONICAL_NAN_BITS else f"nan:{bits:016x}"
+
+
+def _encode_scalar(x: Any) -> Any:
+    """JSON form of a plain non-container value, or _NOT_PLAIN."""
+    t = type(x)
+    if x is None or t is bool or t is str:
+        return x
+    if t is int:
+        return x if -_SAFE_INT <= x <= _SAFE_INT else {T_INT: hex(x)}
+    if t is float:
+        return x if math.isfinite(x) else {T_FLOAT: _float_name(x)}
+    if t is complex:
+        return {T_COMPLEX: [_encode_scalar(x.real), _encode_scalar(x.imag)]}
+    if t is bytes:
+        return {T_BYTES: base64.b64encode(x).decode("ascii")}
+    if t is torch.dtype:
+        name = str(x).removeprefix("torch.")
+        return {T_DTYPE: name} if ALL_DTYPES.get(name) is x else _NOT_PLAIN
+    if t is torch.device:
+        return {T_DEVICE: str(x)}
+    if t is torch.Size and all(-_INT64 <= d < _INT64 for d in x):
+        return {T_SIZE: list(x)}
+    return _NOT_PLAIN
+
+
+def _scalar_depth(enc: Any) -> int:
+    """JSON depth of a scalar encoding (at most 3, so the recursion is bounded)."""
+    if type(enc) is dict:
+        return 1 + _scalar_depth(next(iter(enc.values())))
+    if type(enc) is list:
+        return 1 + max((_scalar_depth(e) for e in enc), default=0)
+    return 0
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC: the walks create many acyclic objects, and every collection they
+    trigger would rescan each live tensor (over half of flatten's time at 100k tensors)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _text(value: Any, convert: Any = str) -> str:
+    try:
+        return convert(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return hex(value) if type(value) is int else f"<{type(value).__name__}>"
+
+
+def _join(path: str | None, component: Any) -> str:
+    text = component if type(component) is str else _text(component)
+    return text if path is None else f"{path}.{text}"
+
+
+class _NotPlainKey(Exception):
+    """A dict key the skeleton cannot hold; the whole dict then becomes an object."""
+
+
+class _Encoder:
+    """Iterative pre-order walk (no recursion limit); leaf indices follow traversal order.
+
+    Work items are (value, out, slot, path, depth): the encoding goes to ``out[slot]`` and
+    ``depth`` is the JSON depth of ``out``.
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.tensors: list[TensorLeaf] = []
+        self.objects: list[ObjectLeaf] = []
+        self._tensor_ids: dict[int, int] = {}
+        self._object_ids: dict[int, int] = {}
+        self._used: set[str] = set()
+        self._active: set[int] = set()
+
+    def run(self, root: Any, depth: int = 0, key_mode: bool = False) -> Any:
+        holder = [None]
+        stack: list[tuple] = [(root, holder, 0, None, depth)]
+        while stack:
+            item = stack.pop()
+            if item[0] is _EXIT:
+                self._active.discard(item[1])
+            else:
+                self._visit(*item, stack, key_mode)
+        return holder[0]
+
+    def _check(self, depth: int, path: str | None) -> None:
+        if depth > self.max_depth:
+            raise FormatError(f"cannot save state: {path or '<root>'} nests deeper than "
+                              f"max_depth={self.max_depth}")
+
+    def _enter(self, value: Any, path: str | None, stack: list) -> None:
+        # Containers are written by value, so a cycle would never end.
+        if id(value) in self._active:
+            raise FormatError(f"cannot save state: reference cycle at {path or '<root>'}")
+        self._active.add(id(value))
+        stack.append((_EXIT, id(value)))
+
+    def _visit(self, value: Any, out: Any, slot: Any, path: str | None, depth: int, stack: list,
+               key_mode: bool) -> None:
+        t = type(value)
+        if t is torch.Tensor and not key_mode:  # the common leaf first: capture is on the training thread
+            self._check(depth + 1, path)
+            out[slot] = self._tensor_ref(value, path)
+            return
+        enc = _encode_scalar(value)
+        if enc is not _NOT_PLAIN:
+            self._check(depth + _scalar_depth(enc), path)
+            out[slot] = enc
+            return
+        if t is tuple or (t is list and not key_mode):
+            inner = depth + (2 if t is tuple else 1)
+            self._check(inner, path)
+            items = [None] * len(value)
+            out[slot] = {T_TUPLE: items} if t is tuple else items
+            self._enter(value, path, stack)
+            for i in range(len(value) - 1, -1, -1):
+                stack.append((value[i], items, i, _join(path, i), inner))
+        elif key_mode:
+            raise _NotPlainKey
+        elif (t is dict or t is OrderedDict) and self._mapping(value, out, slot, path, depth, stack):
+            pass
+        elif t is torch.Tensor or t is torch.nn.Parameter:
+            self._check(depth + (2 if t is torch.nn.Parameter else 1), path)
+            out[slot] = self._tensor_ref(value, path)
+        else:
+            self._check(depth + 1, path)
+            out[slot] = {T_OBJECT: self._object_ref(value, path)}
+
+    def _mapping(self, value: dict, out: Any, slot: Any, path: str | None, depth: int, stack: list) -> bool:
+        """Encode a dict/OrderedDict; False when a key is not plain (caller stores an object)."""
+        self._check(depth + 2, path)
+        items = list(value.items())
+        flat: list = [None] * (2 * len(items))
+        try:
+            for i, (k, _) in enumerate(items):
+                flat[2 * i] = k if type(k) is str else self._key(k, depth + 2)
+        except _NotPlainKey:
+            return False
+        self._enter(value, path, stack)
+        tag = T_ODICT if type(value) is OrderedDict else T_DICT
+        node = out[slot] = {tag: flat}
+        meta = getattr(value, "_metadata", _MISSING) if tag == T_ODICT else _MISSING
+        if meta is not _MISSING:  # pushed first, so visited after the entries
+            node[T_META] = None
+            stack.append((meta, node, T_META, _join(path, "_metadata"), depth + 1))
+        for i in range(len(items) - 1, -1, -1):
+            stack.append((items[i][1], flat, 2 * i + 1, _join(path, items[i][0]), depth + 2))
+        return True
+
+    def _key(self, key: Any, depth: int) -> Any:
+        enc = _encode_scalar(key)
+        if enc is not _NOT_PLAIN:
+            self._check(depth + _scalar_depth(enc), None)
+            return enc
+        if type(key) is not tuple:
+            raise _NotPlainKey
+        return _Encoder(self.max_depth).run(key, depth, key_mode=True)
+
+    def _unique(self, path: str | None) -> str:
+        # Keys are stream identities in the engine: 1 and "1" must not share one.
+        key = path or ""
+        if key in self._used:
+            n = 2
+            while f"{key}#{n}" in self._used:
+                n += 1
+            key = f"{key}#{n}"
+        self._used.add(key)
+        return key
+
+    def _tensor_ref(self, tensor: torch.Tensor, path: str | None) -> dict:
+        # The leaves list keeps each tensor alive, so an id() cannot be reused during the walk.
+        index = self._tensor_ids.get(id(tensor))
+        if index is None:
+            index = self._tensor_ids[id(tensor)] = len(self.tensors)
+            self.tensors.append(TensorLeaf(self._unique(path), tensor))
+        if type(tensor) is torch.nn.Parameter:
+            return {T_PARAM: [index, bool(tensor.requires_grad)]}
+        return {T_TENSOR: index}
+
+    def _object_ref(self, obj: Any, path: str | None) -> int:
+        index = self._object_ids.get(id(obj))
+        if index is None:
+            index = self._object_ids[id(obj)] = len(self.objects)
+            type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            self.objects.append(ObjectLeaf(self._unique(path), obj, type_name))
+        return index
+
+
+def flatten(state: Any, *, max_depth: int = 512) -> Flattened:
+    """Split ``state`` into a JSON skeleton, its tensors and its non-plain objects.
+
+    Tensors and nn.Parameters are deduplicated by identity (tied weights share one index),
+    and so are objects. Dicts with a non-plain key, tensor subclasses other than Parameter
+    and all other non-plain values become :class:`ObjectLeaf` s. Leaves hold the original
+    objects (no copy). Raises FormatError for a reference cycle or nesting beyond ``max_depth``.
+    """
+    enc = _Encoder(max_depth)
+    with _gc_paused():
+        skeleton = enc.run(state)
+    return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects))
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _short(value: Any) -> str:
+    text = _text(value, repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fail(path: str | None, message: str) -> None:
+    where = path or "<root>"
+    where = where if len(where) <= 200 else "..." + where[-197:]
+    raise FormatError(f"skeleton at {where}: {message}")
+
+
+def _djoin(path: str | None, component: Any) -> str:
+    # Truncated components bound what a hostile skeleton's long keys cost in path strings.
+    text = _text(component)
+    return _join(path, text if len(text) <= 80 else text[:77] + "...")
+
+
+def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
+    """Decode a scalar tag's value; every malformed value ends in one FormatError."""
+    t = type(v)
+    try:
+        if tag == T_FLOAT and t is str:
+            if v in ("nan", "inf", "-inf"):
+                return float(v)  # a fresh object each time, so two nan dict keys stay distinct
+            if _NAN_BITS.fullmatch(v) and math.isnan(x := struct.unpack(">d", bytes.fromhex(v[4:]))[0]):
+                return x
+        elif tag == T_INT and t is str and _HEX_INT.fullmatch(v):
+            return int(v, 16)
+        elif tag == T_BYTES and t is str:
+            return base64.b64decode(v, validate=True)
+        elif tag == T_COMPLEX and t is list and len(v) == 2:
+            return complex(*(_complex_part(p, path) for p in v))
+        elif tag == T_DTYPE and t is str and v in ALL_DTYPES:
+            return ALL_DTYPES[v]
+        elif tag == T_DEVICE and t is str and len(v) <= 64:
+            return torch.device(v)
+        elif tag == T_SIZE and t is list and all(type(d) is int and -_INT64 <= d < _INT64 for d in v):
+            return torch.Size(v)
+    except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError):
+        pass
+    _fail(path, f"bad {tag} value {_short(v)}")
+
+
+def _complex_part(p: Any, path: str | None) -> float:
+    if type(p) is float or type(p) is int:
+        return float(p)
+    if type(p) is dict and len(p) == 1 and T_FLOAT in p:
+        return _decode_scalar(T_FLOAT, p[T_FLOAT], path)
+    _fail(path, f"bad {T_COMPLEX} part {_short(p)}")
+
+
+_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE})
+_ONE_KEY_TAGS = frozenset(_SCALAR_TAGS) | {T_TENSOR, T_PARAM, T_OBJECT, T_TUPLE, T_DICT, T_ODICT}
+
+
+def _tag_of(node: dict, path: str | None) -> str:
+    if len(node) == 1:
+        (tag,) = node
+        if tag in _ONE_KEY_TAGS:
+            return tag
+    elif len(node) == 2 and T_ODICT in node and T_META in node:
+        return T_ODICT
+    _fail(path, f"unknown tag {_short(list(node)[:3])}")
+
+
+class _AttrSlot:
+    """Lets ``out[slot] = value`` set an attribute (OrderedDict._metadata)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.obj, name, value)
+
+
+class _Decoder:
+    """Iterative walk over an untrusted skeleton; ``tensors=None`` validates only.
+
+    Work items are (node, out, slot, path, depth) like the encoder's; tuples are built as
+    lists and frozen by a _FINISH item once their children are done.
+    """
+
+    def __init__(self, tensors: Sequence | None, n_tensors: int, objects: Sequence | None,
+                 n_objects: int, max_depth: int) -> None:
+        self.tensors, self.n_tensors = tensors, n_tensors
+        self.objects, self.n_objects = objects, n_objects
+        self.max_depth = max_depth
+        self._params: dict[tuple[int, bool], torch.nn.Parameter] = {}
+
+    def run(self, root: Any, depth: int = 0, path: str | None = None, key_mode: bool = False) -> Any:
+        holder = [None]
+        stack: list[tuple] = [(root, holder, 0, path, depth)]
+        while stack:
+            item = stack.pop()
+            if item[0] is _FINISH:
+                _, items, out, slot = item
+                out[slot] = tuple(items)
+            else:
+                self._visit(*item, stack, key_mode)
+        return holder[0]
+
+    def _check(self, depth: int, path: str | None) -> None:
+        if depth > self.max_depth:
+            _fail(path, f"nesting deeper than max_depth={self.max_depth}")
+
+    def _visit(self, node: Any, out: Any, slot: Any, path: str | None, depth: int, stack: list,
+               key_mode: bool) -> None:
+        t = type(node)
+        if node is None or t is bool or t is int or t is float or t is str:
+            out[slot] = node
+            return
+        if t is not dict and t is not list:
+            _fail(path, f"unexpected {t.__name__} in skeleton")
+        self._check(depth + 1, path)
+        tag = _tag_of(node, path) if t is dict else None
+        if key_mode and (tag is None or tag in _KEY_FORBIDDEN):
+            _fail(path, f"{tag or 'a list'} cannot be a dict key")
+        if t is list:
+            out[slot] = items = [None] * len(node)
+            self._push(node, items, path, depth + 1, stack)
+        elif tag in _SCALAR_TAGS:
+            out[slot] = _decode_scalar(tag, node[tag], path)
+        elif tag == T_TUPLE:
+            if type(node[tag]) is not list:
+                _fail(path, f"{T_TUPLE} needs a list")
+            self._check(depth + 2, path)
+            items = [None] * len(node[tag])
+            stack.append((_FINISH, items, out, slot))
+            self._push(node[tag], items, path, depth + 2, stack)
+        elif tag == T_DICT or tag == T_ODICT:
+            out[slot] = self._mapping(node, tag, path, depth + 1, stack)
+        else:
+            out[slot] = self._leaf(tag, node[tag], path)
+
+    @staticmethod
+    def _push(node: list, items: list, path: str | None, depth: int, stack: list) -> None:
+        for i in range(len(node) - 1, -1, -1):
+            stack.append((node[i], items, i, _djoin(path, i), depth))
+
+    def _mapping(self, node: dict, tag: str, path: str | None, depth: int, stack: list) -> dict:
+        flat = node[tag]
+        if type(flat) is not list or len(flat) % 2:
+            _fail(path, f"{tag} needs a flat [key, value, ...] list")
+        self._check(depth + 1, path)
+        target: dict = OrderedDict() if tag == T_ODICT else {}
+        for i in range(0, len(flat), 2):
+            key = flat[i] if type(flat[i]) is str else self.run(flat[i], depth + 1, path, key_mode=True)
+            if key in target:
+                _fail(path, f"duplicate key {_short(key)}")
+            target[key] = None  # fixes the order now; values arrive later
+        keys = list(target)
+        for i in range(len(keys) - 1, -1, -1):
+            stack.append((flat[2 * i + 1], target, keys[i], _djoin(path, keys[i]), depth + 1))
+        if T_META in node:
+            stack.append((node[T_META], _AttrSlot(target), "_metadata", _djoin(path, "_metadata"), depth))
+        return target
+
+    def _leaf(self, tag: str, v: Any, path: str | None) -> Any:
+        if tag == T_OBJECT:
+            if type(v) is not int or not 0 <= v < self.n_objects:
+                _fail(path, f"object ref {_short(v)} out of range (have {self.n_objects})")
+            return None if self.objects is None else self.objects[v]
+        grad = False
+        if tag == T_PARAM:
+            if type(v) is not list or len(v) != 2 or type(v[1]) is not bool:
+                _fail(path, f"{T_PARAM} needs [index, requires_grad], got {_short(v)}")
+            v, grad = v
+        if type(v) is not int or not 0 <= v < self.n_tensors:
+            _fail(path, f"tensor ref {_short(v)} out of range (have {self.n_tensors})")
+        if self.tensors is None or tag == T_TENSOR:
+            return None if self.tensors is None else self.tensors[v]
+        param = self._params.get((v, grad))
+        if param is None:
+            try:
+                param = torch.nn.Parameter(self.tensors[v].detach(), requires_grad=grad)
+            except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
+                _fail(path, f"cannot rebuild nn.Parameter: {exc}")
+            self._params[(v, grad)] = param  # tied parameters stay one object
+        return param
+
+
+def _check_counts(n_tensors: int, n_objects: int, max_depth: int) -> None:
+    for name, n in (("n_tensors", n_tensors), ("n_objects", n_objects), ("max_depth", max_depth)):
+        if type(n) is not int or n < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {n!r}")
+
+
+def validate_skeleton(skeleton: Any, n_tensors: int, n_objects: int, *, max_depth: int = 512) -> None:
+    """Check an untrusted skeleton (e.g. from a tampered manifest) without building the state.
+
+    Verifies tags, value types, ref ranges, dtype and device names, duplicate keys and depth;
+    never evaluates or imports anything. Raises FormatError naming the key path.
+    """
+    _check_counts(n_tensors, n_objects, max_depth)
+    with _gc_paused():
+        _Decoder(None, n_tensors, None, n_objects, max_depth).run(skeleton)
+
+
+def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor], objects: Sequence[Any], *,
+              max_depth: int = 512) -> Any:
+    """Rebuild the state from a skeleton, its tensors and its (already loaded) objects.
+
+    Refs to one index yield one object: ``$t`` the given tensor itself, ``$p`` a single
+    nn.Parameter sharing that tensor's data. The skeleton is untrusted: every problem
+    raises FormatError naming the key path.
+    """
+    _check_counts(len(tensors), len(objects), max_depth)
+    with _gc_paused():
+        return _Decoder(tensors, len(tensors), objects, len(objects), max_depth).run(skeleton)

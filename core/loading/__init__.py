@@ -1,0 +1,3 @@
+"""Loading: read a manifest, fetch and verify blobs, decode, apply deltas (``reader``), and place
+the tensors (``placement``: ``map_location``).
+"""

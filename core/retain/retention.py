@@ -1,0 +1,300 @@
+"""Step 6 of a save: listing checkpoints, retention (``keep_last``) and garbage collection of blobs.
+
+Retention only ever removes manifests. Garbage collection deletes a blob only when no manifest in the
+directory references it *and* no live lease protects it (``leases``): every save in flight, in any
+process, holds a lease on the blobs it writes or reuses. So garbage goes at once, not after a grace
+period. A collection is *targeted* (the engine after each commit: only candidates it knows of, the
+blobs of the checkpoints it removed and of dead writers' leases; no listing of the blobs) or *full*
+(``gc``: every blob of the directory, and temp files of interrupted writes).
+
+Order within a round (the argument is in docs/operations.md, "Leases"): write this collection's
+lease object, read the leases, read the manifests, delete within the round's window; a round that
+runs out of time starts again with a fresh lease object and fresh reads. If any manifest or lease
+object cannot be parsed, nothing is collected: what it protects is unknown. A manifest removed
+between the listing and its read (retention of another writer) is gone, not unreadable: it is left
+out and does not stop gc. ``retention.gc_grace_seconds`` (default 0) keeps unreferenced blobs younger
+than it as well: set it while a writer of a version without leases may still write to the directory.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..storage import owner
+from ..config import EngineConfig
+from ..errors import CheckpointNotFoundError, CheckrunError
+from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
+from ..format.manifest import MAGIC_PREFIX, Manifest, parse_manifest
+from ..format.limits import limits_for
+from ..storage.store import BlobInfo, Store
+
+log = logging.getLogger("ckpt_core")
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One manifest file of a directory; ``manifest`` is None and ``error`` set if it is corrupt."""
+
+    name: str
+    url: str
+    mtime: float
+    size: int
+    manifest: Manifest | None
+    error: str | None = None
+
+    @property
+    def created(self) -> float:
+        return self.manifest.created if self.manifest is not None else self.mtime
+
+
+def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry]:
+    """Every checkrun manifest in the directory, oldest first (other files are ignored)."""
+    entries = []
+    files = [f for f in store.list_files() if f.size > 0]
+
+    def read(info):
+        try:
+            head = store.read_head(info.name, len(MAGIC_PREFIX) + 8)
+        except CheckpointNotFoundError:
+            log.debug("checkrun: %s was removed while listing", store.url(info.name))
+            return None
+        except CheckrunError as exc:
+            # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
+            # collect the blobs it needs; listed as broken, it makes gc collect nothing.
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
+        if not head.lstrip().startswith(MAGIC_PREFIX):
+            return None
+        try:
+            data = store.read_manifest(info.name)
+            m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
+        except CheckpointNotFoundError:
+            # Removed between the listing and this read (retention of another writer): it is
+            # gone, not corrupt, and gc must not stop because of it.
+            log.debug("checkrun: %s was removed while listing", store.url(info.name))
+            return None
+        except CheckrunError as exc:
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
+
+    for entry in store.map(read, files):
+        if entry is not None:
+            entries.append(entry)
+    entries.sort(key=lambda e: (e.created, e.mtime, e.name))
+    return entries
+
+
+def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[CheckpointEntry]:
+    """Remove the oldest committed manifests beyond ``keep_last``; never a name in ``keep`` nor one
+    matching ``retention.protect`` (those are not counted either). Returns the removed entries (their
+    manifests name the blobs that may have become garbage)."""
+    keep_last = config.retention.keep_last
+    if keep_last is None:
+        return []
+    protect = config.retention.protect
+    committed = [e for e in list_checkpoints(store, config)
+                 if e.manifest is not None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
+    removable = [e for e in committed[:-keep_last] if e.name not in keep] if len(committed) > keep_last else []
+    for e in removable:
+        store.delete_manifest(e.name)
+        log.info("checkrun: retention removed %s (keep_last=%d)", e.url, keep_last)
+    return removable
+
+
+def blob_sizes(entries: list[CheckpointEntry]) -> dict[str, int]:
+    """Key -> size of every blob the manifests of ``entries`` reference (collection candidates)."""
+    return {b.key: b.size for e in entries if e.manifest is not None for b in e.manifest.blobs()}
+
+
+@dataclass
+class GCReport:
+    """What garbage collection found and (unless ``dry_run``) deleted."""
+
+    directory: str
+    dry_run: bool
+    deleted: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    kept_young: int = 0
+    """Unreferenced blobs kept because younger than the grace (directories of older versions, or an
+    explicit ``grace_seconds``)."""
+    referenced: int = 0
+    problems: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)
+    """Temp files of interrupted writes (deleted unless ``dry_run``): of a process that ended, or older
+    than ``lease_seconds`` (and the grace)."""
+    kept_leased: int = 0
+    """Unreferenced blobs kept because a live lease protects them (saves in flight)."""
+    leases: int = 0
+    """Live leases of saves in flight seen."""
+    pending: dict = field(default_factory=dict)
+    """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
+
+
+def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
+                    dry_run: bool = False, candidates: dict[str, int] | None = None) -> GCReport:
+    """Delete the blobs no manifest references and no live lease protects.
+
+    ``candidates`` (key -> size): a targeted collection of those keys, without listing the blobs,
+    unless a lease of a dead writer (or a failed save) is found: then, like ``None``, a full one
+    (every blob, and temp files). ``grace_seconds`` (default ``retention.gc_grace_seconds``, 0):
+    keep unreferenced blobs younger than this too."""
+    ldir = LeaseDir(store)
+    report = GCReport(store.url(""), dry_run)
+    if not candidates and not store.is_directory():
+        return report  # nothing to collect, and no lease object to leave in a directory never made
+    floor = config.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
+    gc = Collection(store, config.retention.lease_seconds)
+    try:
+        if not dry_run:
+            gc.begin_round()
+        state = _read_state(store, config, ldir, gc, report)
+        if state is None:
+            return report
+        if candidates is not None and state[0].writer_died:
+            candidates = None  # a writer died here: collect everything it may have left (temp files too)
+        pool = _candidates(store, candidates, state[0])
+        victims = _victims(store, pool, state, floor, report)
+        if dry_run:
+            _account(report, victims)
+            if candidates is None:
+                _collect_temp_files(store, config, floor, report, delete=False)
+            return report
+        deleted, left = _delete_in_rounds(store, config, ldir, gc, victims, floor, report)
+        _account(report, deleted)
+        report.pending.update((b.key, b.size) for b in left)
+        if not left:
+            _drop_dead(ldir, state[0])
+        if candidates is None:
+            _collect_temp_files(store, config, floor, report)
+    finally:
+        gc.end()
+    return report
+
+
+def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection,
+                report: GCReport) -> tuple[Protection, set[str]] | None:
+    """Leases, then manifests (in this order: a lease released after its commit is seen, or its
+    manifest is); None, with the problems reported, if any cannot be read."""
+    try:
+        prot = read_protection(ldir, exclude=gc.name)
+    except CheckrunError as exc:
+        report.problems.append(str(exc))
+        log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
+        return None
+    entries = list_checkpoints(store, config)
+    broken = [e for e in entries if e.manifest is None]
+    if broken:
+        report.problems.extend(f"{e.url}: {e.error}" for e in broken)
+        log.warning("checkrun: gc skipped in %s: %d manifest(s) cannot be read", report.directory, len(broken))
+        return None
+    referenced: set[str] = set()
+    for e in entries:
+        referenced |= e.manifest.blob_keys()
+    report.referenced = len(referenced)
+    report.leases = prot.leases
+    return prot, referenced
+
+
+def _candidates(store: Store, candidates: dict[str, int] | None, prot: Protection) -> dict[str, BlobInfo]:
+    """Blobs to consider: every stored one (full), or the candidates and the keys of dead leases."""
+    if candidates is None:
+        return {b.key: b for b in store.list_blobs()}
+    pool = {k: BlobInfo(k, size, 0.0) for k, size in candidates.items()}
+    for rec in prot.dead:
+        for key in rec.keys:
+            pool.setdefault(key, BlobInfo(key, 0, 0.0))
+    return pool
+
+
+def _victims(store: Store, pool: dict[str, BlobInfo], state: tuple[Protection, set[str]], floor: float,
+             report: GCReport) -> list[BlobInfo]:
+    prot, referenced = state
+    victims = []
+    for blob in pool.values():
+        if blob.key in referenced:
+            continue
+        if blob.key in prot.live:
+            report.kept_leased += 1
+            report.pending[blob.key] = blob.size
+            continue
+        victims.append(blob)
+    if floor > 0:  # only where a grace applies: look at the ages (a targeted pool has none yet)
+        infos = store.map(lambda b: store.blob_info(b.key) if b.mtime == 0.0 else b, victims)
+        now = time.time()
+        young = [i for i in infos if i is not None and now - i.mtime < floor]
+        report.kept_young += len(young)
+        victims = [i for i in infos if i is not None and now - i.mtime >= floor]
+    return victims
+
+
+def _delete_in_rounds(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection,
+                      victims: list[BlobInfo], floor: float, report: GCReport) -> tuple[list, list]:
+    """Delete ``victims``, each within a round's window; a new round reads leases and manifests
+    again and spares what became protected. Returns (deleted, not reached)."""
+    deleted: list[BlobInfo] = []
+    while victims:
+        gone = store.map(lambda b: _delete(store, b, floor, gc), victims)
+        deleted += [b for b, ok in zip(victims, gone) if ok is True]
+        report.kept_young += sum(1 for ok in gone if ok == "young")
+        left = [b for b, ok in zip(victims, gone) if ok is None]
+        if not left:
+            return deleted, []
+        if len(left) == len(victims):
+            gc.widen()
+        gc.begin_round()
+        state = _read_state(store, config, ldir, gc, report)
+        if state is None:
+            return deleted, left
+        prot, referenced = state
+        for b in left:
+            if b.key in prot.live:
+                report.kept_leased += 1
+                report.pending[b.key] = b.size
+        victims = [b for b in left if b.key not in referenced and b.key not in prot.live]
+    return deleted, []
+
+
+def _delete(store: Store, blob: BlobInfo, floor: float, gc: Collection) -> bool | str | None:
+    """Delete one victim: True; "young" if a save rewrote it meanwhile (grace directories only: their
+    older writers refresh reused blobs); None if the round's window ended first."""
+    try:
+        if floor > 0:
+            info = store.blob_info(blob.key)
+            if info is None:
+                return True
+            if time.time() - info.mtime < floor:
+                return "young"
+        store.delete_blob(blob.key, guard=gc.guard)
+        return True
+    except WindowClosed:
+        return None
+
+
+def _account(report: GCReport, blobs: list[BlobInfo]) -> None:
+    report.deleted = [b.key for b in blobs]
+    report.freed_bytes += sum(b.size for b in blobs)
+
+
+def _drop_dead(ldir: LeaseDir, prot: Protection) -> None:
+    """Remove the lease objects of dead writers once their keys were dealt with."""
+    for rec in prot.dead:
+        try:
+            ldir.delete(rec.name)
+        except CheckrunError as exc:
+            log.warning("checkrun: could not remove the dead lease %s: %s", ldir.url(rec.name), exc)
+
+
+def _collect_temp_files(store: Store, config: EngineConfig, floor: float, report: GCReport,
+                        delete: bool = True) -> None:
+    """A process killed while writing leaves its temp file (a torn blob, an unrenamed manifest):
+    nothing reads them. Deleted when their process ended, or when older than ``lease_seconds``
+    (and the grace): a live writer finishes a file much sooner."""
+    age = max(floor, config.retention.lease_seconds)
+    now = time.time()
+    stale = [t for t in store.list_temp_files()
+             if owner.temp_writer_gone(t.name) or now - t.mtime >= age]
+    if delete:
+        store.map(lambda t: store.delete_temp_file(t.name), stale)
+    report.temp_files = [t.name for t in stale]
+    report.freed_bytes += sum(t.size for t in stale)

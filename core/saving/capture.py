@@ -1,0 +1,292 @@
+"""Step 1 of a save, on the training thread: flatten the state and copy it into staging buffers.
+
+Everything after this works only on the snapshot, so the caller may mutate or free the state as
+soon as ``take_snapshot`` returns. Nothing here waits for a device: device tensors are copied
+non-blocking into one pinned arena per device, and what needs their values on the host (a device
+"step" counter for the listing, values pickled with device tensors inside) is done by the snapshot's
+event after the copies (``staging.AfterCopy``), on the background thread. An error here gives back
+everything taken: budget, buffers, and the row streams' claim to match what is committed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import FormatError
+from ..format.limits import DEVICE_TYPES
+from .fence import CommitStamp, new_stamp
+from ..format.objects import DeferredObject, device_storage_bytes, serialize_object
+from .pinned import arena_layout, can_pin
+from .staging import AfterCopy, BufferPool, Copier, MemoryBudget, empty_host
+from .streams import DirState, RowStream, row_eligible
+from ..format.tree import flatten
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """One tensor's snapshot: a flat host buffer plus what the row stream learned while copying."""
+
+    key: str
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    device: str
+    stream: RowStream | None = None
+    changed: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass(frozen=True)
+class StagedObject:
+    """A pickled value: its torch.save bytes, or a ``_Later`` that builds them after the copies."""
+
+    key: str
+    type_name: str
+    payload: "bytes | _Later"
+
+    @property
+    def data(self) -> bytes:
+        return self.payload if isinstance(self.payload, bytes) else self.payload.get()
+
+    def __reduce__(self):  # to a writer process: the bytes themselves
+        return (StagedObject, (self.key, self.type_name, self.data))
+
+
+class _Later:
+    """Bytes made once, after ``settle`` (the snapshot's copy event) returned; any thread."""
+
+    def __init__(self, make: Callable[[], bytes]) -> None:
+        self._make: Callable[[], bytes] = make
+        self._data: bytes | None = None
+        self.settle: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> bytes:
+        with self._lock:
+            if self._data is None:
+                if self.settle is not None:
+                    self.settle()
+                self._data = self._make()  # a failure fails the save, here or at a retry
+            return self._data
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    skeleton: Any
+    tensors: tuple[StagedTensor, ...]
+    objects: tuple[StagedObject, ...]
+    leaves: tuple[int, ...]
+    event: Any
+    charged: int
+    created: float
+    meta: dict
+    stamp: CommitStamp | None = None
+    """Orders this snapshot's commit against other saves of the same name (``fence``)."""
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()) if t.numel() else (id(t),)
+
+
+def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copier,
+                  budget: MemoryBudget, config: EngineConfig, trackers: tuple = ()) -> Snapshot:
+    """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread."""
+    created = time.time()
+    stamp = new_stamp()
+    flat = flatten(state)
+    leaves: list[int] = []
+    unique: dict[tuple, int] = {}
+    sources: list[tuple[str, torch.Tensor]] = []
+    for leaf in flat.tensors:
+        # Views of the same memory with the same layout (tied weights) are stored once.
+        k = _alias_key(leaf.tensor)
+        if k not in unique:
+            if leaf.tensor.device.type not in DEVICE_TYPES:  # a load would refuse the manifest
+                raise FormatError(f"{leaf.key}: cannot save a tensor on {leaf.tensor.device}: checkrun saves "
+                                  f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
+            unique[k] = len(sources)
+            sources.append((leaf.key, leaf.tensor.detach()))
+        leaves.append(unique[k])
+    deferred = _device_objects(flat.objects, sources)
+    charged = _staging_bytes(sources) + sum(deferred.values())
+    budget.acquire(charged)
+    taken: list[torch.Tensor] = []  # staging buffers from the pool: given back on an error
+    try:
+        staged = _stage_all(sources, dirstate, pool, copier, config, trackers, taken)
+        objects, later = _stage_objects(flat.objects, deferred, copier, pool.pin_memory)
+        meta, late_meta = _meta(state, lambda t: _staged_copy(t, unique, staged))
+        event = copier.finish()
+        for obj in objects:
+            if isinstance(obj.payload, _Later):
+                obj.payload.settle = event.synchronize if event is not None else None
+        if late_meta or later:
+            event = AfterCopy(event, late_meta + later)
+        for tracker in trackers:  # last: the snapshot is taken, the trackers start a new interval
+            tracker.captured()
+    except BaseException:
+        copier.abort()
+        for buf in taken:
+            pool.give(buf)
+        if any(row_eligible(key, t, config.incremental) for key, t in sources):
+            dirstate.invalidate()  # row streams moved on from what is committed: next save is full
+        budget.release(charged)
+        raise
+    return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, meta, stamp)
+
+
+def _by_device(sources: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
+    """Indices of the device (non-CPU) sources, per device."""
+    out: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(sources):
+        if t.device.type != "cpu":
+            out.setdefault(t.device, []).append(i)
+    return out
+
+
+def _staging_bytes(sources: list[tuple[str, torch.Tensor]]) -> int:
+    """What staging ``sources`` takes: host tensors' bytes, and per device its arena (the device
+    tensors' bytes with their alignment)."""
+    host = sum(t.nbytes for _, t in sources if t.device.type == "cpu")
+    return host + sum(arena_layout([(sources[i][1].dtype, sources[i][1].numel()) for i in idxs])[1]
+                      for idxs in _by_device(sources).values())
+
+
+def _stage_all(sources: list[tuple[str, torch.Tensor]], dirstate: DirState, pool: BufferPool, copier: Copier,
+               config: EngineConfig, trackers: tuple, taken: list) -> tuple[StagedTensor, ...]:
+    """Stage every source: device tensors into one pinned arena per device, host tensors into
+    their own buffers or row streams."""
+    arena: dict[int, torch.Tensor] = {}
+    for device, idxs in _by_device(sources).items():
+        views = pool.take_arena([(sources[i][1].dtype, sources[i][1].numel()) for i in idxs], device)
+        taken.extend(views)
+        arena.update(zip(idxs, views))
+    out = []
+    for i, (key, t) in enumerate(sources):
+        buf = arena.get(i)
+        if buf is not None:
+            copier.copy(t, buf)
+            out.append(StagedTensor(key, tuple(t.shape), buf, str(t.device)))
+        else:
+            out.append(_stage(key, t, dirstate, pool, copier, config, trackers, taken))
+    return tuple(out)
+
+
+def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copier: Copier,
+           config: EngineConfig, trackers: tuple, taken: list) -> StagedTensor:
+    shape = tuple(t.shape)
+    if row_eligible(key, t, config.incremental):
+        stream = dirstate.streams.get(key)
+        if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
+            if stream is not None:  # no save in flight uses it: the engine waited (_wait_streams)
+                pool.free_host(stream.buffer)
+            stream = RowStream(pool.new_host(t.numel(), t.dtype), t.dtype, shape)
+            dirstate.streams[key] = stream
+        rows = None
+        for tracker in trackers:
+            rows = tracker.rows_for(t, stream.tracker_since)
+            if rows is not None:
+                break
+        changed = stream.capture(t, rows, config.incremental, copier.copy)
+        if rows is None and changed is not None:
+            for tracker in trackers:
+                tracker.check(t, changed, stream.tracker_since)
+        stream.tracker_since = max((tr.clock + 1 for tr in trackers), default=0)
+        return StagedTensor(key, shape, stream.buffer, str(t.device), stream, changed)
+    buf = pool.take(t.dtype, t.numel(), for_cuda=False)
+    taken.append(buf)
+    copier.copy(t, buf)
+    return StagedTensor(key, shape, buf, str(t.device))
+
+
+def _devices_in_use(sources: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether a pickled value may hold device tensors: a device tensor is saved, or a device
+    backend is initialised (no device tensor exists without). Never initialises one."""
+    if any(t.device.type != "cpu" for _, t in sources) or torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
+        return True
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def _device_objects(objects: tuple, sources: list) -> dict[int, int]:
+    """Index -> device bytes of the pickled values that hold device tensors (staged, not pickled
+    inside save())."""
+    if not objects or not _devices_in_use(sources):
+        return {}
+    found = {}
+    for i, o in enumerate(objects):
+        nbytes = device_storage_bytes(o.obj)
+        if nbytes is not None:
+            found[i] = nbytes
+    return found
+
+
+def _stage_objects(objects: tuple, deferred: dict[int, int], copier: Copier,
+                   pin: bool) -> tuple[tuple[StagedObject, ...], list[Callable[[], Any]]]:
+    """Pickle the values now, or, for those holding device tensors, stage their storages and
+    pickle them after the copies (the callables returned)."""
+    out, later = [], []
+    for i, o in enumerate(objects):
+        if i not in deferred:
+            out.append(StagedObject(o.key, o.type_name, serialize_object(o.obj)))
+            continue
+        lazy = _Later(DeferredObject(o.obj, lambda src: _stage_storage(src, copier, pin)).serialize)
+        later.append(lazy.get)
+        out.append(StagedObject(o.key, o.type_name, lazy))
+    return tuple(out), later
+
+
+def _stage_storage(src: torch.Tensor, copier: Copier, pin: bool) -> torch.Tensor:
+    """A host buffer for the flat uint8 device tensor ``src``, its copy queued (pinned: non-blocking).
+    From torch's pinned-memory cache: such values are rare and small, and the cache reuses the
+    memory from save to save (an exact-size registration would be made again every save)."""
+    n = src.numel()
+    if pin and n and can_pin(src.device):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    else:
+        host = empty_host(n, torch.uint8)
+    copier.copy(src, host)
+    return host
+
+
+def _staged_copy(t: torch.Tensor, unique: dict[tuple, int], staged: tuple) -> torch.Tensor | None:
+    """The staged host copy of the tensor leaf ``t``, or None (not a leaf of this snapshot)."""
+    idx = unique.get(_alias_key(t.detach()))
+    return staged[idx].data if idx is not None else None
+
+
+def _meta(state: Any, staged_copy: Callable[[torch.Tensor], torch.Tensor | None]
+          ) -> tuple[dict, list[Callable[[], None]]]:
+    """Loop counters worth showing in listings (Lightning's global_step/epoch, plain step), and
+    what fills in device counters from their staged copies once copied (reading the device
+    tensor here would wait for the device)."""
+    meta: dict = {}
+    later: list[Callable[[], None]] = []
+    if isinstance(state, Mapping):
+        for name in ("global_step", "step", "epoch"):
+            v = state.get(name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                meta[name] = v
+            elif (isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point()
+                  and not v.is_complex()):
+                if v.device.type == "cpu":
+                    meta[name] = int(v)
+                    continue
+                host = staged_copy(v)
+                if host is not None:
+                    later.append(lambda name=name, host=host: meta.__setitem__(name, int(host.view(-1)[0])))
+    return meta, later

@@ -1,0 +1,91 @@
+"""Step 5 of a save: the commit of the manifest, under the save's lease, and what it reports.
+
+``write_and_commit`` runs on the engine's coordinator thread or in the writer process: it takes the
+save's lease (``save_lease``), has ``writer.SnapshotWriter`` store every blob, then writes the
+manifest in one atomic step, fenced (``fence``) and with the lease checked right before the
+rename/PUT (``_guard``). After the commit the lease is released (the manifest protects the blobs);
+after a failure it is marked expired, so the next collection deletes what no manifest references.
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable
+
+from .capture import Snapshot
+from ..config import EngineConfig
+from ..errors import CheckrunError
+from .fence import commit_guard
+from ..format.manifest import Manifest
+from .quant_rules import RuleMatcher
+from .lease import SaveLease
+from ..storage.store import Store
+from .streams import DirState
+from .write import SnapshotWriter
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What the background part of one save reports (from a thread or from the writer process)."""
+
+    stats: dict
+    manifest_bytes: int
+    new_blobs: int
+    reused_blobs: int
+    quantized_tensors: int
+    quantization_saved_bytes: int
+    stream_updates: dict
+    """Row stream key -> (plan, record, spec id, detected): applied by ``commit_streams``."""
+    unmatched_rules: tuple
+
+
+def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState, config: EngineConfig,
+                     matcher: RuleMatcher, workers: Executor,
+                     owner_alive: Callable[[], bool] | None = None) -> Committed:
+    """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds.
+
+    The commit is fenced (``fence``): it raises ``SupersededError`` instead of replacing a newer
+    manifest of that name, and ``OrphanedWriterError`` when ``owner_alive()`` (writer process: is
+    the training process alive?) says no. The save's lease is held from its first blob to the commit."""
+    lease = SaveLease(store, config)
+    try:
+        writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers, lease)
+        manifest, stats = writer.write()
+        if snap.stamp is not None:
+            manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
+        data = manifest.to_bytes()
+        fence = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
+        store.write_manifest(name, data, guard=lambda: _guard(store, lease, manifest, fence))
+    except BaseException:
+        lease.abandon()  # its keys become candidates of the next collection
+        raise
+    lease.release()  # the manifest protects the blobs from now on
+    writer.adopt(manifest)
+    new = sum(1 for r in manifest.tensors if r.written)
+    quantized = [r for r in manifest.tensors if r.quant]
+    return Committed(stats, len(data), new, len(manifest.blobs()) - new, len(quantized),
+                     sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
+                     writer.stream_updates, matcher.unmatched_rules())
+
+
+def _guard(store: Store, lease: SaveLease, manifest: Manifest, fence: Callable[[], None] | None) -> None:
+    """Right before the commit's rename/PUT: if the lease lapsed since the writer's last check
+    (renewals failing while the commit waited), take it again and make sure every blob still
+    exists; then the commit fence (``fence.commit_guard``)."""
+    if not lease.intact():
+        lease.refresh()
+        keys = sorted(manifest.blob_keys())
+        gone = [k for k, info in zip(keys, store.map(store.blob_info, keys)) if info is None]
+        if gone:
+            raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url('')} were collected "
+                                f"while its lease had lapsed (e.g. {store.blob_path(gone[0])}); not committed")
+    if fence is not None:
+        fence()
+
+
+def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:
+    """Advance the snapshot's row streams to what was committed (on the engine's side)."""
+    streams = {st.key: st.stream for st in snap.tensors if st.stream is not None}
+    for key, (plan, rec, spec_id, detected) in done.stream_updates.items():
+        streams[key].commit(plan, rec, spec_id, detected, max_chain)

@@ -1,0 +1,150 @@
+"""Commit fencing: a save never replaces a newer manifest of the same name, and a writer process
+whose training process died commits nothing.
+
+Every snapshot gets a ``CommitStamp`` when it is captured (on the training thread): the wall clock
+in nanoseconds, the random id of the capturing process and a sequence number counting that
+process's snapshots. The stamp is written into the manifest (field ``commit``; canonical JSON sorts
+it right after the checksum, so it lies in the first ~150 bytes). Right before the commit - after
+the temp file is written and fsynced and before the rename; before the PUT - ``commit_guard`` reads
+the head of the manifest about to be replaced and refuses with ``SupersededError`` if that one is
+newer:
+
+* same writer id (one process): the higher sequence number is newer - capture order, which a wall
+  clock stepping back cannot reorder;
+* different writers (another process, a restarted trainer, another host): the later wall-clock
+  time is newer, the writer id breaking a tie.
+
+A stamp claiming to be newer is believed only if that manifest's checksum matches its bytes: a
+damaged manifest never blocks a save. A file without a stamp (a manifest of an older checkrun, a DCP
+manifest, not a checkrun file at all) is replaced as before.
+
+Superseded is an error: the save did not do what was asked (its state is not at that path), so it
+surfaces like any failed save (``BackgroundSaveError`` whose cause is ``SupersededError``). Its
+message names the file and both stamps. In practice it means two writers save to one name (two jobs
+on one directory, or a restarted trainer whose old writer is still finishing); across hosts it can
+also mean a clock running behind the one that wrote the newer manifest.
+
+Remaining race: the check and the rename/PUT are two steps. A newer manifest committed by another
+writer between the guard's read and our rename (locally a few microseconds: one small read, one
+comparison) or our PUT (on S3 one GET round trip) is overwritten. Closing it needs a compare-and-swap
+from the storage (an S3 conditional PUT with ``If-Match``, a lock shared by all writers). For the
+orphan writer the check of the training process comes first and the fence second, so it would need
+both a trainer death and a newer commit inside that window.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, OrphanedWriterError, SupersededError
+from ..format.manifest import checksum_matches
+
+if TYPE_CHECKING:
+    from ..storage.store import Store
+
+log = logging.getLogger("ckpt_core")
+
+#: Bytes read from the head of a manifest to find its stamp (it ends before byte ~170).
+HEAD_BYTES = 512
+_STAMP_RE = re.compile(rb'\{"_checkrun":"manifest","checksum":"[0-9a-f]{32}",'
+                       rb'"commit":\{"ns":(\d{1,20}),"seq":(\d{1,20}),"writer":"([0-9a-f]{1,32})"\}')
+
+
+@dataclass(frozen=True)
+class CommitStamp:
+    """When and by whom a snapshot was captured; orders commits of one name (``newer_than``)."""
+
+    ns: int
+    """``time.time_ns()`` at capture, never less than the previous stamp of this process."""
+    writer: str
+    """Random hex id of the capturing process (new in a forked child)."""
+    seq: int
+    """1, 2, ... in capture order within the process."""
+
+    def newer_than(self, other: "CommitStamp") -> bool:
+        """Whether this stamp's snapshot is newer than ``other``'s (equal stamps: same snapshot)."""
+        if self.writer == other.writer:
+            return self.seq > other.seq
+        return (self.ns, self.writer) > (other.ns, other.writer)
+
+    def to_json(self) -> dict:
+        """The manifest's ``commit`` field."""
+        return {"ns": self.ns, "seq": self.seq, "writer": self.writer}
+
+
+class _Clock:
+    lock = threading.Lock()
+    writer = uuid.uuid4().hex[:16]
+    seq = itertools.count(1)
+    last_ns = 0
+
+
+def _forked() -> None:
+    # A forked child that saves is another writer: it must not continue the parent's sequence.
+    _Clock.lock = threading.Lock()
+    _Clock.writer = uuid.uuid4().hex[:16]
+    _Clock.seq = itertools.count(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def new_stamp() -> CommitStamp:
+    """The stamp of a snapshot captured now (any thread; stamps of one process strictly increase)."""
+    with _Clock.lock:
+        ns = _Clock.last_ns = max(time.time_ns(), _Clock.last_ns + 1)
+        return CommitStamp(ns, _Clock.writer, next(_Clock.seq))
+
+
+def read_stamp(head: bytes) -> Optional[CommitStamp]:
+    """The stamp in the first bytes of a manifest, or None (no stamp, or not a manifest)."""
+    m = _STAMP_RE.match(head)
+    return CommitStamp(int(m.group(1)), m.group(3).decode(), int(m.group(2))) if m else None
+
+
+def commit_guard(store: "Store", name: str, stamp: CommitStamp,
+                 owner_alive: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
+    """The check ``Store.write_manifest`` runs right before the rename/PUT of ``name``.
+
+    Raises ``OrphanedWriterError`` when ``owner_alive()`` says the training process died (writer
+    process only), ``SupersededError`` when the manifest in place is newer than ``stamp``."""
+
+    def check() -> None:
+        if owner_alive is not None and not owner_alive():
+            raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
+                                      "checkrun writer process died")
+        existing = _existing_stamp(store, name)
+        if existing is not None and existing.newer_than(stamp):
+            raise SupersededError(
+                f"{store.url(name)} not committed: a newer checkpoint of that name was committed by "
+                f"another writer meanwhile (its stamp {existing.to_json()}, this save's {stamp.to_json()}); "
+                "it is kept. Two writers save to one name, or this host's clock is behind theirs")
+
+    return check
+
+
+def _existing_stamp(store: "Store", name: str) -> Optional[CommitStamp]:
+    """The stamp of the manifest now at ``name`` if it has one and is intact, else None."""
+    try:
+        stamp = read_stamp(store.read_head(name, HEAD_BYTES))
+        if stamp is None:
+            return None
+        data = store.read_manifest(name)  # claims to be newer: believe it only if it is intact
+    except CheckpointNotFoundError:
+        return None
+    except CorruptCheckpointError as exc:  # read_manifest: larger than any manifest may be
+        log.warning("checkrun: replacing %s: %s", store.url(name), exc)
+        return None
+    stamp = read_stamp(data[:HEAD_BYTES])
+    if stamp is None or not checksum_matches(data):
+        log.warning("checkrun: replacing %s: its checksum does not match (damaged)", store.url(name))
+        return None
+    return stamp

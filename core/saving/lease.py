@@ -1,0 +1,181 @@
+"""The saves' side of leases: ``SaveLease``, created by every save in flight (engine threads, the
+writer process, each DCP rank) before it writes or reuses any blob.
+
+``cover(keys)`` returns once a version of the lease naming ``keys`` is in the store *and* no
+collection that may have missed that version can still delete anything: it lists the collection
+objects (``gc-*.json``) right after the write and waits until each live one present then is gone or
+its deletion window has passed twice over (``leases.Collection``). From then on, a collection that
+starts later reads this lease; one that ran earlier is done. So the save writes a covered blob, or
+checks that a covered blob it reuses exists (``writer._repair_missing``), and that stays true until
+the lease is released after the commit (the manifest protects the blobs from then on). Concurrent
+``cover`` calls of the worker threads share one write (group commit): a save costs a few lease
+writes and listings, not one per blob.
+
+Renewal: the save's own threads rewrite the lease as they work (``renew_if_due``, from ``cover`` and
+from every chunk they store) once a quarter of ``lease_seconds`` has passed since the last write: no
+thread of its own, since starting and ending threads behind the training loop's back races its forks
+(DataLoader workers; ``lifecycle.retiring``). The writer counts its lease as valid until
+``lease_seconds * 3 / 4`` after the start of its latest write (a quarter of ``lease_seconds`` kept for
+clock differences with collectors, which compare the written expiry with their own clock). If no
+renewal happened for that long (one operation took minutes, the storage was unreachable),
+``intact()`` says so and the writer calls ``refresh()`` and checks every blob of the save again before
+it commits: a collection may have taken some meanwhile. So a slow save is never cut short, only
+checked again. Only a dead writer's lease runs out, after ``lease_seconds``.
+
+``release()`` deletes the lease after the commit; ``abandon()`` (a failed save) rewrites it as
+expired, so that the next collection takes its keys as candidates and deletes what no manifest
+references.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterable
+
+from ..config import EngineConfig
+from ..errors import CheckrunError
+from ..retain.leases import LeaseDir, new_name, record
+from ..storage.store import Store
+
+log = logging.getLogger("ckpt_core")
+
+_POLL_FIRST, _POLL_MAX = 0.005, 0.5
+_now = time.monotonic
+"""The clock of renewals, validity and waits (module-level so that tests can move it)."""
+
+
+class SaveLease:
+    """The lease of one save in flight; see the module docstring for the order of calls."""
+
+    def __init__(self, store: Store, config: EngineConfig) -> None:
+        self.dir = LeaseDir(store)
+        self.seconds = float(config.retention.lease_seconds)
+        self.name = new_name("save")
+        self.waited_seconds = 0.0
+        """Time ``cover`` spent waiting for collections in progress."""
+        self._published: set[str] = set()  # named by the latest version written; only grows
+        self._covered: set[str] = set()  # published, and past the wait for collections
+        self._pending: set[str] = set()
+        self._cond = threading.Condition()
+        self._publishing = False
+        self._io = threading.Lock()  # one write of the lease object at a time
+        self._valid_until: float | None = None  # monotonic
+        self._written_at = 0.0  # monotonic start of the latest write
+        self._lapsed = False
+        self._ended = False
+
+    def cover(self, keys: Iterable[str]) -> None:
+        """Return once ``keys`` are protected (see the module docstring). Any thread."""
+        self.renew_if_due()
+        want = set(keys)
+        with self._cond:
+            want -= self._covered
+            if not want:
+                return
+            self._pending |= want
+            while not want <= self._covered:
+                if self._publishing:
+                    self._cond.wait()
+                    continue
+                batch, self._publishing = set(self._pending), True
+                self._cond.release()
+                try:
+                    self._publish(batch)
+                finally:
+                    self._cond.acquire()
+                    self._publishing = False
+                    self._cond.notify_all()
+                self._covered |= batch
+                self._pending -= batch
+
+    def _publish(self, batch: set[str]) -> None:
+        with self._io:
+            self._published |= batch
+            self._write()
+        self._wait_for_collections()
+
+    def _write(self, expired: bool = False) -> None:
+        """Write the lease (caller holds ``_io``); a write starting after the validity ran out is a lapse."""
+        started = _now()
+        self.dir.write(record(self.name, "save", self.seconds, frozenset(self._published), expired=expired))
+        if self._valid_until is not None and started > self._valid_until:
+            self._lapsed = True
+        self._valid_until = started + 0.75 * self.seconds
+        self._written_at = started
+
+    def _wait_for_collections(self) -> None:
+        """Wait until no collection that may have missed the version just written can still delete."""
+        first_seen: dict[str, float] = {}
+        delay, t0 = _POLL_FIRST, _now()
+        while True:
+            now_wall, now = time.time(), _now()
+            busy = []
+            for rec in self.dir.read_all(prefix="gc-"):
+                if not rec.live(now_wall):
+                    continue
+                seen = first_seen.setdefault(rec.name, now)
+                if now < seen + 2 * rec.window:
+                    busy.append(seen + 2 * rec.window - now)
+            if not busy:
+                self.waited_seconds += _now() - t0
+                return
+            time.sleep(min(delay, max(busy)))
+            delay = min(2 * delay, _POLL_MAX)
+
+    def renew_if_due(self) -> None:
+        """Rewrite the lease (new expiry) if a quarter of ``lease_seconds`` passed since the last
+        write; a failure is logged (the next call tries again; a lapse is caught by ``intact``).
+        Any thread; never waits for another thread's write."""
+        if self._valid_until is None or self._ended:
+            return
+        if _now() - self._written_at < self.seconds / 4 or not self._io.acquire(blocking=False):
+            return
+        try:
+            if not self._ended and _now() - self._written_at >= self.seconds / 4:
+                self._write()
+        except CheckrunError as exc:
+            log.warning("checkrun: renewing lease %s failed (retrying): %s", self.dir.url(self.name), exc)
+        finally:
+            self._io.release()
+
+    def intact(self) -> bool:
+        """Whether the lease has been valid without a gap since its first write (any thread)."""
+        with self._io:
+            return not self._lapsed and (self._valid_until is None or _now() <= self._valid_until)
+
+    def refresh(self) -> None:
+        """After a lapse: write the lease again and wait for collections; the caller then checks every
+        blob the save references (a collection may have deleted some while the lease was out)."""
+        with self._io:
+            self._write()
+            self._lapsed = False
+        self._wait_for_collections()
+
+    def _end(self) -> None:
+        with self._io:
+            self._ended = True
+
+    def release(self) -> None:
+        """After the commit: delete the lease (an error is logged: it expires by itself)."""
+        self._end()
+        if self._valid_until is None:
+            return  # never written
+        try:
+            self.dir.delete(self.name)
+        except CheckrunError as exc:
+            log.warning("checkrun: could not remove lease %s (it expires by itself): %s",
+                        self.dir.url(self.name), exc)
+
+    def abandon(self) -> None:
+        """After a failure: rewrite the lease as expired, so the next collection takes its keys as
+        candidates (an error is logged: then it expires by itself)."""
+        self._end()
+        if self._valid_until is None:
+            return
+        try:
+            with self._io:
+                self._write(expired=True)
+        except CheckrunError as exc:
+            log.warning("checkrun: could not mark lease %s as expired: %s", self.dir.url(self.name), exc)
+

@@ -1,0 +1,279 @@
+"""``saving.background: process``: the background part of every save runs in a writer process.
+
+Why: in one process, the background threads need the GIL for every step between C calls (hash,
+encode, checksum, open, write, fsync, rename: about 15 per blob) and the training thread waits for
+each hand-off. Measured beside a Lightning fit on CPU (``benchmarks/bench_lightning.py``,
+``--mode interleaved``), that cost the training loop several times the snapshot itself. In a
+process of its own the writer competes only for cores.
+
+How: the engine stages tensors into ``SharedBuffers`` (files under ``/dev/shm`` mapped by both
+processes, reused from save to save like any staging buffer), then sends the snapshot with a
+pickler that replaces each staging buffer by its file name, so only the tree, the small objects
+and the names cross the pipe. The writer process (``python -m ckpt_core.saving.process``, started
+with ``subprocess``: it never imports the training script) keeps its own blob index per directory,
+writes and commits exactly as a background thread would (``commit.write_and_commit``), and answers
+with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
+runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
+which blobs exist or are gone, in order, on the same pipe.
+
+Lifetime: started at the first save, stopped by ``CheckpointEngine.close``. It ignores SIGINT and
+SIGTERM (the engine decides when it stops; SIGTERM's grace is the engine's) and exits when the
+engine's end of the pipe closes, deleting the shared buffers if the engine could not. If it dies,
+the save in flight fails with a ``BackgroundSaveError`` naming its exit status and the next save
+starts a new one. If the training process dies first (its parent pid changes), the writer commits
+nothing more: it checks before each save and again right before each commit (``fence``), so a
+restarted trainer's newer checkpoint is never replaced by the dead one's older state. Both pids own
+the staging directory: if both die at once, the next engine to start deletes it
+(``staging.remove_stale_directories``). Buffers the engine's pool frees (staging budget) are
+unmapped here on an ``unmap`` message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+from .capture import Snapshot
+from ..config import EngineConfig
+from ..errors import CheckrunError, ConfigError, OrphanedWriterError
+from .shm_staging import SharedBuffers, map_shared
+from ..storage.store import Store
+from .streams import DirState
+
+log = logging.getLogger("ckpt_core")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles staging buffers of ``shared`` as references to their files."""
+
+    def __init__(self, file: io.BytesIO, shared: SharedBuffers) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared = shared
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            name = self.shared.name_of(obj)
+            if name is not None:
+                return (name, obj.dtype, obj.numel())
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, directory: str, maps: dict) -> None:
+        super().__init__(file)
+        self.directory, self.maps = directory, maps
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        name, dtype, numel = pid
+        t = self.maps.get(name)
+        if t is None:
+            t = self.maps[name] = map_shared(self.directory, name, dtype, numel)
+        return t
+
+
+def check_store(store: Store) -> None:
+    """Refuse a filesystem the writer process cannot share (``memory://``)."""
+    if "memory" in (store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)):
+        raise ConfigError(f"saving.background 'process' cannot save to {store.url('')}: a memory:// "
+                          "filesystem lives in one process; use saving.background 'thread'")
+
+
+class WriterProcess:
+    """The engine's side of the writer process. ``commit`` is called from the engine's coordinator
+    thread; ``adopt`` and ``forget`` from any thread. Messages are handled in the order sent."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.shared = SharedBuffers()
+        # Buffers the pool frees (staging budget): the writer process unmaps them, after every
+        # save sent before (only buffers no save in flight uses are freed).
+        self.shared.on_release = lambda names: self._notify(("unmap", names))
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._backlog: list[bytes] = []  # adopted blobs told before the writer process started
+        self._lock = threading.Lock()
+
+    def _start(self) -> Connection:
+        ours, theirs = socket.socketpair()
+        code = ("import sys; sys.path[:0] = %r; from ckpt_core.saving.process import serve; serve(%d)"
+                % ([p for p in sys.path if p], theirs.fileno()))
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                                          stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        # If the trainer dies with it, the next start deletes the staging files once both are gone.
+        self.shared.add_owner(self._proc.pid)
+        conn = Connection(ours.detach())
+        conn.send_bytes(pickle.dumps((self.config, self.shared.directory)))
+        for data in self._backlog:
+            conn.send_bytes(data)
+        self._backlog.clear()
+        return conn
+
+    def _send(self, message: tuple, start: bool = True) -> Connection | None:
+        """Send ``message`` (starting the writer process if ``start``, else keeping it for its start)."""
+        buf = io.BytesIO()
+        _Pickler(buf, self.shared).dump(message)
+        with self._lock:
+            if self._conn is None and not start:
+                self._backlog.append(buf.getvalue())
+                return None
+            if self._conn is None:
+                self._conn = self._start()
+            self._conn.send_bytes(buf.getbuffer())
+            return self._conn
+
+    def commit(self, snap: Snapshot, store: Store, name: str) -> Any:
+        """Write and commit ``snap`` as ``name`` in ``store`` in the writer process; its ``Committed``."""
+        check_store(store)
+        if snap.event is not None:
+            snap.event.synchronize()
+            snap = dataclasses.replace(snap, event=None)
+        try:
+            conn = self._send(("save", (store.fs, store.root, store.url_prefix), name, snap))
+            status, value = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise CheckrunError(f"the checkrun writer process died ({self._reap()}) while saving "
+                                f"{store.url(name)}") from exc
+        if status == "error":
+            raise value
+        return value
+
+    def adopt(self, store: Store, blobs: list, records: list) -> None:
+        """Blobs and records of a loaded checkpoint: the next save there reuses them."""
+        if blobs:
+            self._notify(("adopt", store.url(""), blobs, records))
+
+    def forget(self, store: Store, keys: list[str]) -> None:
+        """Blobs garbage collection deleted."""
+        if keys:
+            self._notify(("forget", store.url(""), keys))
+
+    def _notify(self, message: tuple) -> None:
+        """Tell the writer process, or, before it runs, its start (no process is started for it)."""
+        try:
+            self._send(message, start=False)
+        except OSError:
+            self._reap()  # reported by the next commit
+
+    def _reap(self) -> str:
+        """Forget a dead writer process (the next message starts a new one); its exit status."""
+        with self._lock:
+            proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return "not running"
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        return f"exit status {code}"
+
+    def close(self) -> None:
+        """Stop the writer process (after the messages already sent) and delete the shared buffers."""
+        with self._lock:
+            conn = self._conn
+        if conn is not None:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+            self._reap()
+        self.shared.close()
+
+
+def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple,
+          owner_alive: Callable[[], bool]) -> bytes:
+    """One ``save`` message: write and commit (unless the training process died); the pickled reply."""
+    from .commit import write_and_commit
+
+    (fs, root, prefix), name, snap = args
+    store = stores.get((prefix, root))
+    if store is None:
+        store = stores[(prefix, root)] = Store(fs, root, config.storage, prefix)
+    state = dirs.setdefault(store.url(""), DirState())
+    try:
+        if not owner_alive():  # checked again right before the commit (fence.commit_guard)
+            raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
+                                      "checkrun writer process died")
+        reply = ("ok", write_and_commit(snap, store, name, state, config, *run, owner_alive=owner_alive))
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine
+        if isinstance(exc, OrphanedWriterError):  # nobody is left to report it to
+            log.warning("%s", exc)
+        reply = ("error", exc)
+    try:
+        return pickle.dumps(reply)
+    except Exception:  # an exception that does not pickle: its text
+        return pickle.dumps(("error", CheckrunError(f"{type(reply[1]).__name__}: {reply[1]}")))
+
+
+def serve(fd: int) -> None:
+    """The writer process: handle messages until the engine says stop or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from . import lifecycle
+    from .quant_rules import RuleMatcher
+
+    logging.basicConfig(level=logging.WARNING, format="checkrun writer process: %(levelname)s %(message)s")
+    parent = os.getppid()
+    conn = Connection(fd)
+    config, directory = pickle.loads(conn.recv_bytes())
+    lifecycle.lower_thread_priority(config.saving.thread_nice)
+    torch.set_num_threads(1)
+    matcher = RuleMatcher(config.quantization)
+    workers = ThreadPoolExecutor(config.saving.workers, thread_name_prefix="checkrun-worker")
+    stores: dict[tuple, Store] = {}
+    dirs: dict[str, DirState] = {}
+    maps: dict[str, torch.Tensor] = {}
+    try:
+        while True:
+            try:
+                message = _Unpickler(io.BytesIO(conn.recv_bytes()), directory, maps).load()
+            except EOFError:
+                return
+            if message is None:
+                return
+            kind, *args = message
+            message = None  # the snapshot's buffers: referenced by ``args`` only, until unmapped
+            if kind == "save":
+                data = _save(args, stores, dirs, config, (matcher, workers), lambda: os.getppid() == parent)
+                args = None
+                try:
+                    conn.send_bytes(data)
+                except OSError:
+                    return  # the engine's process is gone
+            elif kind == "unmap":  # buffers the engine freed: their memory goes when unmapped here
+                for name in args[0]:
+                    maps.pop(name, None)
+            elif kind == "adopt":
+                url, blobs, records = args
+                state = dirs.setdefault(url, DirState())
+                state.adopt_verified(blobs)  # the load checked every one of them
+                state.records.update((r.key, r) for r in records)
+            elif kind == "forget":
+                url, keys = args
+                if url in dirs:
+                    dirs[url].forget(keys)
+    finally:
+        workers.shutdown(wait=True)
+        for store in stores.values():
+            store.close()
+        if os.getppid() != parent:  # the engine's process died: nobody else deletes its buffers
+            shutil.rmtree(directory, ignore_errors=True)
+

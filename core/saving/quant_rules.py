@@ -1,0 +1,102 @@
+"""Which tensors are quantized, and how: matching ``QuantRule``s against flattened state keys.
+
+Rules are opt-in and ordered; the first rule that fits a tensor wins. Some tensors are never
+quantized whatever the rules say: non-floating dtypes (integers, bool, complex; also float8,
+which has nothing left to save), 0-d tensors, and optimizer step counters (keys whose last
+dot-separated component is ``step``) - losing precision there would corrupt training state
+rather than perturb it.
+"""
+from __future__ import annotations
+
+import threading
+from fnmatch import fnmatchcase
+from typing import Optional
+
+import torch
+
+from ..config import QuantRule
+from ..errors import ConfigError
+
+#: dtypes a rule may quantize; everything else is stored lossless.
+QUANTIZABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def adaptive_bits(expected_restores: int) -> int:
+    """Check-N-Run's adaptive bit width: the more often a checkpoint may be restored, the more
+    error would accumulate, so the more bits: 2 for 1 restore, 3 up to 3, 4 up to 20, else 8."""
+    if expected_restores <= 1:
+        return 2
+    if expected_restores <= 3:
+        return 3
+    if expected_restores <= 20:
+        return 4
+    return 8
+
+
+def rule_dtype(rule: QuantRule) -> Optional[torch.dtype]:
+    """The torch dtype a rule's ``dtype`` string names (``"float32"``, ``"torch.half"``, ...).
+
+    ConfigError for a name that is not a torch dtype, so a typo fails loudly at the first match.
+    """
+    if rule.dtype is None:
+        return None
+    name = rule.dtype[6:] if rule.dtype.startswith("torch.") else rule.dtype
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"quantization rule {rule.pattern!r}: unknown dtype {rule.dtype!r}")
+    return dtype
+
+
+def never_quantized(key: str, dtype: torch.dtype, ndim: int) -> bool:
+    """True for tensors no rule may touch (see the module docstring)."""
+    return dtype not in QUANTIZABLE_DTYPES or ndim == 0 or key.rsplit(".", 1)[-1] == "step"
+
+
+def match_rule(key: str, dtype: torch.dtype, numel: int, ndim: int,
+               rules: tuple[QuantRule, ...]) -> QuantRule | None:
+    """The first rule whose glob ``pattern`` (case-sensitive, on the flattened dot-joined key)
+    matches, whose ``dtype`` (if set) is the tensor's and whose ``min_numel`` <= ``numel``;
+    None if there is none or the tensor is never quantized."""
+    return _match(key, dtype, numel, ndim, rules)[1]
+
+
+def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
+           rules: tuple[QuantRule, ...]) -> tuple[int, QuantRule | None]:
+    if never_quantized(key, dtype, ndim):
+        return -1, None
+    for index, rule in enumerate(rules):
+        if not fnmatchcase(key, rule.pattern):
+            continue
+        wanted = rule_dtype(rule)
+        if (wanted is None or wanted == dtype) and numel >= rule.min_numel:
+            return index, rule
+    return -1, None
+
+
+class RuleMatcher:
+    """``match_rule`` over a fixed rule list, remembering which rules were ever selected.
+
+    Thread-safe. The engine calls ``select`` for every tensor it saves and, once a save is
+    planned, ``unmatched_rules`` to warn once about rules that selected nothing (usually a typo
+    in a pattern).
+    """
+
+    def __init__(self, rules: tuple[QuantRule, ...] | list[QuantRule]) -> None:
+        self.rules = tuple(rules)
+        for rule in self.rules:
+            rule_dtype(rule)  # fail on a bad dtype name now, not at the first matching tensor
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    def select(self, key: str, tensor: torch.Tensor) -> QuantRule | None:
+        """The rule for this tensor (see ``match_rule``), or None to store it lossless."""
+        index, rule = _match(key, tensor.dtype, tensor.numel(), tensor.dim(), self.rules)
+        if rule is not None and index not in self._used:
+            with self._lock:
+                self._used.add(index)
+        return rule
+
+    def unmatched_rules(self) -> tuple[QuantRule, ...]:
+        """Rules, in order, that ``select`` has never returned."""
+        with self._lock:
+            return tuple(rule for i, rule in enumerate(self.rules) if i not in self._used)
