@@ -336,7 +336,26 @@ def check_rng(ck: Any, tmp: Path) -> str:
 
 
 def check_process_mode(ck: Any, tmp: Path) -> str:
-    return check_ordering(ck, tmp, {"saving": {"background": "process"}}) + " (writer process)"
+    import torch
+
+    order = check_ordering(ck, tmp, {"saving": {"background": "process"}})
+    w = torch.randn(4096, 4096, device="cuda")
+    with ck.CheckpointEngine({"saving": {"background": "process"}}) as engine:
+        engine.save({"w": w}, tmp / "pwarm.ckpt").result()  # shared buffers made (and registered)
+        expected = w.clone()
+        gpu_sleep(2.0)
+        w.mul_(1)
+        t0 = time.perf_counter()
+        handle = engine.save({"w": w}, tmp / "pbusy.ckpt")
+        blocked = time.perf_counter() - t0
+        still_busy = not torch.cuda.current_stream().query()
+        handle.result()
+        pinned = all(b.is_pinned() for free in engine.staging._free.values() for b in free)
+        got = engine.load(tmp / "pbusy.ckpt", map_location="cpu")["w"]
+    assert same(got, expected.cpu()), "process-mode snapshot differs"
+    assert pinned, "the writer process's shared staging buffers are not pinned"
+    assert still_busy and blocked < 1.0, f"save() blocked {blocked:.2f} s: the shared staging is not pinned"
+    return f"{order}; shared staging pinned, save() blocked {blocked * 1000:.1f} ms with 2 s of GPU work queued"
 
 
 def check_dcp(ck: Any, tmp: Path) -> str:

@@ -6,7 +6,7 @@
     checkrun export CKPT OUT        a self-contained .pt/.ckpt (torch.save) or .safetensors file
     checkrun import FILE CKPT       a torch/safetensors file -> a checkrun checkpoint
     checkrun diff A B               changed tensors/rows/values between two checkpoints
-    checkrun gc DIR                 delete blobs no checkpoint references (after a grace period)
+    checkrun gc DIR                 delete blobs no checkpoint references and no save in flight holds
 
 Every path may be an fsspec URL (``s3://bucket/run``); ``--storage-option key=value`` (repeatable,
 JSON values, dotted keys nest) and ``--endpoint-url`` reach the storage. Exit codes: 0 ok, 1 a
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
     p.add_argument("--grace", type=float, metavar="SECONDS",
-                   help="keep unreferenced blobs younger than this (default: retention.gc_grace_seconds, 3600)")
+                   help="also keep unreferenced blobs younger than this (default: retention.gc_grace_seconds, 0; "
+                        "the blobs of saves in flight are kept by their leases, not by age)")
     _common(p)
     return parser
 

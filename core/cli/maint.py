@@ -98,6 +98,7 @@ def cmd_gc(ctx: Context) -> int:
         emit_json({"directory": report.directory, "dry_run": report.dry_run, "grace_seconds": grace,
                    "deleted": report.deleted, "deleted_blobs": len(report.deleted),
                    "freed_bytes": report.freed_bytes, "kept_young": report.kept_young,
+                   "kept_leased": report.kept_leased, "leases": report.leases,
                    "referenced": report.referenced, "problems": [one_line(p) for p in report.problems]})
         return code
     if report.problems:
@@ -110,6 +111,6 @@ def cmd_gc(ctx: Context) -> int:
         log.info("checkrun: %s blob %s", verb, key)
     print(f"{verb} {len(report.deleted)} unreferenced blob(s), "
           f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed_bytes)}")
-    print(f"kept {report.referenced} referenced blob(s) and {report.kept_young} unreferenced blob(s) "
-          f"younger than the grace period ({grace:g} s)")
+    print(f"kept {report.referenced} referenced blob(s), {report.kept_leased} leased by "
+          f"{report.leases} save(s) in flight, {report.kept_young} younger than the grace ({grace:g} s)")
     return code

@@ -69,24 +69,37 @@ def alloc_pinned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _registered(nbytes: int) -> torch.Tensor | None:
-    try:
-        from torch.cuda import _pin_memory_utils as pin_utils  # what DCP's stager uses
-    except ImportError:
-        return None
     from .staging import empty_host  # staging imports this module
 
     t = empty_host(nbytes, torch.uint8)
+    error = register_host(t)
+    if error is not None:
+        log.debug("checkrun: cudaHostRegister of %d bytes failed (%s); using torch's pinned allocator",
+                  nbytes, error)
+        return None
+    return t
+
+
+def register_host(t: torch.Tensor) -> str | None:
+    """Pin the host memory of ``t``'s storage in place (``cudaHostRegister``), so that copies from a
+    CUDA device into it are asynchronous; unregistered when the storage is freed. Used for memory
+    torch's pinned allocator cannot give: exact-size arenas, and the shared-memory buffers of a
+    writer process (``saving.background: process``). Returns None when pinned, else why not."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        from torch.cuda import _pin_memory_utils as pin_utils  # what DCP's stager uses
+    except ImportError as exc:
+        return str(exc)
     storage = t.untyped_storage()
     try:
-        pin_utils.pin_memory(storage.data_ptr(), nbytes)
+        pin_utils.pin_memory(storage.data_ptr(), storage.nbytes())
     except (RuntimeError, AttributeError) as exc:
-        log.debug("checkrun: cudaHostRegister of %d bytes failed (%s); using torch's pinned allocator",
-                  nbytes, exc)
-        return None
+        return str(exc)
     # Unregistered when the memory goes (the storage outlives every view of it), never at exit:
     # the CUDA context may be gone by then.
     weakref.finalize(storage, pin_utils.unpin_memory, storage.data_ptr()).atexit = False
-    return t
+    return None
 
 
 def arena_layout(specs: list[tuple[torch.dtype, int]], align: int = 64) -> tuple[list[int], int]:

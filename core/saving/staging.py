@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+import logging
 import sys
 import threading
 from collections import OrderedDict, deque
@@ -21,6 +21,8 @@ import torch
 
 from . import pinned as _pinned
 from .copier import SPLIT_COPY_BYTES, AfterCopy, Copier  # noqa: F401 - the copy is part of staging
+
+log = logging.getLogger("ckpt_core")
 
 if TYPE_CHECKING:
     from .shm_staging import SharedBuffers
@@ -97,6 +99,21 @@ class MemoryBudget:
             self._cond.notify_all()
 
 
+_warned_unpinned = False
+
+
+def _pin_shared(buf: torch.Tensor) -> None:
+    """Register a writer process's shared staging buffer for CUDA copies as pinned; if that fails,
+    warn once: each copy from the GPU is then synchronous and ``save()`` waits for the GPU queue."""
+    global _warned_unpinned
+    error = _pinned.register_host(buf)
+    if error is not None and not _warned_unpinned:
+        _warned_unpinned = True
+        log.warning("checkrun: saving.background 'process': shared staging memory could not be pinned "
+                    "(%s); copies from the GPU are synchronous, so save() waits for the GPU's queued work. "
+                    "Use saving.background 'thread' for GPU training (docs/gpu.md)", error)
+
+
 @dataclass
 class BufferPool:
     """Host staging buffers reused from save to save, keyed by (dtype, numel, pinned).
@@ -117,7 +134,9 @@ class BufferPool:
     snapshot of the same sizes) and comes back once every view of it was given back.
 
     ``shared``: allocate every buffer there instead (``SharedBuffers``, for a writer process);
-    such buffers are never pinned. ``allocations`` counts fresh allocations, ``allocated_bytes``
+    buffers for CUDA sources are then registered as pinned in place (``pinned.register_host``), one
+    per tensor (the writer process maps buffers, not views of an arena); if registration fails, a
+    warning says once that the copies from the GPU are synchronous. ``allocations`` counts fresh allocations, ``allocated_bytes``
     the bytes the pool holds now, ``peak_bytes`` their maximum, ``evictions`` buffers freed to stay
     within the bound. ``take`` runs on the training thread, ``give`` on the coordinator thread.
     Whether a buffer is pinned is remembered, never asked (``is_pinned()`` can create a CUDA
@@ -146,7 +165,7 @@ class BufferPool:
 
     def take(self, dtype: torch.dtype, numel: int, for_cuda: bool) -> torch.Tensor:
         """A flat buffer of ``numel`` elements: a free one of that size, else a new one."""
-        pinned = for_cuda and self.pin_memory and self.shared is None and torch.cuda.is_available()
+        pinned = for_cuda and self.pin_memory and torch.cuda.is_available()
         key = (dtype, numel, pinned)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
@@ -157,7 +176,12 @@ class BufferPool:
             evicted = self._charge(nbytes)
         self._release(evicted)  # before allocating: the memory is given back first
         try:
-            buf = torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else self.new_host(numel, dtype)
+            if pinned and self.shared is None:
+                buf = torch.empty(numel, dtype=dtype, pin_memory=True)
+            else:
+                buf = self.new_host(numel, dtype)
+                if pinned:
+                    _pin_shared(buf)
         except BaseException:
             with self._lock:
                 self.allocated_bytes -= nbytes
@@ -171,6 +195,8 @@ class BufferPool:
         views of one pinned arena (free, of that size, else new), given back one by one with ``give``.
         Without pinning (``pin_memory`` off, shared memory, no backend) or bytes: ``take`` each."""
         offsets, total = _pinned.arena_layout(specs)
+        if self.shared is not None and device.type == "cuda":
+            return [self.take(dtype, numel, for_cuda=True) for dtype, numel in specs]
         if not (total and self.pin_memory and self.shared is None and _pinned.can_pin(device)):
             return [self.take(dtype, numel, for_cuda=False) for dtype, numel in specs]
         key = ("arena", device.type, total)
