@@ -18,6 +18,7 @@ See docs/accelerate.md.
 """
 from .checkpointer import AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
 from .config import CONFIG_ENV, SECTION, AdapterOptions
+from .steplog import StepLogSetupError
 
 __all__ = ["AcceleratorCheckpointer", "attach", "AdapterOptions", "UnsupportedDistributedTypeError",
-           "CONFIG_ENV", "SECTION"]
+           "StepLogSetupError", "CONFIG_ENV", "SECTION"]

@@ -23,12 +23,13 @@ import ckpt_core
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight
+from ckpt_core.saving.composite import CompositeCommitter
+from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 
 from . import layout, resolve as paths, state
-from .commit import IndexCommitter
 from .config import AdapterOptions, resolve
-from .group import FailedPart, GroupCommitter, Job, make_group
 from .layout import Target
+from .steplog import TREE_KEY, AccelerateStepLog
 
 log = logging.getLogger("accelerate_ckpt")
 _PATCHED = ("save_state", "load_state", "end_training")
@@ -65,18 +66,25 @@ class AcceleratorCheckpointer:
         self._seq = 0
         self._unwrapped: dict[int, tuple] = {}
         self._closed = False
+        self._steplog: AccelerateStepLog | None = None
         if self.unsupported:
             return
         # The engine's own retention would count parts and indexes alike: whole checkpoints are
-        # retained here instead (layout.apply_retention).
+        # retained by the committer instead (ckpt_core.retain.composites).
         engine_cfg = self.config.replace(**{"retention.keep_last": None})
         self._engine = CheckpointEngine(engine_cfg)
         self._sync = not self.config.saving.asynchronous
         group, self.rank, self.world = make_group(self.options.collective_timeout_seconds)
-        self._group = GroupCommitter(group, self.rank, self.world, synchronous=self._sync)
+        self._group = GroupCommitter(group, self.rank, self.world, synchronous=self._sync,
+                                     thread_name="accelerate-ckpt-commit")
         self._token = self._group.token()
-        self._committer = IndexCommitter(engine_cfg, storage_options, self._keep_last,
-                                         self._protected) if self.rank == 0 else None
+        self._committer = None
+        if self.rank == 0:  # rank 0 commits the indexes with a synchronous engine of its own
+            index_cfg = engine_cfg.replace(**{"saving.asynchronous": False, "saving.sigterm_grace_seconds": None})
+            self._committer = CompositeCommitter(CheckpointEngine(index_cfg), engine_cfg, storage_options,
+                                                 self._keep_last, self._protected)
+        if self.config.step_log.enabled:  # docs/accelerate.md "Per-step recovery"
+            self._steplog = AccelerateStepLog(accelerator, self._engine, self.rank, storage_options)
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref()._close_at_exit())
 
@@ -97,6 +105,8 @@ class AcceleratorCheckpointer:
         acc.save_state = self._save_state
         acc.load_state = self._load_state
         acc.end_training = self._end_training
+        if self._steplog is not None and acc._optimizers:
+            self._steplog.targets()  # checks the prepared objects now, and counts steps from here
         return self
 
     def detach(self) -> None:
@@ -113,6 +123,23 @@ class AcceleratorCheckpointer:
     def attached(self) -> bool:
         """Whether ``attach()`` replaced the instance's methods."""
         return bool(self._originals)
+
+    @property
+    def step_log(self) -> Any:
+        """The engine's ``StepLog`` of rank 0 with ``step_log.enabled`` (``flush()`` commits what is
+        logged), once the first save or load started it; else None."""
+        return self._steplog.log if self._steplog is not None else None
+
+    @property
+    def replayed_steps(self) -> int:
+        """Optimizer steps the last ``load_state`` replayed from the step log after the checkpoint."""
+        return self._steplog.replayed_steps if self._steplog is not None else 0
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        """With ``step_log.enabled``: the optimizer steps taken so far (counted since ``attach``; a load
+        sets it to the checkpoint's count plus the steps replayed). None when the log is off."""
+        return self._steplog.optimizer_steps if self._steplog is not None else None
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, step: int | None = None, *, output_dir: str | os.PathLike | None = None) -> str:
@@ -140,6 +167,10 @@ class AcceleratorCheckpointer:
         tree = {"rank": state.gather_rank(acc)}
         if self.rank == 0:
             tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)
+        if self._steplog is not None:  # before the save: its marker goes into the log started here
+            kept = self._steplog.before_save(layout.parent(layout.join(target.base, rel_base[0])))
+            if self.rank == 0:
+                tree["replicated"][TREE_KEY] = kept
         meta = {"step": int(acc.step), "iteration": iteration + 1,
                 "distributed_type": state.distributed_type_name(acc)}
         if step is not None:
@@ -184,6 +215,8 @@ class AcceleratorCheckpointer:
         if self.unsupported:
             return self._native_load(path, model_kwargs)
         self.wait()
+        if self._steplog is not None:  # rank 0 commits its log before any rank replays it
+            self._steplog.before_load()
         url = self._raise_or(self._group.broadcast(self._resolve(path) if self.rank == 0 else None))
         index = layout.read_index(self._engine, url, self.storage_options)
         urls = layout.part_urls(url, index)
@@ -204,6 +237,8 @@ class AcceleratorCheckpointer:
                           "state in it and keeps its current one", RuntimeWarning, stacklevel=2)
         with self._names_lock:
             self._resumed.add(layout.checkpoint_key(url))
+        if self._steplog is not None:  # every rank: the steps logged after it, into the live objects
+            self._steplog.after_load(urls[0], replicated.get(TREE_KEY))
         return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:
@@ -225,6 +260,8 @@ class AcceleratorCheckpointer:
         if self.unsupported:
             return
         try:
+            if self._steplog is not None:
+                self._steplog.close()
             self._group.close()
         finally:
             self._engine.close()
@@ -270,7 +307,8 @@ class AcceleratorCheckpointer:
     # -- internals ---------------------------------------------------------------------------------
     def _before_call(self) -> None:
         """Log metrics of committed saves, then raise the first failed save's error (on every rank)."""
-        for m in self._group.take_metrics():
+        for figures in self._group.take_figures():
+            m = figures.as_metrics()
             self.history.append(m)
             if getattr(self.accelerator, "trackers", None):
                 self.accelerator.log({k: v for k, v in m.items() if isinstance(v, (int, float))

@@ -24,7 +24,7 @@ _EXPORTS = {
                "RetentionConfig", "RetryConfig", "SavingConfig", "StorageConfig"),
     "engine": ("CheckpointEngine", "load", "save"),
     "errors": ("BackgroundSaveError", "CheckpointNotFoundError", "CheckrunError", "CommitRefusedError",
-               "ConfigError", "CorruptCheckpointError", "FormatError", "NotACheckpointError",
+               "ConfigError", "CorruptCheckpointError", "FormatError", "LossyRefusedError", "NotACheckpointError",
                "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
     "saving.handles": ("SaveHandle", "SaveInfo"),
     "saving.inflight": ("save_in_flight", "wait_for_save"),
@@ -40,7 +40,7 @@ __all__ = [
     "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
     "ConfigError", "StorageError", "CheckpointNotFoundError", "NotACheckpointError",
     "CorruptCheckpointError", "UnsafePathError", "FormatError", "UnsafeLoadError", "BackgroundSaveError",
-    "CommitRefusedError", "SupersededError", "OrphanedWriterError",
+    "CommitRefusedError", "SupersededError", "OrphanedWriterError", "LossyRefusedError",
 ]
 
 

@@ -176,6 +176,24 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
+class StepLogConfig:
+    """The per-step update log (docs/steplog.md): what each optimizer step consumed, between checkpoints."""
+
+    enabled: bool = False
+    """Turn the log on where an adapter starts it from the config (Lightning, Accelerate); plain
+    PyTorch starts it with ``engine.step_log(directory, optimizer)`` whatever this says."""
+    flush_every_steps: int = 16
+    """Commit a segment after this many optimizer steps: a crash loses at most these steps."""
+    flush_seconds: float = 30.0
+    """Also commit a segment once its oldest record is this old (bounds the loss in wall time)."""
+    queue_steps: int = 2
+    """Captured steps waiting for the background encoder; a further step waits (backpressure).
+    Each costs one copy of the gradients in host memory."""
+    sparse_max_fraction: float = 0.5
+    """A 2-D gradient with at most this fraction of non-zero rows is logged as those rows only."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every setting of checkrun. Build with ``EngineConfig()``, ``from_dict`` or ``from_yaml``."""
 
@@ -187,6 +205,7 @@ class EngineConfig:
     """Tuple of ``QuantRule``; first match wins; empty = lossless."""
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
+    step_log: StepLogConfig = field(default_factory=StepLogConfig)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "EngineConfig":
@@ -348,6 +367,7 @@ _POSITIVE = {
     "compression.chunk_bytes", "storage.io_threads", "storage.retry.max_attempts",
     "saving.max_pending", "saving.workers", "incremental.max_chain", "load.max_blob_bytes",
     "load.max_manifest_elements", "load.max_total_bytes", "retention.lease_seconds",
+    "step_log.flush_every_steps", "step_log.flush_seconds", "step_log.queue_steps",
 }
 _NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
 
@@ -367,6 +387,8 @@ def _validate_values(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}bits: uniform supports 2, 3, 4 or 8 bits, got {obj.bits!r}")
         if obj.block_size <= 0 or obj.expected_restores < 1:
             raise ConfigError(f"{prefix}: block_size and expected_restores must be positive")
+    if isinstance(obj, StepLogConfig) and not 0 <= obj.sparse_max_fraction <= 1:
+        raise ConfigError(f"{prefix}sparse_max_fraction: must be in [0, 1], got {obj.sparse_max_fraction!r}")
     if isinstance(obj, IncrementalConfig) and not 0 < obj.rebase_ratio <= 1:
         raise ConfigError(f"{prefix}rebase_ratio: must be in (0, 1], got {obj.rebase_ratio!r}")
 

@@ -1,56 +1,45 @@
-"""CheckpointEngine: the public entry point of checkrun.
+"""CheckpointEngine: the public entry point of checkrun, a facade over the stage packages.
 
 Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are
-called from the training thread (any one thread at a time). Each save's background part runs on one
-coordinator thread in submission order (so saves to one path commit in order), fanning chunk work out
-to a pool of ``saving.workers`` threads; with ``saving.background: process`` the coordinator hands each
-save to a writer process instead (``writer_process``), which does the same there. An idle engine
+called from the training thread (any one thread at a time). ``save`` takes the snapshot here
+(``saving.capture``) and hands the rest to the engine's ``saving.coordinator.Coordinator``: one
+coordinator thread runs each save's background part in submission order (so saves to one path commit
+in order), fanning chunk work out to ``saving.workers`` threads, or hands it to the writer process
+(``saving.background: process``); after each commit it runs ``retain.after_commit``. An idle engine
 holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
-they have), and the next save starts them again.
+they have), and the next save starts them again. ``load`` reads through ``loading`` and leaves the
+directory's incremental state ready for the next save (``saving.streams.adopt_loaded``).
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
-import threading
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from .saving import inflight, lifecycle
-from .saving.capture import Snapshot, take_snapshot
+from .saving.capture import take_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
+from .saving.coordinator import Coordinator, Job
 from .saving.handles import SaveHandle, SaveInfo
 from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
 from .loading.reader import (
     VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest)
-from .retain.retention import (
-    CheckpointEntry, GCReport, apply_retention, blob_sizes, collect_garbage, list_checkpoints)
+from .retain import collect, note_removed
+from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
 from .storage.store import Store
-from .saving.streams import DirState, RowStream, row_eligible
+from .saving.streams import DirState, adopt_loaded, wants_stream
 from .saving.tracking import EmbeddingTracker
-from .saving.commit import Committed, commit_streams, write_and_commit
 from .saving.process import WriterProcess, check_store
 
 import torch
 
 log = logging.getLogger("ckpt_core")
 PathLike = str | os.PathLike
-IDLE_SECONDS = 30.0
-"""An asynchronous engine's coordinator and workers end after this long without a save."""
-
-
-class _Job:
-    def __init__(self, snap: Snapshot, store: Store, name: str, handle: SaveHandle, dirstate: DirState,
-                 started: float, blocking: float) -> None:
-        self.snap, self.store, self.name, self.handle = snap, store, name, handle
-        self.dir, self.started, self.blocking = dirstate, started, blocking
 
 
 class CheckpointEngine:
@@ -63,22 +52,15 @@ class CheckpointEngine:
         self.config = coerce_config(config)
         sc = self.config.saving
         self._process = WriterProcess(self.config) if sc.background == "process" else None
-        self._budget = MemoryBudget(sc.staging_budget_bytes)
+        budget = MemoryBudget(sc.staging_budget_bytes)
         self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared,
-                                budget=self._budget)  # the pool keeps within the staging budget too
+                                budget=budget)  # the pool keeps within the staging budget too
         self._copier = Copier()
-        self._slots = threading.BoundedSemaphore(sc.max_pending)
-        self._matcher = RuleMatcher(self.config.quantization)
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None  # the coordinator; None while the engine is idle
-        self._retired: list[threading.Thread] = []  # coordinators that went idle, joined by wait/close
         self._dirs: dict[tuple, DirState] = {}
         self._stores: dict[tuple, Store] = {}
-        self._inflight: list[SaveHandle] = []
-        self._cond = threading.Condition()
         self._callbacks: list[Callable[[SaveInfo], None]] = []
-        self._rules_checked = False
-        self._failed: list[SaveHandle] = []
+        self._coord = Coordinator(self.config, self._process, RuleMatcher(self.config.quantization), self._pool,
+                                  budget, self._copier, self._stores, self._callbacks)
         self._trackers: list = []
         self._closed = False
         self._pid = os.getpid()
@@ -97,29 +79,24 @@ class CheckpointEngine:
         if self._process is not None:
             check_store(store)
         handle = SaveHandle(store.url(name))
-        self._slots.acquire()
+        self._coord.acquire_slot()
         try:
             dirstate = self._dirstate(store)
             self._wait_streams(dirstate)
             snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
                                  tuple(self._trackers))
         except BaseException:
-            self._slots.release()
+            self._coord.release_slot()
             raise
-        job = _Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started)
+        job = Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started)
         dirstate.last = handle
-        with self._cond:
-            self._inflight.append(handle)
-        inflight.begin(handle.path)
-        if self.config.saving.asynchronous:
+        for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: mark this save's position
+            steplog.on_save(store, name, snap.stamp)
+        asynchronous = self.config.saving.asynchronous
+        if asynchronous:
             lifecycle.install_sigterm(self.config.saving.sigterm_grace_seconds)
-            with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
-                self._ensure_thread()
-                self._queue.put(job)
-        else:
-            with self._new_workers() as workers:
-                self._run(job, workers)
-            self._release_if_idle()
+        self._coord.submit(job, asynchronous)
+        if not asynchronous:
             handle.result()
         return handle
 
@@ -133,11 +110,17 @@ class CheckpointEngine:
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
         manifest = self._read_manifest(store, name)
+        incremental = self.config.incremental
+
+        def keep_copy(rec, flat) -> bool:
+            return wants_stream(rec, flat, incremental, lambda: _lands_on_cpu(flat, rec.device, map_location))
+
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
-                                            weights_only=weights_only, config=self.config,
-                                            keep_copy=lambda rec, flat: self._wants_stream(rec, flat, map_location))
-        self._adopt_loaded(store, manifest, loaded)
-        self._release_if_idle()
+                                            weights_only=weights_only, config=self.config, keep_copy=keep_copy)
+        if self._process is not None:
+            self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
+        adopt_loaded(self._dirstate(store), manifest.blobs(), loaded, self._pool.host_copy)
+        self._coord.release_if_idle()
         return state
 
     def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
@@ -147,13 +130,7 @@ class CheckpointEngine:
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
-        state = self._dirstate(store)
-        try:  # its blobs are the candidates of the next collection here
-            state.pending.update((b.key, b.size) for b in read_manifest(store, name, self.config).blobs())
-        except CheckpointNotFoundError:
-            pass
-        except CheckrunError:  # unreadable: its blobs are unknown, the next collection here lists them
-            state.full_due = True
+        note_removed(self._dirstate(store), lambda: read_manifest(store, name, self.config).blobs())
         store.delete_manifest(name)
 
     def latest(self, directory: PathLike, storage_options: dict | None = None, verify: bool = True) -> str | None:
@@ -203,7 +180,8 @@ class CheckpointEngine:
         if full:  # a full collection reports on settled saves; leases protect those in flight anyway
             self._wait_dir(store)
         state = self._dirstate(store)
-        return self._collect(store, grace_seconds, dry_run, None if full else dict(state.pending))
+        return collect(store, self.config, memory=state, grace_seconds=grace_seconds, dry_run=dry_run,
+                       candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store))
 
     def list(self, directory: PathLike, storage_options: dict | None = None) -> list[CheckpointEntry]:
         """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error."""
@@ -229,11 +207,11 @@ class CheckpointEngine:
         background error not yet surfaced."""
         if self._forked():
             return
-        self._wait_idle()
+        self._coord.wait_idle()
         self._raise_pending_error()
 
     def close(self) -> None:
-        """Wait for pending saves, then release threads and buffers. Idempotent.
+        """Close the step logs (flushed), wait for pending saves, then release threads and buffers. Idempotent.
 
         In a forked child (a DataLoader worker) the engine belongs to the parent: ``close`` only
         marks it closed, never waiting for the parent's saves nor touching shared resources."""
@@ -243,13 +221,13 @@ class CheckpointEngine:
             self._closed = True
             return
         try:
-            self._wait_idle()
+            for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: flushed, its thread ended
+                steplog.close()
+            self._coord.wait_idle()
         finally:
             self._closed = True
-            with self._cond:
-                if self._thread is not None:  # interrupted while waiting: end after the queued saves
-                    self._queue.put(None)
-            self._wait_idle()
+            self._coord.stop_after_queued()  # interrupted while waiting: end after the queued saves
+            self._coord.wait_idle()
             self._copier.close()
             if self._process is not None:
                 self._process.close()
@@ -265,8 +243,7 @@ class CheckpointEngine:
         """Number of saves not yet committed or failed (0 in a forked child: they are the parent's)."""
         if self._forked():
             return 0
-        with self._cond:
-            return len(self._inflight)
+        return self._coord.pending
 
     @property
     def staging(self) -> BufferPool:
@@ -284,6 +261,15 @@ class CheckpointEngine:
             self.close()
         except CheckrunError as err:  # never mask the user's own exception
             log.error("checkrun: background save error while handling another exception: %s", err)
+
+    @property
+    def _budget(self) -> MemoryBudget:
+        """The staging memory budget (the coordinator refunds it after each write)."""
+        return self._coord.budget
+
+    @_budget.setter
+    def _budget(self, budget: MemoryBudget) -> None:  # tests put a probing budget in its place
+        self._coord.budget = budget
 
     def __getstate__(self):
         raise TypeError("CheckpointEngine holds threads and cannot be pickled; pickle its config instead")
@@ -328,14 +314,16 @@ class CheckpointEngine:
                 "no checkpoint path given (None); latest(directory) returns None when the directory holds "
                 "no committed checkpoint: start from scratch or check the directory")
         store, name = Store.for_path(path, storage_options, self.config.storage)
-        return self._stores.setdefault((store.url(""), _opts_key(storage_options)), store), name
+        return self._stores.setdefault(store.cache_key, store), name
 
     def _dir_store(self, directory: PathLike, storage_options: dict | None) -> Store:
         store = Store.for_directory(directory, storage_options, self.config.storage)
-        return self._stores.setdefault((store.url(""), _opts_key(storage_options)), store)
+        return self._stores.setdefault(store.cache_key, store)
 
     def _dirstate(self, store: Store) -> DirState:
-        return self._dirs.setdefault((store.url(""),), DirState())
+        # Keyed like the store: the same URL through other options (another endpoint) may be another
+        # store, whose blobs this directory's index and row streams must not assume.
+        return self._dirs.setdefault(store.cache_key, DirState())
 
     def _wait_streams(self, dirstate: DirState) -> None:
         """Row streams own one buffer each: the previous save to the directory must be done first."""
@@ -353,175 +341,8 @@ class CheckpointEngine:
         prefix = store.url("")
         inflight.wait_under(prefix.rstrip("/") + "/")
 
-    def _ensure_thread(self) -> None:
-        """Start the coordinator (training thread, under ``_cond``) with its workers already running:
-        no thread starts in the background while training goes on (see ``_loop``)."""
-        if self._thread is None:
-            workers = self._new_workers()
-            for _ in range(self.config.saving.workers):
-                workers.submit(int)  # each submit with no idle worker starts one, here
-            self._thread = threading.Thread(target=self._loop, args=(workers,), name="checkrun-coordinator",
-                                            daemon=True)
-            self._thread.start()
-
-    def _new_workers(self) -> ThreadPoolExecutor:
-        sc = self.config.saving
-        return ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
-                                  initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
-
-    def _loop(self, workers: ThreadPoolExecutor) -> None:
-        """Coordinator: runs the queued saves. It ends, with its workers, the snapshot's copy helper
-        and the idle storage pools, when ``wait``/``close`` ask (a sentinel) or after
-        ``IDLE_SECONDS`` without a save: an idle engine holds no thread, yet training that saves
-        often does not start and end threads at every save (a fork racing a thread's start or end
-        can deadlock the child in CPython 3.11, and DataLoader workers fork every epoch)."""
-        lifecycle.lower_thread_priority(self.config.saving.thread_nice)
-        with workers:
-            while True:
-                try:
-                    job = self._queue.get(timeout=IDLE_SECONDS)
-                except queue.Empty:
-                    job = None
-                if job is not None:
-                    self._run(job, workers)
-                    continue
-                with self._cond:
-                    if not self._queue.empty():  # a save came in meanwhile (queued under _cond)
-                        continue
-                    self._thread = None
-                    self._retired = [t for t in self._retired if t.is_alive()]
-                    self._retired.append(threading.current_thread())
-                    lifecycle.retiring(threading.current_thread())  # a fork waits for our end
-                    self._cond.notify_all()
-                    break
-        self._release_idle()
-
-    def _wait_idle(self) -> None:
-        """Wait until no save is pending, then end the coordinator and join it."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._inflight)
-            if self._thread is not None:
-                self._queue.put(None)
-            self._cond.wait_for(lambda: self._thread is None)
-            retired, self._retired = self._retired, []
-        for thread in retired:
-            if thread is not threading.current_thread():
-                thread.join()
-
-    def _release_if_idle(self) -> None:
-        """Training thread, after a sync save or a load: stop the idle threads unless a coordinator
-        runs (it stops them itself when it goes idle, off the training thread: a join there waits
-        for the GIL behind the background threads, ~10 ms per save measured)."""
-        with self._cond:
-            busy = self._thread is not None
-        if not busy:
-            self._release_idle()
-
-    def _release_idle(self) -> None:
-        """Stop the snapshot's copy helper and the storage pools that no call is using."""
-        self._copier.close()
-        for store in list(self._stores.values()):
-            store.release_idle()
-
-    def _run(self, job: _Job, workers: ThreadPoolExecutor) -> None:
-        """Background part of one save; never raises (errors go to the handle)."""
-        info, error = None, None
-        try:
-            t0 = time.perf_counter()
-            try:
-                if self._process is not None:
-                    done = self._process.commit(job.snap, job.store, job.name)
-                else:
-                    done = write_and_commit(job.snap, job.store, job.name, job.dir, self.config,
-                                            self._matcher, workers)
-            finally:
-                self._release_staging(job.snap)
-            commit_streams(job.snap, done, self.config.incremental.max_chain)
-            info = self._info(job, done, time.perf_counter() - t0)
-            self._after_commit(job, info, done.unmatched_rules)
-        except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
-            job.dir.invalidate()
-            error = exc
-            log.error("checkrun: save to %s failed: %s", job.handle.path, exc)
-        finally:
-            job.handle._finish(info, error)
-            with self._cond:
-                if error is not None:
-                    self._failed.append(job.handle)
-                self._inflight.remove(job.handle)
-                self._cond.notify_all()
-            inflight.end(job.handle.path)
-            self._slots.release()
-
-    def _release_staging(self, snap: Snapshot) -> None:
-        for st in snap.tensors:
-            if st.stream is None:
-                self._pool.give(st.data)
-        self._budget.release(snap.charged)
-
-    def _info(self, job: _Job, done: Committed, background: float) -> SaveInfo:
-        stats = done.stats
-        return SaveInfo(
-            path=job.handle.path, tensor_bytes=stats["tensor_bytes"],
-            written_bytes=stats["written_bytes"] + done.manifest_bytes, stored_bytes=stats["stored_bytes"],
-            blocking_seconds=job.blocking, background_seconds=background,
-            total_seconds=time.perf_counter() - job.started, new_blobs=done.new_blobs,
-            reused_blobs=done.reused_blobs, chain_depth=stats["chain_depth"],
-            quantized_tensors=done.quantized_tensors, quantization_saved_bytes=done.quantization_saved_bytes)
-
-    def _after_commit(self, job: _Job, info: SaveInfo, unmatched_rules: tuple) -> None:
-        log.info("checkrun: saved %s: %.1f MB of tensors, wrote %.1f MB (%.1f%%), ratio %.2fx, "
-                 "blocked %.3f s, background %.2f s", info.path, info.tensor_bytes / 1e6,
-                 info.written_bytes / 1e6, 100 * info.write_ratio, info.compression_ratio,
-                 info.blocking_seconds, info.background_seconds)
-        if not self._rules_checked:  # once, after the first committed save has seen every tensor
-            self._rules_checked = True
-            for rule in unmatched_rules:
-                warnings.warn(f"checkrun: quantization rule {rule.pattern!r} ({rule.method}) matched no tensor "
-                              f"of {info.path}; check its pattern, dtype and min_numel against the keys "
-                              "`checkrun inspect` lists", UserWarning, stacklevel=2)
-        for fn in self._callbacks:
-            try:
-                fn(info)
-            except Exception:  # a metrics callback must not fail a committed save
-                log.exception("checkrun: save callback failed")
-        try:
-            self._retain(job.store, job.name, job.dir)
-        except CheckrunError as exc:
-            log.warning("checkrun: retention/gc after saving %s failed: %s", info.path, exc)
-
-    def _retain(self, store: Store, name: str, state: DirState) -> None:
-        """Retention, then collection of what it (or ``remove``, or failed saves) made garbage: the
-        candidates only, without listing the blobs (unless it finds that a writer died here: then
-        everything, see ``collect_garbage``)."""
-        removed = apply_retention(store, self.config, keep={name})
-        if not self.config.retention.gc_after_save:
-            return
-        candidates = {**state.pending, **blob_sizes(removed)}
-        if state.full_due:
-            self._collect(store, None, False, None)
-        elif candidates or state.leases_seen:
-            self._collect(store, None, False, candidates)
-
-    def _collect(self, store: Store, grace_seconds: float | None, dry_run: bool,
-                 candidates: dict[str, int] | None) -> GCReport:
-        state = self._dirstate(store)
-        report = collect_garbage(store, self.config, grace_seconds=grace_seconds, dry_run=dry_run,
-                                 candidates=candidates)
-        if not dry_run and not report.problems:
-            state.pending = dict(report.pending)
-            state.full_due = state.full_due and candidates is not None
-            state.leases_seen = report.leases > 0
-        if not dry_run:
-            state.forget(list(report.deleted))
-        if self._process is not None and not dry_run:
-            self._process.forget(store, list(report.deleted))
-        return report
-
     def _raise_pending_error(self) -> None:
-        with self._cond:
-            failed, self._failed = self._failed, []
-        for handle in failed:
+        for handle in self._coord.take_failed():
             err = handle.take_error()
             if err is None:
                 continue
@@ -532,52 +353,32 @@ class CheckpointEngine:
                 continue
             raise wrapped
 
-    def _wants_stream(self, rec, flat: torch.Tensor, map_location: Any = None) -> bool:
-        """Whether a loaded tensor becomes a row stream (which needs its own host copy of the values).
+    def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
+                 storage_options: dict | None = None) -> Any:
+        """Log every ``optimizer.step()`` (and ``scheduler.step()``) into ``directory``'s step log;
+        saves by this engine into ``directory`` mark their position in it. Returns the ``StepLog``
+        (``flush()``, ``close()``). Training thread; see docs/steplog.md."""
+        from .steplog import open_log
 
-        Only where row deltas will really apply: saved from the CPU and loaded onto the CPU (a GPU
-        job resuming with ``map_location="cpu"`` saves from the GPU again, where row deltas never
-        apply, so a host copy of model + optimizer state would only double its host memory)."""
-        if rec.quant or rec.device != "cpu" or not row_eligible(rec.key, flat.view(rec.shape),
-                                                                 self.config.incremental):
-            return False
-        if callable(map_location):  # never call the user's function more than the load does
-            return False
-        try:
-            return map_location_tensor(flat[:0], rec.device, map_location).device.type == "cpu"
-        except Exception:  # noqa: BLE001 - a map_location we cannot probe: no stream, no copy
-            return False
+        return open_log(self, directory, optimizer, scheduler, storage_options)
 
-    def _adopt_loaded(self, store: Store, manifest: Manifest, loaded) -> None:
-        """Remember a loaded checkpoint so the next save to its directory is incremental."""
-        state = self._dirstate(store)
-        state.adopt_verified(manifest.blobs())  # the load checked every blob: no read to reuse them
-        if self._process is not None:
-            self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
-        for lt in loaded:
-            rec = lt.record
-            state.records[rec.key] = rec
-            if lt.copy is None:
-                continue
-            buffer = self._pool.host_copy(lt.copy)
-            stream = RowStream(buffer, buffer.dtype, tuple(rec.shape), valid=True, record=rec)
-            mask = torch.zeros(rec.shape[0], dtype=torch.bool)
-            for idx in lt.delta_indices:
-                mask[idx] = True
-            stream.cum_mask = mask
-            stream.saves_since_base = len(rec.deltas)
-            stream.spec_id = _spec_id(rec)
-            state.streams[rec.key] = stream
+    def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
+               after: PathLike | None = None, storage_options: dict | None = None) -> int:
+        """After loading checkpoint ``after`` (default: the newest one the log marks) into the model,
+        ``optimizer`` and ``scheduler``, apply the steps logged since; returns how many. Training thread."""
+        from .steplog import replay
+
+        return replay(self, directory, optimizer, scheduler, after, storage_options)
 
 
-def _spec_id(rec) -> str:
-    from .codecs import Pipeline
-
-    return Pipeline.from_list(list(rec.codecs)).spec_id
-
-
-def _opts_key(opts: dict | None) -> str:
-    return repr(sorted((opts or {}).items()))
+def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:
+    """Whether the load's ``map_location`` puts a tensor saved on ``device`` onto the CPU."""
+    if callable(map_location):  # never call the user's function more than the load does
+        return False
+    try:
+        return map_location_tensor(flat[:0], device, map_location).device.type == "cpu"
+    except Exception:  # noqa: BLE001 - a map_location we cannot probe: no stream, no copy
+        return False
 
 
 def save(state: Any, path: PathLike, *, config: EngineConfig | dict | PathLike | None = None,

@@ -58,3 +58,9 @@ class OrphanedWriterError(CommitRefusedError):
 class ResourceLimitError(CheckrunError):
     """Reading a checkpoint would need more memory than a configured limit allows
     (``load.max_total_bytes``); the checkpoint itself may be intact."""
+
+
+class LossyRefusedError(CheckrunError, ValueError):
+    """A lossy codec refuses a chunk it cannot quantize faithfully (inf/nan, a range or scale the
+    stored parameters cannot hold): the writer stores that tensor lossless instead. Any other
+    exception from a codec is a bug and fails the save."""

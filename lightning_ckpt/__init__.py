@@ -18,12 +18,13 @@ from .config import build_config
 from .dropin import install as _install_dropin_hooks
 from .io import CheckrunCheckpointIO
 from .loading import is_checkrun_file, load_checkpoint_dict, load_from_checkpoint
+from .steplog import StepLogSetupError
 from .strategies import UnsupportedStrategyError, check_strategy
 
 __all__ = [
     "CheckrunCheckpointIO", "CheckpointMetrics", "CheckrunModelCheckpoint", "load_from_checkpoint",
     "load_checkpoint_dict", "is_checkrun_file", "build_config", "check_strategy", "find_plugin",
-    "UnsupportedStrategyError",
+    "UnsupportedStrategyError", "StepLogSetupError",
 ]
 
 _install_dropin_hooks()

@@ -11,12 +11,12 @@ import collections
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ckpt_core import SaveInfo, save_in_flight
+from ckpt_core.storage.paths import is_local_fs
 
 from .io import CheckrunCheckpointIO
 from .paths import checkpoint_kind, normalize_path
@@ -166,6 +166,6 @@ class CheckrunModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: "pl.Trainer") -> set[str]:
         found = super()._find_last_checkpoints(trainer)
-        if isinstance(self._fs, LocalFileSystem):
+        if is_local_fs(self._fs):
             return found
         return {p if "://" in p else self._fs.unstrip_protocol(p) for p in found}

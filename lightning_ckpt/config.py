@@ -10,6 +10,7 @@ import os
 from typing import Any, Optional, Union
 
 from ckpt_core import ConfigError, EngineConfig
+from ckpt_core.storage.options import merge_options
 
 __all__ = ["build_config", "lossless_config"]
 
@@ -49,7 +50,8 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
                  max_pending: Optional[int] = None, workers: Optional[int] = None) -> EngineConfig:
     """The ``EngineConfig`` the plugin uses; raises ``ConfigError`` naming any bad key or value.
 
-    ``storage_options`` are merged key by key over ``storage.storage_options`` of ``config``;
+    ``storage_options`` are merged key by key over ``storage.storage_options`` of ``config``, nested
+    mappings such as ``client_kwargs`` recursively (``ckpt_core.storage.options.merge_options``);
     ``quantization`` (a list of rule dicts) replaces the config's rules.
     """
     cfg = _base_config(config, config_section)
@@ -61,7 +63,7 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
     if storage_options is not None:
         if not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
-        dotted["storage.storage_options"] = {**cfg.storage.storage_options, **storage_options}
+        dotted["storage.storage_options"] = merge_options(cfg.storage.storage_options, storage_options)
     if "quantization" in dotted:
         dotted["quantization"] = [_rule_dict(r) for r in dotted["quantization"]]
     cfg = cfg.replace(**dotted) if dotted else cfg

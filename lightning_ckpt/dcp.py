@@ -34,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 import ckpt_core
 from ckpt_core import dcp as cdcp
 from ckpt_core.config import EngineConfig, coerce_config
+from ckpt_core.storage.options import merge_options
 
 __all__ = ["CheckrunFSDPStrategy", "CheckrunModelParallelStrategy", "META_KEY"]
 
@@ -55,9 +56,10 @@ class _CheckrunDCP:
         self.min_piece_bytes = min_piece_bytes
 
     def _options(self, storage_options: Optional[dict] = None) -> Optional[dict]:
+        """The strategy's storage options with a call's merged over them (``merge_options``)."""
         if storage_options is None:
             return self.checkrun_storage_options
-        return {**(self.checkrun_storage_options or {}), **storage_options}
+        return merge_options(self.checkrun_storage_options, storage_options)
 
     def _save_dcp(self, converted: dict, rest: dict, filepath: _PATH, storage_options: Optional[dict]) -> None:
         path = self.broadcast(os.fspath(filepath))

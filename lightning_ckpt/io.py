@@ -27,6 +27,7 @@ from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError,
 from .config import build_config, lossless_config
 from .loading import is_checkrun_file, torch_load
 from .paths import checkpoint_kind, is_remote, normalize_path, parent_dir, path_key
+from .steplog import LightningStepLog
 from .strategies import called_by_async_wrapper, calling_instance, calling_strategy, check_strategy
 
 log = logging.getLogger("lightning_ckpt")
@@ -61,6 +62,9 @@ class CheckrunCheckpointIO(CheckpointIO):
         overrides: any other engine setting as dotted keys, e.g. ``{"compression.zstd_level": 3}``.
         fallback_to_torch: load a checkpoint that is not checkrun's (a ``torch.save`` file from
             ``TorchCheckpointIO``) with ``torch.load`` instead of failing.
+        step_log: True = log every optimizer step between checkpoints (``step_log.enabled``), so that
+            ``fit(ckpt_path="last")`` resumes at the newest logged step (docs/lightning.md,
+            "Per-step recovery").
 
     Explicit keyword arguments win over ``overrides``, which win over ``config``.
     """
@@ -70,10 +74,13 @@ class CheckrunCheckpointIO(CheckpointIO):
                  incremental: Optional[bool] = None, quantization: Optional[list[dict]] = None,
                  storage_options: Optional[dict] = None, max_pending: Optional[int] = None,
                  workers: Optional[int] = None, overrides: Optional[dict] = None,
-                 fallback_to_torch: bool = True) -> None:
+                 fallback_to_torch: bool = True, step_log: Optional[bool] = None) -> None:
         super().__init__()
+        overrides = dict(_plain(overrides) or {})
+        if step_log is not None:
+            overrides["step_log.enabled"] = bool(step_log)
         self.config: EngineConfig = build_config(
-            _plain(config), config_section=config_section, overrides=_plain(overrides),
+            _plain(config), config_section=config_section, overrides=overrides,
             keep_last=keep_last, asynchronous=asynchronous, incremental=incremental,
             quantization=_plain(quantization), storage_options=_plain(storage_options),
             max_pending=max_pending, workers=workers)
@@ -93,6 +100,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         self._pending: dict[str, SaveHandle] = {}
         self._save_steps: dict[str, Optional[int]] = {}
         self._removed_dirs: set[str] = set()
+        self._steplog = LightningStepLog() if self.config.step_log.enabled else None
 
     # -- engines ------------------------------------------------------------------------------
     @property
@@ -160,6 +168,8 @@ class CheckrunCheckpointIO(CheckpointIO):
         if checkpoint_kind(url) != "regular":
             self.lossless_engine.save(checkpoint, url, storage_options=options).result()
             return
+        if self._steplog is not None:  # before the save, so that it marks its position in the log
+            self._steplog.before_save(self.engine, calling_strategy(), url)
         handle = self.engine.save(checkpoint, url, storage_options=options)
         self._track(url, handle, checkpoint)
 
@@ -176,7 +186,10 @@ class CheckrunCheckpointIO(CheckpointIO):
         location = "cpu" if map_location is None else map_location
         safe = True if weights_only is None else weights_only
         try:
-            return self._engine_for(url).load(url, map_location=location, weights_only=safe)
+            loaded = self._engine_for(url).load(url, map_location=location, weights_only=safe)
+            if self._steplog is not None and checkpoint_kind(url) == "regular":
+                self._steplog.after_load(self.engine, calling_strategy(), url)
+            return loaded
         except (NotACheckpointError, CorruptCheckpointError):
             # A torch file over the manifest size limit is refused as an oversized manifest.
             if not self.fallback_to_torch or is_checkrun_file(url, self.config.storage.storage_options):
@@ -219,6 +232,11 @@ class CheckrunCheckpointIO(CheckpointIO):
             self._check_caller()
         except RuntimeError as exc:
             errors.append(exc)
+        if self._steplog is not None:
+            try:
+                self._steplog.close()
+            except CheckrunError as exc:
+                errors.append(exc)
         for engine in self._open_engines():
             errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
         self._reset_runtime(keep_callbacks=True)
@@ -240,6 +258,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         """True while a save to ``path`` started by this plugin is not committed yet."""
         handle = self._pending.get(path_key(path))
         return handle is not None and not handle.done()
+
+    @property
+    def step_log(self) -> Any:
+        """With ``step_log``: the engine's ``StepLog`` on global rank 0 once the first checkpoint save
+        started it (``flush()`` commits the steps logged so far), else None."""
+        return self._steplog.log if self._steplog is not None else None
 
     def step_of(self, saved_path: str) -> Optional[int]:
         """The ``global_step`` of the checkpoint that was saved to ``saved_path`` (``SaveInfo.path``), once."""
@@ -293,7 +317,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         """Picklable for ddp_spawn: engines, handles and callbacks stay in this process."""
         state = self.__dict__.copy()
         state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _save_steps={},
-                     _removed_dirs=set())
+                     _removed_dirs=set(), _steplog=LightningStepLog() if self._steplog is not None else None)
         return state
 
 

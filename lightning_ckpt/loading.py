@@ -20,7 +20,7 @@ from lightning.pytorch.core.saving import _default_map_location, _load_state, lo
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 from ckpt_core import CheckpointEngine, CorruptCheckpointError, EngineConfig, NotACheckpointError
-from ckpt_core.format.manifest import MAGIC_PREFIX
+from ckpt_core.format.manifest import is_manifest_head
 
 from .config import build_config
 from .paths import normalize_path
@@ -42,7 +42,7 @@ def is_checkrun_file(path: _PATH, storage_options: Optional[dict] = None) -> boo
         head = fs.cat_file(fspath, start=0, end=_HEAD_BYTES)
     except (OSError, ValueError):  # missing, a directory, unreadable: not ours to report
         return False
-    return head.lstrip().startswith(MAGIC_PREFIX)
+    return is_manifest_head(head)
 
 
 def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_only: Optional[bool] = None,

@@ -20,6 +20,8 @@ import sys
 from types import FrameType
 from typing import Any, Callable, Optional
 
+from ckpt_core.errors import CheckrunError
+
 __all__ = ["UnsupportedStrategyError", "check_strategy", "calling_strategy", "calling_instance",
            "called_by_async_wrapper"]
 
@@ -27,8 +29,11 @@ _ASYNC_MODULES = frozenset({"lightning.pytorch.plugins.io.async_plugin",
                             "pytorch_lightning.plugins.io.async_plugin"})
 
 
-class UnsupportedStrategyError(RuntimeError):
-    """The Trainer's strategy bypasses ``CheckpointIO``, so checkrun would silently not be used."""
+class UnsupportedStrategyError(CheckrunError, RuntimeError):
+    """The Trainer's strategy bypasses ``CheckpointIO``, so checkrun would silently not be used.
+
+    A ``CheckrunError`` like every error checkrun raises on purpose; still a ``RuntimeError``, as it
+    was documented before (``except RuntimeError`` keeps catching it)."""
 
 
 def _is_strategy(obj: Any) -> bool:

@@ -115,14 +115,14 @@ def any_root(request: pytest.FixtureRequest, tmp_path) -> Root:
 
 @pytest.fixture
 def gate():
-    """Hold every storage write of ``gatefile://`` paths (tests/core/faulty.py) until the returned
-    event is set; always opened and reset at the end."""
+    """Hold every storage write of ``gatefile://`` paths (``ckpt_core.testing.faults``) until the
+    returned event is set; always opened and reset at the end."""
     import threading
 
-    from tests.core.faulty import FaultyFS
+    from ckpt_core.testing.faults import FaultFS
 
-    FaultyFS.reset()
-    FaultyFS.gate = threading.Event()
-    yield FaultyFS.gate
-    FaultyFS.gate.set()
-    FaultyFS.reset()
+    FaultFS.reset()
+    FaultFS.gate = threading.Event()
+    yield FaultFS.gate
+    FaultFS.gate.set()
+    FaultFS.reset()

@@ -4,6 +4,7 @@
     checkrun inspect CKPT           the state tree: tensors (codecs, sizes, error) and plain values
     checkrun verify CKPT|DIR        checksums of every blob and manifest; exit 1 if anything is corrupt
     checkrun export CKPT OUT        a self-contained .pt/.ckpt (torch.save) or .safetensors file
+                                    (--step N: the state replayed from the step log to step N)
     checkrun import FILE CKPT       a torch/safetensors file -> a checkrun checkpoint
     checkrun diff A B               changed tensors/rows/values between two checkpoints
     checkrun gc DIR                 delete blobs no checkpoint references and no save in flight holds
@@ -26,7 +27,7 @@ import sys
 from typing import Sequence
 
 from .util import (
-    EXIT_PROBLEM, EXIT_USAGE, CliError, Context, deep_merge, log, one_line, parse_storage_options)
+    EXIT_PROBLEM, EXIT_USAGE, CliError, Context, log, one_line, parse_storage_options)
 
 _EXIT_INTERRUPTED = 130
 _EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("torch", "safetensors"), help="override the format chosen by OUT's suffix")
     p.add_argument("--unsafe", action="store_true", help="allow pickled values in the checkpoint (trusted only)")
     p.add_argument("--force", action="store_true", help="overwrite OUT")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="the state at logged step N: the checkpoint marked newest at or before N, then the "
+                        "step log replayed to N (CKPT: a directory, or the checkpoint to start from)")
+    p.add_argument("--optimizer", metavar="NAME",
+                   help="with --step: the torch.optim class that trained (e.g. Adam); the log does not record it")
     _common(p)
 
     p = add("import", "turn a torch.save or safetensors file into a checkrun checkpoint")
@@ -173,7 +179,9 @@ def _context(args: argparse.Namespace) -> Context:
     cli_opts = parse_storage_options(args.storage_option, args.endpoint_url)
     config = (EngineConfig.from_yaml(args.config, section=args.config_section) if args.config
               else EngineConfig())
-    opts = deep_merge(config.storage.storage_options, cli_opts)
+    from ..storage.options import merge_options
+
+    opts = merge_options(config.storage.storage_options, cli_opts)
     return Context(args=args, engine=CheckpointEngine(config), storage_options=opts, json=args.json,
                    progress=not args.no_progress)
 

@@ -15,7 +15,6 @@ import json
 import os
 import pickle
 import struct
-import uuid
 from typing import Any, Callable
 
 import torch
@@ -24,8 +23,10 @@ from .composite import open_view
 from .util import (
     EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log, one_line)
 from ..errors import CheckrunError
-from ..format.manifest import MAGIC_PREFIX
+from ..format.manifest import is_manifest_head
 from ..format.tree import flatten, unflatten
+from ..storage.atomic import write_atomic
+from ..storage.paths import is_local_fs
 
 _BLOCK = 8 << 20
 _TORCH_MAGIC = b"PK\x03\x04"   # torch.save's zip container
@@ -67,21 +68,16 @@ def write_file(ctx: Context, url: str, produce: Callable[[Any], None], desc: str
     discarded (multipart aborted) when ``produce`` fails, so no partial file is left behind."""
     fs, path = ctx.fs(url)
     with ctx.bar(None, desc) as bar:
-        if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-            parent = os.path.dirname(os.path.abspath(path))
-            os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "wb") as f:
-                    writer = _ProgressWriter(f, bar)
-                    produce(writer)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+        if is_local_fs(fs):
+            path = os.path.abspath(path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            writer = _ProgressWriter(None, bar)
+
+            def fill(f: Any) -> None:
+                writer.f = f
+                produce(writer)
+
+            write_atomic(path, fill)
         else:
             f = fs.open(path, "wb")
             writer = _ProgressWriter(f, bar)
@@ -157,18 +153,29 @@ def safetensors_payload(state: Any, values: dict) -> tuple[dict, dict, list[str]
 
 def cmd_export(ctx: Context) -> int:
     args = ctx.args
-    src = ctx.checkpoint(args.checkpoint)
     fmt = _format(args.out, args.format)
-    _check_target(ctx, args.out, args.force)
-    view = open_view(ctx, src)
-    with ctx.bar(1, "loading", unit="ckpt") as bar:
-        state = view.load(ctx, weights_only=not args.unsafe)
-        bar.update(1)
+    replay = None
+    if getattr(args, "step", None) is not None:  # the state replayed to a logged step (docs/steplog.md)
+        from .stepexport import plain_values, replayed_state
+
+        if args.step < 0:
+            raise CliError("--step must be >= 0", EXIT_USAGE)
+        _check_target(ctx, args.out, args.force)
+        src, state, replay = replayed_state(ctx, args.checkpoint, args.step, args.optimizer, not args.unsafe)
+        values = plain_values(state)
+    else:
+        src = ctx.checkpoint(args.checkpoint)
+        _check_target(ctx, args.out, args.force)
+        view = open_view(ctx, src)
+        with ctx.bar(1, "loading", unit="ckpt") as bar:
+            state = view.load(ctx, weights_only=not args.unsafe)
+            bar.update(1)
+        values = view.values()
     dropped: list[str] = []
     if fmt == "safetensors":
         from safetensors.torch import save as st_save
 
-        tensors, meta, dropped = safetensors_payload(state, view.values())
+        tensors, meta, dropped = safetensors_payload(state, values)
         data = st_save(tensors, metadata=meta)
         n_tensors = len(tensors)
 
@@ -186,10 +193,17 @@ def cmd_export(ctx: Context) -> int:
                     args.out, key)
     result = {"source": src, "out": args.out, "format": fmt, "tensors": n_tensors, "bytes": written,
               "dropped": dropped}
+    if replay is not None:
+        result["replay"] = replay
     if ctx.json:
         emit_json(result)
     else:
-        print(f"exported {src} -> {args.out} ({fmt}, {n_tensors} tensors, {human_size(written)})")
+        shown = src
+        if replay is not None:
+            print(f"replayed {replay['replayed_steps']} logged step(s) after {src} (step {replay['from_step']}) "
+                  f"with {replay['optimizer']}")
+            shown = f"{src} + step log to step {replay['step']}"
+        print(f"exported {shown} -> {args.out} ({fmt}, {n_tensors} tensors, {human_size(written)})")
         if dropped:
             print(f"note: {len(dropped)} pickled value(s) dropped (safetensors holds tensors and plain "
                   f"data only): {', '.join(dropped)}")
@@ -247,7 +261,7 @@ def cmd_import(ctx: Context) -> int:
     args = ctx.args
     _check_target(ctx, args.checkpoint, args.force)
     data = read_file(ctx, args.file)
-    if data.lstrip()[: len(MAGIC_PREFIX)] == MAGIC_PREFIX:
+    if is_manifest_head(data):
         raise CliError(f"{args.file}: is already a checkrun checkpoint (use `checkrun export` to turn it "
                        f"into a torch file)")
     fmt = args.format or ("torch" if data[:4] == _TORCH_MAGIC else _format(args.file, None))

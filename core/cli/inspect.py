@@ -147,6 +147,13 @@ _HEADERS = ["STATE", "TENSOR / VALUE", "CODECS", "SIZE", "STORED", "RATIO", "DEL
 
 
 def cmd_inspect(ctx: Context) -> int:
+    from .steplog import is_log_dir, is_segment_path
+    from .steplog_inspect import cmd_inspect_log, cmd_inspect_segment
+
+    if is_segment_path(ctx.args.checkpoint):  # a step-log segment (docs/steplog.md)
+        return cmd_inspect_segment(ctx, ctx.args.checkpoint)
+    if is_log_dir(ctx.args.checkpoint):
+        return cmd_inspect_log(ctx, ctx.args.checkpoint)
     path = ctx.checkpoint(ctx.args.checkpoint)
     view = open_view(ctx, path)
     wide = bool(getattr(ctx.args, "wide", False))

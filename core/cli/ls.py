@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..format import composite
 from .composite import folders, verify_view
+from .steplog import logged_after, logged_text
 from .inspect import chain_depth, is_quantized, step_of, tensor_bytes, written_bytes
 from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time, iso_time,
@@ -169,8 +170,12 @@ def cmd_ls(ctx: Context) -> int:
         totals["checkpoints"] = len(rows)
         totals["corrupt"] = sum(1 for r in rows if r["status"] != "committed")
     code = EXIT_PROBLEM if totals["corrupt"] else EXIT_OK
+    step_log = logged_after(ctx, args.directory, rows)
     if ctx.json:
-        emit_json({"directory": args.directory, "checkpoints": rows, "totals": totals})
+        out = {"directory": args.directory, "checkpoints": rows, "totals": totals}
+        if step_log is not None:
+            out["step_log"] = step_log
+        emit_json(out)
         return code
     if not rows:
         print(f"no checkrun checkpoints in {args.directory}")
@@ -186,6 +191,8 @@ def cmd_ls(ctx: Context) -> int:
         body.append([r["name"], human_time(r["created"]), r.get("step"), r.get("epoch"), *sizes,
                      r.get("chain_depth"), kind, r["status"]])
     print(table(HEADERS, body, right=(2, 3, 4, 5, 6, 7, 8)))
+    if step_log is not None:
+        _print_logged(rows, step_log)
     for r in rows:
         if r["status"] != "committed":
             err = r["error"]
@@ -198,6 +205,18 @@ HEADERS = ["NAME", "CREATED", "STEP", "EPOCH", "TENSORS", "WROTE", "REFERENCED",
            "STATUS"]
 """TENSORS: tensor bytes; WROTE: written by the save that made the checkpoint; REFERENCED: bytes of
 the blobs it references; UNIQUE: of those, the blobs no other checkpoint here references."""
+
+
+def _print_logged(rows: list[dict], step_log: dict) -> None:
+    """Per checkpoint that the step log marks: the steps logged after it (docs/steplog.md)."""
+    if "error" in step_log:
+        print(f"\nstep log {step_log['url']}: unreadable: {step_log['error']}")
+        return
+    print(f"\nstep log {step_log['url']}: {step_log['segments']} segment(s), {step_log['markers']} marker(s)")
+    for r in rows:
+        text = logged_text(r)
+        if text is not None:
+            print(f"{r['name']}{text}")
 
 
 def _print_totals(t: dict) -> None:

@@ -3,6 +3,7 @@ and blob garbage collection."""
 from __future__ import annotations
 
 from .composite import folders, open_view, verify_view
+from .steplog import print_log_report, verify_log
 from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line
 from ..format.composite import INDEX_NAME
 from ..errors import CheckrunError
@@ -57,9 +58,13 @@ def cmd_verify(ctx: Context) -> int:
                 continue
             rep["problems"] = [one_line(p) for p in rep["problems"]]
             results.append(rep)
-    ok = bool(results) and all(r["ok"] for r in results)
+    step_log = verify_log(ctx, args.path, decode=not args.no_decode) if is_dir else None
+    ok = bool(results) and all(r["ok"] for r in results) and (step_log is None or step_log["ok"])
     if ctx.json:
-        emit_json({"path": args.path, "ok": ok, "checkpoints": results})
+        out = {"path": args.path, "ok": ok, "checkpoints": results}
+        if step_log is not None:
+            out["step_log"] = step_log
+        emit_json(out)
     elif not results:
         print(f"no checkrun checkpoints in {args.path}")
     else:
@@ -71,8 +76,11 @@ def cmd_verify(ctx: Context) -> int:
                 print(f"CORRUPT  {r['path']}")
                 for p in r["problems"]:
                     print(f"  - {p}")
+        if step_log is not None:
+            print_log_report(step_log)
         bad = sum(1 for r in results if not r["ok"])
-        print(f"\n{len(results) - bad} intact, {bad} corrupt")
+        print(f"\n{len(results) - bad} intact, {bad} corrupt"
+              + ("" if step_log is None else f"; step log {'intact' if step_log['ok'] else 'damaged'}"))
     return EXIT_OK if ok else EXIT_PROBLEM
 
 

@@ -70,17 +70,6 @@ def parse_storage_options(items: Sequence[str], endpoint_url: str | None) -> dic
     return opts
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    """``override`` wins key by key, nested dicts are merged (config options + command line)."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 # ----------------------------------------------------------------------------- context
 
 

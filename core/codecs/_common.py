@@ -8,14 +8,45 @@ thrash, 10-16x slower; docs/benchmarks.md P4). Avoid ``np.dot``/``matmul`` there
 """
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import logging
 import math
 
 import numpy as np
 import torch
 
-from ..errors import FormatError
-from ..saving.quant_rules import QUANTIZABLE_DTYPES  # the float dtypes lossy codecs take (one definition)
+from ..errors import FormatError, LossyRefusedError
 from .base import EncodeStats
+
+log = logging.getLogger("ckpt_core.codecs")
+
+
+def load_native(module: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
+    """The optional C kernels ``ckpt_core.<module>`` (built by setup.py where a compiler exists),
+    or None - then ``fallback`` (what runs instead, for the log line) is used. ``abi_symbol`` names
+    the library's interface-version function; a library of another version is not used."""
+    try:
+        spec = importlib.util.find_spec(f"ckpt_core.{module}")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        log.debug("ckpt_core.%s was not built; %s", module, fallback)
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        found = getattr(lib, abi_symbol)()
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot load %s (%s); %s", spec.origin, exc, fallback)
+        return None
+    if found != abi:
+        log.warning("%s has interface %s, expected %s (rebuild with pip install); %s", spec.origin, found, abi,
+                    fallback)
+        return None
+    return lib
+
+#: The float dtypes the lossy codecs take (one definition; quantization rules select only these).
+QUANTIZABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 #: Elements the lossy codecs process at once. Temporaries are a few times this many floats (a few
 #: MB, the greedy search ~16 bytes per element); smaller blocks lose to the fixed cost of each
@@ -87,13 +118,13 @@ def require_quantizable(array: torch.Tensor, codec: str) -> None:
 
 
 def require_finite(values: torch.Tensor, codec: str) -> None:
-    """Raise ValueError if ``values`` holds inf/nan: the engine then stores the tensor lossless.
+    """LossyRefusedError if ``values`` holds inf/nan: the writer then stores the tensor lossless.
 
     Quantizing inf/nan would turn them into finite garbage (or poison a whole row's scale).
     min/max propagate nan and expose infs, and are much faster than ``isfinite().all()``.
     """
     if values.numel() and not (math.isfinite(float(values.amin())) and math.isfinite(float(values.amax()))):
-        raise ValueError(f"{codec}: input contains inf or nan; it cannot be quantized")
+        raise LossyRefusedError(f"{codec}: input contains inf or nan; it cannot be quantized")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -162,12 +193,12 @@ def as_stored(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 def require_finite_np(values: np.ndarray, codec: str) -> None:
     """``require_finite`` for numpy arrays of per-row (or per-block) minima and maxima."""
     if values.size and not np.isfinite(values).all():
-        raise ValueError(f"{codec}: input contains inf or nan; it cannot be quantized")
+        raise LossyRefusedError(f"{codec}: input contains inf or nan; it cannot be quantized")
 
 
 def round_directed_np(x64: np.ndarray, dtype: np.dtype, up: bool) -> np.ndarray:
     """Round float64 values to ``dtype`` towards +inf (``up``) or -inf, so stored parameters never
-    shrink the range they must cover. ValueError if a value is not representable."""
+    shrink the range they must cover. LossyRefusedError if a value is not representable."""
     with np.errstate(over="ignore"):
         r = x64.astype(dtype)
     back = r.astype(np.float64)
@@ -175,7 +206,7 @@ def round_directed_np(x64: np.ndarray, dtype: np.dtype, up: bool) -> np.ndarray:
     if wrong.any():
         r = np.where(wrong, np.nextafter(r, np.array(np.inf if up else -np.inf, dtype)), r)
     if not np.isfinite(r).all():
-        raise ValueError(f"quantization parameters overflow {dtype}; use a wider scale dtype")
+        raise LossyRefusedError(f"quantization parameters overflow {dtype}; use a wider scale dtype")
     return r
 
 

@@ -14,14 +14,14 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..config import CompressionConfig, QuantRule
+from ..config import CompressionConfig
 from ..errors import FormatError
-from ..saving.quant_rules import adaptive_bits
 from ._common import QUANTIZABLE_DTYPES, check_shape, format_guard, tensor_bytes
 from .base import ArrayCodec, BytesCodec, EncodeStats, codec_from_dict
 from .cast import CastCodec
 from .int8_block import Int8BlockCodec
 from .raw import RawCodec, dtype_itemsize
+from .shuffle import ShuffleCodec
 from .shuffle_zstd import ShuffleZstdCodec
 from .uniform import UniformCodec
 from .zstd import ZstdCodec
@@ -46,8 +46,9 @@ class Pipeline:
         """Encode a contiguous 2-D CPU tensor (called on a background worker thread).
 
         A pipeline without byte stages may return a memoryview that aliases ``tensor2d`` (raw is
-        zero-copy): it must be consumed before the tensor is modified or freed. ValueError from a
-        lossy codec (inf/nan, unrepresentable scale) means: store this tensor lossless instead.
+        zero-copy): it must be consumed before the tensor is modified or freed. ``LossyRefusedError``
+        from a lossy codec (inf/nan, unrepresentable scale) means: store this tensor lossless
+        instead; any other exception is a bug.
         """
         if tensor2d.dim() != 2:
             raise ValueError(f"pipeline input must be 2-D, got shape {tuple(tensor2d.shape)}")
@@ -149,27 +150,36 @@ def lossless_pipeline(dtype: torch.dtype, compression: CompressionConfig) -> Pip
     return Pipeline(RawCodec(), _byte_stages(dtype_itemsize(dtype), compression))
 
 
-def pipeline_for_rule(rule: QuantRule, dtype: torch.dtype, ndim: int,
-                      compression: CompressionConfig) -> Pipeline:
-    """The lossy pipeline of a matched quantization rule.
+def index_pipeline() -> Pipeline:
+    """Row indices of deltas always use one fixed lossless pipeline, whatever the config says.
+
+    The manifest does not record it, so it must never change: byte-shuffle then one zstd frame
+    (spelled out rather than taken from the defaults, which may move on)."""
+    return Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
+
+
+def lossy_pipeline(method: str, dtype: torch.dtype, ndim: int, compression: CompressionConfig, *,
+                   bits: int = 4, block_size: int = 256, scale_dtype: str = "fp16",
+                   greedy: bool = True) -> Pipeline:
+    """The pipeline of one lossy ``method`` with its codec parameters spelled out (which tensors
+    are lossy, and with how many bits, is the planner's business: ``saving.plan``).
 
     ``ndim`` is the tensor's own rank: tensors of rank <= 1 reach the codec as one row (1, n),
-    so uniform quantization switches to blocks of ``rule.block_size``. ValueError for dtypes the
-    lossy codecs do not take (``match_rule`` never selects those).
+    so uniform quantization switches to blocks of ``block_size``. ValueError for dtypes the
+    lossy codecs do not take and for unknown methods.
     """
     if dtype not in QUANTIZABLE_DTYPES:
         raise ValueError(f"cannot quantize dtype {dtype}")
-    if rule.method in ("uniform", "adaptive"):
-        bits = adaptive_bits(rule.expected_restores) if rule.method == "adaptive" else rule.bits
-        array: ArrayCodec = UniformCodec(bits=bits, block_size=rule.block_size if ndim <= 1 else None,
-                                         scale_dtype=rule.scale_dtype, greedy=rule.greedy)
+    if method == "uniform":
+        array: ArrayCodec = UniformCodec(bits=bits, block_size=block_size if ndim <= 1 else None,
+                                         scale_dtype=scale_dtype, greedy=greedy)
         stages = _byte_stages(1, compression)
-    elif rule.method in ("bf16", "fp16"):
-        array = CastCodec("bfloat16" if rule.method == "bf16" else "float16")
+    elif method in ("bf16", "fp16"):
+        array = CastCodec("bfloat16" if method == "bf16" else "float16")
         stages = _byte_stages(2, compression)
-    elif rule.method == "int8_block":
-        array = Int8BlockCodec(rule.block_size)
+    elif method == "int8_block":
+        array = Int8BlockCodec(block_size)
         stages = _byte_stages(1, compression)
     else:
-        raise ValueError(f"unknown quantization method {rule.method!r}")
+        raise ValueError(f"unknown quantization method {method!r}")
     return Pipeline(array, stages)

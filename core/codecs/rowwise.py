@@ -14,16 +14,30 @@ vectorized over the rows; only the 32 steps are a Python loop. The search uses u
 parameters; the final choice per row between the greedy range and the full range is made on the
 exact error with the *stored* parameters, so a row's greedy L2 error is never above its plain one.
 
-Encoding is numpy on the calling (worker) thread: ufuncs never fan out to a thread pool (see
-``_common``). Decoding (``dequantize_rows``) is torch; both compute ``c * s + m`` with the same
-float operations, so encode's error statistics describe exactly what decode returns.
+Encoding runs on the calling (worker) thread, in numpy or in the C kernels of the optional
+extension ``ckpt_core._cquant``; neither fans out to a thread pool (see ``_common``), and ctypes
+releases the GIL for each kernel call. Decoding (``dequantize_rows``) is torch; all three compute
+``c * s + m`` with the same float operations, so encode's error statistics describe exactly what
+decode returns.
+
+Native kernels (float32 tensors; float64/float16/bfloat16 ones use numpy): per-row min/max, codes
+and errors with the stored parameters (byte-identical to numpy's, but for the sign of a zero
+minimum when a row holds both +0 and -0), and the greedy search, about 5x faster than numpy's
+(issue 24; benchmarks/bench_quant_speed.py). The search does numpy's float32 operations per
+element and adds each row's squared errors in float32 in element order, as ``_direct_loss`` does on
+many short rows (one row per vector lane, so the result is the same on every instruction set):
+the same ranges there. Where numpy sums in another order (few rows, ``_sorted_loss`` on long rows)
+the two can differ only where two candidates tie to float32 rounding; the stored-parameter check
+below still guarantees never-worse-than-plain either way.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
 
-from ._common import array_stats, as_stored, compute_dtype, require_finite_np, round_directed_np
+from ._common import array_stats, as_stored, compute_dtype, load_native, require_finite_np, round_directed_np
 from .base import EncodeStats
 
 GREEDY_BINS = 200
@@ -34,6 +48,31 @@ SEARCH_ELEMS = 1 << 17
 """Elements per row block of the greedy search (its work arrays are 2 x this many floats).
 Measured on 65536 x 64 fp32: 2**15 1.7 s, 2**16 1.4 s, 2**17 0.9-1.3 s, 2**18 1.4 s: smaller
 blocks pay Python overhead per numpy call (~12 calls x 33 steps per block), larger ones cache misses."""
+_ABI = 1  # checkrun_cquant_abi() of the C kernel this module was written for
+
+
+def _load_native() -> ctypes.CDLL | None:
+    """The C quantization kernels (``ckpt_core._cquant``), or None when they were not built."""
+    lib = load_native("_cquant", "checkrun_cquant_abi", _ABI, "the greedy search runs in numpy")
+    if lib is None:
+        return None
+    size, ptr = ctypes.c_size_t, ctypes.c_void_p
+    lib.checkrun_greedy_search.argtypes = [ptr, size, size, size, ptr, ptr, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ptr, ptr]
+    lib.checkrun_greedy_search.restype = ctypes.c_int
+    lib.checkrun_quantize_rows.argtypes = [ptr, size, size, size, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    lib.checkrun_quantize_rows.restype = ctypes.c_int
+    lib.checkrun_row_minmax.argtypes = [ptr, size, size, size, ptr, ptr]
+    lib.checkrun_row_minmax.restype = ctypes.c_int
+    return lib
+
+
+_NATIVE = _load_native()
+
+
+def native_available() -> bool:
+    """Whether float32 rows are quantized by the C kernels (greedy about 5x faster than numpy)."""
+    return _NATIVE is not None
 
 
 def stored_params(lo: np.ndarray, hi: np.ndarray, bits: int, sdt: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -58,9 +97,7 @@ def dequantize_rows(codes: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
 
 def _float_codes(xc: np.ndarray, m: np.ndarray, s: np.ndarray, q: int) -> np.ndarray:
     """Nearest code on the stored grid, as floats (rows with step 0 are constant: code 0)."""
-    sf = s.astype(xc.dtype)
-    with np.errstate(divide="ignore"):
-        inv = np.where(sf > 0, 1 / np.where(sf > 0, sf, 1), 0).astype(xc.dtype)
+    inv = _inverse_steps(s, xc.dtype)
     t = np.subtract(xc, m.astype(xc.dtype)[:, None])
     t *= inv[:, None]
     np.rint(t, out=t)
@@ -188,14 +225,33 @@ def greedy_range(xc: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int) -> t
     with np.errstate(divide="ignore"):
         inv = np.where(step > 0, 1 / np.where(step > 0, step, 1), 0).astype(xc.dtype)
     best_lo, best_k = np.empty(rows), np.empty(rows)
+    if not _native_search(xc, lo, inv, q, best_lo, best_k):
+        _numpy_search(xc, lo, inv, q, best_lo, best_k)
+    best_hi = (best_k - best_lo).astype(xc.dtype)
+    return lo + best_lo.astype(xc.dtype) * step, hi - best_hi * step
+
+
+def _native_search(xc: np.ndarray, lo: np.ndarray, inv: np.ndarray, q: int, best_lo: np.ndarray,
+                   best_k: np.ndarray) -> bool:
+    """The search in the C kernel (float32 rows only); False when the caller must run it."""
+    if _NATIVE is None or xc.dtype != np.float32:
+        return False
+    xc = _unit_stride(xc)
+    lo, inv = np.ascontiguousarray(lo, np.float32), np.ascontiguousarray(inv, np.float32)
+    return bool(_NATIVE.checkrun_greedy_search(xc.ctypes.data, xc.shape[0], xc.shape[1], xc.strides[0] // 4,
+                                               lo.ctypes.data, inv.ctypes.data, q, GREEDY_BINS, GREEDY_STEPS,
+                                               best_lo.ctypes.data, best_k.ctypes.data))
+
+
+def _numpy_search(xc: np.ndarray, lo: np.ndarray, inv: np.ndarray, q: int, best_lo: np.ndarray,
+                  best_k: np.ndarray) -> None:
+    rows, cols = xc.shape
     per = max(1, SEARCH_ELEMS // max(cols, 1))
     for i in range(0, rows, per):
         j = min(i + per, rows)
         u = np.subtract(xc[i:j], lo[i:j, None])
         u *= inv[i:j, None]
         best_lo[i:j], best_k[i:j] = _search(u, q)
-    best_hi = (best_k - best_lo).astype(xc.dtype)
-    return lo + best_lo.astype(xc.dtype) * step, hi - best_hi * step
 
 
 def quantize_rows(xc: np.ndarray, dtype: torch.dtype, bits: int, sdt: np.dtype,
@@ -206,10 +262,19 @@ def quantize_rows(xc: np.ndarray, dtype: torch.dtype, bits: int, sdt: np.dtype,
     inf/nan input or parameters not representable in ``sdt``.
     """
     q = (1 << bits) - 1
-    lo, hi = xc.min(1), xc.max(1)  # min/max propagate nan; an inf shows up in one of them
+    native = _NATIVE is not None and xc.dtype == np.float32 and dtype == torch.float32 and xc.size > 0
+    if native:
+        xc = _unit_stride(xc)
+        lo, hi = _native_minmax(xc)
+    else:
+        lo, hi = xc.min(1), xc.max(1)  # min/max propagate nan; an inf shows up in one of them
     require_finite_np(lo, "uniform")
     require_finite_np(hi, "uniform")
     m, s = stored_params(lo, hi, bits, sdt)
+    if native:
+        done = _quantize_native(xc, lo, hi, m, s, bits, sdt, greedy)
+        if done is not None:
+            return done
     codes = _float_codes(xc, m, s, q)
     recon = _recon(codes, m, s, dtype)
     if greedy and xc.shape[1] > 1:
@@ -220,3 +285,62 @@ def quantize_rows(xc: np.ndarray, dtype: torch.dtype, bits: int, sdt: np.dtype,
         m, s = np.where(use, gm, m), np.where(use, gs, s)
         codes[use], recon[use] = gcodes[use], grecon[use]
     return codes.astype(np.uint8), m, s, array_stats(xc, recon)
+
+
+def _unit_stride(xc: np.ndarray) -> np.ndarray:
+    """``xc``, copied only if its rows are not runs of consecutive float32 (what the C kernels read)."""
+    return xc if xc.strides[1] == 4 and xc.strides[0] >= 0 and xc.strides[0] % 4 == 0 else np.ascontiguousarray(xc)
+
+
+def _native_minmax(xc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row (min, max) of float32 rows from the C kernel (nan for rows with inf or nan)."""
+    lo, hi = np.empty(xc.shape[0], np.float32), np.empty(xc.shape[0], np.float32)
+    _NATIVE.checkrun_row_minmax(xc.ctypes.data, xc.shape[0], xc.shape[1], xc.strides[0] // 4, lo.ctypes.data,
+                                hi.ctypes.data)
+    return lo, hi
+
+
+def _inverse_steps(s: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``1 / step`` per row as ``_float_codes`` computes it (0 for constant rows)."""
+    sf = s.astype(dtype)
+    with np.errstate(divide="ignore"):
+        return np.where(sf > 0, 1 / np.where(sf > 0, sf, 1), 0).astype(dtype)
+
+
+def _native_codes(xc: np.ndarray, m: np.ndarray, s: np.ndarray,
+                  q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(uint8 codes, squared error per row, max abs error per row, sum of squares per row) of a
+    float32 tensor's rows with stored parameters (m, s), from the C kernel: the codes of
+    ``_float_codes`` and the errors of ``_recon``; None when the caller must use numpy."""
+    inv = _inverse_steps(s, xc.dtype)
+    if not np.isfinite(inv).all():  # a step below 1/FLT_MAX: keep numpy's inf/nan semantics
+        return None
+    rows, cols = xc.shape
+    codes = np.empty((rows, cols), np.uint8)
+    err, ref, top = np.empty(rows), np.empty(rows), np.empty(rows, np.float32)
+    mf, sf = np.ascontiguousarray(m, np.float32), np.ascontiguousarray(s, np.float32)
+    _NATIVE.checkrun_quantize_rows(xc.ctypes.data, rows, cols, xc.strides[0] // 4, mf.ctypes.data,
+                                   sf.ctypes.data, inv.ctypes.data, q, codes.ctypes.data, err.ctypes.data,
+                                   top.ctypes.data, ref.ctypes.data)
+    return codes, err, top, ref
+
+
+def _quantize_native(xc: np.ndarray, lo: np.ndarray, hi: np.ndarray, m: np.ndarray, s: np.ndarray, bits: int,
+                     sdt: np.dtype, greedy: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, EncodeStats] | None:
+    """``quantize_rows`` for float32 tensors in the C kernel (same codes and choices); None when
+    the caller must use numpy."""
+    plain = _native_codes(xc, m, s, (1 << bits) - 1)
+    if plain is None:
+        return None
+    codes, err, top, ref = plain
+    if greedy and xc.shape[1] > 1:
+        gm, gs = stored_params(*greedy_range(xc, lo, hi, bits), bits, sdt)
+        found = _native_codes(xc, gm, gs, (1 << bits) - 1)
+        if found is None:
+            return None
+        gcodes, gerr, gtop, _ = found
+        use = gerr < err * (1 - _GREEDY_MARGIN)
+        m, s, err, top = np.where(use, gm, m), np.where(use, gs, s), np.where(use, gerr, err), np.where(use, gtop, top)
+        codes[use] = gcodes[use]
+    return codes, m, s, EncodeStats(float(top.max()), float(err.sum()), float(ref.sum()))
+

@@ -16,8 +16,6 @@ setting for it: ``native_available()`` says which one runs.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -25,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import FormatError
-from ._common import check_int
+from ._common import check_int, load_native
 from .base import BytesCodec, Scratch, register
 
 # Elements per piece. Each piece is a few numpy calls, and each call takes the GIL back: with
@@ -35,27 +33,12 @@ from .base import BytesCodec, Scratch, register
 _PIECE = 1 << 18
 _LITTLE = sys.byteorder == "little"
 _ABI = 1  # checkrun_cshuffle_abi() of the C kernels this module was written for
-log = logging.getLogger(__name__)
 
 
 def _load_native() -> ctypes.CDLL | None:
     """The C kernels (``ckpt_core._cshuffle``), or None when they were not built."""
-    try:
-        spec = importlib.util.find_spec("ckpt_core._cshuffle")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        log.debug("ckpt_core._cshuffle was not built; byte-shuffle runs in numpy")
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        abi = lib.checkrun_cshuffle_abi()
-    except (OSError, AttributeError) as exc:
-        log.warning("cannot load %s (%s); byte-shuffle runs in numpy", spec.origin, exc)
-        return None
-    if abi != _ABI:
-        log.warning("%s has interface %s, expected %s (rebuild with pip install); "
-                    "byte-shuffle runs in numpy", spec.origin, abi, _ABI)
+    lib = load_native("_cshuffle", "checkrun_cshuffle_abi", _ABI, "byte-shuffle runs in numpy")
+    if lib is None:
         return None
     for fn in (lib.checkrun_shuffle, lib.checkrun_unshuffle):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]

@@ -1,8 +1,9 @@
 """Per-rank chunk storage for DCP saves: content addressing before encoding, shared blob store.
 
 Each rank runs one :class:`ItemWriter` per ``write_data`` call. A tensor item (DTensor shard, piece of
-a replicated tensor, whole tensor) is cut into the engine's chunks (``chunk_spans``); each chunk's
-content key is computed from its raw bytes (``blob_key``, the same address the engine uses), and only
+a replicated tensor, whole tensor) is planned and written by the ordinary saves' code (``saving.plan``,
+``saving.write``): cut into the engine's chunks (``plan.chunk_spans``); each chunk's content key is
+computed from its raw bytes (``blobwrite.blob_key``, the same address the engine uses), and only
 chunks whose key is not already in ``DIR/.checkrun/blobs/`` are encoded and written. What this process
 knows is in :data:`KNOWN` (per directory, a ``DirState``: blob refs of the last save or load, seeded
 from the newest manifest of the directory on first use, and the blobs already checked). A stored blob
@@ -16,31 +17,27 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import threading
 from collections import deque
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..saving.blobcheck import StoredBlob, adoptable, trusted
-from ..codecs import EncodeStats, Pipeline, lossless_pipeline, pipeline_for_rule
-from ..config import EngineConfig, QuantRule
+from ..codecs import EncodeStats
+from ..config import EngineConfig
 from .format import ItemResult, record_key
 from ..errors import CheckrunError
-from ..format.dtypes import row_shape
-from ..format.manifest import (
-    MAGIC_PREFIX, BlobRef, ChunkRef, ObjectRecord, TensorRecord, dtype_name, parse_manifest)
+from ..format.manifest import HEAD_BYTES, BlobRef, ObjectRecord, TensorRecord, is_manifest_head, parse_manifest
+from ..saving.blobwrite import BlobWriter
+from ..saving.plan import Planner, TensorPlan
 from ..saving.quant_rules import RuleMatcher
 from ..saving.lease import SaveLease
 from ..storage.store import Store
 from ..saving.streams import DirState
-from ..saving.write import blob_key, chunk_spans
+from ..saving.write import Pending, Replan, TensorWriter
 
 log = logging.getLogger("ckpt_core")
 _DEFAULT_WINDOW = 256 << 20
@@ -56,18 +53,18 @@ class BlobIndex:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._dirs: dict[str, DirState] = {}
+        self._dirs: dict[tuple, DirState] = {}  # by Store.cache_key: URL and options
 
     def view(self, store: Store, config: EngineConfig) -> tuple[dict[str, BlobRef], dict[str, EncodeStats], DirState]:
         """Copies of the directory's refs and stats (stable during a save), and its ``DirState``,
         whose ``verified`` a save updates in place as it checks blobs."""
-        url = store.url("")
+        key = store.cache_key
         with self._lock:
-            state = self._dirs.get(url)
+            state = self._dirs.get(key)
         if state is None:
             seeded = DirState(index=_seed(store, config))
             with self._lock:
-                state = self._dirs.setdefault(url, seeded)
+                state = self._dirs.setdefault(key, seeded)
         with self._lock:
             return dict(state.index), dict(state.stats), state
 
@@ -91,7 +88,7 @@ class BlobIndex:
             self._state(store).adopt_verified(list(refs))
 
     def _state(self, store: Store) -> DirState:
-        return self._dirs.setdefault(store.url(""), DirState())
+        return self._dirs.setdefault(store.cache_key, DirState())
 
 
 def _seed(store: Store, config: EngineConfig) -> dict[str, BlobRef]:
@@ -102,7 +99,7 @@ def _seed(store: Store, config: EngineConfig) -> dict[str, BlobRef]:
         return {}
     for info in files[:16]:
         try:
-            if not store.read_head(info.name, len(MAGIC_PREFIX) + 8).lstrip().startswith(MAGIC_PREFIX):
+            if not is_manifest_head(store.read_head(info.name, HEAD_BYTES)):
                 continue
             m = parse_manifest(store.read_manifest(info.name), store.url(info.name),
                                max_blob_bytes=config.load.max_blob_bytes)
@@ -116,32 +113,25 @@ def _seed(store: Store, config: EngineConfig) -> dict[str, BlobRef]:
 KNOWN = BlobIndex()
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    ref: ChunkRef
-    written: int
-    stats: EncodeStats | None
-
-
-def _bytes_view(t2d: torch.Tensor) -> torch.Tensor:
-    return t2d.view(torch.uint8).reshape(-1)
-
-
 class ItemWriter:
-    """Stores the items of one rank's plan. Created and used on the thread running ``write_data``;
-    chunk work runs on ``workers``. ``known`` must not change while it runs; ``dirstate.verified``
-    (the process's checked blobs of this directory) is updated as blobs are checked or written."""
+    """Stores the items of one rank's plan with the ordinary saves' writer (``saving.write``): each
+    tensor item is planned (``saving.plan.Planner``) and its plan executed by a ``TensorWriter``
+    on a ``BlobWriter`` that looks at the store before reusing a blob (``look_first``). Created
+    and used on the thread running ``write_data``; chunk work runs on ``workers``. ``known`` must
+    not change while it runs; ``dirstate.verified`` (the process's checked blobs of this
+    directory) is updated as blobs are checked or written."""
 
     def __init__(self, store: Store, config: EngineConfig, matcher: RuleMatcher, rank: int, workers: Executor,
                  known: dict[str, BlobRef], known_stats: dict[str, EncodeStats], dirstate: DirState,
                  lease: SaveLease) -> None:
-        self.store, self.config, self.matcher, self.rank, self.workers = store, config, matcher, rank, workers
-        self.lease = lease
-        self.known, self.known_stats, self.dir = known, known_stats, dirstate
-        self.touched: dict[str, BlobRef] = {}
+        self.config, self.rank, self.workers = config, rank, workers
+        self.known_stats = known_stats
         self.new_stats: dict[str, EncodeStats] = {}
-        self._inflight: dict[str, Future] = {}
-        self._lock = threading.Lock()
+        self.planner = Planner(matcher, config.compression)
+        self.blobs = BlobWriter(store, dirstate, lease, config.load.max_blob_bytes, known=known,
+                                stats_of=self._stats_of, look_first=True)
+        self.tensors = TensorWriter(self.blobs, workers.submit, self.new_stats)
+        self.touched = self.blobs.touched
         self.written = 0
 
     # -- items -----------------------------------------------------------------------------------
@@ -167,7 +157,11 @@ class ItemWriter:
 
     def _finish(self, entry: tuple, results: list[WriteResult]) -> int:
         item, job, nbytes = entry
-        record, written = job.result() if isinstance(job, Future) else self._tensor_result(*job)
+        if isinstance(job, Future):
+            record, written = job.result()
+        else:
+            done = self.tensors.settle(*job, "cpu")
+            record, written = done.record, done.written
         self.written += written
         size = sum(b.size for b in record.blobs()) if isinstance(record, TensorRecord) else record.blob.size
         results.append(WriteResult(index=item.index, size_in_bytes=size,
@@ -176,119 +170,27 @@ class ItemWriter:
 
     def _object(self, item: WriteItem, data: Any) -> tuple[ObjectRecord, int]:
         payload = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        key = blob_key("object|", payload)
-        ref = BlobRef(key, len(payload), xxhash.xxh3_64_hexdigest(payload))
-        self.touched[key] = ref
-        record = ObjectRecord(record_key(item.index, True), "dcp.bytes", ref)
-        self.lease.cover([key])
-        # The payload's own bytes are its only valid encoding: reuse the stored blob only if it is them.
-        if self.store.has_blob(key) and trusted(self.dir, ref, self._stored(key)):
-            return record, 0
-        self._put(ref, payload)
-        return record, len(payload)
+        ref, written = self.blobs.put_object(payload)
+        return ObjectRecord(record_key(item.index, True), "dcp.bytes", ref), written
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _pipeline(self, fqn: str, t: torch.Tensor) -> tuple[Pipeline, QuantRule | None]:
-        rule = self.matcher.select(fqn, t) if self.matcher.rules else None
-        if rule is None:
-            return lossless_pipeline(t.dtype, self.config.compression), None
-        return pipeline_for_rule(rule, t.dtype, t.dim(), self.config.compression), rule
-
-    def _tensor_job(self, item: WriteItem, t: torch.Tensor, lossless: bool = False) -> tuple:
+    def _tensor_job(self, item: WriteItem, t: torch.Tensor) -> tuple[Pending, Replan]:
+        """Plan a tensor item and submit its chunks; (the pending tensor, how to plan it again)."""
         td = item.tensor_data
         if td is None or tuple(t.shape) != tuple(td.chunk.sizes):
             raise CheckrunError(f"DCP item {item.index.fqn!r}: resolved tensor of shape {tuple(t.shape)} does "
                                 f"not match its chunk {None if td is None else tuple(td.chunk.sizes)}")
-        pipeline, rule = self._pipeline(item.index.fqn, t)
-        if lossless:
-            pipeline, rule = lossless_pipeline(t.dtype, self.config.compression), None
-        rows, cols = row_shape(tuple(t.shape))
-        flat = t.reshape(-1)
-        prefix = f"{pipeline.spec_id}|{dtype_name(t.dtype)}"
-        futures = []
-        for off, r, c in chunk_spans(rows, cols, t.element_size(), self.config.compression.chunk_bytes):
-            piece = flat[off:off + r * c].view(r, c)
-            futures.append(self.workers.submit(self._chunk, piece, off, pipeline, prefix))
         whole = list(td.chunk.sizes) == list(td.size) and not any(td.chunk.offsets)
-        return item, t, pipeline, rule, futures, record_key(item.index, whole)
+        key, shape = record_key(item.index, whole), tuple(t.shape)
 
-    def _tensor_result(self, item, t, pipeline, rule, futures, key) -> tuple[TensorRecord, int]:
-        try:
-            chunks = [f.result() for f in futures]
-        except ValueError as exc:  # a lossy codec refuses non-finite or out-of-range values
-            if not pipeline.lossy:
-                raise
-            log.warning("checkrun: %s stored lossless: %s", key, exc)
-            return self._tensor_result(*self._tensor_job(item, t, lossless=True))
-        stats = EncodeStats()
-        for c in chunks:
-            if c.stats is not None:
-                stats = stats.merge(c.stats)
-        quant = None
-        if rule is not None and pipeline.lossy:
-            rel = math.sqrt(stats.sq_error_sum / stats.sq_ref_sum) if stats.sq_ref_sum > 0 else 0.0
-            quant = {"method": rule.method, "bits": pipeline.array.to_dict().get("bits"),
-                     "max_abs_error": stats.max_abs_error, "rel_l2_error": rel}
-        written = sum(c.written for c in chunks)
-        rec = TensorRecord(key, dtype_name(t.dtype), tuple(t.shape), tuple(pipeline.to_list()),
-                           tuple(c.ref for c in chunks), (), written, quant, "cpu")
-        return rec, written
+        def replan(force: bool, lossless: bool) -> TensorPlan:
+            return self.planner.tensor(key, t.dtype, shape, rule_key=item.index.fqn, force=force, lossless=lossless)
 
-    # -- chunks (worker threads) -----------------------------------------------------------------
-    def _chunk(self, array2d: torch.Tensor, off: int, pipeline: Pipeline, prefix: str) -> _Chunk:
-        self.lease.renew_if_due()  # the rank's threads renew its lease as they work
-        rows, cols = array2d.shape
-        key = blob_key(f"{prefix}|{rows}x{cols}|", _bytes_view(array2d))
-        with self._lock:  # one writer per key in this save: identical chunks (zeros) are common
-            owner = self._inflight.get(key)
-            if owner is None:
-                self._inflight[key] = mine = Future()
-        if owner is not None:
-            return _Chunk(ChunkRef(off, rows, cols, owner.result()), 0, self._stats_of(key))
-        try:
-            ref, written, stats = self._store_chunk(key, array2d, pipeline)
-        except BaseException as exc:
-            mine.set_exception(exc)
-            raise
-        mine.set_result(ref)
-        self.touched[key] = ref
-        if stats is not None and pipeline.lossy:
-            self.new_stats[key] = stats
-        return _Chunk(ChunkRef(off, rows, cols, ref), written, stats if pipeline.lossy else None)
+        plan = replan(False, False)
+        return self.tensors.start(plan, t.reshape(plan.grid)), replan
 
     def _stats_of(self, key: str) -> EncodeStats | None:
         return self.new_stats.get(key) or self.known_stats.get(key)
-
-    def _store_chunk(self, key: str, array2d: torch.Tensor, pipeline: Pipeline):
-        """Reuse the stored blob of a chunk once its bytes were checked (``blobcheck``), else write it.
-
-        A known blob is reused without encoding once its stored bytes match the known reference
-        and (lossy) its error is known; otherwise the chunk is encoded, and a stored blob (one this
-        process does not know: another rank's or process's) adopted if it holds the same content,
-        else (missing, rotted, truncated) written."""
-        stored = self._stored(key)
-        self.lease.cover([key])  # before looking: once named, a blob found stays
-        exists = self.store.has_blob(key)
-        known = self.known.get(key)
-        if exists and known is not None and trusted(self.dir, known, stored):
-            stats = self._stats_of(key)
-            if stats is not None or not pipeline.lossy:
-                return known, 0, stats
-        data, stats = pipeline.encode(array2d)
-        fresh = BlobRef(key, len(data), xxhash.xxh3_64_hexdigest(data))
-        ref = adoptable(self.dir, fresh, data, array2d, pipeline, stored) if exists else None
-        if ref is not None:
-            return ref, 0, stats
-        self._put(fresh, data)
-        return fresh, len(data), stats
-
-    def _stored(self, key: str) -> StoredBlob:
-        return StoredBlob(self.store, key, self.config.load.max_blob_bytes)
-
-    def _put(self, ref: BlobRef, data: bytes | memoryview) -> None:
-        self.store.put_blob(ref.key, data)
-        # Written, not read back: the first save that reuses it checks it.
-        self.dir.verified.pop(ref.key, None)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

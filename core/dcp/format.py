@@ -19,6 +19,7 @@ type-checked and every reference resolved before DCP sees anything.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Union
@@ -49,6 +50,20 @@ class ItemResult:
     rank: int
     written: int
     """Bytes this rank wrote for the item (0 when every blob was already in the store)."""
+
+
+class CheckpointIdMixin:
+    """DCP's ``checkpoint_id`` protocol for the storage reader and writer (their ``path``)."""
+
+    path: str | None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and bool(os.fspath(checkpoint_id))
 
 
 def record_key(index: MetadataIndex, whole: bool) -> str:

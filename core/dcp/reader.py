@@ -22,7 +22,7 @@ from torch.futures import Future
 from ..codecs import Pipeline
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN
-from .format import decode_metadata
+from .format import CheckpointIdMixin, decode_metadata
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from ..loading.reader import decode_chunk, fetch_blob, read_manifest
@@ -32,7 +32,7 @@ __all__ = ["CheckrunStorageReader"]
 _BATCH_BYTES = 256 << 20
 
 
-class CheckrunStorageReader(StorageReader):
+class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
     """Reads a checkpoint written by :class:`CheckrunStorageWriter`:
     ``dcp.load(sd, storage_reader=CheckrunStorageReader("run/step=100.dcp"))``.
 
@@ -127,14 +127,6 @@ class CheckrunStorageReader(StorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and bool(os.fspath(checkpoint_id))
 
     # -- internals -------------------------------------------------------------------------------
     def _resolve(self) -> tuple[Store, str]:

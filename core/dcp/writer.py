@@ -43,12 +43,12 @@ from torch.futures import Future
 
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
-from .format import ItemResult, build_manifest
+from .format import CheckpointIdMixin, ItemResult, build_manifest
 from ..saving.lifecycle import lower_thread_priority
 from ..errors import CheckrunError, FormatError
 from ..format.manifest import ObjectRecord, TensorRecord
 from ..saving.quant_rules import RuleMatcher
-from ..retain.retention import apply_retention, blob_sizes, collect_garbage
+from ..retain import after_commit
 from ..saving.lease import SaveLease
 from ..storage.store import Store
 
@@ -80,7 +80,7 @@ class DcpSaveInfo:
     rank_written_bytes: list[int] = field(default_factory=list)
 
 
-class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
+class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStager):
     """Stores a DCP save as a checkrun checkpoint: ``dcp.save(sd, storage_writer=CheckrunStorageWriter(path))``.
 
     Args:
@@ -186,7 +186,7 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
                                      len(data), len(flat), list(st["rank_written_bytes"]))
         log.info("checkrun: committed DCP checkpoint %s: %.1f MB of tensors, %d ranks wrote %.1f MB",
                  self.last_save.path, st["tensor_bytes"] / 1e6, len(results), st["written_bytes"] / 1e6)
-        self._retain(store, name)
+        after_commit(store, name, self.config)  # retention, then collection of what it removed
 
     def _check_leases(self, store: Store, manifest) -> None:
         """(coordinator, before the commit) The other ranks renewed their leases until their last
@@ -214,14 +214,6 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and bool(os.fspath(checkpoint_id))
-
     # -- AsyncStager -----------------------------------------------------------------------------
     def stage(self, state_dict: dict) -> dict:
         """(dcp.async_save, training thread) Copy the state to CPU; with ``cache_staged_state_dict``
@@ -241,15 +233,6 @@ class CheckrunStorageWriter(StorageWriter, BlockingAsyncStager):
         if self._store is None:
             self._store, self._name = Store.for_path(self.path, self.storage_options, self.config.storage)
         return self._store, self._name
-
-    def _retain(self, store: Store, name: str) -> None:
-        """Retention, then collection of the blobs of the removed checkpoints (no listing of blobs)."""
-        try:
-            removed = apply_retention(store, self.config, keep={name})
-            if removed and self.config.retention.gc_after_save:
-                collect_garbage(store, self.config, candidates=blob_sizes(removed))
-        except CheckrunError as exc:
-            log.warning("checkrun: retention/gc after saving %s failed: %s", store.url(name), exc)
 
 
 def _check_complete(metadata: Metadata, results: list[ItemResult]) -> None:

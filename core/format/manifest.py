@@ -23,6 +23,8 @@ _WRITER_RE = re.compile(r"[0-9a-f]{1,32}")
 MAGIC = "manifest"
 MAGIC_KEY = "_checkrun"
 MAGIC_PREFIX = b'{"_checkrun":'
+HEAD_BYTES = len(MAGIC_PREFIX) + 8
+"""How many leading bytes of a file ``is_manifest_head`` needs (the header after some white space)."""
 FORMAT_VERSION = 2  # 2: chunks may be parts of a pack (ChunkRef.part); everything else as in 1
 SUPPORTED_VERSIONS = (1, 2)
 
@@ -208,6 +210,13 @@ def _tensor_to_json(t: TensorRecord) -> dict:
     }
 
 
+def is_manifest_head(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first ``HEAD_BYTES`` or more) is a checkrun manifest
+    by its header: the one sniffing test of parsing, listing, ``checkrun import`` and the adapters'
+    loaders (a torch.save zip or any other file answers False; the body is not validated)."""
+    return head.lstrip().startswith(MAGIC_PREFIX)
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")  # json.loads would accept NaN/Infinity
 
@@ -217,7 +226,7 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
     """Parse and fully validate manifest bytes read from ``where`` (named in every error) within
     ``limits`` (``manifest_limits.limits_for(config)``; ``max_blob_bytes`` replaces theirs)."""
     limits = resolve_limits(limits, max_blob_bytes)
-    if not data.lstrip().startswith(MAGIC_PREFIX):
+    if not is_manifest_head(data):
         raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
     check_json(data, where, limits)  # json.loads builds every value: bound them first
     try:

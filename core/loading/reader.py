@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..codecs import Pipeline, RawCodec, ShuffleCodec, ZstdCodec
+from ..codecs import Pipeline, index_pipeline
 from ..codecs._common import tensor_bytes
 from ..config import EngineConfig
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
@@ -203,14 +203,6 @@ def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pi
         if lt.copy is not None:
             lt.copy.view(rows, cols).index_copy_(0, idx, values)
         lt.delta_indices.append(idx)
-
-
-def index_pipeline() -> Pipeline:
-    """Row indices of deltas always use one fixed lossless pipeline, whatever the config says.
-
-    The manifest does not record it, so it must never change: byte-shuffle then one zstd frame
-    (spelled out rather than taken from the defaults, which may move on)."""
-    return Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
 
 
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,

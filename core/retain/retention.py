@@ -26,7 +26,7 @@ from ..storage import owner
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
-from ..format.manifest import MAGIC_PREFIX, Manifest, parse_manifest
+from ..format.manifest import HEAD_BYTES, Manifest, is_manifest_head, parse_manifest
 from ..format.limits import limits_for
 from ..storage.store import BlobInfo, Store
 
@@ -56,7 +56,7 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
 
     def read(info):
         try:
-            head = store.read_head(info.name, len(MAGIC_PREFIX) + 8)
+            head = store.read_head(info.name, HEAD_BYTES)
         except CheckpointNotFoundError:
             log.debug("checkrun: %s was removed while listing", store.url(info.name))
             return None
@@ -64,7 +64,7 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
-        if not head.lstrip().startswith(MAGIC_PREFIX):
+        if not is_manifest_head(head):
             return None
         try:
             data = store.read_manifest(info.name)
@@ -169,6 +169,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
             _collect_temp_files(store, config, floor, report)
     finally:
         gc.end()
+    _collect_steplog(store, config, report, dry_run)
     return report
 
 
@@ -298,3 +299,13 @@ def _collect_temp_files(store: Store, config: EngineConfig, floor: float, report
         store.map(lambda t: store.delete_temp_file(t.name), stale)
     report.temp_files = [t.name for t in stale]
     report.freed_bytes += sum(t.size for t in stale)
+
+
+def _collect_steplog(store: Store, config: EngineConfig, report: GCReport, dry_run: bool) -> None:
+    """Truncate the step log (docs/steplog.md): its segments before the oldest retained checkpoint."""
+    from ..steplog.gc import collect_segments  # a later stage: imported where used
+
+    try:
+        collect_segments(store, lambda: list_checkpoints(store, config), dry_run)
+    except CheckrunError as exc:  # a malformed step-log object: delete none of it, say why
+        report.problems.append(f"step log: {exc}")

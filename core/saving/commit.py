@@ -17,6 +17,7 @@ from .capture import Snapshot
 from ..config import EngineConfig
 from ..errors import CheckrunError
 from .fence import commit_guard
+from .handles import WriteStats
 from ..format.manifest import Manifest
 from .quant_rules import RuleMatcher
 from .lease import SaveLease
@@ -29,7 +30,7 @@ from .write import SnapshotWriter
 class Committed:
     """What the background part of one save reports (from a thread or from the writer process)."""
 
-    stats: dict
+    stats: WriteStats
     manifest_bytes: int
     new_blobs: int
     reused_blobs: int
@@ -64,7 +65,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
     writer.adopt(manifest)
     new = sum(1 for r in manifest.tensors if r.written)
     quantized = [r for r in manifest.tensors if r.quant]
-    return Committed(stats, len(data), new, len(manifest.blobs()) - new, len(quantized),
+    return Committed(WriteStats.from_manifest(stats), len(data), new, len(manifest.blobs()) - new, len(quantized),
                      sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
                      writer.stream_updates, matcher.unmatched_rules())
 

@@ -3,13 +3,54 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..errors import BackgroundSaveError
 from ..units import fmt_bytes, fmt_percent
 
 
 @dataclass(frozen=True)
-class SaveInfo:
+class WriteStats:
+    """What writing one save measured (step 4), as its manifest records them (``Manifest.stats``:
+    plain JSON there, this typed copy between the writer, the commit and the engine)."""
+
+    tensor_bytes: int
+    written_bytes: int
+    """Blob bytes this save wrote (the manifest not included)."""
+    stored_bytes: int
+    """Bytes of every blob the checkpoint references, each once."""
+    chain_depth: int
+    quantized: bool
+    encode_seconds: float
+
+    @classmethod
+    def from_manifest(cls, stats: Mapping) -> "WriteStats":
+        """From a manifest's ``stats`` (the keys ``SnapshotWriter.write`` sets)."""
+        return cls(int(stats["tensor_bytes"]), int(stats["written_bytes"]), int(stats["stored_bytes"]),
+                   int(stats["chain_depth"]), bool(stats.get("quantized", False)),
+                   float(stats.get("encode_seconds", 0.0)))
+
+
+class ByteRatios:
+    """The ratios of a save's figures (``tensor_bytes``, ``written_bytes``, ``stored_bytes``)."""
+
+    tensor_bytes: int
+    written_bytes: int
+    stored_bytes: int
+
+    @property
+    def compression_ratio(self) -> float:
+        """Tensor bytes over referenced bytes (>1 means smaller than raw)."""
+        return self.tensor_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+
+    @property
+    def write_ratio(self) -> float:
+        """Written bytes over tensor bytes (incremental saves are well below 1)."""
+        return self.written_bytes / self.tensor_bytes if self.tensor_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class SaveInfo(ByteRatios):
     """Figures of one committed save (also passed to ``CheckpointEngine.add_callback`` callbacks).
 
     The byte counts use the vocabulary of ``checkrun ls`` / ``inspect`` (``ckpt_core.units``):
@@ -46,16 +87,6 @@ class SaveInfo:
     def referenced_bytes(self) -> int:
         """Bytes *referenced by this checkpoint* (the same number as ``stored_bytes``)."""
         return self.stored_bytes
-
-    @property
-    def compression_ratio(self) -> float:
-        """Tensor bytes over referenced bytes (>1 means smaller than raw)."""
-        return self.tensor_bytes / self.stored_bytes if self.stored_bytes else float("inf")
-
-    @property
-    def write_ratio(self) -> float:
-        """Written bytes over tensor bytes (incremental saves are well below 1)."""
-        return self.written_bytes / self.tensor_bytes if self.tensor_bytes else 0.0
 
     def summary(self) -> str:
         """One line in checkrun's words and units (``ckpt_core.units``), e.g. ``wrote 526.7 KiB (10.5% of
@@ -105,6 +136,8 @@ class SaveHandle:
             self._observed = True
             return self._error
 
-    def _finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
+    def finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
+        """Record the outcome (the coordinator, once per save: ``info`` when committed, else ``error``)
+        and wake every waiter."""
         self._info, self._error = info, error
         self._done.set()

@@ -10,8 +10,10 @@ How: the engine stages tensors into ``SharedBuffers`` (files under ``/dev/shm`` 
 processes, reused from save to save like any staging buffer), then sends the snapshot with a
 pickler that replaces each staging buffer by its file name, so only the tree, the small objects
 and the names cross the pipe. The writer process (``python -m ckpt_core.saving.process``, started
-with ``subprocess``: it never imports the training script) keeps its own blob index per directory,
-writes and commits exactly as a background thread would (``commit.write_and_commit``), and answers
+with ``subprocess``: it never imports the training script) keeps its own store and blob index per
+directory and storage options (``Store.cache_key``: a save with rotated credentials or another
+endpoint reaches them), writes and commits exactly as a background thread would
+(``commit.write_and_commit``), and answers
 with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
 runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
 which blobs exist or are gone, in order, on the same pipe.
@@ -86,7 +88,7 @@ class _Unpickler(pickle.Unpickler):
 
 def check_store(store: Store) -> None:
     """Refuse a filesystem the writer process cannot share (``memory://``)."""
-    if "memory" in (store.fs.protocol if isinstance(store.fs.protocol, tuple) else (store.fs.protocol,)):
+    if not store.shared_between_processes:
         raise ConfigError(f"saving.background 'process' cannot save to {store.url('')}: a memory:// "
                           "filesystem lives in one process; use saving.background 'thread'")
 
@@ -144,7 +146,7 @@ class WriterProcess:
             snap.event.synchronize()
             snap = dataclasses.replace(snap, event=None)
         try:
-            conn = self._send(("save", (store.fs, store.root, store.url_prefix), name, snap))
+            conn = self._send(("save", (store.fs, store.root, store.url_prefix, store.cache_key), name, snap))
             status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise CheckrunError(f"the checkrun writer process died ({self._reap()}) while saving "
@@ -156,12 +158,12 @@ class WriterProcess:
     def adopt(self, store: Store, blobs: list, records: list) -> None:
         """Blobs and records of a loaded checkpoint: the next save there reuses them."""
         if blobs:
-            self._notify(("adopt", store.url(""), blobs, records))
+            self._notify(("adopt", store.cache_key, blobs, records))
 
     def forget(self, store: Store, keys: list[str]) -> None:
         """Blobs garbage collection deleted."""
         if keys:
-            self._notify(("forget", store.url(""), keys))
+            self._notify(("forget", store.cache_key, keys))
 
     def _notify(self, message: tuple) -> None:
         """Tell the writer process, or, before it runs, its start (no process is started for it)."""
@@ -198,16 +200,34 @@ class WriterProcess:
         self.shared.close()
 
 
+#: Stores the writer process keeps at most: rotating credentials make a new one per rotation.
+MAX_STORES = 16
+
+
+def store_for(stores: dict, dirs: dict, key: tuple, make: Callable[[], Store]) -> Store:
+    """The writer process's store for ``key`` (``Store.cache_key``: URL *and* storage options, so
+    a save with rotated credentials or another endpoint gets a store of its own filesystem and a
+    blob index of its own), made by ``make()`` if new. Beyond ``MAX_STORES`` the least recently
+    used store is closed and its blob index dropped (the next save there checks what it reuses)."""
+    store = stores.pop(key, None)
+    if store is None:
+        store = make()
+        while len(stores) >= MAX_STORES:
+            old = next(iter(stores))
+            stores.pop(old).close()
+            dirs.pop(old, None)
+    stores[key] = store  # dicts keep insertion order: the most recently used is last
+    return store
+
+
 def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple,
           owner_alive: Callable[[], bool]) -> bytes:
     """One ``save`` message: write and commit (unless the training process died); the pickled reply."""
     from .commit import write_and_commit
 
-    (fs, root, prefix), name, snap = args
-    store = stores.get((prefix, root))
-    if store is None:
-        store = stores[(prefix, root)] = Store(fs, root, config.storage, prefix)
-    state = dirs.setdefault(store.url(""), DirState())
+    (fs, root, prefix, key), name, snap = args
+    store = store_for(stores, dirs, key, lambda: Store(fs, root, config.storage, prefix))
+    state = dirs.setdefault(key, DirState())
     try:
         if not owner_alive():  # checked again right before the commit (fence.commit_guard)
             raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
@@ -239,7 +259,7 @@ def serve(fd: int) -> None:
     matcher = RuleMatcher(config.quantization)
     workers = ThreadPoolExecutor(config.saving.workers, thread_name_prefix="checkrun-worker")
     stores: dict[tuple, Store] = {}
-    dirs: dict[str, DirState] = {}
+    dirs: dict[tuple, DirState] = {}
     maps: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -262,14 +282,14 @@ def serve(fd: int) -> None:
                 for name in args[0]:
                     maps.pop(name, None)
             elif kind == "adopt":
-                url, blobs, records = args
-                state = dirs.setdefault(url, DirState())
+                key, blobs, records = args
+                state = dirs.setdefault(key, DirState())
                 state.adopt_verified(blobs)  # the load checked every one of them
                 state.records.update((r.key, r) for r in records)
             elif kind == "forget":
-                url, keys = args
-                if url in dirs:
-                    dirs[url].forget(keys)
+                key, keys = args
+                if key in dirs:
+                    dirs[key].forget(keys)
     finally:
         workers.shutdown(wait=True)
         for store in stores.values():

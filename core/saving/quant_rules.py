@@ -1,4 +1,5 @@
 """Which tensors are quantized, and how: matching ``QuantRule``s against flattened state keys.
+Stage: plan (``saving.plan`` asks it for every tensor before anything is written).
 
 Rules are opt-in and ordered; the first rule that fits a tensor wins. Some tensors are never
 quantized whatever the rules say: non-floating dtypes (integers, bool, complex; also float8,
@@ -14,11 +15,9 @@ from typing import Optional
 
 import torch
 
+from ..codecs._common import QUANTIZABLE_DTYPES  # dtypes a rule may quantize: those the lossy codecs take
 from ..config import QuantRule
 from ..errors import ConfigError
-
-#: dtypes a rule may quantize; everything else is stored lossless.
-QUANTIZABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def adaptive_bits(expected_restores: int) -> int:
@@ -76,9 +75,9 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
 class RuleMatcher:
     """``match_rule`` over a fixed rule list, remembering which rules were ever selected.
 
-    Thread-safe. The engine calls ``select`` for every tensor it saves and, once a save is
-    planned, ``unmatched_rules`` to warn once about rules that selected nothing (usually a typo
-    in a pattern).
+    Thread-safe. The planner (``plan.Planner``) calls ``choose`` for every tensor a save writes
+    and the engine, once a save is written, ``unmatched_rules`` to warn once about rules that
+    selected nothing (usually a typo in a pattern).
     """
 
     def __init__(self, rules: tuple[QuantRule, ...] | list[QuantRule]) -> None:
@@ -90,7 +89,11 @@ class RuleMatcher:
 
     def select(self, key: str, tensor: torch.Tensor) -> QuantRule | None:
         """The rule for this tensor (see ``match_rule``), or None to store it lossless."""
-        index, rule = _match(key, tensor.dtype, tensor.numel(), tensor.dim(), self.rules)
+        return self.choose(key, tensor.dtype, tensor.numel(), tensor.dim())
+
+    def choose(self, key: str, dtype: torch.dtype, numel: int, ndim: int) -> QuantRule | None:
+        """``select`` from a tensor's metadata alone (planning needs no tensor data)."""
+        index, rule = _match(key, dtype, numel, ndim, self.rules)
         if rule is not None and index not in self._used:
             with self._lock:
                 self._used.add(index)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
 
+from ..codecs import Pipeline
 from ..config import IncrementalConfig
 from ..format.manifest import BlobRef, DeltaRef, TensorRecord
 
@@ -212,3 +214,51 @@ def row_eligible(key: str, t: torch.Tensor, cfg: IncrementalConfig) -> bool:
     return (cfg.enabled and t.dim() >= 2 and t.shape[0] >= max(cfg.row_delta_min_rows, 1)
             and t.device.type == "cpu" and t.is_contiguous() and math.prod(t.shape[1:]) > 0
             and any(fnmatch.fnmatchcase(key, p) for p in cfg.row_delta_keys))
+
+
+class Loaded(Protocol):
+    """A tensor a load decoded (``loading.reader.LoadedTensor``), as seen by the save side."""
+
+    record: TensorRecord
+    delta_indices: list
+    copy: torch.Tensor | None
+
+
+def wants_stream(rec: TensorRecord, flat: torch.Tensor, cfg: IncrementalConfig,
+                 lands_on_cpu: Callable[[], bool]) -> bool:
+    """Whether a loaded tensor becomes a row stream (which needs its own host copy of the values).
+
+    Only where row deltas will really apply: saved from the CPU and loaded onto the CPU
+    (``lands_on_cpu``: where the load's ``map_location`` puts it; a GPU job resuming with
+    ``map_location="cpu"`` saves from the GPU again, where row deltas never apply, so a host copy of
+    model + optimizer state would only double its host memory)."""
+    if rec.quant or rec.device != "cpu" or not row_eligible(rec.key, flat.view(rec.shape), cfg):
+        return False
+    return lands_on_cpu()
+
+
+def adopt_loaded(state: DirState, blobs: Iterable[BlobRef], loaded: Iterable[Loaded],
+                 host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Remember a loaded checkpoint in its directory's ``state`` so the next save there is incremental:
+    its ``blobs`` count as verified (the load checked every one), its records as the last ones, and
+    each tensor loaded with a copy (``wants_stream``) becomes a row stream whose buffer is
+    ``host_copy(copy)`` (training thread, inside ``load``)."""
+    state.adopt_verified(list(blobs))
+    for lt in loaded:
+        rec = lt.record
+        state.records[rec.key] = rec
+        if lt.copy is None:
+            continue
+        buffer = host_copy(lt.copy)
+        stream = RowStream(buffer, buffer.dtype, tuple(rec.shape), valid=True, record=rec)
+        mask = torch.zeros(rec.shape[0], dtype=torch.bool)
+        for idx in lt.delta_indices:
+            mask[idx] = True
+        stream.cum_mask = mask
+        stream.saves_since_base = len(rec.deltas)
+        stream.spec_id = _spec_id(rec)
+        state.streams[rec.key] = stream
+
+
+def _spec_id(rec: TensorRecord) -> str:
+    return Pipeline.from_list(list(rec.codecs)).spec_id

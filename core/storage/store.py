@@ -1,12 +1,14 @@
-"""One checkpoint directory on any fsspec filesystem: manifests, content-addressed blobs, a pool.
+"""Step 4: one checkpoint directory on any fsspec filesystem - manifests, content-addressed blobs.
 
 Layout: ``run/<name>.ckpt`` manifests (a manifest is the checkpoint and appears only when
 complete) next to ``run/.checkrun/blobs/ab/cdef...`` blobs shared by all manifests in ``run/``.
-Atomicity: on local filesystems a file is written to a hidden temp file in its final directory,
-fsynced and ``os.replace``d, then the directory is fsynced; on object stores and ``memory://`` one
-``pipe_file`` (for manifests always a single PUT) is atomic by itself. A manifest commit runs its
-``guard`` (``fence.commit_guard``) right before the rename/PUT, and a rename/PUT that reports an
-error is resolved by reading the manifest back: if it holds exactly the bytes written, it landed.
+``Store`` is the facade the other stages use; it delegates how a file appears atomically to the
+commit strategy it chooses once for its filesystem (``commit``: rename on local disks, one PUT on
+object stores and ``memory://``), its threads to ``pool.IOPool``, addresses and the kind of
+filesystem to ``paths`` and the options merge to ``options``. A manifest commit runs its
+``guard`` (``saving.fence.commit_guard``) right before the rename/PUT, and a rename/PUT that
+reports an error is resolved by reading the manifest back: if it holds exactly the bytes
+written, it landed.
 
 s3fs answers ``info``/``exists`` from cached directory listings (``dircache``), which would hide
 files written or deleted since - by us or by another process. Store invalidates a path's cache
@@ -15,152 +17,32 @@ Every method may be called from any thread, including the pool threads of ``map`
 """
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import errno
 import logging
 import os
-import threading
-import time
-import uuid
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, TypeVar
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Optional, TypeVar
 
 import fsspec
-from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
-from .owner import temp_tag
-from ..format.dtypes import is_blob_key
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+from ..format.dtypes import is_blob_key
+from . import commit as _commit
+from .options import options_key
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root,
+                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve)
+from .pool import IOPool
 from .retry import call_with_retry
+
+__all__ = ["Store", "BlobInfo", "FileInfo", "LEASE_DIR"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
-_META_DIR = ".checkrun"
-_BLOB_DIR = ".checkrun/blobs"
-LEASE_DIR = ".checkrun/leases"
-"""Where ``leases`` keeps its objects (its temp files are listed here with the others)."""
-_TMP_MARK = ".tmp-"
-_S3_PROTOCOLS = frozenset({"s3", "s3a"})
-# s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
-_S3_SINGLE_PUT_CHUNKSIZE = 5 * 2**30
 _DEFAULT_MANIFEST_MAX = 64 << 20
-
-
-@dataclass(frozen=True)
-class BlobInfo:
-    """A blob in the store: its key, size in bytes and modification time (epoch seconds)."""
-    key: str
-    size: int
-    mtime: float
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """A regular file directly in the checkpoint directory (normally a manifest)."""
-    name: str
-    size: int
-    mtime: float
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    proto = fs.protocol
-    return (proto,) if isinstance(proto, str) else tuple(proto)
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    # Subclasses (other protocol) and wrappers (same protocol) of LocalFileSystem are local too:
-    # tests inject faults that way, and they must still get the temp-file + rename commit.
-    return isinstance(fs, LocalFileSystem) or bool({"file", "local"} & set(_protocols(fs)))
-
-
-def _join(root: str, *parts: str) -> str:
-    return "/".join([root.rstrip("/"), *parts]) if root.rstrip("/") else "/" + "/".join(parts)
-
-
-def _is_temp_name(name: str) -> bool:
-    return name.startswith(".") and _TMP_MARK in name
-
-
-def _check_name(name: str) -> str:
-    """Validate a manifest name: a plain file name inside the directory, never a path."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
-            or "\\" in name or "\0" in name or name.startswith(_META_DIR) or _is_temp_name(name)):
-        raise UnsafePathError(f"unsafe checkpoint file name {name!r}: must be a plain file name")
-    return name
-
-
-def _to_epoch(value: Any) -> Optional[float]:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            value = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:  # object stores report UTC without saying so
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return value.timestamp()
-    return None
-
-
-def _mtime(info: dict) -> float:
-    """Modification time from an fsspec info dict (local 'mtime', s3 'LastModified', memory
-    'created', gcs 'updated'). Unknown -> now: garbage collection must never think a blob it
-    cannot date is old."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
-        if info.get(key) is not None:
-            stamp = _to_epoch(info[key])
-            if stamp is not None:
-                return stamp
-    return time.time()
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the directory entries (renames, new files) durable."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # platforms that cannot open directories (Windows) have no directory fsync
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-#: Least total cost (bytes) of one pool task in ``Store.map(..., cost=...)``. Measured on 2 cores:
-#: 1000 blobs of 3 KB loaded with 0.81 ms of CPU each as one task per blob on 4 threads, 0.2 ms on
-#: one thread (several threads taking turns at the GIL for tiny blobs cost more than they gain); a
-#: task of 4 MiB takes a few ms, so handing it over no longer counts.
-BATCH_COST = 4 << 20
-
-
-def _batches(items: list[T], cost: Callable[[T], int]) -> list[list[T]]:
-    """Consecutive runs of ``items`` whose costs add up to ``BATCH_COST`` or more (the last may
-    be smaller); an item costing that much alone is a run of its own."""
-    out: list[list[T]] = []
-    run: list[T] = []
-    total = 0
-    for x in items:
-        run.append(x)
-        total += cost(x)
-        if total >= BATCH_COST:
-            out.append(run)
-            run, total = [], 0
-    if run:
-        out.append(run)
-    return out
 
 
 class Store:
@@ -177,14 +59,14 @@ class Store:
         self.root = root.rstrip("/") or "/"
         self.config = config
         self.url_prefix = url_prefix
-        self.is_local = _is_local(fs)
-        self._is_s3 = bool(_S3_PROTOCOLS & set(_protocols(fs)))
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._pool_lock = threading.Lock()
-        self._maps = 0  # map() calls using the pool now: release_idle() leaves their pool alone
-        self._unsynced: set[str] = set()  # blob directories whose new entries are not fsynced yet
-        self._in_worker = threading.local()
-        self._display_root = self._user_root()
+        self.is_local = is_local_fs(fs)
+        self.pool = IOPool(config.io_threads)
+        self._display_root = display_root(fs, self.root, url_prefix)
+        # Through a weak proxy: a cycle store <-> strategy would keep every short-lived store (and
+        # its I/O threads) until the cyclic GC runs.
+        me = weakref.proxy(self)
+        self.commit: _commit.CommitStrategy = _commit.choose(fs)(
+            fs, config, lambda path: me._display(path), lambda path, data: me._holds(path, data))
 
     def __repr__(self) -> str:
         return f"Store({self.url('')!r})"
@@ -194,37 +76,39 @@ class Store:
                  config: StorageConfig) -> tuple["Store", str]:
         """Split a checkpoint path/URL into (store of its parent directory, manifest name).
 
-        ``storage_options`` override ``config.storage_options`` key by key.
+        ``storage_options`` are merged over ``config.storage_options`` (``options.merge_options``).
         """
         text = os.fspath(path)
-        fs, fspath, prefix = cls._resolve(text, storage_options, config)
+        fs, fspath, prefix = resolve(text, storage_options, config)
         parent, _, name = fspath.rstrip("/").rpartition("/")
         if not parent and not fspath.startswith("/"):
             raise UnsafePathError(f"{text!r} does not name a file inside a directory")
-        return cls(fs, parent or "/", config, prefix), _check_name(name)
+        return cls(fs, parent or "/", config, prefix), check_name(name)
 
     @classmethod
     def for_directory(cls, directory: str | os.PathLike, storage_options: Optional[dict],
                       config: StorageConfig) -> "Store":
         """The store of a checkpoint directory (path or URL)."""
-        fs, fspath, prefix = cls._resolve(os.fspath(directory), storage_options, config)
+        fs, fspath, prefix = resolve(os.fspath(directory), storage_options, config)
         return cls(fs, fspath, config, prefix)
 
-    @staticmethod
-    def _resolve(text: str, storage_options: Optional[dict],
-                 config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
-        opts = merge_options(config.storage_options, storage_options)
-        fs, fspath = url_to_fs(text, **opts)
-        # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
-        # for plain local files: those are shown as absolute paths.
-        scheme = text[: text.index("://")] if "://" in text else ""
-        if _is_local(fs) and scheme in ("", "file", "local"):
-            return fs, fspath, ""
-        return fs, fspath, f"{scheme or _protocols(fs)[0]}://"
+    @property
+    def cache_key(self) -> tuple[str, str, str]:
+        """What tells this store apart from another of the same directory: (URL, filesystem class,
+        canonical storage options of the filesystem). Caches of stores use it, so a store built
+        with other options (rotated credentials, another endpoint) is never taken for this one."""
+        cls = type(self.fs)
+        return (self.url(""), f"{cls.__module__}.{cls.__qualname__}",
+                options_key(getattr(self.fs, "storage_options", None)))
+
+    @property
+    def shared_between_processes(self) -> bool:
+        """Whether another process sees what this store writes (not so for ``memory://``)."""
+        return not in_process_only(self.fs)
 
     def url(self, name: str) -> str:
         """User-facing path/URL of ``name`` in this directory (``url('')`` is the directory)."""
-        return self._display(_join(self.root, name) if name else self.root)
+        return self._display(join(self.root, name) if name else self.root)
 
     def _display(self, path: str) -> str:
         if not self.url_prefix:
@@ -233,17 +117,9 @@ class Store:
             return self._display_root + path[len(self.root):]
         return self.url_prefix + path
 
-    def _user_root(self) -> str:
-        """The root as a URL, preferring ``memory://run`` to the equivalent ``memory:///run``."""
-        if self.url_prefix and self.root.startswith("/"):
-            short = self.url_prefix + self.root.lstrip("/")
-            if short != self.url_prefix and self.fs._strip_protocol(short) == self.root:
-                return short
-        return self.url_prefix + self.root
-
     def subdirectory(self, name: str) -> "Store":
         """The store of the directory ``name`` inside this one (same filesystem and options)."""
-        return Store(self.fs, _join(self.root, _check_name(name)), self.config, self.url_prefix)
+        return Store(self.fs, join(self.root, check_name(name)), self.config, self.url_prefix)
 
     def is_directory(self) -> bool:
         """Whether this store's root exists as a directory (a prefix with objects on S3)."""
@@ -261,10 +137,10 @@ class Store:
         if not is_blob_key(key):
             raise UnsafePathError(f"unsafe blob key {key!r} in {self.url('')}: "
                                   "expected 32-64 lowercase hex digits")
-        return _join(self.root, _BLOB_DIR, key[:2], key[2:])
+        return join(self.root, BLOB_DIR, key[:2], key[2:])
 
     def _manifest_path(self, name: str) -> str:
-        return _join(self.root, _check_name(name))
+        return join(self.root, check_name(name))
 
     def has_blob(self, key: str) -> bool:
         """Whether the blob exists."""
@@ -282,10 +158,7 @@ class Store:
         added entries to. ``write_manifest`` calls it first, so a committed manifest never points
         at a blob a power loss could take back; a process writing blobs for another's manifest
         (DCP ranks) calls it itself. No-op unless local with ``storage.fsync``."""
-        with self._pool_lock:
-            dirs, self._unsynced = self._unsynced, set()
-        for d in sorted(dirs):
-            _fsync_dir(d)
+        self.commit.sync()
 
     def get_blob(self, key: str, max_bytes: int) -> bytes:
         """Read a blob; a missing one or one larger than ``max_bytes`` is CorruptCheckpointError."""
@@ -335,7 +208,7 @@ class Store:
                 return None
             if info.get("type") != "file":
                 return None
-            return BlobInfo(key, int(info.get("size") or 0), _mtime(info))
+            return BlobInfo(key, int(info.get("size") or 0), mtime(info))
 
         return self._retry(stat, f"check blob {self._display(path)}")
 
@@ -353,7 +226,7 @@ class Store:
 
     def list_blobs(self) -> list[BlobInfo]:
         """All blobs of the store (temp files and stray names skipped), sorted by key."""
-        base = _join(self.root, _BLOB_DIR)
+        base = join(self.root, BLOB_DIR)
 
         def scan() -> dict:
             self.fs.invalidate_cache(base)
@@ -372,39 +245,23 @@ class Store:
             key = shard + rest
             if (len(shard) == 2 and "/" not in rest and not rest.startswith(".")
                     and is_blob_key(key) and info.get("type", "file") == "file"):
-                out.append(BlobInfo(key, int(info.get("size") or 0), _mtime(info)))
+                out.append(BlobInfo(key, int(info.get("size") or 0), mtime(info)))
         return sorted(out, key=lambda b: b.key)
 
     def list_temp_files(self) -> list[FileInfo]:
         """Temp files that interrupted local writes left behind (a killed process never removes
         them), in the directory and in the blob store; ``name`` is relative to the directory.
         Object stores and ``memory://`` write in one call and have none."""
-        if not self.is_local:
+        if not self.commit.leaves_temp_files:
             return []
-        root = self.root.rstrip("/")
-
-        def scan() -> list:
-            out = []
-            for base, finder in ((root, self.fs.ls), (_join(self.root, _BLOB_DIR), self.fs.find),
-                                 (_join(self.root, LEASE_DIR), self.fs.ls)):
-                self.fs.invalidate_cache(base)
-                try:
-                    found = finder(base, detail=True, **({"on_error": "raise"} if finder == self.fs.find else {}))
-                except FileNotFoundError:
-                    continue
-                for info in found.values() if isinstance(found, dict) else found:
-                    path = info["name"]
-                    if info.get("type") == "file" and _is_temp_name(path.rsplit("/", 1)[-1]):
-                        out.append(FileInfo(path[len(root) + 1:], int(info.get("size") or 0), _mtime(info)))
-            return out
-
-        return sorted(self._retry(scan, f"list temp files in {self.url('')}"), key=lambda f: f.name)
+        found = self._retry(lambda: self.commit.scan_temp_files(self.root), f"list temp files in {self.url('')}")
+        return sorted(found, key=lambda f: f.name)
 
     def delete_temp_file(self, name: str) -> None:
         """Delete a temp file found by ``list_temp_files``; a missing one is not an error."""
-        if not _is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
+        if not is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
             raise UnsafePathError(f"not a temp file of {self.url('')}: {name!r}")
-        path = _join(self.root, name)
+        path = join(self.root, name)
         self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
     def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None) -> None:
@@ -454,7 +311,7 @@ class Store:
 
     def copy_manifest(self, src_name: str, dst_name: str) -> None:
         """Copy a manifest; ``dst_name`` appears atomically, like ``write_manifest``."""
-        _check_name(dst_name)
+        check_name(dst_name)
         self.write_manifest(dst_name, self.read_manifest(src_name))
 
     def list_files(self) -> list[FileInfo]:
@@ -473,9 +330,9 @@ class Store:
             parent, _, name = info["name"].rstrip("/").rpartition("/")
             # s3fs lists a *file* at root as itself; keep only entries inside the directory.
             if (parent != root or info.get("type") != "file" or not name
-                    or name.startswith(_META_DIR) or _is_temp_name(name)):
+                    or name.startswith(META_DIR) or is_temp_name(name)):
                 continue
-            out.append(FileInfo(name, int(info.get("size") or 0), _mtime(info)))
+            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info)))
         return sorted(out, key=lambda f: f.name)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T],
@@ -487,66 +344,24 @@ class Store:
         Called from inside ``fn`` (a pool thread) it runs inline, so nesting cannot deadlock.
 
         With ``cost`` (an item's size in bytes, say), consecutive items are grouped into pool
-        tasks of at least ``BATCH_COST`` each: handing a task to a pool thread and the GIL
+        tasks of at least ``pool.BATCH_COST`` each: handing a task to a pool thread and the GIL
         switches around it cost more than reading and decoding a blob of a few KB.
         """
-        items = list(items)
-        if cost is not None and len(items) > 1:
-            batches = _batches(items, cost)
-            if len(batches) < len(items):
-                return [r for part in self.map(lambda b: [fn(x) for x in b], batches) for r in part]
-        if len(items) <= 1 or getattr(self._in_worker, "active", False):
-            return [fn(x) for x in items]
-        pool = self._get_pool()
-        try:
-            futures = [pool.submit(self._run_in_worker, fn, x) for x in items]
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-            finally:
-                if any(_failed(f) for f in futures) or not all(f.done() for f in futures):
-                    for f in futures:
-                        f.cancel()
-                    wait(futures)
-        finally:
-            with self._pool_lock:
-                self._maps -= 1
-        for f in futures:
-            if _failed(f):
-                raise f.exception()  # type: ignore[misc]
-        return [f.result() for f in futures]
+        return self.pool.map(fn, items, cost)
 
-    def _run_in_worker(self, fn: Callable[[T], R], item: T) -> R:
-        self._in_worker.active = True
-        try:
-            return fn(item)
-        finally:
-            self._in_worker.active = False
-
-    def _get_pool(self) -> ThreadPoolExecutor:
-        """The pool, for one ``map`` (counted until it ends)."""
-        with self._pool_lock:
-            self._maps += 1
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads,
-                                                thread_name_prefix="checkrun-io")
-            return self._pool
+    @property
+    def _pool(self) -> Optional[ThreadPoolExecutor]:
+        """The pool's running executor, None while it holds no thread (what tests look at)."""
+        return self.pool.executor
 
     def release_idle(self) -> None:
         """Stop the pool's threads unless a ``map`` is using it; a later ``map`` starts a new pool.
         The engine calls it when it goes idle, so that an idle engine holds no thread."""
-        with self._pool_lock:
-            if self._maps:
-                return
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self.pool.release_idle()
 
     def close(self) -> None:
         """Shut down the pool after its running calls; a later ``map`` starts a new one."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -595,30 +410,9 @@ class Store:
     def _write(self, path: str, data: bytes | memoryview, *, single_put: bool,
                tmp_prefix: str = "", defer_dir_sync: bool = False,
                guard: Optional[Callable[[], None]] = None, resolve: bool = False) -> None:
-        """Write ``path`` atomically; ``guard`` and ``resolve`` as in ``write_manifest``."""
-        if self.is_local:
-            self._write_local(path, data, tmp_prefix, defer_dir_sync, guard, resolve)
-            return
-        kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and self._is_s3 else {}
-        # bytes: botocore and other clients do not all accept memoryview bodies
-        body = bytes(data) if isinstance(data, memoryview) else data
-        if guard is not None:
-            guard()  # as close to the PUT as a check can be: see fence.py for the race left
-        try:
-            self._apply(path, data, resolve, lambda: self.fs.pipe_file(path, body, **kwargs))
-        finally:
-            self.fs.invalidate_cache(path)
-
-    def _apply(self, path: str, data: bytes | memoryview, resolve: bool, commit: Callable[[], Any]) -> None:
-        """Run the step that makes ``path`` hold ``data`` (rename, PUT). If it fails and ``resolve``,
-        look whether it was applied anyway (its answer lost): then it counts as done."""
-        try:
-            commit()
-        except Exception as exc:
-            if not resolve or not self._holds(path, data):
-                raise
-            _LOG.warning("%s: the commit reported %s: %s, but it landed (the file holds exactly this "
-                         "save's bytes): committed", self._display(path), type(exc).__name__, exc)
+        """Write ``path`` atomically with this store's commit strategy (``commit.CommitStrategy.write``)."""
+        self.commit.write(path, data, single_put=single_put, tmp_prefix=tmp_prefix,
+                          defer_dir_sync=defer_dir_sync, guard=guard, resolve=resolve)
 
     def _holds(self, path: str, data: bytes | memoryview) -> bool:
         """Whether ``path`` holds exactly ``data`` now (one read; an error counts as no)."""
@@ -626,66 +420,3 @@ class Store:
             return self._read(path, len(data), "manifest") == data
         except Exception:  # noqa: BLE001 - unreadable: not known to hold it, the error stands
             return False
-
-    def _write_local(self, path: str, data: bytes | memoryview, tmp_prefix: str,
-                     defer_dir_sync: bool = False, guard: Optional[Callable[[], None]] = None,
-                     resolve: bool = False) -> None:
-        """Temp file in the same directory + fsync + rename + directory fsync (if configured;
-        ``defer_dir_sync`` leaves the directory fsync to ``sync``).
-
-        The temp file (a fresh uuid name) is opened through the filesystem object, so it gets
-        the process umask like any open() and a wrapped filesystem can inject faults. ``guard``
-        runs between the fsync of the temp file and the rename.
-        """
-        directory = os.path.dirname(path)
-        self._makedirs_local(directory)
-        # The tag names this process: gc deletes the temp files of processes that ended (``owner``).
-        tmp = os.path.join(directory, f"{tmp_prefix}{_TMP_MARK}{temp_tag()}-{uuid.uuid4().hex}")
-        try:
-            with self.fs.open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.config.fsync:
-                    os.fsync(f.fileno())
-            if guard is not None:
-                guard()  # the last step before the rename: see fence.py for the race left
-            self._apply(path, data, resolve, lambda: os.replace(tmp, path))
-        except BaseException:
-            with contextlib.suppress(OSError):  # never leave a temp file (ENOSPC, EACCES, ^C)
-                os.remove(tmp)
-            raise
-        if self.config.fsync:
-            if defer_dir_sync:
-                with self._pool_lock:
-                    self._unsynced.add(directory)
-            else:
-                _fsync_dir(directory)
-
-    def _makedirs_local(self, directory: str) -> None:
-        if os.path.isdir(directory):
-            return
-        created = []
-        d = directory
-        while not os.path.isdir(d) and os.path.dirname(d) != d:
-            created.append(d)
-            d = os.path.dirname(d)
-        os.makedirs(directory, exist_ok=True)
-        if self.config.fsync:
-            # A new directory is durable only once the entry in its parent is.
-            for d in reversed(created):
-                _fsync_dir(os.path.dirname(d))
-
-
-def _failed(f: Future) -> bool:
-    return f.done() and not f.cancelled() and f.exception() is not None
-
-
-def merge_options(base: Optional[dict], override: Optional[dict]) -> dict:
-    """Deep-merge storage options: a call's ``client_kwargs`` adds to the config's, not replaces it."""
-    out = dict(base or {})
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_options(out[key], value)
-        else:
-            out[key] = value
-    return out

@@ -15,7 +15,7 @@ import torch
 from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckpointNotFoundError
 
-from .faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +182,7 @@ def test_sigkill_during_slow_save_leaves_no_partial_checkpoint(tmp_path):
     code = """
         import sys, threading, torch, ckpt_core
         sys.path.insert(0, sys.argv[2])
-        from tests.core.faulty import FaultyFS
+        from ckpt_core.testing.faults import FaultFS as FaultyFS
         root = "gatefile://" + sys.argv[1]
         e = ckpt_core.CheckpointEngine()
         e.save({"w": torch.ones(100)}, root + "/good.ckpt").result()
@@ -206,7 +206,7 @@ def test_sigterm_grace_commits_pending_save(tmp_path):
     code = """
         import os, signal, sys, threading, torch, ckpt_core
         sys.path.insert(0, sys.argv[2])
-        from tests.core.faulty import FaultyFS
+        from ckpt_core.testing.faults import FaultFS as FaultyFS
         root = "gatefile://" + sys.argv[1]
         e = ckpt_core.CheckpointEngine({"saving": {"sigterm_grace_seconds": 60}})
         FaultyFS.gate = threading.Event()

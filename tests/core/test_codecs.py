@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_core.codecs import (CastCodec, Int8BlockCodec, Pipeline, RawCodec, ShuffleCodec, ShuffleZstdCodec,
-                              UniformCodec, ZstdCodec, codec_from_dict, dtype_itemsize, lossless_pipeline,
-                              pipeline_for_rule)
+                              UniformCodec, ZstdCodec, codec_from_dict, dtype_itemsize, lossless_pipeline)
+from ckpt_core.saving.plan import pipeline_for_rule
 from ckpt_core.codecs import shuffle as shuffle_module
 from ckpt_core.config import CompressionConfig, QuantRule
 from ckpt_core.errors import FormatError
@@ -377,7 +377,7 @@ def test_spec_id_is_stable_and_distinguishes_params():
     # Golden value: content addresses depend on it, so it must never change between releases.
     assert LEGACY_LOSSLESS.spec_id == "c7abb9816a06c457"
     # Delta row indices: a pipeline the manifest does not record, so it is fixed forever.
-    from ckpt_core.loading.reader import index_pipeline
+    from ckpt_core.codecs import index_pipeline
     assert index_pipeline() == Pipeline(RawCodec(), (ShuffleCodec(8), ZstdCodec(1, 0)))
     assert lossless_pipeline(torch.float32, CompressionConfig()).spec_id == NEW_SPEC_ID
     ids = {p.spec_id for p in ALL_PIPELINES}

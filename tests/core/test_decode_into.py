@@ -9,7 +9,8 @@ import pytest
 import torch
 import zstandard
 
-from ckpt_core.codecs import Pipeline, ShuffleCodec, ZstdCodec, lossless_pipeline, pipeline_for_rule
+from ckpt_core.codecs import Pipeline, ShuffleCodec, ZstdCodec, lossless_pipeline
+from ckpt_core.saving.plan import pipeline_for_rule
 from ckpt_core.config import CompressionConfig, QuantRule
 from ckpt_core.errors import FormatError
 

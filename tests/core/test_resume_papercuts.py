@@ -9,7 +9,7 @@ import torch
 import ckpt_core
 from ckpt_core import CheckpointNotFoundError
 from ckpt_core.saving import inflight
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 
 
 def test_load_of_a_directory_names_its_newest_checkpoint(tmp_path) -> None:

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 from ckpt_core.storage import retry as retry_mod
 from ckpt_core.config import RetryConfig, StorageConfig
 from ckpt_core.errors import (CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
-                              StorageError, UnsafePathError)
+                              StorageError, SupersededError, UnsafePathError)
 from ckpt_core.storage.retry import backoff_delay, call_with_retry, is_transient
 from ckpt_core.storage.store import BlobInfo, FileInfo, Store
 
@@ -339,6 +339,38 @@ def test_local_without_fsync(tmp_path):
     assert store.read_manifest("a.ckpt") == b"1" and store.get_blob(key_of(b"1"), 1) == b"1"
 
 
+def test_commit_strategy_is_chosen_once_from_the_filesystem(any_root):
+    from ckpt_core.storage.commit import RenameCommit, SinglePutCommit
+
+    store = make_store(any_root)
+    expected = RenameCommit if any_root.backend == "local" else SinglePutCommit
+    assert type(store.commit) is expected and store.commit.leaves_temp_files == (expected is RenameCommit)
+    assert type(store.subdirectory("sub").commit) is expected
+    assert store.shared_between_processes == (any_root.backend != "memory")
+
+
+def test_atomic_write_leaves_the_old_file_and_no_temp_file_on_any_error(tmp_path):
+    from ckpt_core.storage.atomic import write_atomic
+
+    target = tmp_path / "out.bin"
+    write_atomic(str(target), lambda f: f.write(b"old"))
+
+    def half_then_fail(f):
+        f.write(b"new but")
+        raise KeyboardInterrupt  # ^C in the middle: BaseException too
+
+    def refuse():
+        raise SupersededError("refused by the fence")
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(str(target), half_then_fail)
+    with pytest.raises(SupersededError):
+        write_atomic(str(target), lambda f: f.write(b"new"), before_replace=refuse)
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
+    write_atomic(str(target), lambda f: f.write(b"new"), fsync=False, tmp_prefix=".x")
+    assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.bin"]
+
+
 # ---------------------------------------------------------------------------------- paths
 def test_for_path_local(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -572,7 +604,7 @@ def test_map_raises_first_failure_after_the_rest_settled(memory_root):
 
 
 def test_map_with_cost_runs_small_items_together_in_order(memory_root):
-    import ckpt_core.storage.store as storage_mod
+    import ckpt_core.storage.pool as pool_mod
 
     store = Store.for_directory(memory_root, None, StorageConfig(io_threads=3))
     where: dict = {}
@@ -583,13 +615,13 @@ def test_map_with_cost_runs_small_items_together_in_order(memory_root):
             raise KeyError(i)
         return -i
 
-    big = storage_mod.BATCH_COST
+    big = pool_mod.BATCH_COST
     sizes = [10] * 30 + [big] + [big // 2] * 3 + [10] * 6
     with store:
         assert store.map(work, range(40), cost=sizes.__getitem__) == [-i for i in range(40)]
         # the 30 small items are one pool task (one thread); the big one is alone
         assert len({where[i] for i in range(30)}) == 1
-        assert storage_mod._batches(list(range(40)), sizes.__getitem__) == [
+        assert pool_mod.batches(list(range(40)), sizes.__getitem__) == [
             list(range(31)), [31, 32], list(range(33, 40))]
         with pytest.raises(KeyError):  # an item's failure still surfaces from its batch
             store.map(work, range(40, 50), cost=lambda i: 1)
@@ -604,15 +636,15 @@ def test_map_nested_in_pool_does_not_deadlock(memory_root):
 
 def test_blob_directories_are_fsynced_before_the_manifest_is_committed(tmp_path, monkeypatch):
     """put_blob defers its directory fsync; write_manifest must do them all before its rename."""
-    import ckpt_core.storage.store as storage_mod
+    import ckpt_core.storage.atomic as atomic_mod
     import torch
 
     import ckpt_core
 
     events: list[tuple[str, str]] = []
-    real_fsync_dir, real_replace = storage_mod._fsync_dir, os.replace
-    monkeypatch.setattr(storage_mod, "_fsync_dir", lambda d: (events.append(("fsync", d)), real_fsync_dir(d)))
-    monkeypatch.setattr(storage_mod.os, "replace",
+    real_fsync_dir, real_replace = atomic_mod.fsync_dir, os.replace
+    monkeypatch.setattr(atomic_mod, "fsync_dir", lambda d: (events.append(("fsync", d)), real_fsync_dir(d)))
+    monkeypatch.setattr(atomic_mod.os, "replace",
                         lambda a, b: (real_replace(a, b), events.append(("rename", os.path.dirname(b))))[0])
     state = {f"t{i}": torch.randn(64, 64) for i in range(6)}
     ckpt_core.save(state, tmp_path / "a.ckpt", config={"compression": {"chunk_bytes": 4096}})

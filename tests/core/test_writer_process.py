@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from ckpt_core import CheckpointEngine, CheckrunError, ConfigError, EngineConfig, StorageError
-from ckpt_core.saving import staging
 
 PROCESS = {"saving": {"background": "process"}, "incremental": {"row_delta_min_rows": 64},
            "retention": {"gc_grace_seconds": 0}}
@@ -105,7 +104,7 @@ def test_full_shared_memory_is_a_clear_error(tmp_path, monkeypatch) -> None:
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(staging.os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", full)  # what shm_staging calls
     with CheckpointEngine(PROCESS) as engine:
         with pytest.raises(StorageError, match=r"cannot reserve \d+ bytes of shared memory in .*--shm-size"):
             engine.save(_state(), tmp_path / "0.ckpt")

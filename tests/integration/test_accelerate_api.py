@@ -23,7 +23,7 @@ from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDist
 from accelerate_ckpt.config import resolve
 from accelerate_ckpt.launch import main as cli_main
 from accelerate_ckpt.launch import prepare_config
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.accel_scripts.harness import assert_same
 
 

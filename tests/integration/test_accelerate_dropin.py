@@ -23,7 +23,7 @@ import ckpt_core
 from accelerate_ckpt import attach
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.accel_scripts.harness import BIN, HERE, REPO, accelerate_args, accelerate_launch, launch_env
 
 DROPIN = HERE / "dropin.py"

@@ -1,6 +1,6 @@
 """Fork safety (issue 19.1): a process forked while a save is in flight inherits no engine obligations.
 
-Storage is gated (``gatefile://``, tests/core/faulty.py) so that the save is surely in flight when the
+Storage is gated (``gatefile://``, ckpt_core.testing.faults) so that the save is surely in flight when the
 child is forked; the gate opens only after the child's fate is known. Before the fix, each child
 waited at exit for the parent's save (which only the parent's threads can finish): DataLoader workers
 hung until the DataLoader terminated them.
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data import dataloader as dl_module
 
 import ckpt_core
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.test_lightning_common import close_plugins, make_io  # noqa: F401 (fixture)
 
 HANG_GUARD_S = 120  # only bounds a broken run; a passing child exits at once

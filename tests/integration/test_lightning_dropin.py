@@ -1,7 +1,7 @@
 """Drop-in: Lightning users' habits keep working with checkrun (issue 19, points 2, 3, 4, 5 and 9).
 
 Every test uses a real Trainer (or Fabric) on CPU with tiny models. Saves are held "in flight" by gated
-storage (``gatefile://``, tests/core/faulty.py) where the outcome depends on it; the gate opens when a
+storage (``gatefile://``, ckpt_core.testing.faults) where the outcome depends on it; the gate opens when a
 loader starts waiting for the save (``open_gate_on_wait``), so a loader that does not wait sees no
 checkpoint and fails, and one that waits gets it - no sleeps, no timing.
 """
@@ -25,7 +25,7 @@ import lightning_ckpt
 from ckpt_core import UnsafeLoadError
 from ckpt_core.saving import inflight
 from lightning_ckpt import dropin
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.test_lightning_common import (TinyDataModule, TinyModel, close_plugins,  # noqa: F401
                                                      ls, make_io, tensors_equal, trainer)
 from tests.integration.test_lightning_examples import EXAMPLES, manifest, run_script

@@ -21,7 +21,7 @@ import lightning_ckpt
 from ckpt_core import BackgroundSaveError, ConfigError, EngineConfig
 from lightning_ckpt import CheckrunCheckpointIO, UnsupportedStrategyError, check_strategy
 from lightning_ckpt.paths import checkpoint_kind, normalize_path
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.test_lightning_common import (TinyModel, close_plugins, make_io,  # noqa: F401
                                                      tensors_equal, trainer)
 

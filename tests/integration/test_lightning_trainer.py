@@ -19,7 +19,7 @@ from lightning.pytorch.tuner import Tuner
 import lightning_ckpt
 from ckpt_core import CheckrunError
 from lightning_ckpt import CheckrunModelCheckpoint
-from tests.core.faulty import FaultyFS
+from ckpt_core.testing.faults import FaultFS as FaultyFS
 from tests.integration.test_lightning_common import (TinyDataModule, TinyModel, close_plugins,  # noqa: F401
                                                      files_under, join, lroot, ls, make_io,
                                                      tensors_equal, trainer)

@@ -4,16 +4,15 @@ from __future__ import annotations
 import pytest
 
 from ckpt_core.storage import retry as retry_mod
-
-from .faultfs import FaultFS, Policy
+from ckpt_core.testing.faults import FaultFS, Policy
 
 
 @pytest.fixture(autouse=True)
 def _no_faults_left():
-    FaultFS.policy = None
+    FaultFS.reset()
     yield
     policy = FaultFS.policy
-    FaultFS.policy = None
+    FaultFS.reset()
     for p in (policy, getattr(policy, "also", None)):
         if isinstance(p, Policy) and hasattr(p, "release"):
             p.release()  # never leave a background thread of a failed test held at a gate

@@ -36,7 +36,7 @@ import torch._dynamo  # noqa: F401 - optimizers import it lazily (seconds); the 
 
 from ckpt_core import CheckpointEngine, EngineConfig
 
-from . import faultfs
+from ckpt_core.testing import faults as faultfs
 
 SEED = 20240917
 ROWS, DIM, BATCH, IDS = 2048, 16, 32, 4

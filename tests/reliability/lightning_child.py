@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ckpt import CheckrunCheckpointIO
 
 from . import crash_child as cc
-from . import faultfs
+from ckpt_core.testing import faults as faultfs
 
 SAMPLES, BATCH = 32, 8
 

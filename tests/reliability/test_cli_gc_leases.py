@@ -7,7 +7,7 @@ import json
 from ckpt_core import CheckpointEngine
 from ckpt_core.cli import main
 
-from .faultfs import FaultFS, Gate
+from ckpt_core.testing.faults import FaultFS, Gate
 from .test_leases import WATCHDOG, config, referenced, state, stored, verify_all
 
 

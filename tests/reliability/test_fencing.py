@@ -31,7 +31,7 @@ from ckpt_core.storage.store import Store
 
 from . import fencing_child, harness
 from .crash_child import versioned_state
-from .faultfs import FaultFS, Gate, s3_fault_options
+from ckpt_core.testing import FaultFS, Gate, s3_fault_options
 
 WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
 

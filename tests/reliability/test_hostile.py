@@ -30,7 +30,7 @@ from ckpt_core.errors import (CheckrunError, CorruptCheckpointError, FormatError
 from ckpt_core.format.manifest import _body_checksum
 
 from .crash_child import Marker
-from .faultfs import FaultFS, Policy
+from ckpt_core.testing.faults import FaultFS, Policy
 
 LIMIT = 1 << 24  # load.max_blob_bytes for these tests: 16 MiB
 

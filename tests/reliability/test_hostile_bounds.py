@@ -20,7 +20,7 @@ from ckpt_core.format import limits as manifest_limits
 from ckpt_core.codecs import Pipeline
 from ckpt_core.errors import CheckrunError, FormatError, ResourceLimitError
 from ckpt_core.format.manifest import parse_manifest
-from ckpt_core.loading.reader import index_pipeline
+from ckpt_core.codecs import index_pipeline
 
 from .test_hostile import Env, config, env, forge, refused  # noqa: F401 - env is a fixture
 

@@ -29,7 +29,7 @@ from ckpt_core.retain.leases import LeaseDir, LeaseRecord, record
 from ckpt_core.storage.store import Store
 
 from . import crash_child, harness
-from .faultfs import FaultFS, Gate
+from ckpt_core.testing.faults import FaultFS, Gate
 
 WATCHDOG = 120
 LEASE = 8.0  # renewal every 2 s, deletion windows of 0.4 s

@@ -25,8 +25,8 @@ from ckpt_core.errors import CheckpointNotFoundError, StorageError
 from ckpt_core.saving.staging import MemoryBudget
 from ckpt_core.storage.store import Store
 
-from .faultfs import (BlockAll, DiskFull, FaultFS, Gate, Permanent, Policy, S3Faults, Transient,
-                      s3_fault_options)
+from ckpt_core.testing import (BlockAll, DiskFull, FaultFS, Gate, Permanent, Policy, S3Faults, Transient,
+                               s3_fault_options)
 
 WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
 

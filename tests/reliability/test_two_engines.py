@@ -21,7 +21,7 @@ import torch
 from ckpt_core import CheckpointEngine, EngineConfig
 
 from . import crash_child, harness
-from .faultfs import FaultFS, Gate, Permanent
+from ckpt_core.testing.faults import FaultFS, Gate, Permanent
 
 GRACE = 600.0
 WATCHDOG = 120

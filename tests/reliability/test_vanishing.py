@@ -19,7 +19,7 @@ import torch
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.cli import main
 
-from .faultfs import FaultFS, Policy
+from ckpt_core.testing.faults import FaultFS, Policy
 
 # Storage accesses to one manifest while listing it: the head sniff (info, read) and the full read
 # (info, read); the commands then read it again (`verify DIR`: to size its progress bar and to

@@ -1,14 +1,15 @@
-"""One checkpoint = one commit across processes: a helper thread per rank and a gloo group.
+"""Step 5 across processes: one checkpoint = one commit, a helper thread per rank and a gloo group.
 
 Every rank saves its part of a checkpoint through its own engine (asynchronously) and hands the
-handle to :class:`GroupCommitter`. On each rank a helper thread, in submission order:
+handle to :class:`GroupCommitter` (the Accelerate adapter does; ``composite.CompositeCommitter`` is
+the ``finish`` that commits the index). On each rank a helper thread, in submission order:
 
-1. waits until its part is durable (``SaveHandle.result()``),
+1. waits until its part is durable (``SaveHandle.result()``): a ``PartOutcome``,
 2. all-gathers every rank's outcome on a dedicated gloo process group (created by all ranks in
    :func:`make_group`, separate from the group training uses, so it never interleaves with DDP),
 3. on rank 0 only, calls the job's ``finish`` with all outcomes: it commits the checkpoint's index
    manifest when every part is durable (that file is what ``latest`` finds), or cleans up,
-4. broadcasts rank 0's verdict so every rank records the same error or metrics,
+4. broadcasts rank 0's ``Verdict`` so every rank records the same error or figures,
 5. calls the job's ``on_done`` (every rank; e.g. the index leaves the in-flight registry).
 
 With ``synchronous=True`` (``saving.asynchronous: false``) ``submit`` runs these steps on the calling
@@ -28,12 +29,54 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
-from ckpt_core import SaveHandle
 
-log = logging.getLogger("accelerate_ckpt")
+from .handles import ByteRatios, SaveHandle
 
-Finish = Callable[[list[dict]], dict]
-"""Rank 0: ``finish(outcomes) -> {"error": str | None, "metrics": dict | None}``; must not raise."""
+log = logging.getLogger("ckpt_core")
+
+
+@dataclass(frozen=True)
+class PartOutcome:
+    """One rank's part of a checkpoint: durable (with its figures) or failed (``error``)."""
+
+    path: str
+    error: str | None = None
+    written_bytes: int = 0
+    tensor_bytes: int = 0
+    stored_bytes: int = 0
+    background_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupFigures(ByteRatios):
+    """Figures of one committed checkpoint summed over its parts (plus the index)."""
+
+    checkpoint: str
+    blocking_seconds: float
+    total_seconds: float
+    tensor_bytes: int
+    written_bytes: int
+    stored_bytes: int
+
+    def as_metrics(self, prefix: str = "checkrun/") -> dict:
+        """The figures as a trackers' metrics dict (keys ``checkrun/tensor_bytes``, ...)."""
+        values = {"blocking_seconds": self.blocking_seconds, "total_seconds": self.total_seconds,
+                  "tensor_bytes": self.tensor_bytes, "written_bytes": self.written_bytes,
+                  "stored_bytes": self.stored_bytes, "compression_ratio": self.compression_ratio,
+                  "write_ratio": self.write_ratio, "checkpoint": self.checkpoint}
+        return {prefix + k: v for k, v in values.items()}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Rank 0's verdict on one checkpoint, the same on every rank: committed (``figures``) or not."""
+
+    error: str | None = None
+    figures: GroupFigures | None = None
+
+
+Finish = Callable[[list[PartOutcome]], Verdict]
+"""Rank 0: ``finish(outcomes) -> Verdict``; must not raise."""
 
 
 def make_group(timeout_seconds: float) -> tuple[Any, int, int]:
@@ -71,14 +114,15 @@ class FailedPart:
 class GroupCommitter:
     """The helper thread of one rank. Create on every rank with the same group."""
 
-    def __init__(self, group: Any, rank: int, world: int, synchronous: bool = False) -> None:
+    def __init__(self, group: Any, rank: int, world: int, synchronous: bool = False,
+                 thread_name: str = "checkrun-group-commit") -> None:
         self.group, self.rank, self.world = group, rank, world
-        self.synchronous = synchronous
+        self.synchronous, self.thread_name = synchronous, thread_name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
         self._errors: list[str] = []
-        self._metrics: list[dict] = []
+        self._figures: list[GroupFigures] = []
         self._broken: str | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -106,7 +150,7 @@ class GroupCommitter:
             self._record(job, self._process(job))
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="accelerate-ckpt-commit", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
             self._thread.start()
         self._queue.put(job)
 
@@ -127,10 +171,10 @@ class GroupCommitter:
             out, self._errors = self._errors, []
         return out
 
-    def take_metrics(self) -> list[dict]:
-        """Metrics of committed checkpoints not taken yet (the same on every rank)."""
+    def take_figures(self) -> list[GroupFigures]:
+        """Figures of committed checkpoints not taken yet (the same on every rank)."""
         with self._cond:
-            out, self._metrics = self._metrics, []
+            out, self._figures = self._figures, []
         return out
 
     def close(self) -> None:
@@ -151,64 +195,63 @@ class GroupCommitter:
                 return
             self._record(job, self._process(job))
 
-    def _record(self, job: Job, verdict: dict) -> None:
+    def _record(self, job: Job, verdict: Verdict) -> None:
         try:
             if job.on_done is not None:
                 job.on_done()
         finally:
             with self._cond:
-                if verdict.get("error"):
-                    self._errors.append(verdict["error"])
-                if verdict.get("metrics"):
-                    self._metrics.append(verdict["metrics"])
+                if verdict.error:
+                    self._errors.append(verdict.error)
+                if verdict.figures is not None:
+                    self._figures.append(verdict.figures)
                 self._pending -= 1
                 self._cond.notify_all()
 
-    def _process(self, job: Job) -> dict:
+    def _process(self, job: Job) -> Verdict:
         mine = _part_outcome(job.handle)
         if self._broken is not None:
-            return {"error": f"checkpoint not committed: the commit group failed earlier: {self._broken}"}
+            return Verdict(f"checkpoint not committed: the commit group failed earlier: {self._broken}")
         try:
             outcomes = self._all_gather(mine)
             verdict = self._finish(job, outcomes) if self.rank == 0 else None
             return self._broadcast_verdict(verdict)
         except Exception as exc:  # noqa: BLE001 - a peer died or timed out: no later commit is safe
             self._broken = f"{type(exc).__name__}: {exc}"
-            log.error("accelerate_ckpt: commit group collective failed on rank %d: %s", self.rank, exc)
-            return {"error": f"checkpoint not committed: commit group collective failed: {exc}"}
+            log.error("checkrun: commit group collective failed on rank %d: %s", self.rank, exc)
+            return Verdict(f"checkpoint not committed: commit group collective failed: {exc}")
 
     @staticmethod
-    def _finish(job: Job, outcomes: list[dict]) -> dict:
+    def _finish(job: Job, outcomes: list[PartOutcome]) -> Verdict:
         """Rank 0's verdict; never raises, so the broadcast every other rank waits for always happens."""
         if job.finish is None:
-            return {}
+            return Verdict()
         try:
             return job.finish(outcomes)
         except Exception as exc:  # noqa: BLE001 - becomes the verdict on every rank
-            log.exception("accelerate_ckpt: committing a checkpoint failed")
-            return {"error": f"checkpoint not committed: {type(exc).__name__}: {exc}"}
+            log.exception("checkrun: committing a checkpoint failed")
+            return Verdict(f"checkpoint not committed: {type(exc).__name__}: {exc}")
 
-    def _all_gather(self, obj: dict) -> list[dict]:
+    def _all_gather(self, obj: PartOutcome) -> list[PartOutcome]:
         if self.world == 1:
             return [obj]
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _broadcast_verdict(self, verdict: dict | None) -> dict:
+    def _broadcast_verdict(self, verdict: Verdict | None) -> Verdict:
         if self.world == 1:
-            return verdict or {}
+            return verdict or Verdict()
         box = [verdict]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0] or {}
+        return box[0] or Verdict()
 
 
-def _part_outcome(handle: SaveHandle) -> dict:
+def _part_outcome(handle: "SaveHandle | FailedPart") -> PartOutcome:
     """This rank's part: durable (with its figures) or failed (with the error text)."""
     try:
         info = handle.result()
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and surfaced on every rank
-        return {"error": f"{exc}", "path": handle.path}
-    return {"error": None, "path": handle.path, "written_bytes": info.written_bytes,
-            "tensor_bytes": info.tensor_bytes, "stored_bytes": info.stored_bytes,
-            "background_seconds": info.background_seconds}
+        return PartOutcome(handle.path, f"{exc}")
+    return PartOutcome(handle.path, None, info.written_bytes, info.tensor_bytes, info.stored_bytes,
+                       info.background_seconds)

@@ -1,0 +1,134 @@
+"""The per-step update log (issue 23, docs/steplog.md) in the Accelerate adapter: ``step_log.enabled``.
+
+Where the log lives: the engine marks a checkpoint's position in a log only for saves into the log's
+own directory, and the part that holds the optimizer is rank 0's, written into
+``BASE/.checkrun/parts`` (``layout``). So rank 0 logs into that parts directory, and the marker of
+each checkpoint is the one of its rank 0 part. Gradients are equal on every rank after DDP's
+all-reduce: one rank (0) logs, every rank replays the same log into its own optimizer.
+
+Order of the calls (all on the training thread, every rank, like ``save_state``/``load_state``):
+
+* ``before_save(directory)``: rank 0 starts the log on the parts directory of the save if it is
+  not logging there (the first save of a run: steps before the first checkpoint could not be replayed anyway);
+* ``before_load()``: rank 0 closes its log (a flush: the other ranks read every step logged so far
+  after the broadcast that follows, which orders them after it);
+* ``after_load(part, saved)``: every rank replays the steps logged after ``part`` (the loaded rank 0
+  part); rank 0 then starts logging again, continuing the chain the replay ended on (the engine
+  remembers it), so a second crash resumes through both runs.
+
+``optimizer_steps`` counts the optimizer's steps (a step post-hook: steps a ``GradScaler`` skipped
+are not counted); it is saved in the replicated tree and restored on load, plus what was replayed.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from ckpt_core import CheckpointEngine, CheckrunError
+from ckpt_core.steplog import NoMarkerError
+from ckpt_core.format.composite import parent
+
+log = logging.getLogger("accelerate_ckpt")
+TREE_KEY = "steplog"
+"""Key, in the replicated tree, of ``{"optimizer_steps": n}``."""
+
+
+class StepLogSetupError(CheckrunError):
+    """``step_log.enabled`` with prepared objects the log cannot follow (several optimizers or schedulers)."""
+
+
+def _inner(obj: Any, attr: str) -> Any:
+    """The torch object an Accelerate wrapper holds (``AcceleratedOptimizer.optimizer``, ...)."""
+    return getattr(obj, attr, obj)
+
+
+class AccelerateStepLog:
+    """The step log of one ``AcceleratorCheckpointer`` (built only when ``step_log.enabled``)."""
+
+    def __init__(self, accelerator: Any, engine: CheckpointEngine, rank: int,
+                 storage_options: dict | None) -> None:
+        self.accelerator, self.engine, self.rank = accelerator, engine, rank
+        self.storage_options = storage_options
+        self.log: Any = None  # the engine's StepLog (rank 0, once a save or load started it)
+        self.directory: str | None = None
+        self.optimizer_steps = 0
+        self.replayed_steps = 0
+        self._counted: Any = None
+        self._hook: Any = None
+        self._replaying = False
+
+    # -- the prepared objects ---------------------------------------------------------------------
+    def targets(self) -> tuple[Any, Any]:
+        """The torch optimizer and scheduler inside the prepared ones (one optimizer, at most one
+        scheduler: the log and its markers follow one optimizer per directory)."""
+        acc = self.accelerator
+        if len(acc._optimizers) != 1 or len(acc._schedulers) > 1:
+            raise StepLogSetupError(
+                f"step_log.enabled: the Accelerator has {len(acc._optimizers)} prepared optimizer(s) and "
+                f"{len(acc._schedulers)} scheduler(s); the step log follows exactly one optimizer and at "
+                "most one scheduler (set step_log.enabled: false, or prepare one of each)")
+        optimizer = _inner(acc._optimizers[0], "optimizer")
+        scheduler = _inner(acc._schedulers[0], "scheduler") if acc._schedulers else None
+        self._count(optimizer)
+        return optimizer, scheduler
+
+    def _count(self, optimizer: Any) -> None:
+        if self._counted is optimizer:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = optimizer.register_step_post_hook(self._on_step)
+        self._counted = optimizer
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._replaying:  # replayed steps are counted by after_load
+            self.optimizer_steps += 1
+
+    # -- save / load ------------------------------------------------------------------------------
+    def before_save(self, directory: str) -> dict:
+        """Rank 0: log into ``directory`` (where rank 0's part goes) from now on. Returns what the
+        replicated tree keeps of the log (every rank calls it; only rank 0's is saved)."""
+        optimizer, scheduler = self.targets()
+        if self.rank == 0 and (self.log is None or self.directory != directory):
+            self.close()
+            self._open(directory, optimizer, scheduler)
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def before_load(self) -> None:
+        """Rank 0: commit and stop logging before any rank replays."""
+        self.targets()
+        if self.rank == 0:
+            self.close()
+
+    def after_load(self, part_url: str, saved: dict | None) -> int:
+        """Every rank: replay the steps logged after ``part_url`` (rank 0's part of the loaded
+        checkpoint) into the live optimizer and scheduler; returns how many."""
+        optimizer, scheduler = self.targets()
+        directory = parent(part_url)
+        replayed = 0
+        self._replaying = True
+        try:
+            replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
+                                          storage_options=self.storage_options)
+        except NoMarkerError:
+            # saved without the log (or by a run that had it off): nothing to replay after it
+            warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself",
+                          RuntimeWarning, stacklevel=3)
+        finally:
+            self._replaying = False
+        self.replayed_steps = replayed
+        self.optimizer_steps = int((saved or {}).get("optimizer_steps", 0)) + replayed
+        if self.rank == 0:
+            self._open(directory, optimizer, scheduler)
+        return replayed
+
+    def _open(self, directory: str, optimizer: Any, scheduler: Any) -> None:
+        self.log = self.engine.step_log(directory, optimizer, scheduler, storage_options=self.storage_options)
+        self.directory = directory
+
+    def close(self) -> None:
+        """Flush and stop the log (rank 0; idempotent)."""
+        slog, self.log = self.log, None
+        if slog is not None:
+            slog.close()

@@ -1,0 +1,219 @@
+"""``checkrun export CKPT|DIR --step N OUT``: the state replayed to logged step N (docs/steplog.md).
+
+The checkpoint whose marker is the newest at or before step N is loaded; its optimizer is rebuilt
+and the logged steps up to N are replayed into it. What the replay needs and where it comes from:
+
+* the optimizer's class: the step log does not record it, so ``--optimizer NAME`` names it; only a
+  class of ``torch.optim`` itself is accepted (no other code is imported);
+* which checkpoint tensors are its parameters: the optimizer state's ``param_names`` (torch >= 2.6
+  records them for an optimizer built from ``model.named_parameters()``) and the one dictionary of
+  the state that holds a tensor under every such name (the model's state dict);
+* the LR scheduler: the one dictionary of the state shaped like a scheduler's ``state_dict``
+  (``last_epoch`` and ``_step_count``), if any; the log's scheduler records are applied to it.
+
+Anything missing or ambiguous is an error that says so: nothing is guessed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .composite import open_view
+from .steplog import chain_of, chain_steps, segments_store, has_log
+from .util import EXIT_USAGE, CliError, Context, log, one_line
+from ..errors import CheckpointNotFoundError, CheckrunError
+from ..steplog.format import SegmentDamaged, split_segment
+from ..steplog.index import LogIndex, read_index
+from ..steplog.replay import apply_event, find_marker
+from ..steplog.capture import flat_params
+
+_MAX_DEPTH = 8
+
+
+def optimizer_class(name: str | None) -> type:
+    """The ``torch.optim`` class called ``name`` (an error naming the choices otherwise)."""
+    choices = sorted(n for n in torch.optim.__all__ if isinstance(getattr(torch.optim, n, None), type)
+                     and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer")
+    if name is None:
+        raise CliError("--step needs --optimizer NAME: the step log does not record the optimizer's class "
+                       f"(one of torch.optim's: {', '.join(choices)})", EXIT_USAGE)
+    short = name.removeprefix("torch.optim.")
+    if short not in choices:
+        raise CliError(f"--optimizer {name!r}: not a torch.optim optimizer class (one of: {', '.join(choices)})",
+                       EXIT_USAGE)
+    return getattr(torch.optim, short)
+
+
+def _candidates(ctx: Context, src: str) -> tuple[str, list[Any]]:
+    """(directory, its committed checkpoints to start from): all of a directory, or the one named."""
+    if ctx.kind(src) == "file":
+        directory, _, name = src.replace("\\", "/").rpartition("/")
+        directory = directory or "."
+        entries = [e for e in ctx.engine.list(directory, storage_options=ctx.storage_options) if e.name == name]
+        if not entries or entries[0].manifest is None:
+            raise CliError(f"{src}: not a committed checkpoint of {directory}")
+        return directory, entries
+    if ctx.kind(src) == "missing":
+        raise CliError(f"{src}: no such checkpoint or directory")
+    return src.rstrip("/"), [e for e in ctx.engine.list(src, storage_options=ctx.storage_options)
+                             if e.manifest is not None]
+
+
+def choose_start(ctx: Context, src: str, step: int) -> tuple[Any, Any, LogIndex, Any]:
+    """(store of the log, the checkpoint entry, index, its chain) to replay to ``step``: the newest
+    marker at or before ``step`` whose logged steps reach it."""
+    directory, entries = _candidates(ctx, src)
+    segs = segments_store(ctx, directory)
+    if not has_log(segs):
+        raise CliError(f"{directory}: has no step log ({segs.url('')}); --step needs one")
+    index, cache, best, reach = read_index(segs), {}, None, []
+    for e in entries:
+        marker = find_marker(index, e.name, e.manifest.commit)
+        if marker is None or marker.step > step:
+            continue
+        chain = chain_of(index, marker)
+        _, last, problem = chain_steps(segs, chain, cache)
+        reach.append(f"{e.name}: steps {marker.step}..{last}" + (f" ({problem})" if problem else ""))
+        if last >= step and (best is None or marker.step >= best[2].marker.step):
+            best = (e, marker, chain)
+    if best is None:
+        detail = "; ".join(reach) or "no checkpoint with a marker at or before it"
+        raise CliError(f"{src}: step {step} is not in the step log ({detail})")
+    return segs, best[0], index, best[2]
+
+
+def _walk_dicts(node: Any, depth: int = 0):
+    if isinstance(node, dict):
+        yield node
+        children = node.values()
+    elif isinstance(node, (list, tuple)):
+        children = node
+    else:
+        return
+    if depth < _MAX_DEPTH:
+        for child in children:
+            yield from _walk_dicts(child, depth + 1)
+
+
+def _is_optimizer_state(d: dict) -> bool:
+    return (set(d) == {"state", "param_groups"} and isinstance(d["param_groups"], list)
+            and all(isinstance(g, dict) and "params" in g for g in d["param_groups"]))
+
+
+def _one(found: list, what: str, where: str) -> Any:
+    if len(found) != 1:
+        raise CliError(f"{where}: --step needs exactly one {what} in the checkpoint's state, found {len(found)}")
+    return found[0]
+
+
+def locate(state: Any, where: str) -> tuple[dict, dict, list[list[str]], dict | None]:
+    """(model state dict, optimizer state dict, parameter names per group, scheduler state or None)."""
+    opt = _one([d for d in _walk_dicts(state) if _is_optimizer_state(d)], "optimizer state_dict", where)
+    names = [g.get("param_names") for g in opt["param_groups"]]
+    if not all(isinstance(n, list) and len(n) == len(g["params"]) for n, g in zip(names, opt["param_groups"])):
+        raise CliError(f"{where}: the optimizer state has no param_names, so the logged gradients cannot be "
+                       "matched to the model's tensors (build the optimizer from model.named_parameters())")
+    flat = [n for group in names for n in group]
+    model = _one([d for d in _walk_dicts(state) if d is not opt
+                  and all(isinstance(d.get(n), torch.Tensor) for n in flat)], "model state_dict holding "
+                 f"the optimizer's parameters {flat[:3]}...", where)
+    scheds = [d for d in _walk_dicts(state) if "last_epoch" in d and "_step_count" in d]
+    if len(scheds) > 1:
+        raise CliError(f"{where}: {len(scheds)} LR scheduler states in the checkpoint; --step supports one")
+    return model, opt, names, scheds[0] if scheds else None
+
+
+class _SchedulerState:
+    """Stands in for the LR scheduler: replay reads and sets its ``state_dict`` (plain data)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.clear()
+        self.state.update(state)
+
+
+def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], where: str) -> Any:
+    groups = []
+    for group, gnames in zip(opt["param_groups"], names):
+        params = [(n, torch.nn.Parameter(model[n].detach().clone(), requires_grad=True)) for n in gnames]
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": params})
+    try:
+        optimizer = cls(groups)
+        optimizer.load_state_dict(opt)
+    except Exception as exc:  # noqa: BLE001 - torch's own errors: a state of another optimizer class
+        raise CliError(f"{where}: the optimizer state does not load into torch.optim.{cls.__name__}: "
+                       f"{one_line(exc)}") from None
+    # load_state_dict takes the saved groups as they are: another class's lack this one's settings.
+    missing = sorted({k for g in optimizer.param_groups for k in optimizer.defaults if k not in g})
+    if missing:
+        raise CliError(f"{where}: the optimizer state does not load into torch.optim.{cls.__name__}: its "
+                       f"parameter groups lack {', '.join(missing)} (saved by another optimizer class?)")
+    return optimizer
+
+
+def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_bytes: int) -> int:
+    """Apply the chain's events up to logged step ``step`` and the state records after it in its
+    segment (a segment ends with the state at its flush point: the scheduler after that step)."""
+    done, at = 0, chain.marker.step
+    for seg, first, last in chain.pieces:
+        where = segs.url(seg.name)
+        try:
+            header, payload = split_segment(segs.read_manifest(seg.name, max_bytes), where)
+        except (SegmentDamaged, CheckpointNotFoundError) as exc:
+            if at >= step:  # only the state records after step N could be here; its segment ended with them
+                return done
+            raise CliError(f"{one_line(exc)}: the log ends early here, step {step} is not reachable") from None
+        for ev in header["events"][first - seg.lo - 1:last - seg.lo]:
+            if ev["kind"] == "step" and (ev["step"] > step or at >= step):
+                return done
+            apply_event(ev, payload, optimizer, sched, where, max_bytes)
+            if ev["kind"] == "step":
+                done, at = done + 1, ev["step"]
+    return done
+
+
+def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None,
+                   weights_only: bool) -> tuple[str, Any, dict]:
+    """(the checkpoint used, the state replayed to ``step``, facts for the report)."""
+    cls = optimizer_class(optimizer_name)
+    segs, entry, _, chain = choose_start(ctx, src, step)
+    url = src if ctx.kind(src) == "file" else f"{src.rstrip('/')}/{entry.name}"
+    state = open_view(ctx, url).load(ctx, weights_only=weights_only)
+    model, opt, names, sched = locate(state, url)
+    optimizer = build_optimizer(cls, model, opt, names, url)
+    try:
+        replayed = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
+                             ctx.engine.config.load.max_blob_bytes)
+    except CliError:
+        raise
+    except CheckrunError as exc:
+        raise CliError(one_line(exc)) from None
+    for n, p in zip([n for g in names for n in g], flat_params(optimizer)):
+        model[n] = p.detach()
+    new = optimizer.state_dict()
+    opt.clear()
+    opt.update(new)
+    if sched is None:
+        log.info("checkrun: %s holds no LR scheduler state; only the optimizer's own hyperparameters are replayed",
+                 url)
+    return url, state, {"from_checkpoint": url, "from_step": chain.marker.step, "step": step,
+                        "replayed_steps": replayed, "optimizer": f"torch.optim.{cls.__name__}"}
+
+
+def plain_values(state: Any, path: str = "", depth: int = 0) -> dict[str, Any]:
+    """The state's plain leaves (not tensors, not containers) by dotted key."""
+    out: dict[str, Any] = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else None
+    if items is None or depth > 64:
+        if not isinstance(state, torch.Tensor) and isinstance(state, (str, int, float, bool, type(None))):
+            out[path] = state
+        return out
+    for k, v in items:
+        out.update(plain_values(v, f"{path}.{k}" if path else str(k), depth + 1))
+    return out

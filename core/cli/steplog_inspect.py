@@ -1,0 +1,135 @@
+"""``checkrun inspect SEGMENT`` (one step-log segment's header and checksums) and ``checkrun inspect
+DIR/.checkrun/steplog`` (its segments, one row each, and its markers): docs/cli.md."""
+from __future__ import annotations
+
+import os
+
+from .steplog import STEPLOG_DIR, has_log, read_header, segments_store
+from .util import EXIT_OK, CliError, Context, emit_json, human_size, one_line, table
+from ..errors import CheckpointNotFoundError, CheckrunError
+from ..steplog.format import PREFIX_BYTES, SegmentDamaged, header_end, parse_header, split_segment
+from ..steplog.index import read_index
+from ..storage.store import Store
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _grad_info(g: dict) -> dict:
+    out = {"param": g["p"], "kind": g["k"]}
+    if g["k"] == "none":
+        return out
+    out.update(shape=g["shape"], dtype=g["dtype"], encoded_bytes=g["data"][1] + (g["idx"][1] if "idx" in g else 0),
+               codecs=g["data"][2])
+    if "n" in g:
+        out["rows"] = g["n"]
+    return out
+
+
+def describe(header: dict) -> dict:
+    """A segment header as the JSON of ``inspect``: runs, events, steps, gradients."""
+    events = []
+    for i, ev in enumerate(header["events"]):
+        item = {"event": header["lo"] + i + 1, "kind": ev["kind"]}
+        if ev["kind"] == "step":
+            item.update(step=ev["step"], grads=[_grad_info(g) for g in ev["grads"]])
+        else:
+            item.update(groups=ev["groups"], scheduler=ev["sched"])
+        events.append(item)
+    steps = [e["step"] for e in events if e["kind"] == "step"]
+    return {"run": header["run"], "seq": header["seq"], "events": [header["lo"] + 1, header["hi"]],
+            "steps": [steps[0], steps[-1]] if steps else None, "step_count": len(steps),
+            "payload_bytes": header["payload_bytes"], "payload_csum": header["payload_csum"], "records": events}
+
+
+def examine(data: bytes, where: str) -> tuple[dict, str]:
+    """(header, payload status) of a segment's bytes: "ok", or what is wrong with the payload.
+    Raises ``CliError`` when not even the header can be read."""
+    try:
+        header = parse_header(data[:header_end(data[:PREFIX_BYTES])], where, len(data))
+    except (SegmentDamaged, CheckrunError) as exc:
+        raise CliError(one_line(exc)) from None
+    try:
+        split_segment(data, where)
+    except SegmentDamaged as exc:
+        return header, one_line(exc)
+    except CheckrunError as exc:
+        raise CliError(one_line(exc)) from None
+    return header, "ok"
+
+
+def read_segment_file(ctx: Context, path: str) -> tuple[str, bytes]:
+    store, name = Store.for_path(path, ctx.storage_options, ctx.engine.config.storage)
+    try:
+        return store.url(name), store.read_manifest(name, ctx.engine.config.load.max_blob_bytes)
+    except CheckpointNotFoundError:
+        raise CliError(f"{path}: no such step-log segment") from None
+
+
+def grad_row(g: dict) -> list:
+    info = _grad_info(g)
+    if info["kind"] == "none":
+        return [info["param"], "none", "", "", "", ""]
+    return [info["param"], info["kind"], "x".join(map(str, info["shape"])) or "()", info["dtype"],
+            info.get("rows", ""), human_size(info["encoded_bytes"])]
+
+
+def cmd_inspect_segment(ctx: Context, path: str) -> int:
+    """``checkrun inspect SEGMENT``: the header of one segment and its checksums' status."""
+    where, data = read_segment_file(ctx, path)
+    header, status = examine(data, where)
+    info = describe(header)
+    info.update(segment=path, bytes=len(data), header_csum="ok", payload_status=status, ok=status == "ok")
+    if ctx.json:
+        emit_json(info)
+    else:
+        steps = info["steps"]
+        print(f"segment   {path}")
+        print(f"run       {info['run']}   seq {info['seq']}   events {info['events'][0]}..{info['events'][1]}   "
+              f"steps {f'{steps[0]}..{steps[1]}' if steps else '-'} ({info['step_count']})")
+        shown = "checksum ok" if status == "ok" else f"DAMAGED ({status.removeprefix(where + ': ')})"
+        print(f"payload   {human_size(info['payload_bytes'])}, xxh3 {info['payload_csum']}: {shown}; "
+              "header checksum ok")
+        print()
+        body = [[ev["step"] if i == 0 else "", *grad_row(g)] for ev in header_steps(header)
+                for i, g in enumerate(ev["grads"])]
+        print(table(["STEP", "PARAM", "KIND", "SHAPE", "DTYPE", "ROWS", "ENCODED"], body, right=(0, 1, 5, 6)))
+        states = sum(1 for ev in header["events"] if ev["kind"] == "state")
+        if states:
+            print(f"\n{states} state record(s): optimizer hyperparameters and scheduler state (--json shows them)")
+    if status != "ok":
+        raise CliError(status)
+    return EXIT_OK
+
+
+def cmd_inspect_log(ctx: Context, path: str) -> int:
+    """``checkrun inspect DIR/.checkrun/steplog``: one row per segment (headers only)."""
+    base = os.fspath(path).replace("\\", "/").rstrip("/")
+    directory = base[:-len(STEPLOG_DIR)].rstrip("/") or "."
+    segs = segments_store(ctx, directory)
+    if not has_log(segs):
+        raise CliError(f"{path}: no step log here")
+    index, rows = read_index(segs), []
+    for run, run_segs in index.segments.items():
+        for seg in run_segs:
+            row = {"segment": f"{base}/{seg.name}", "run": run, "seq": seg.seq, "events": [seg.lo + 1, seg.hi]}
+            try:
+                info = describe(read_header(segs, seg.name))
+                row.update(steps=info["steps"], payload_bytes=info["payload_bytes"], error=None)
+            except (SegmentDamaged, CheckrunError) as exc:
+                row.update(steps=None, payload_bytes=None, error=one_line(exc))
+            rows.append(row)
+    if ctx.json:
+        emit_json({"step_log": base, "segments": rows, "markers": [m.__dict__ for m in index.markers]})
+        return EXIT_OK
+    print(table(["SEGMENT", "EVENTS", "STEPS", "PAYLOAD"],
+                [[r["segment"].rpartition("/")[2], "{}..{}".format(*r["events"]),
+                  "{}..{}".format(*r["steps"]) if r["steps"] else ("unreadable" if r["error"] else "-"),
+                  human_size(r["payload_bytes"]) if r["payload_bytes"] is not None else ""] for r in rows]))
+    for m in index.markers:
+        print(f"marker: {m.checkpoint} after step {m.step} (run {m.run}, event {m.event})")
+    return EXIT_OK
+
+
+def header_steps(header: dict) -> list[dict]:
+    return [ev for ev in header["events"] if ev["kind"] == "step"]

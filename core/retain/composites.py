@@ -1,0 +1,168 @@
+"""Step 6 for composite checkpoints: retention by whole checkpoints (index, parts and folder).
+
+A composite checkpoint (``format.composite``: an index naming one part per rank, what accelerate_ckpt
+writes) is retained or removed as one: ``Composites`` is the ``Retained`` policy that
+``after.after_commit`` applies after an index is committed. It removes the index first (the
+checkpoint vanishes atomically), then its parts (their blobs are the candidates of the collection in
+the parts directory), then its folder with whatever hooks wrote into it (as Accelerate's
+``total_limit`` does). Once it removed a checkpoint it also removes orphaned parts (no index lists
+them; left by a crash before the commit) older than ``orphan_grace``, and asks for a full collection
+of the parts directory of earlier releases. Runs on the thread that committed the index.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from ..errors import CheckpointNotFoundError, CheckrunError
+from ..format import composite
+from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, join
+from ..format.manifest import parse_manifest
+from ..format.limits import limits_for
+from ..storage.store import Store
+from .after import Garbage
+from .retention import list_checkpoints
+
+log = logging.getLogger("ckpt_core")
+
+LEGACY_PARTS_DIR = "parts"
+"""Where earlier releases kept the parts, relative to the root."""
+MIN_ORPHAN_GRACE_SECONDS = 3600.0
+"""Age below which a part no index lists is kept: it may belong to a save whose other ranks are still
+writing (their blobs are protected by leases, the committed part manifests only by this age; it was
+the effective age before leases too, ``gc_grace_seconds``' old default)."""
+
+
+def checkpoint_key(index_url: str) -> str:
+    """How retention names a composite checkpoint: its folder's name, or a legacy index's file name."""
+    head, _, name = index_url.rstrip("/").rpartition("/")
+    return head.rpartition("/")[2] if name == INDEX_NAME else name
+
+
+@dataclass(frozen=True)
+class Composites:
+    """The composite checkpoints of ``root``, ``keep_last`` of them kept (``Retained``).
+
+    ``protect``: checkpoint keys (``checkpoint_key``: folder names) never removed (they count towards
+    ``keep_last``, as Accelerate's ``total_limit`` counts every checkpoint). ``orphan_grace``: floored
+    at ``MIN_ORPHAN_GRACE_SECONDS``. Use as a context manager: it closes the stores it opened."""
+
+    root: str
+    config: EngineConfig
+    storage_options: dict | None = None
+    keep_last: int = 0
+    protect: frozenset = frozenset()
+    orphan_grace: float = 0.0
+    _stores: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def store(self) -> Store:
+        """The parts directory: the blobs of every part of ``root``."""
+        return self._dir(join(self.root, PARTS_DIR))
+
+    def index_store(self, name: str) -> tuple[Store, str]:
+        """Where the index of checkpoint ``name`` of ``root`` is committed: ``(store, file name)``."""
+        return self._file(join(join(self.root, name), INDEX_NAME))
+
+    def close(self) -> None:
+        """Stop the I/O threads of the stores it opened."""
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+
+    def __enter__(self) -> "Composites":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def remove_parts(self, urls: list[str]) -> list[Garbage]:
+        """Remove parts (of a checkpoint that failed, or of an index that was replaced); best effort:
+        a part that cannot be removed is logged and left to the orphan cleanup."""
+        garbage = []
+        for url in urls:
+            try:
+                found = self._remove_part(url)
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.warning("checkrun: could not remove %s: %s", url, exc)
+                continue
+            if found is not None:
+                garbage.append(found)
+        return garbage
+
+    def remove_oldest(self, keep: set[str]) -> list[Garbage]:
+        """Remove the oldest committed checkpoints beyond ``keep_last`` (never one whose key is in
+        ``protect`` or ``keep``), then orphaned parts; the garbage is their parts' blobs."""
+        if not self.keep_last:
+            return []
+        protect = set(self.protect) | set(keep)
+        entries = [e for e in composite.list_in(self.root, self.storage_options, self.config)
+                   if e.manifest is not None]
+        garbage: list[Garbage] = []
+        removed = 0
+        for entry in entries[:-self.keep_last] if len(entries) > self.keep_last else []:
+            if checkpoint_key(entry.url) in protect:
+                continue
+            garbage += self._remove(entry)
+            removed += 1
+            log.info("checkrun: retention removed %s (keep_last=%d)", entry.folder or entry.url, self.keep_last)
+        if not removed:
+            return []
+        garbage += self._remove_orphans()
+        return [*garbage, Garbage(self._dir(join(self.root, LEGACY_PARTS_DIR)), None)]
+
+    def _remove(self, entry: Composite) -> list[Garbage]:
+        """Index first (the checkpoint vanishes atomically), then its parts, then its folder."""
+        parts = composite.part_urls(entry.url, entry.index) if entry.index is not None else []
+        index_store, index_name = self._file(entry.url)
+        index_store.delete_manifest(index_name)
+        garbage = [self._remove_part(url) for url in parts]
+        if entry.folder is not None:
+            composite.remove_folder(entry.folder, self.storage_options, self.config)
+        return [g for g in garbage if g is not None]
+
+    def _remove_part(self, url: str) -> Garbage | None:
+        """Delete a part's manifest; its blobs are candidates (all of them, unknown, if unreadable)."""
+        store, name = self._file(url)
+        try:
+            manifest = parse_manifest(store.read_manifest(name), url, limits=limits_for(self.config))
+            found = Garbage(store, {b.key: b.size for b in manifest.blobs()})
+        except CheckpointNotFoundError:
+            found = None
+        except CheckrunError:  # unreadable: its blobs are unknown, the collection lists them all
+            found = Garbage(store, None)
+        store.delete_manifest(name)
+        return found
+
+    def _remove_orphans(self) -> list[Garbage]:
+        """Parts no index of ``root`` lists, older than the grace (a younger one may belong to a save
+        still in flight on some rank); none while an index is unreadable (its parts are unknown)."""
+        referenced: set[str] = set()
+        try:
+            for entry in composite.list_in(self.root, self.storage_options, self.config):
+                if entry.index is None:
+                    return []
+                referenced.update(u.rpartition("/")[2] for u in composite.part_urls(entry.url, entry.index))
+            grace = max(self.orphan_grace, MIN_ORPHAN_GRACE_SECONDS)
+            now, garbage = time.time(), []
+            for entry in list_checkpoints(self.store, self.config):
+                if entry.name not in referenced and now - entry.mtime > grace:
+                    garbage.append(self._remove_part(entry.url))
+        except CheckrunError as exc:
+            log.warning("checkrun: orphan cleanup in %s failed: %s", self.root, exc)
+            return []
+        if garbage:
+            log.info("checkrun: removed %d orphaned part(s) in %s", len(garbage), self.root)
+        return [g for g in garbage if g is not None]
+
+    def _dir(self, url: str) -> Store:
+        """One ``Store`` per directory (collections compare them by URL)."""
+        probe = Store.for_directory(os.fspath(url), self.storage_options, self.config.storage)
+        return self._stores.setdefault(probe.url(""), probe)
+
+    def _file(self, url: str) -> tuple[Store, str]:
+        store, name = Store.for_path(url, self.storage_options, self.config.storage)
+        return self._stores.setdefault(store.url(""), store), name

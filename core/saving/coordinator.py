@@ -1,0 +1,269 @@
+"""Steps 2-6 of an asynchronous save, scheduled: the coordinator thread, its job queue and workers.
+
+One ``Coordinator`` per engine. The training thread ``submit``s each snapshot (``save`` acquires a
+slot first: at most ``saving.max_pending`` saves in flight, the backpressure); the coordinator thread
+runs the jobs in submission order (so saves to one path commit in order), fanning chunk work out to
+``saving.workers`` threads, or hands each to the writer process. After a commit it advances the row
+streams, reports the save (log, callbacks) and runs retention and collection (``retain.after_commit``).
+
+Thread lifecycle (a fork racing a thread's start or end can deadlock the child in CPython 3.11, and
+DataLoader workers fork every epoch): the coordinator and its workers are started together on the
+training thread (``submit``), and end together after ``IDLE_SECONDS`` without a save or when
+``wait_idle`` asks; an idle engine holds no thread, and training that saves often starts and ends
+none in the background.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import EngineConfig
+from ..retain import after_commit
+from ..storage.store import Store
+from . import inflight, lifecycle
+from .capture import Snapshot
+from .commit import Committed, commit_streams, write_and_commit
+from .handles import SaveHandle, SaveInfo
+from .process import WriterProcess
+from .quant_rules import RuleMatcher
+from .copier import Copier
+from .staging import BufferPool, MemoryBudget
+from .streams import DirState
+
+log = logging.getLogger("ckpt_core")
+IDLE_SECONDS = 30.0
+"""An asynchronous engine's coordinator and workers end after this long without a save."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One save between its snapshot (training thread) and its commit (coordinator)."""
+
+    snap: Snapshot
+    store: Store
+    name: str
+    handle: SaveHandle
+    dir: DirState
+    started: float
+    """``time.perf_counter()`` at the call to ``save``."""
+    blocking: float
+    """Seconds the caller of ``save`` waited."""
+
+
+class Coordinator:
+    """The background side of one engine: backpressure, the job queue, the threads and their end.
+
+    ``pool``/``budget``: where a job's staging buffers and memory go back after its write.
+    ``copier``/``stores``: the snapshot's copy helper and the engine's stores, whose threads stop
+    when nothing uses them. ``callbacks``: called with each committed save's ``SaveInfo``. The dict
+    and the list are the engine's (it adds to them).
+    """
+
+    def __init__(self, config: EngineConfig, process: WriterProcess | None, matcher: RuleMatcher,
+                 pool: BufferPool, budget: MemoryBudget, copier: Copier, stores: dict[tuple, Store],
+                 callbacks: list[Callable[[SaveInfo], None]]) -> None:
+        self.config, self.process, self.matcher = config, process, matcher
+        self.pool, self.budget = pool, budget
+        self._copier, self._stores, self._callbacks = copier, stores, callbacks
+        self._slots = threading.BoundedSemaphore(config.saving.max_pending)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None  # None while the engine is idle
+        self._retired: list[threading.Thread] = []  # coordinators that went idle, joined by wait_idle
+        self._inflight: list[SaveHandle] = []
+        self._failed: list[SaveHandle] = []
+        self._cond = threading.Condition()
+        self._rules_checked = False
+
+    # -- training thread ------------------------------------------------------------------------
+    def acquire_slot(self) -> None:
+        """Backpressure: block while ``max_pending`` saves are in flight. Pair with ``release_slot``
+        if the snapshot fails, else the job releases it."""
+        self._slots.acquire()
+
+    def release_slot(self) -> None:
+        """Give back a slot whose save never became a job (its snapshot raised)."""
+        self._slots.release()
+
+    def submit(self, job: Job, asynchronous: bool) -> None:
+        """Run ``job`` on the coordinator (``asynchronous``), else here, with workers of its own."""
+        with self._cond:
+            self._inflight.append(job.handle)
+        inflight.begin(job.handle.path)
+        if asynchronous:
+            with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
+                self._ensure_thread()
+                self._queue.put(job)
+            return
+        with self._new_workers() as workers:
+            self._run(job, workers)
+        self.release_if_idle()
+
+    def wait_idle(self) -> None:
+        """Wait until no save is pending, then end the coordinator and join it."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._inflight)
+            if self._thread is not None:
+                self._queue.put(None)
+            self._cond.wait_for(lambda: self._thread is None)
+            retired, self._retired = self._retired, []
+        for thread in retired:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def stop_after_queued(self) -> None:
+        """``close`` interrupted while waiting: the coordinator ends after the queued saves."""
+        with self._cond:
+            if self._thread is not None:
+                self._queue.put(None)
+
+    def release_if_idle(self) -> None:
+        """Training thread, after a sync save or a load: stop the idle threads unless a coordinator
+        runs (it stops them itself when it goes idle, off the training thread: a join there waits
+        for the GIL behind the background threads, ~10 ms per save measured)."""
+        with self._cond:
+            busy = self._thread is not None
+        if not busy:
+            self._release_idle()
+
+    @property
+    def pending(self) -> int:
+        """Saves not yet committed or failed."""
+        with self._cond:
+            return len(self._inflight)
+
+    def take_failed(self) -> list[SaveHandle]:
+        """Handles of failed saves not handed out yet (their errors surface once)."""
+        with self._cond:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def _release_idle(self) -> None:
+        """Stop the snapshot's copy helper and the storage pools that no call is using."""
+        self._copier.close()
+        for store in list(self._stores.values()):
+            store.release_idle()
+
+    # -- threads --------------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        """Start the coordinator (training thread, under ``_cond``) with its workers already running:
+        no thread starts in the background while training goes on (see ``_loop``)."""
+        if self._thread is None:
+            workers = self._new_workers()
+            for _ in range(self.config.saving.workers):
+                workers.submit(int)  # each submit with no idle worker starts one, here
+            self._thread = threading.Thread(target=self._loop, args=(workers,), name="checkrun-coordinator",
+                                            daemon=True)
+            self._thread.start()
+
+    def _new_workers(self) -> ThreadPoolExecutor:
+        sc = self.config.saving
+        return ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
+                                  initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
+
+    def _loop(self, workers: ThreadPoolExecutor) -> None:
+        """Coordinator: runs the queued saves. It ends, with its workers, the snapshot's copy helper
+        and the idle storage pools, when ``wait_idle`` asks (a sentinel) or after ``IDLE_SECONDS``
+        without a save: an idle engine holds no thread, yet training that saves often does not start
+        and end threads at every save (a fork racing a thread's start or end can deadlock the child
+        in CPython 3.11, and DataLoader workers fork every epoch)."""
+        lifecycle.lower_thread_priority(self.config.saving.thread_nice)
+        with workers:
+            while True:
+                try:
+                    job = self._queue.get(timeout=IDLE_SECONDS)
+                except queue.Empty:
+                    job = None
+                if job is not None:
+                    self._run(job, workers)
+                    continue
+                with self._cond:
+                    if not self._queue.empty():  # a save came in meanwhile (queued under _cond)
+                        continue
+                    self._thread = None
+                    self._retired = [t for t in self._retired if t.is_alive()]
+                    self._retired.append(threading.current_thread())
+                    lifecycle.retiring(threading.current_thread())  # a fork waits for our end
+                    self._cond.notify_all()
+                    break
+        self._release_idle()
+
+    # -- one job ---------------------------------------------------------------------------------
+    def _run(self, job: Job, workers: ThreadPoolExecutor) -> None:
+        """Background part of one save; never raises (errors go to the handle)."""
+        info, error = None, None
+        try:
+            t0 = time.perf_counter()
+            try:
+                if self.process is not None:
+                    done = self.process.commit(job.snap, job.store, job.name)
+                else:
+                    done = write_and_commit(job.snap, job.store, job.name, job.dir, self.config,
+                                            self.matcher, workers)
+            finally:
+                self._release_staging(job.snap)
+            commit_streams(job.snap, done, self.config.incremental.max_chain)
+            info = _info(job, done, time.perf_counter() - t0)
+            self._after_commit(job, info, done.unmatched_rules)
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
+            job.dir.invalidate()
+            error = exc
+            log.error("checkrun: save to %s failed: %s", job.handle.path, exc)
+        finally:
+            job.handle.finish(info, error)
+            with self._cond:
+                if error is not None:
+                    self._failed.append(job.handle)
+                self._inflight.remove(job.handle)
+                self._cond.notify_all()
+            inflight.end(job.handle.path)
+            self._slots.release()
+
+    def _release_staging(self, snap: Snapshot) -> None:
+        for st in snap.tensors:
+            if st.stream is None:
+                self.pool.give(st.data)
+        self.budget.release(snap.charged)
+
+    def _after_commit(self, job: Job, info: SaveInfo, unmatched_rules: tuple) -> None:
+        """Report the committed save (log, the unmatched-rules warning once, callbacks), then retention
+        and collection; a failure of those is logged: the save is committed."""
+        log.info("checkrun: saved %s: %.1f MB of tensors, wrote %.1f MB (%.1f%%), ratio %.2fx, "
+                 "blocked %.3f s, background %.2f s", info.path, info.tensor_bytes / 1e6,
+                 info.written_bytes / 1e6, 100 * info.write_ratio, info.compression_ratio,
+                 info.blocking_seconds, info.background_seconds)
+        if not self._rules_checked:  # once, after the first committed save has seen every tensor
+            self._rules_checked = True
+            for rule in unmatched_rules:
+                warnings.warn(f"checkrun: quantization rule {rule.pattern!r} ({rule.method}) matched no tensor "
+                              f"of {info.path}; check its pattern, dtype and min_numel against the keys "
+                              "`checkrun inspect` lists", UserWarning, stacklevel=2)
+        for fn in self._callbacks:
+            try:
+                fn(info)
+            except Exception:  # a metrics callback must not fail a committed save
+                log.exception("checkrun: save callback failed")
+        after_commit(job.store, job.name, self.config, memory=job.dir, forget=self.forget_blobs(job.store))
+
+    def forget_blobs(self, store: Store) -> Callable[[list[str]], None] | None:
+        """What else must forget the blobs a collection in ``store`` deleted: the writer process."""
+        if self.process is None:
+            return None
+        process = self.process
+        return lambda keys: process.forget(store, keys)
+
+
+def _info(job: Job, done: Committed, background: float) -> SaveInfo:
+    stats = done.stats
+    return SaveInfo(
+        path=job.handle.path, tensor_bytes=stats.tensor_bytes,
+        written_bytes=stats.written_bytes + done.manifest_bytes, stored_bytes=stats.stored_bytes,
+        blocking_seconds=job.blocking, background_seconds=background,
+        total_seconds=time.perf_counter() - job.started, new_blobs=done.new_blobs,
+        reused_blobs=done.reused_blobs, chain_depth=stats.chain_depth,
+        quantized_tensors=done.quantized_tensors, quantization_saved_bytes=done.quantization_saved_bytes)

@@ -1,0 +1,64 @@
+"""What ``CheckpointEngine.step_log`` and ``CheckpointEngine.replay`` delegate to (training thread).
+
+The engine keeps two attributes for the log, created here on first use: ``_steplogs`` (the open
+logs, told of each ``save`` by the hook in ``CheckpointEngine.save``) and ``_steplog_resume``
+(per directory, where the last replay ended: a log opened afterwards continues that chain).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointNotFoundError
+from ..storage.store import Store
+from .index import read_index
+from .format import NoMarkerError
+from .log import StepLog, active_log, log_store
+from .replay import find_marker, replay_chain
+
+
+def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
+             storage_options: dict | None = None) -> StepLog:
+    """Start logging every ``optimizer.step()`` (and ``scheduler.step()``) into ``directory``."""
+    engine._check_open()
+    store = engine._dir_store(directory, storage_options)
+    resume = engine.__dict__.setdefault("_steplog_resume", {}).get(store.url(""))
+    slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume)
+    logs = engine.__dict__.setdefault("_steplogs", [])
+    logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
+    return slog
+
+
+def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
+           after: str | os.PathLike | None = None, storage_options: dict | None = None) -> int:
+    """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
+    ``directory`` that the log marks); returns how many optimizer steps were replayed."""
+    engine._check_open()
+    store = engine._dir_store(directory, storage_options)
+    engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
+    index = read_index(log_store(store))
+    marker = _start(engine, store, index, after, storage_options)
+    pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes)
+    engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
+    slog = active_log(optimizer)  # a log opened before the replay continues the chain too
+    if slog is not None and slog.store.url("") == store.url(""):
+        slog.continue_chain((pos.run, pos.event, pos.step))
+    return pos.replayed
+
+
+def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: dict | None) -> Any:
+    if after is not None:
+        name = os.fspath(after).replace("\\", "/").rstrip("/").rpartition("/")[2]
+        manifest = engine.read_manifest(store.url(name), storage_options)
+        marker = find_marker(index, name, manifest.commit)
+        if marker is None:
+            raise NoMarkerError(f"the step log of {store.url('')} has no marker for checkpoint {store.url(name)} "
+                               "(saved by another engine, or before engine.step_log was called)")
+        return marker
+    for entry in reversed(engine.list(store.url(""), storage_options)):
+        if entry.manifest is None:
+            continue
+        marker = find_marker(index, entry.name, entry.manifest.commit)
+        if marker is not None:
+            return marker
+    raise CheckpointNotFoundError(f"{store.url('')}: no committed checkpoint that the step log marks")

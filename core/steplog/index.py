@@ -1,0 +1,60 @@
+"""What a directory's step log holds: its runs, segments (by name) and markers, read and validated.
+
+Listing order matters to garbage collection (``gc``): segments are listed first, then markers, then
+runs. An encoder writes a run object before its segments and a marker before the segments after it,
+so every segment listed has its run object and the markers before it listed too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointNotFoundError
+from ..storage.store import Store
+from .format import (MARK_RE, MAX_SMALL_BYTES, RUN_RE, Marker, RunInfo, SegName, parse_marker, parse_run,
+                     parse_seg_name)
+
+
+@dataclass
+class LogIndex:
+    segments: dict[str, list[SegName]] = field(default_factory=dict)
+    """Per run, its segments by sequence number."""
+    markers: list[Marker] = field(default_factory=list)
+    runs: dict[str, RunInfo] = field(default_factory=dict)
+
+    def children(self, run: str, after: int) -> list[RunInfo]:
+        """Runs that continue ``run`` from an event at or after ``after``, newest first."""
+        out = [r for r in self.runs.values() if r.parent is not None and r.parent[0] == run and r.parent[1] >= after]
+        return sorted(out, key=lambda r: r.created, reverse=True)
+
+
+def read_index(segs: Store) -> LogIndex:
+    """List and read the step log of one directory. A malformed run or marker object raises
+    ``StepLogFormatError`` naming it; objects whose names match no pattern are ignored."""
+    index = LogIndex()
+    files = segs.list_files()
+    for f in files:
+        seg = parse_seg_name(f.name)
+        if seg is not None:
+            index.segments.setdefault(seg.run, []).append(seg)
+    for run_segs in index.segments.values():
+        run_segs.sort(key=lambda s: s.seq)
+    names = [f.name for f in segs.list_files()]  # listed again: markers written since count (see above)
+    for name in names:
+        if MARK_RE.fullmatch(name):
+            data = _read(segs, name)
+            if data is not None:
+                index.markers.append(parse_marker(data, segs.url(name), name))
+    for name in names:
+        m = RUN_RE.fullmatch(name)
+        if m:
+            data = _read(segs, name)
+            if data is not None:
+                index.runs[m.group(1)] = parse_run(data, segs.url(name), m.group(1))
+    return index
+
+
+def _read(segs: Store, name: str) -> bytes | None:
+    try:
+        return segs.read_manifest(name, MAX_SMALL_BYTES + 1)
+    except CheckpointNotFoundError:  # deleted since the listing (gc): as if never listed
+        return None

@@ -1,0 +1,369 @@
+"""``StepLog``: logs every ``step()`` of one optimizer into a checkpoint directory's step log.
+
+Threads: the hooks run on the training thread (capture only); one encoder thread per log
+(``checkrun-steplog``) encodes, batches events into segments and commits them in the order the
+training thread issued them. The run object (at the start) and markers (in ``engine.save``) are
+written by the training thread itself: each lands before anything that depends on it. Backpressure: at most
+``step_log.queue_steps`` captured steps wait for the encoder (``Staging``). The LR scheduler is
+not wrapped: its ``state_dict`` (plain data) and the groups' hyperparameters are logged as a
+``state`` event whenever they changed, before each step and at each flush point. Errors of the encoder
+surface once, at the next hook, ``flush`` or ``close``.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+import torch
+
+from ..codecs import Pipeline, RawCodec, lossless_pipeline, index_pipeline
+from ..config import EngineConfig
+from ..format.dtypes import dtype_name
+from ..storage.store import Store
+from .capture import Grad, Staging, StepRecord, capture_step, group_scalars, sched_skeleton
+from .format import Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
+
+log = logging.getLogger("ckpt_core")
+_RAW = Pipeline(RawCodec(), ())
+STEPLOG_DIR = ".checkrun/steplog"
+_ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
+
+
+def log_store(store: Store) -> Store:
+    """The store of ``<dir>/.checkrun/steplog`` for the checkpoint directory ``store``."""
+    return Store(store.fs, store.root.rstrip("/") + "/" + STEPLOG_DIR, store.config, store.url_prefix)
+
+
+def active_log(optimizer: Any) -> "StepLog | None":
+    return _ACTIVE.get(optimizer)
+
+
+class StepLog:
+    """The log of one optimizer (and its LR scheduler) into one directory. Build with
+    ``engine.step_log(directory, optimizer, scheduler)``; ``flush()`` commits what is logged,
+    ``close()`` flushes and stops logging."""
+
+    def __init__(self, store: Store, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 config: EngineConfig, parent: tuple[str, int, int] | None = None) -> None:
+        if active_log(optimizer) is not None:
+            raise StepLogError("this optimizer already has an open step log: close it first")
+        self.store, self.optimizer, self.scheduler, self.config = store, optimizer, scheduler, config
+        self._segs = log_store(store)
+        self.run = uuid.uuid4().hex[:16]
+        self.event = parent[1] if parent else 0  # events logged (all runs of the chain)
+        self.step = parent[2] if parent else 0  # optimizer steps logged
+        self._pid = os.getpid()
+        self._paused = False
+        self._unflushed = 0
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._staging = Staging(max(1, config.step_log.queue_steps))
+        self._mark_seq = 0
+        self.bytes_logged = 0  # stored bytes of the segments committed so far
+        self.segments = 0
+        info = RunInfo(self.run, time.time(), self.event, self.step,
+                       None if parent is None else (parent[0], parent[1]))
+        self._segs.write_manifest(run_name(self.run), run_to_bytes(info))  # before any segment (gc)
+        self._first, self._first_step = self.event, self.step  # the encoder must not read self.event
+        self._thread = threading.Thread(target=self._loop, name="checkrun-steplog", daemon=True)
+        self._thread.start()
+        self._last_state: str | None = None
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_hook)]
+        _ACTIVE[optimizer] = self
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- training thread ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Commit everything logged so far as a segment and wait for it (training thread)."""
+        self._check()
+        self._state_event()
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        self._unflushed = 0
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                break
+        self._check()
+
+    def close(self) -> None:
+        """Flush, stop logging and end the encoder thread. Idempotent."""
+        if self._stop.is_set() or os.getpid() != self._pid:
+            return
+        try:
+            if self._thread.is_alive():
+                self.flush()
+        finally:
+            self._stop.set()
+            self._queue.put(("stop", None))
+            self._thread.join()
+            for h in self._hooks:
+                h.remove()
+            if _ACTIVE.get(self.optimizer) is self:
+                del _ACTIVE[self.optimizer]
+        self._check()
+
+    def on_save(self, store: Store, name: str, stamp: Any) -> None:
+        """Training thread, in ``engine.save`` after the snapshot, before the save is queued: write
+        the marker of checkpoint ``name`` (one small object, so every checkpoint that commits has
+        one) and close the open segment, if it is this log's directory. Never raises: an error
+        surfaces at the log's next hook, ``flush`` or ``close``."""
+        if store.url("") != self.store.url("") or self._stop.is_set() or os.getpid() != self._pid:
+            return
+        try:  # the marker is written here, not by the encoder: it lands before the checkpoint commits
+            self._state_event()
+            self._mark_seq += 1
+            commit = stamp.to_json() if stamp is not None else None
+            marker = Marker(mark_name(self.run, self.event, self._mark_seq), self.run, self.event, self.step,
+                            name, commit)
+            self._queue.put(("flush", None))  # the segment ends at the checkpoint (gc drops it whole)
+            self._unflushed = 0
+            self._segs.write_manifest(marker.name, marker_to_bytes(marker))
+        except Exception as exc:  # noqa: BLE001 - the save goes on; replay falls back to an older marker
+            log.error("checkrun: step log of %s: marker of %s not written: %s", self.store.url(""), name, exc)
+            self._error = self._error or exc
+
+    def continue_chain(self, parent: tuple[str, int, int]) -> bool:
+        """Training thread, after ``engine.replay`` into this log's optimizer: if nothing was logged
+        yet, continue the chain the replay ended on (as a log opened after the replay would), so
+        that a crash before the next checkpoint still resumes through this run. Returns whether it did."""
+        if self.event != self._first or self.step != self._first_step or self._mark_seq or self._stop.is_set():
+            return False
+        self.event, self.step = parent[1], parent[2]
+        self._first, self._first_step = self.event, self.step
+        info = RunInfo(self.run, time.time(), self.event, self.step, (parent[0], parent[1]))
+        self._segs.write_manifest(run_name(self.run), run_to_bytes(info))
+        self._queue.put(("rebase", self.event))
+        return True
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._paused or self._stop.is_set() or os.getpid() != self._pid:
+            return
+        # torch calls step pre-hooks with args = (optimizer, *step's args), before step() runs the
+        # closure: the gradients here would be the previous step's. Refused, not logged wrong.
+        if kwargs.get("closure") is not None or (len(args) > 1 and args[1] is not None):
+            raise StepLogError(f"step log of {self.store.url('')}: optimizer.step(closure) is not supported: "
+                               "torch runs the step pre-hook that captures the gradients before the closure "
+                               "computes them. Call the closure yourself, then optimizer.step() without it")
+        self._check()
+        if self._unflushed >= self.config.step_log.flush_every_steps:
+            # flushed at the start of the next step, so the scheduler step after the last one is in
+            self._state_event()  # the scheduler's step after the last logged step goes with it
+            self._queue.put(("flush", None))
+            self._unflushed = 0
+        self._state_event()
+        slot = self._staging.take(self._stop)
+        try:
+            rec = capture_step(optimizer, self.step + 1, self._staging, slot,
+                               self.config.step_log.sparse_max_fraction)
+        except BaseException:
+            self._staging.give(slot)
+            raise
+        self.step += 1
+        self.event += 1
+        self._unflushed += 1
+        self._queue.put(("step", rec))
+
+    def _state_event(self) -> None:
+        """Log the groups' hyperparameters and the scheduler's state if they changed since logged:
+        replay restores them before the next step, so the step and the resumed scheduler are exact."""
+        state = {"groups": group_scalars(self.optimizer),
+                 "sched": None if self.scheduler is None else sched_skeleton(self.scheduler.state_dict())}
+        text = json.dumps(state, sort_keys=True, separators=(",", ":"))
+        if text != self._last_state:
+            self._last_state = text
+            self.event += 1
+            self._queue.put(("state", json.loads(text)))
+
+    def _check(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            raise StepLogError(f"step log of {self.store.url('')} failed: {err}") from err
+
+    # -- encoder thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Encoder thread: events into batches; a full batch goes to the writer thread, so encoding
+        goes on while a segment is written (one segment in flight: ``_writes`` holds one)."""
+        writes: queue.Queue = queue.Queue(maxsize=1)
+        writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer",
+                                  daemon=True)
+        writer.start()
+        pays = _Pays()
+        batch = _Batch(self.run, self._first, pays)
+        seq = 0
+        while True:
+            # only committed events age: a held step alone waits for the next event, not the clock
+            timeout = (None if not batch.events
+                       else max(0.0, batch.started + self.config.step_log.flush_seconds - time.monotonic()))
+            try:
+                kind, item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                kind, item = "timeout", None
+            try:
+                if kind == "rebase":  # nothing logged yet (continue_chain): the first segment starts there
+                    batch = _Batch(self.run, item, pays)
+                    continue
+                if kind in ("step", "state"):
+                    batch.add(kind, item, self.config, self._staging)
+                    continue
+                if kind != "timeout":  # the training thread flushes: its last step is complete
+                    batch.release()
+                if batch.events:
+                    seq += 1
+                    writes.put((batch, seq))
+                    batch = batch.rest()
+                if item is not None:
+                    writes.put((None, item))  # set once the segments before it are written
+            except BaseException as exc:  # noqa: BLE001 - surfaced at the next hook/flush/close
+                log.error("checkrun: step log of %s: %s", self.store.url(""), exc)
+                self._error = exc
+                batch = _Batch(self.run, batch.hi, pays)  # what failed is lost; later events continue
+                if isinstance(item, threading.Event):
+                    item.set()
+            if kind == "stop":
+                writes.put(None)
+                writer.join()
+                return
+
+    def _write_loop(self, writes: queue.Queue) -> None:
+        while True:
+            job = writes.get()
+            if job is None:
+                return
+            batch, what = job
+            if batch is None:
+                what.set()
+                continue
+            try:
+                self._write(batch, what)
+            except BaseException as exc:  # noqa: BLE001 - a gap in the log: replay stops before it
+                log.error("checkrun: step log of %s: segment %d not written: %s", self.store.url(""), what, exc)
+                self._error = exc
+
+    def _write(self, batch: "_Batch", seq: int) -> None:
+        data = pack_segment({"run": self.run, "seq": seq, "lo": batch.lo, "hi": batch.hi,
+                             "events": batch.events}, batch.payload)
+        batch.payload.clear()  # the joined copy is all that is needed now
+        self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data)
+        self.bytes_logged += len(data)
+        self.segments += 1
+
+
+class _Batch:
+    """The segment being filled by the encoder thread: events (lo, hi] and their encoded bytes.
+
+    The newest step is *held* (encoded, not yet in ``events``) until the next event arrives or the
+    training thread flushes: the scheduler's step after it is logged only at the next ``step()``,
+    ``flush`` or save, so a segment cut by ``flush_seconds`` alone must not end with a step whose
+    scheduler state is not logged yet (replay would resume the scheduler one step behind)."""
+
+    def __init__(self, run: str, lo: int, pays: "_Pays") -> None:
+        self.run, self.lo, self.hi, self.pays = run, lo, lo, pays
+        self.events: list[dict] = []
+        self.payload: list[bytes] = []
+        self.size = 0
+        self.started = time.monotonic()
+        self.held: tuple[dict, list[bytes], list[list]] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.events and self.held is None
+
+    def add(self, kind: str, item: Any, config: EngineConfig, staging: Staging) -> None:
+        if self.empty:
+            self.started = time.monotonic()
+        self.release()
+        if kind == "state":
+            self._append({"kind": "state", **item}, [], [])
+            return
+        rec: StepRecord = item
+        parts: list[bytes] = []
+        ranges: list[list] = []
+        try:
+            grads = [self._grad(g, config, parts, ranges) for g in rec.grads]
+        finally:
+            if rec.slot is not None:
+                staging.give(rec.slot)
+        self.held = ({"kind": "step", "step": rec.step, "grads": grads}, parts, ranges)
+
+    def release(self) -> None:
+        """Move the held step into the segment (its scheduler state is logged, or the training
+        thread flushes)."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            self._append(*held)
+
+    def rest(self) -> "_Batch":
+        """The next segment, starting with the held step if there is one."""
+        nxt = _Batch(self.run, self.hi, self.pays)
+        nxt.held, self.held = self.held, None
+        return nxt
+
+    def _append(self, event: dict, parts: list[bytes], ranges: list[list]) -> None:
+        for r in ranges:  # offsets were relative to the event's own bytes
+            r[0] += self.size
+        self.events.append(event)
+        self.payload.extend(parts)
+        self.size += sum(len(p) for p in parts)
+        self.hi += 1
+
+    def _grad(self, g: Grad, config: EngineConfig, parts: list[bytes], ranges: list[list]) -> dict:
+        if g.kind == "none":
+            return {"p": g.p, "k": "none"}
+        compress = self.pays.compress(g.p)
+        pipeline = lossless_pipeline(g.dtype, config.compression) if compress else _RAW
+        out = {"p": g.p, "k": g.kind, "dtype": dtype_name(g.dtype), "shape": list(g.shape),
+               "data": _put(g.data, pipeline, parts, ranges)}
+        if compress:
+            self.pays.record(g.p, out["data"][1], g.data.numel() * g.data.element_size())
+        if g.idx is not None:
+            out["idx"] = _put(g.idx.to(torch.int64), index_pipeline(), parts, ranges)
+            out["n"] = int(g.idx.numel())
+        if g.kind == "sparse":
+            out["coalesced"] = g.coalesced
+        return out
+
+
+def _put(t: torch.Tensor, pipeline: Pipeline, parts: list[bytes], ranges: list[list]) -> list:
+    flat = t.reshape(1, -1) if t.numel() else t.reshape(0, 1)
+    data, _ = pipeline.encode(flat.contiguous())
+    data = bytes(data)
+    r = [sum(len(p) for p in parts), len(data), pipeline.to_list()]
+    parts.append(data)
+    ranges.append(r)
+    return r
+
+
+class _Pays:
+    """Whether compressing a parameter's gradient pays (encoder thread). Dense gradients hardly
+    compress (~1.0-1.1x, all mantissa), and shuffle + zstd of them costs more CPU than the log's
+    copy: a gradient that stayed above 90% of its size 3 times in a row is stored raw, and tried
+    again every 64th step (DESIGN: compress where it pays)."""
+
+    def __init__(self) -> None:
+        self.misses: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+
+    def compress(self, p: int) -> bool:
+        self.seen[p] = self.seen.get(p, 0) + 1
+        return self.misses.get(p, 0) < 3 or self.seen[p] % 64 == 0
+
+    def record(self, p: int, stored: int, raw: int) -> None:
+        self.misses[p] = self.misses.get(p, 0) + 1 if stored > 0.9 * raw else 0
+
+
+def _close_at_exit(ref: "weakref.ref[StepLog]") -> None:
+    slog = ref()
+    if slog is not None:
+        try:
+            slog.close()
+        except Exception as exc:  # noqa: BLE001 - at exit: report, never raise
+            log.error("checkrun: closing the step log at exit: %s", exc)

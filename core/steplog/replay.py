@@ -1,0 +1,216 @@
+"""Replay: apply the logged steps after a checkpoint's marker to the optimizer it was loaded into.
+
+Training thread. The caller has loaded the checkpoint into model, optimizer and scheduler. The
+chain starts at the checkpoint's marker (its run and event), follows that run's segments and, where a
+later run continues it (a resume that replayed and logged on), switches to the newest such run at its
+branch point. A damaged segment (checksum, truncation) or a missing one ends the replay with a
+warning naming it; a segment whose checksums hold but whose content is invalid raises
+``StepLogFormatError`` naming it.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codecs import Pipeline
+from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
+from ..format.dtypes import DTYPES
+from ..format.tree import unflatten
+from ..storage.store import Store
+from .capture import flat_params
+from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, split_segment
+from .index import LogIndex
+from .log import StepLogError, active_log
+
+log = logging.getLogger("ckpt_core")
+
+
+@dataclass
+class Position:
+    """Where a replay ended: run, events and optimizer steps of the chain so far."""
+
+    run: str
+    event: int
+    step: int
+    replayed: int = 0
+    stopped: bool = False
+
+
+def find_marker(index: LogIndex, name: str, commit: dict | None) -> Marker | None:
+    """The marker of checkpoint ``name`` whose commit stamp is ``commit`` (the manifest's); for a
+    manifest without a stamp, the newest marker of that name."""
+    same = [m for m in index.markers if m.checkpoint == name]
+    if commit is not None:
+        same = [m for m in same if m.commit == commit]
+    return max(same, key=lambda m: (index.runs[m.run].created if m.run in index.runs else 0.0, m.event),
+               default=None)
+
+
+def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
+                 max_bytes: int) -> Position:
+    """Apply every logged event after ``start``; returns where it ended."""
+    pos = Position(start.run, start.event, start.step)
+    slog = active_log(optimizer)
+    if slog is not None:
+        slog._paused = True  # replayed steps are not logged again
+    try:
+        while not pos.stopped:
+            target = next(iter(index.children(pos.run, pos.event)), None)
+            _apply_run(segs, index, pos, optimizer, scheduler, max_bytes, None if target is None else target.parent[1])
+            if target is None or pos.stopped or pos.event != target.parent[1]:
+                break
+            pos.run = target.run
+    finally:
+        if slog is not None:
+            slog._paused = False
+        for p in flat_params(optimizer):
+            p.grad = None
+    return pos
+
+
+def _apply_run(segs: Store, index: LogIndex, pos: Position, optimizer: Any, scheduler: Any,
+               max_bytes: int, stop_at: int | None) -> None:
+    prev = 0
+    for seg in index.segments.get(pos.run, []):
+        if seg.hi <= pos.event:
+            prev = seg.seq
+            continue
+        if stop_at is not None and pos.event >= stop_at:
+            return
+        if seg.lo > pos.event:
+            missing = f"seg-{pos.run}-{prev + 1:08d}" + ("" if seg.seq == prev + 2 else f"..{seg.seq - 1:08d}")
+            _stop(pos, segs.url(missing), f"missing: events {pos.event + 1}..{seg.lo} of run {pos.run}, "
+                                          f"before {seg.name}")
+            return
+        prev = seg.seq
+        header, payload = _read_segment(segs, seg, pos, max_bytes)
+        if header is None:
+            return
+        for i, ev in enumerate(header["events"]):
+            event = seg.lo + i + 1
+            if event <= pos.event:
+                continue
+            if stop_at is not None and event > stop_at:
+                return
+            apply_event(ev, payload, optimizer, scheduler, segs.url(seg.name), max_bytes)
+            pos.event = event
+            if ev["kind"] == "step":
+                pos.step = ev["step"]
+                pos.replayed += 1
+
+
+def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> tuple[Any, Any]:
+    where = segs.url(seg.name)
+    try:
+        header, payload = split_segment(segs.read_manifest(seg.name, max_bytes), where)
+    except (SegmentDamaged, CheckpointNotFoundError) as exc:
+        _stop(pos, where, str(exc))
+        return None, None
+    except FormatError:
+        raise
+    except CheckrunError as exc:  # larger than max_bytes
+        _stop(pos, where, str(exc))
+        return None, None
+    if (header["run"], header["seq"], header["lo"], header["hi"]) != (seg.run, seg.seq, seg.lo, seg.hi):
+        raise StepLogFormatError(f"{where}: header says run {header['run']} seq {header['seq']} events "
+                                 f"({header['lo']}, {header['hi']}], its name says otherwise")
+    return header, payload
+
+
+def _stop(pos: Position, where: str, why: str) -> None:
+    pos.stopped = True
+    msg = (f"checkrun: step log segment {where} is damaged or missing ({why}); replay stopped after "
+           f"step {pos.step} (event {pos.event})")
+    log.warning(msg)
+    warnings.warn(msg, UserWarning, stacklevel=4)
+
+
+def apply_event(ev: dict, payload: memoryview, optimizer: Any, scheduler: Any, where: str,
+                max_bytes: int) -> None:
+    """Apply one checked event of a segment (``split_segment``'s header and payload): a ``state``
+    event sets the groups' hyperparameters and the scheduler's state, a ``step`` event sets every
+    parameter's ``.grad`` to the logged gradient and calls ``optimizer.step()``. Training thread."""
+    if ev["kind"] == "state":
+        _apply_state(ev, optimizer, scheduler, where)
+        return
+    what = f"{where}: step {ev['step']}"
+    params = flat_params(optimizer)
+    grads: dict[int, torch.Tensor] = {}
+    for g in ev["grads"]:
+        if g["p"] >= len(params):
+            raise StepLogError(f"{what}: gradient of parameter {g['p']}, the optimizer has {len(params)}")
+        if g["k"] != "none":
+            grads[g["p"]] = _grad(g, params[g["p"]], payload, f"{what}, parameter {g['p']}", max_bytes)
+    for i, p in enumerate(params):
+        p.grad = grads.get(i)
+    optimizer.step()
+
+
+def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
+    """Set the logged hyperparameters of each group and the scheduler's logged state."""
+    if len(ev["groups"]) != len(optimizer.param_groups):
+        raise StepLogError(f"{where}: logged for {len(ev['groups'])} parameter groups, the optimizer has "
+                           f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, ev["groups"]):
+        for k, v in values.items():
+            if k in group and not isinstance(group[k], torch.Tensor):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    if scheduler is not None and ev["sched"] is not None:
+        full = scheduler.state_dict()
+        for k, skeleton in ev["sched"].items():
+            try:
+                full[k] = unflatten(skeleton, (), ())
+            except FormatError as exc:
+                raise StepLogFormatError(f"{where}: scheduler state {k!r}: {exc}") from None
+        try:
+            scheduler.load_state_dict(full)
+        except Exception as exc:  # noqa: BLE001 - a log of another scheduler: say which segment
+            raise StepLogError(f"{where}: the logged scheduler state does not fit {type(scheduler).__name__}: "
+                               f"{exc}") from exc
+
+
+def _grad(g: dict, p: torch.Tensor, payload: memoryview, what: str, max_bytes: int) -> torch.Tensor:
+    dtype, shape = DTYPES[g["dtype"]], tuple(g["shape"])
+    if shape != tuple(p.shape):
+        raise StepLogError(f"{what}: logged shape {list(shape)}, the parameter has {list(p.shape)}")
+    if g["k"] == "dense":
+        return _decode(g["data"], payload, _numel(shape), dtype, what, max_bytes).view(shape).to(p.device)
+    n, cols = g["n"], _numel(shape[1:])
+    idx = _decode(g["idx"], payload, n, torch.int64, what, max_bytes)
+    rows = _decode(g["data"], payload, n * cols, dtype, what, max_bytes).view(n, *shape[1:])
+    if n and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
+        raise StepLogFormatError(f"{what}: row index outside [0, {shape[0]})")
+    if g["k"] == "sparse":
+        if g["coalesced"] and n > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise StepLogFormatError(f"{what}: a coalesced sparse gradient with unsorted or repeated rows")
+        return torch.sparse_coo_tensor(idx.view(1, -1), rows, shape, is_coalesced=g["coalesced"],
+                                       check_invariants=True).to(p.device)
+    out = torch.zeros(shape, dtype=dtype)
+    out.index_copy_(0, idx, rows)
+    return out.to(p.device)
+
+
+def _decode(r: list, payload: memoryview, numel: int, dtype: torch.dtype, what: str, max_bytes: int) -> torch.Tensor:
+    off, size, codecs = r
+    if numel * torch.empty((), dtype=dtype).element_size() > max_bytes:
+        raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes allows")
+    try:
+        pipeline = Pipeline.from_list(codecs)
+        if pipeline.lossy:
+            raise FormatError(f"lossy codec {pipeline.array.name!r} in a step log")
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return pipeline.decode(payload[off:off + size], (1, numel), dtype, max_bytes).view(-1)
+    except FormatError as exc:
+        raise StepLogFormatError(f"{what}: {exc}") from None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

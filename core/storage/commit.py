@@ -1,0 +1,166 @@
+"""Step 5's medium: how one file is made to appear atomically, as named strategies.
+
+A ``Store`` chooses its strategy once, from its filesystem (``choose``):
+
+* ``RenameCommit`` (local disks, where a written file is visible while it is written): a temp file
+  in the final directory, fsynced, renamed over the target (``atomic.write_atomic``), then the
+  directory fsynced - at once, or for blobs batched into ``sync`` before the manifest commit.
+  Interrupted writes can leave temp files; ``scan_temp_files`` finds them for the janitor.
+* ``SinglePutCommit`` (object stores, ``memory://``): one ``pipe_file``, atomic by itself. For a
+  manifest on S3 the chunk size is raised so that s3fs never turns it into a multipart upload.
+  No temp files ever.
+
+Both run the commit's ``guard`` (``saving.fence.commit_guard``) as the last step before the
+rename/PUT, and with ``resolve`` a rename/PUT that reports an error is checked by reading the
+target back: if it holds exactly the bytes written, it landed (a lost response) and counts as done.
+Methods may be called from any thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import fsspec
+
+from ..config import StorageConfig
+from . import atomic
+from .paths import BLOB_DIR, LEASE_DIR, FileInfo, is_local_fs, is_s3_fs, is_temp_name, join, mtime
+
+_LOG = logging.getLogger("ckpt_core.storage.store")
+# s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
+_S3_SINGLE_PUT_CHUNKSIZE = 5 * 2**30
+
+Guard = Optional[Callable[[], None]]
+
+
+class CommitStrategy:
+    """How a file appears atomically on one filesystem (see the module docstring).
+
+    ``display`` turns a filesystem path into what users see; ``holds(path, data)`` answers
+    whether ``path`` holds exactly ``data`` now (one read, errors count as no)."""
+
+    name = "abstract"
+    leaves_temp_files = False
+    """Whether an interrupted write can leave a temp file behind (that the janitor deletes)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, config: StorageConfig,
+                 display: Callable[[str], str], holds: Callable[[str, bytes | memoryview], bool]) -> None:
+        self.fs, self.config, self._display, self._holds = fs, config, display, holds
+
+    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+              defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
+        """Make ``path`` hold ``data`` atomically. ``single_put``: the object must be one PUT
+        (manifests, leases); ``tmp_prefix`` starts the temp file name; ``defer_dir_sync`` leaves
+        the directory fsync to ``sync``; ``guard`` and ``resolve`` as in the module docstring."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make the writes deferred by ``defer_dir_sync`` durable (no-op where nothing is deferred)."""
+
+    def scan_temp_files(self, root: str) -> list[FileInfo]:
+        """Temp files interrupted writes left in ``root``, its blob store and lease directory."""
+        return []
+
+    def _apply(self, path: str, data: bytes | memoryview, resolve: bool, step: Callable[[], Any]) -> None:
+        """Run the step that makes ``path`` hold ``data`` (rename, PUT). If it fails and ``resolve``,
+        look whether it was applied anyway (its answer lost): then it counts as done."""
+        try:
+            step()
+        except Exception as exc:
+            if not resolve or not self._holds(path, data):
+                raise
+            _LOG.warning("%s: the commit reported %s: %s, but it landed (the file holds exactly this "
+                         "save's bytes): committed", self._display(path), type(exc).__name__, exc)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fs.protocol!r})"
+
+
+class RenameCommit(CommitStrategy):
+    """Local disks: temp file + fsync + rename + directory fsync (``storage.fsync`` decides the fsyncs)."""
+
+    name = "rename"
+    leaves_temp_files = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._unsynced: set[str] = set()  # blob directories whose new entries are not fsynced yet
+
+    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+              defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
+        # The temp file is opened through the filesystem object, so it gets the process umask like
+        # any open() and a wrapped filesystem can inject faults; ``guard`` runs between its fsync
+        # and the rename.
+        directory = os.path.dirname(path)
+        self._makedirs(directory)
+        atomic.write_atomic(path, lambda f: f.write(data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
+                            opener=lambda tmp: self.fs.open(tmp, "wb"), before_replace=guard,
+                            replace=lambda tmp, dst: self._apply(dst, data, resolve, lambda: os.replace(tmp, dst)))
+        if self.config.fsync:
+            if defer_dir_sync:
+                with self._lock:
+                    self._unsynced.add(directory)
+            else:
+                atomic.fsync_dir(directory)
+
+    def sync(self) -> None:
+        with self._lock:
+            dirs, self._unsynced = self._unsynced, set()
+        for d in sorted(dirs):
+            atomic.fsync_dir(d)
+
+    def scan_temp_files(self, root: str) -> list[FileInfo]:
+        root = root.rstrip("/")
+        out = []
+        for base, finder in ((root, self.fs.ls), (join(root, BLOB_DIR), self.fs.find),
+                             (join(root, LEASE_DIR), self.fs.ls)):
+            self.fs.invalidate_cache(base)
+            try:
+                found = finder(base, detail=True, **({"on_error": "raise"} if finder == self.fs.find else {}))
+            except FileNotFoundError:
+                continue
+            for info in found.values() if isinstance(found, dict) else found:
+                path = info["name"]
+                if info.get("type") == "file" and is_temp_name(path.rsplit("/", 1)[-1]):
+                    out.append(FileInfo(path[len(root) + 1:], int(info.get("size") or 0), mtime(info)))
+        return out
+
+    def _makedirs(self, directory: str) -> None:
+        if os.path.isdir(directory):
+            return
+        created = []
+        d = directory
+        while not os.path.isdir(d) and os.path.dirname(d) != d:
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(directory, exist_ok=True)
+        if self.config.fsync:
+            # A new directory is durable only once the entry in its parent is.
+            for d in reversed(created):
+                atomic.fsync_dir(os.path.dirname(d))
+
+
+class SinglePutCommit(CommitStrategy):
+    """Object stores and ``memory://``: one ``pipe_file`` is atomic by itself."""
+
+    name = "single-put"
+
+    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+              defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
+        kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and is_s3_fs(self.fs) else {}
+        # bytes: botocore and other clients do not all accept memoryview bodies
+        body = bytes(data) if isinstance(data, memoryview) else data
+        if guard is not None:
+            guard()  # as close to the PUT as a check can be: see saving/fence.py for the race left
+        try:
+            self._apply(path, data, resolve, lambda: self.fs.pipe_file(path, body, **kwargs))
+        finally:
+            self.fs.invalidate_cache(path)
+
+
+def choose(fs: fsspec.AbstractFileSystem) -> type[CommitStrategy]:
+    """The strategy for ``fs``: rename on local disks, a single PUT everywhere else."""
+    return RenameCommit if is_local_fs(fs) else SinglePutCommit

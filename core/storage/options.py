@@ -1,0 +1,44 @@
+"""Step 4's settings: THE merge of fsspec storage options, and their canonical key.
+
+Every place that combines two sets of storage options uses ``merge_options``: the engine and the
+``Store`` (``storage.storage_options`` of the config under a call's ``storage_options``), the CLI
+(config under ``--storage-option``/``--endpoint-url``) and the Lightning adapters (the plugin's
+or strategy's options under a call's). One semantics for all of them, documented in
+docs/storage.md: the override wins key by key, and where both sides hold a mapping under the same
+key (``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs``) those are merged the same way,
+recursively. So a call that gives ``{"client_kwargs": {"region_name": "eu-west-1"}}`` keeps the
+config's ``client_kwargs.endpoint_url``; a call that gives ``{"key": ...}`` replaces only the key.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Optional
+
+
+def merge_options(base: Optional[Mapping], override: Optional[Mapping]) -> dict:
+    """``override`` merged over ``base`` key by key, nested mappings recursively; a new dict.
+
+    Neither argument is modified and the result shares no nested dict with them, so a caller may
+    change it freely. ``None`` counts as empty."""
+    out = {k: _copy(v) for k, v in (base or {}).items()}
+    for key, value in (override or {}).items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge_options(out[key], value)
+        else:
+            out[key] = _copy(value)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    return merge_options(value, None) if isinstance(value, Mapping) else value
+
+
+def options_key(options: Optional[Mapping]) -> str:
+    """A canonical, hashable text for a set of storage options (JSON with sorted keys).
+
+    Equal options give equal keys whatever their order, nested mappings included; values JSON
+    cannot write (a credentials object, a session) count by their ``repr``. Used to key caches of
+    stores and filesystems, so options that differ (rotated credentials, another endpoint) never
+    reach a store built for the others."""
+    return json.dumps(options or {}, sort_keys=True, separators=(",", ":"), default=repr)

@@ -1,0 +1,138 @@
+"""Step 4's addresses: where things live in a checkpoint directory, how a path or URL becomes a
+filesystem, and what kind of filesystem that is.
+
+Every question about the kind of storage (local disk, object store, ``memory://``) is answered by
+a function here or by the commit strategy (``commit``); nothing outside ``ckpt_core.storage``
+looks at protocols or filesystem classes.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from ..config import StorageConfig
+from ..errors import UnsafePathError
+from .options import merge_options
+
+META_DIR = ".checkrun"
+BLOB_DIR = ".checkrun/blobs"
+LEASE_DIR = ".checkrun/leases"
+"""Where ``leases`` keeps its objects (its temp files are listed here with the others)."""
+TMP_MARK = ".tmp-"
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+_IN_PROCESS_PROTOCOLS = frozenset({"memory"})
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A blob in the store: its key, size in bytes and modification time (epoch seconds)."""
+    key: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A regular file directly in the checkpoint directory (normally a manifest)."""
+    name: str
+    size: int
+    mtime: float
+
+
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """The protocol names of a filesystem (fsspec gives a string or a tuple)."""
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local disk, where a file appears atomically only by rename."""
+    # Subclasses (other protocol) and wrappers (same protocol) of LocalFileSystem are local too:
+    # tests inject faults that way, and they must still get the temp-file + rename commit.
+    return isinstance(fs, LocalFileSystem) or bool({"file", "local"} & set(protocols(fs)))
+
+
+def is_s3_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` speaks S3 (its uploads turn multipart above a chunk size)."""
+    return bool(_S3_PROTOCOLS & set(protocols(fs)))
+
+
+def in_process_only(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether the files of ``fs`` live in this process's memory (another process cannot see them)."""
+    return bool(_IN_PROCESS_PROTOCOLS & set(protocols(fs)))
+
+
+def resolve(text: str, storage_options: Optional[dict],
+            config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
+    """(filesystem, path as it spells it, display prefix) of a path or URL; ``storage_options``
+    merged over ``config.storage_options`` (``options.merge_options``)."""
+    fs, fspath = url_to_fs(text, **merge_options(config.storage_options, storage_options))
+    # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
+    # for plain local files: those are shown as absolute paths.
+    scheme = text[: text.index("://")] if "://" in text else ""
+    if is_local_fs(fs) and scheme in ("", "file", "local"):
+        return fs, fspath, ""
+    return fs, fspath, f"{scheme or protocols(fs)[0]}://"
+
+
+def join(root: str, *parts: str) -> str:
+    """``root/part/...`` with exactly one slash between the pieces."""
+    return "/".join([root.rstrip("/"), *parts]) if root.rstrip("/") else "/" + "/".join(parts)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of our temp files (``.<prefix>.tmp-<owner>-<uuid>``)."""
+    return name.startswith(".") and TMP_MARK in name
+
+
+def check_name(name: str) -> str:
+    """Validate a manifest name: a plain file name inside the directory, never a path."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+            or "\\" in name or "\0" in name or name.startswith(META_DIR) or is_temp_name(name)):
+        raise UnsafePathError(f"unsafe checkpoint file name {name!r}: must be a plain file name")
+    return name
+
+
+def _to_epoch(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:  # object stores report UTC without saying so
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return value.timestamp()
+    return None
+
+
+def mtime(info: dict) -> float:
+    """Modification time from an fsspec info dict (local 'mtime', s3 'LastModified', memory
+    'created', gcs 'updated'). Unknown -> now: garbage collection must never think a blob it
+    cannot date is old."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        if info.get(key) is not None:
+            stamp = _to_epoch(info[key])
+            if stamp is not None:
+                return stamp
+    return time.time()
+
+
+def display_root(fs: fsspec.AbstractFileSystem, root: str, url_prefix: str) -> str:
+    """The root as a URL, preferring ``memory://run`` to the equivalent ``memory:///run``."""
+    if url_prefix and root.startswith("/"):
+        short = url_prefix + root.lstrip("/")
+        if short != url_prefix and fs._strip_protocol(short) == root:
+            return short
+    return url_prefix + root
+

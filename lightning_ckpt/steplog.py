@@ -1,0 +1,216 @@
+"""The per-step update log (issue 23, docs/steplog.md) in the Lightning plugin: ``step_log=True``.
+
+Design (docs/lightning.md, "Per-step recovery"): the plugin replays on the live objects after
+Lightning restored them, then advances the loop counters by the steps replayed. Rebuilding the
+checkpoint dict inside ``load_checkpoint`` instead would need the optimizer and scheduler objects
+(their classes and constructor arguments are not in the dict, and ``LambdaLR`` holds code), and
+Lightning calls ``load_checkpoint`` before its strategy creates the optimizers.
+
+* Logging starts at the first regular save (``CheckpointIO.save_checkpoint``, global rank 0 only,
+  as Lightning calls it), on the trainer's optimizer and LR scheduler, into the checkpoint's
+  directory: every later save into it marks its position. Steps before the first checkpoint could
+  not be replayed anyway.
+* Lightning runs ``optimizer.step(closure=...)``: torch's step pre-hooks (where the log captures the
+  gradients) run before the closure computes them. The logged optimizer gets an instance ``step``
+  that runs the closure first and then the optimizer's own ``step()``, so the capture sees the
+  gradients as the update consumes them (after clipping; LBFGS, which calls the closure several
+  times, is refused).
+* ``fit(ckpt_path="last")``: ``load_checkpoint`` of a ``last*.ckpt`` (every rank) arms a callback; at
+  ``on_train_start`` (after Lightning restored optimizer, schedulers and loops, before the first
+  batch) it replays the steps logged after that checkpoint on every rank, advances the training
+  epoch loop's counters (``global_step`` is its optimizer-step count) by the steps replayed, and
+  rank 0 logs on, continuing the chain. Another ``ckpt_path`` loads that checkpoint exactly.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ckpt_core import CheckpointEngine, CheckrunError
+from ckpt_core.steplog import NoMarkerError
+
+from .config import LAST_PATTERN
+from .paths import parent_dir
+
+log = logging.getLogger("lightning_ckpt")
+
+__all__ = ["StepLogSetupError", "LightningStepLog"]
+
+_COUNTERS = ("ready", "started", "processed", "completed")
+
+
+class StepLogSetupError(CheckrunError):
+    """``step_log`` with a training setup the log cannot follow (several optimizers, LBFGS, no trainer)."""
+
+
+def find_trainer(strategy: Any) -> Any:
+    """The Trainer behind ``strategy`` (the plugin has no reference to it), or None."""
+    module = getattr(strategy, "lightning_module", None) if strategy is not None else None
+    return getattr(module, "_trainer", None) if module is not None else None
+
+
+def targets(trainer: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """The trainer's one optimizer and its LR scheduler (None if it has none)."""
+    optimizers = list(trainer.optimizers)
+    configs = list(trainer.lr_scheduler_configs)
+    if len(optimizers) != 1 or len(configs) > 1:
+        raise StepLogSetupError(f"CheckrunCheckpointIO(step_log=True): the trainer has {len(optimizers)} "
+                                f"optimizer(s) and {len(configs)} LR scheduler(s); the step log follows exactly "
+                                "one optimizer and at most one scheduler")
+    optimizer = optimizers[0]
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise StepLogSetupError("CheckrunCheckpointIO(step_log=True): LBFGS evaluates its closure several times "
+                                "per step; the step log cannot capture one set of gradients per step")
+    return optimizer, (configs[0].scheduler if configs else None)
+
+
+def _closure_first(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step(closure=c)`` run ``c`` before the step (and its pre-hooks), once. Wraps
+    the current ``step``: LR schedulers put a counting wrapper of their own on the instance."""
+    current = optimizer.step
+    if getattr(current, "_checkrun_closure_first", False):
+        return
+
+    def step(closure: Any = None, **kwargs: Any) -> Any:
+        if closure is None:
+            return current(**kwargs)
+        with torch.enable_grad():
+            loss = closure()
+        current(**kwargs)
+        return loss
+
+    step._checkrun_closure_first = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+def advance_counters(trainer: Any, steps: int) -> None:
+    """Move the training epoch loop's progress on by ``steps`` optimizer steps, as if Lightning had run
+    them: batches (``accumulate_grad_batches`` each), optimizer steps and zero_grads, step-interval
+    scheduler steps and the logging step counter. From a checkpoint saved at an epoch end, the
+    replayed steps belong to the next epoch, which Lightning starts at batch 0 of its dataloader:
+    only the totals move then (``global_step`` included)."""
+    loop = trainer.fit_loop.epoch_loop
+    epoch = trainer.num_training_batches
+    at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
+    batches = steps * max(1, int(trainer.accumulate_grad_batches))
+    _shift(loop.batch_progress, batches, current=not at_end)
+    if trainer.lightning_module.automatic_optimization:
+        progress = loop.automatic_optimization.optim_progress.optimizer
+        _shift(progress.step, steps, current=not at_end)
+        _shift(progress.zero_grad, steps, current=not at_end)
+    else:
+        _shift(loop.manual_optimization.optim_step_progress, steps, current=not at_end)
+    if any(c.interval == "step" for c in trainer.lr_scheduler_configs):
+        _shift(loop.scheduler_progress, steps, current=not at_end)
+    loop._batches_that_stepped += steps
+    if at_end:
+        log.info("lightning_ckpt: the checkpoint was saved at an epoch end: the %d replayed step(s) count in "
+                 "the totals; the next epoch starts at its first batch", steps)
+    elif isinstance(epoch, int) and loop.batch_progress.current.ready > epoch:
+        warnings.warn(f"checkrun: the {steps} replayed step(s) run past the end of the epoch the checkpoint was "
+                      "saved in; model and optimizer state are exact, the epoch counters are not. Save a checkpoint "
+                      "at every epoch end (ModelCheckpoint does by default) to resume within the epoch",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _shift(progress: Any, n: int, current: bool = True) -> None:
+    for tracker in (progress.total, progress.current) if current else (progress.total,):
+        for name in _COUNTERS:
+            if hasattr(tracker, name):
+                setattr(tracker, name, getattr(tracker, name) + n)
+
+
+class LightningStepLog:
+    """The step log of one ``CheckrunCheckpointIO``: started at a save, replayed after a load."""
+
+    def __init__(self) -> None:
+        self.log: Any = None  # the engine's StepLog (global rank 0, once a save started it)
+        self.directory: Optional[str] = None
+        self.replayed_steps = 0
+        """Optimizer steps the last resume replayed after its checkpoint."""
+
+    def before_save(self, engine: CheckpointEngine, strategy: Any, url: str) -> None:
+        """Rank 0, before saving ``url``: log into its directory from now on (so the save marks it)."""
+        directory = parent_dir(url)
+        if self.log is not None and self.directory == directory:
+            return
+        trainer = find_trainer(strategy)
+        if trainer is None or not trainer.optimizers:  # e.g. trainer.save_checkpoint before fit
+            return
+        optimizer, scheduler = targets(trainer)
+        self.close()
+        self._open(engine, directory, optimizer, scheduler)
+
+    def after_load(self, engine: CheckpointEngine, strategy: Any, url: str) -> None:
+        """Every rank, after loading ``url``: arm the replay if it is a ``last*.ckpt`` of a Trainer."""
+        if not fnmatch.fnmatch(url.rpartition("/")[2], LAST_PATTERN):
+            return
+        trainer = find_trainer(strategy)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # validate/test: load it exactly
+            return
+        callback = next((c for c in trainer.callbacks if isinstance(c, _Replay)), None)
+        if callback is None:
+            callback = _Replay()
+            trainer.callbacks.insert(0, callback)  # first: the other callbacks' on_train_start see the resumed state
+        local = url.removeprefix("file://")
+        if "://" not in local and os.path.islink(local):  # save_last="link": the marks are the target's
+            url = os.path.realpath(local)
+        callback.arm(self, engine, url)
+
+    def replay(self, engine: CheckpointEngine, trainer: Any, url: str) -> int:
+        """Every rank: apply the steps logged after ``url`` to the restored objects, advance the loops."""
+        optimizer, scheduler = targets(trainer)
+        directory = parent_dir(url)
+        if trainer.is_global_zero:
+            self.close()
+        steps = 0
+        try:
+            steps = engine.replay(directory, optimizer, scheduler, after=url)
+        except NoMarkerError:
+            warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
+                          stacklevel=2)
+        self.replayed_steps = steps
+        if steps:
+            advance_counters(trainer, steps)
+        if trainer.is_global_zero:
+            self._open(engine, directory, optimizer, scheduler)
+        log.info("lightning_ckpt: replayed %d logged step(s) after %s (global_step %d)", steps, url,
+                 trainer.global_step)
+        return steps
+
+    def _open(self, engine: CheckpointEngine, directory: str, optimizer: Any, scheduler: Any) -> None:
+        _closure_first(optimizer)
+        self.log = engine.step_log(directory, optimizer, scheduler)
+        self.directory = directory
+
+    def close(self) -> None:
+        """Flush and stop the log (idempotent)."""
+        slog, self.log = self.log, None
+        if slog is not None:
+            slog.close()
+
+
+class _Replay(Callback):
+    """Installed by the plugin on the trainer it loads a ``last*.ckpt`` for: replays at train start."""
+
+    def __init__(self) -> None:
+        self._armed: Optional[tuple[LightningStepLog, CheckpointEngine, str]] = None
+
+    def arm(self, owner: LightningStepLog, engine: CheckpointEngine, url: str) -> None:
+        self._armed = (owner, engine, url)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            owner, engine, url = armed
+            owner.replay(engine, trainer, url)
+
+    def state_dict(self) -> dict:
+        return {}

@@ -1,0 +1,94 @@
+"""A lossy codec's refusal is typed (``LossyRefusedError``) and is the only thing that makes a save
+store a tensor lossless; any other exception inside a codec fails the save, nothing committed."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckpt_core
+from ckpt_core import dcp as cdcp
+from ckpt_core.codecs import CastCodec, Int8BlockCodec, UniformCodec, lossless_pipeline
+from ckpt_core.config import CompressionConfig
+from ckpt_core.errors import BackgroundSaveError, CheckrunError, LossyRefusedError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+CONFIG = {"quantization": [{"pattern": "emb.*", "bits": 4, "min_numel": 16}], "saving": {"asynchronous": True}}
+
+
+def _state(bad: float | None = None) -> dict:
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    if bad is not None:
+        w[5, 7] = bad
+    return {"emb": {"w": w}, "dense": torch.ones(8, 8)}
+
+
+def test_public_and_typed() -> None:
+    assert ckpt_core.LossyRefusedError is LossyRefusedError and "LossyRefusedError" in ckpt_core.__all__
+    assert issubclass(LossyRefusedError, CheckrunError)
+
+
+@pytest.mark.parametrize("codec, values", [
+    (UniformCodec(4), torch.tensor([[1.0, float("nan")]])),
+    (UniformCodec(4), torch.tensor([[1.0, float("inf")]])),
+    (UniformCodec(4, scale_dtype="fp16"), torch.tensor([[-1e6, 1e6]])),  # a step fp16 cannot hold
+    (Int8BlockCodec(64), torch.tensor([[0.0, float("-inf")]])),
+    (CastCodec("float16"), torch.tensor([[1e6, 0.0]])),  # overflows float16
+])
+def test_codecs_refuse_with_the_typed_error(codec, values) -> None:
+    with pytest.raises(LossyRefusedError):
+        codec.encode(values)
+
+
+def test_a_refused_tensor_is_stored_lossless_and_its_record_says_so(tmp_path, caplog) -> None:
+    state = _state(float("inf"))
+    path = tmp_path / "a.ckpt"
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        ckpt_core.save(state, path, config=CONFIG)
+    with ckpt_core.CheckpointEngine(CONFIG) as engine:
+        recs = {r.key: r for r in engine.read_manifest(path).tensors}
+        loaded = engine.load(path)
+    assert recs["emb.w"].quant is None
+    assert list(recs["emb.w"].codecs) == lossless_pipeline(torch.float32, CompressionConfig()).to_list()
+    assert torch.equal(loaded["emb"]["w"], state["emb"]["w"])  # bit-exact, the inf included
+    assert any("emb.w stored lossless" in r.getMessage() and "inf or nan" in r.getMessage() for r in caplog.records)
+    ckpt_core.save(_state(), tmp_path / "b.ckpt", config=CONFIG)  # finite values: quantized as ever
+    with ckpt_core.CheckpointEngine(CONFIG) as engine:
+        assert next(r for r in engine.read_manifest(tmp_path / "b.ckpt").tensors if r.key == "emb.w").quant
+
+
+@pytest.mark.parametrize("error", [RuntimeError("codec bug"), ValueError("codec bug, not a refusal")])
+def test_any_other_codec_exception_fails_the_save_and_commits_nothing(tmp_path, monkeypatch, error) -> None:
+    def broken(self, array):
+        raise error
+
+    monkeypatch.setattr(UniformCodec, "encode", broken)
+    path = tmp_path / "a.ckpt"
+    with ckpt_core.CheckpointEngine(CONFIG) as engine:
+        handle = engine.save(_state(), path)
+        with pytest.raises(BackgroundSaveError) as info:
+            handle.result()
+        assert info.value.__cause__ is error
+        assert engine.latest(str(tmp_path)) is None
+    assert not path.exists()
+
+
+def test_dcp_refusal_is_lossless_and_a_codec_bug_fails_the_save(tmp_path, monkeypatch) -> None:
+    state = _state(float("nan"))
+    cdcp.save(state, str(tmp_path / "a.dcp"), config=CONFIG)
+    with ckpt_core.CheckpointEngine() as engine:
+        rec = next(r for r in engine.read_manifest(tmp_path / "a.dcp").tensors if r.key == "emb.w")
+    assert rec.quant is None and list(rec.codecs) == lossless_pipeline(torch.float32, CompressionConfig()).to_list()
+    loaded = cdcp.load_state_dict(str(tmp_path / "a.dcp"))
+    assert torch.equal(loaded["emb"]["w"].view(torch.int32), state["emb"]["w"].view(torch.int32))  # nan too
+
+    def broken(self, array):
+        raise RuntimeError("codec bug")
+
+    monkeypatch.setattr(UniformCodec, "encode", broken)
+    with pytest.raises(CheckpointException, match="codec bug"):
+        cdcp.save(_state(), str(tmp_path / "b.dcp"), config=CONFIG)
+    assert not (tmp_path / "b.dcp").exists()

@@ -1,0 +1,330 @@
+"""The per-step update log (issue 23): bit-exact replay after a checkpoint, sparse rows, resume chains."""
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine, EngineConfig
+from ckpt_core.steplog import NoMarkerError, StepLogError
+
+from .steplog_train import OPTIMIZERS, ROWS, DIM, assert_bit_equal, batch, load_into, make, state, train_step
+
+STEPS, CKPT_AT = 14, 5
+
+
+def _dir(tmp_path, scheme: str) -> str:
+    return str(tmp_path / "run") if scheme == "file" else f"memory://steplog-{uuid.uuid4().hex[:8]}"
+
+
+def _reference(kind: str, steps: int, sparse: bool = False) -> dict:
+    """The state of an uninterrupted run without any logging after ``steps`` steps."""
+    net, opt, sched = make(kind, sparse)
+    for step in range(1, steps + 1):
+        train_step(net, opt, sched, step)
+    return copy.deepcopy(state(net, opt, sched))
+
+
+def _logged_run(directory: str, kind: str, steps: int = STEPS, ckpt_at: int = CKPT_AT, sparse: bool = False,
+                **step_log) -> dict:
+    """Train ``steps`` steps with the log on, saving a checkpoint after step ``ckpt_at``."""
+    cfg = {"step_log": {"flush_every_steps": 3, **step_log}}
+    net, opt, sched = make(kind, sparse)
+    with CheckpointEngine(cfg) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, steps + 1):
+            train_step(net, opt, sched, step)
+            if step == ckpt_at:
+                engine.save(state(net, opt, sched), f"{directory}/step{step}.ckpt")
+        slog.close()
+        return {"bytes": slog.bytes_logged, "segments": slog.segments}
+
+
+def _resume(directory: str, kind: str, sparse: bool = False, after: str | None = None, engine=None) -> tuple:
+    net, opt, sched = make(kind, sparse)
+    own = engine is None
+    engine = engine or CheckpointEngine()
+    try:
+        path = after or engine.latest(directory)
+        load_into(engine.load(path), net, opt, sched)
+        n = engine.replay(directory, opt, sched, after=after)
+    finally:
+        if own:
+            engine.close()
+    return n, (net, opt, sched)
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_replay_is_bit_exact(tmp_path, kind):
+    directory = _dir(tmp_path, "file")
+    _logged_run(directory, kind)
+    n, (net, opt, sched) = _resume(directory, kind)
+    assert n == STEPS - CKPT_AT
+    assert_bit_equal(state(net, opt, sched), _reference(kind, STEPS))
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_replay_after_named_checkpoint_and_default(tmp_path, scheme):
+    directory = _dir(tmp_path, scheme)
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 11):
+            train_step(net, opt, sched, step)
+            if step in (3, 7):
+                engine.save(state(net, opt, sched), f"{directory}/s{step}.ckpt")
+        slog.close()
+    n, resumed = _resume(directory, "adam", after=f"{directory}/s3.ckpt")
+    assert n == 7
+    assert_bit_equal(state(*resumed), _reference("adam", 10))
+    n, resumed = _resume(directory, "adam")  # the newest marked checkpoint: s7
+    assert n == 3
+    assert_bit_equal(state(*resumed), _reference("adam", 10))
+
+
+def test_sparse_embedding_logs_touched_rows_only(tmp_path):
+    directory = _dir(tmp_path, "file")
+    steps = 12
+    stats = _logged_run(directory, "adam", steps=steps, ckpt_at=2, flush_every_steps=4)
+    table = ROWS * DIM * 4
+    dense = sum(p.numel() * 4 for p in make("adam")[0].parameters())
+    per_step = stats["bytes"] / steps
+    # a batch touches at most 24 of 512 rows: the table's gradient costs < 5% of it per step
+    assert per_step < 0.05 * table + (dense - table) * 1.2 + 4096, per_step
+    assert per_step < 0.5 * dense
+    n, resumed = _resume(directory, "adam")
+    assert n == steps - 2
+    assert_bit_equal(state(*resumed), _reference("adam", steps))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_torch_sparse_gradients_replay_bit_exact(tmp_path, kind):
+    directory = _dir(tmp_path, "memory")
+    _logged_run(directory, kind, sparse=True)
+    n, resumed = _resume(directory, kind, sparse=True)
+    assert n == STEPS - CKPT_AT
+    assert_bit_equal(state(*resumed), _reference(kind, STEPS, sparse=True))
+
+
+def test_resume_continues_the_chain(tmp_path):
+    """Crash at 9 (checkpoint at 5), resume by replay and log on without a new checkpoint, crash at 13:
+    a later resume from the same checkpoint replays both runs of the chain."""
+    directory = _dir(tmp_path, "file")
+    _logged_run(directory, "sgd", steps=9)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        n, (net, opt, sched) = _resume(directory, "sgd", engine=engine)
+        assert n == 4
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(10, 14):
+            train_step(net, opt, sched, step)
+        slog.close()
+    n, resumed = _resume(directory, "sgd")
+    assert n == 8
+    assert_bit_equal(state(*resumed), _reference("sgd", 13))
+
+
+def test_log_opened_before_the_replay_continues_the_chain(tmp_path):
+    """An adapter may open the log before it loads and replays: the log still continues the chain."""
+    directory = _dir(tmp_path, "memory")
+    _logged_run(directory, "adagrad", steps=9)
+    net, opt, sched = make("adagrad")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        load_into(engine.load(f"{directory}/step5.ckpt"), net, opt, sched)
+        assert engine.replay(directory, opt, sched) == 4
+        for step in range(10, 13):
+            train_step(net, opt, sched, step)
+        slog.close()
+    n, resumed = _resume(directory, "adagrad", after=f"{directory}/step5.ckpt")
+    assert n == 7
+    assert_bit_equal(state(*resumed), _reference("adagrad", 12))
+
+
+def test_flush_seconds_commits_without_more_steps(tmp_path):
+    """Without flush() or a save, the encoder commits the open segment once it is flush_seconds old
+    (observed through the writer, no polling), up to the last step whose scheduler step is logged
+    (the one before the newest): replay gives exactly the state after it."""
+    directory = _dir(tmp_path, "memory")
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 1000, "flush_seconds": 0.05}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        written, write = threading.Event(), slog._write
+
+        def observed(batch, seq):
+            write(batch, seq)
+            if any(e.get("step") == 2 for e in batch.events):
+                written.set()
+
+        slog._write = observed
+        train_step(net, opt, sched, 1)
+        engine.save(state(net, opt, sched), f"{directory}/s1.ckpt")
+        train_step(net, opt, sched, 2)
+        train_step(net, opt, sched, 3)
+        assert written.wait(60), "the open segment was never committed by time"
+        engine.wait()
+        n, resumed = _resume(directory, "adam", engine=engine)
+        assert n == 1
+        assert_bit_equal(state(*resumed), _reference("adam", 2))
+        slog.close()
+
+
+def test_replay_without_marker_is_an_error(tmp_path):
+    directory = _dir(tmp_path, "memory")
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        engine.save(state(net, opt, sched), f"{directory}/plain.ckpt").result()
+        slog = engine.step_log(directory, opt, sched)
+        train_step(net, opt, sched, 1)
+        slog.close()
+        with pytest.raises(NoMarkerError, match="plain.ckpt") as info:  # what the adapters catch
+            engine.replay(directory, opt, sched, after=f"{directory}/plain.ckpt")
+        assert isinstance(info.value, StepLogError)
+
+
+def test_step_with_a_closure_is_refused(tmp_path):
+    """torch runs step pre-hooks before ``step(closure)`` computes the gradients: logging them would
+    record the previous step's, so the plain log refuses the call (before the optimizer changes
+    anything); the closure called first, then ``step()``, logs and replays exactly."""
+    directory = _dir(tmp_path, "memory")
+    net, opt, sched = make("adam")
+    ids, y = batch(1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(ids), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        return loss
+
+    with CheckpointEngine() as engine:
+        slog = engine.step_log(directory, opt, sched)
+        engine.save(state(net, opt, sched), f"{directory}/s0.ckpt")
+        before = copy.deepcopy(net.state_dict())
+        with pytest.raises(StepLogError, match=r"step\(closure\) is not supported"):
+            opt.step(closure)
+        with pytest.raises(StepLogError, match=r"Call the closure yourself"):
+            opt.step(closure=closure)
+        assert_bit_equal(net.state_dict(), before)
+        assert slog.step == 0 and not opt.state
+        closure()
+        opt.step(None)  # a closure of None (as accelerate passes it) is a plain step
+        sched.step()
+        for step in range(2, 4):
+            train_step(net, opt, sched, step)
+        slog.close()
+        n, resumed = _resume(directory, "adam", after=f"{directory}/s0.ckpt", engine=engine)
+    assert n == 3
+    assert_bit_equal(state(*resumed), _reference("adam", 3))
+
+
+def test_one_log_per_optimizer(tmp_path):
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        slog = engine.step_log(str(tmp_path), opt, sched)
+        with pytest.raises(StepLogError, match="already has an open step log"):
+            engine.step_log(str(tmp_path), opt, sched)
+        slog.close()
+        slog.close()  # idempotent
+
+
+def test_config_section():
+    cfg = EngineConfig()
+    assert cfg.step_log.enabled is False
+    cfg = EngineConfig.from_dict({"step_log": {"enabled": True, "flush_every_steps": 5, "flush_seconds": 2}})
+    assert (cfg.step_log.enabled, cfg.step_log.flush_every_steps, cfg.step_log.flush_seconds) == (True, 5, 2.0)
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(Exception, match="step_log.flush_every_steps"):
+        EngineConfig.from_dict({"step_log": {"flush_every_steps": 0}})
+
+
+def test_gc_truncates_segments_before_the_oldest_retained_checkpoint(tmp_path):
+    directory = str(tmp_path / "run")
+    segdir = os.path.join(directory, ".checkrun", "steplog")
+    net, opt, sched = make("adagrad")
+    cfg = {"step_log": {"flush_every_steps": 2}, "retention": {"keep_last": 1}}
+    with CheckpointEngine(cfg) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 15):
+            train_step(net, opt, sched, step)
+            if step in (4, 8, 12):
+                engine.save(state(net, opt, sched), f"{directory}/s{step}.ckpt")
+                engine.wait()
+        slog.flush()
+        engine.gc(directory)
+        kept = sorted(f for f in os.listdir(segdir) if f.startswith("seg-"))
+        marks = sorted(f for f in os.listdir(segdir) if f.startswith("mark-"))
+        slog.close()
+    assert [f for f in os.listdir(directory) if f.endswith(".ckpt")] == ["s12.ckpt"]
+    assert len(marks) == 1
+    mark_event = int(marks[0].split("-")[2])
+    assert kept and all(int(f.split("-")[4].split(".")[0]) > mark_event for f in kept), (kept, mark_event)
+    n, resumed = _resume(directory, "adagrad")
+    assert n == 2
+    assert_bit_equal(state(*resumed), _reference("adagrad", 14))
+
+
+def test_s3_log_replay_and_gc(s3_root, s3_storage_options):
+    """On a real S3 endpoint (moto): segments are single PUTs, replay is exact, gc truncates."""
+    cfg = {"step_log": {"flush_every_steps": 2}, "retention": {"keep_last": 1},
+           "storage": {"storage_options": s3_storage_options}}
+    net, opt, sched = make("adam")
+    with CheckpointEngine(cfg) as engine:
+        slog = engine.step_log(s3_root, opt, sched)
+        for step in range(1, 10):
+            train_step(net, opt, sched, step)
+            if step in (3, 6):
+                engine.save(state(net, opt, sched), f"{s3_root}/s{step}.ckpt")
+                engine.wait()
+        slog.close()
+        engine.gc(s3_root)
+        names = [os.path.basename(p) for p in engine._dir_store(s3_root, None).fs.ls(
+            s3_root.removeprefix("s3://") + "/.checkrun/steplog")]
+    assert len([n for n in names if n.startswith("mark-")]) == 1
+    net2, opt2, sched2 = make("adam")
+    with CheckpointEngine(cfg) as engine:
+        load_into(engine.load(f"{s3_root}/s6.ckpt"), net2, opt2, sched2)
+        assert engine.replay(s3_root, opt2, sched2) == 3
+    assert_bit_equal(state(net2, opt2, sched2), _reference("adam", 9))
+
+
+def _kinds(directory: str) -> set[str]:
+    from ckpt_core.steplog.format import split_segment
+
+    segdir = os.path.join(directory, ".checkrun", "steplog")
+    kinds = set()
+    for f in os.listdir(segdir):
+        if f.startswith("seg-"):
+            header, _ = split_segment(open(os.path.join(segdir, f), "rb").read(), f)
+            kinds |= {g["k"] for e in header["events"] if e["kind"] == "step" for g in e["grads"]}
+    return kinds
+
+
+def test_gradient_kinds_logged(tmp_path):
+    """Dense MLP gradients are logged whole, the table's as touched rows (dense grads) or as the
+    torch sparse gradient itself (``sparse=True``)."""
+    _logged_run(str(tmp_path / "a"), "adam", steps=4, ckpt_at=2)
+    assert _kinds(str(tmp_path / "a")) == {"dense", "rows"}
+    _logged_run(str(tmp_path / "b"), "adagrad", steps=4, ckpt_at=2, sparse=True)
+    assert _kinds(str(tmp_path / "b")) == {"dense", "sparse"}
+
+
+def test_engine_close_flushes_and_closes_its_logs(tmp_path):
+    """A script that closes the engine (or leaves its ``with`` block) without ``log.close()`` loses no
+    logged step: the engine flushes and ends its logs first."""
+    directory = _dir(tmp_path, "file")
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 100, "flush_seconds": 3600}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 8):
+            train_step(net, opt, sched, step)
+            if step == 2:
+                engine.save(state(net, opt, sched), f"{directory}/step2.ckpt")
+    assert slog._stop.is_set() and not slog._thread.is_alive()
+    n, (net2, opt2, sched2) = _resume(directory, "adam")
+    assert n == 5
+    assert_bit_equal(state(net2, opt2, sched2), _reference("adam", 7))

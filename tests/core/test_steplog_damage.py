@@ -1,0 +1,173 @@
+"""Damaged and hostile step logs: replay stops at the last good step with a warning naming the
+segment; hostile metadata (checksums intact) is refused with an error naming the object."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine
+from ckpt_core.codecs import index_pipeline, lossless_pipeline
+from ckpt_core.config import CompressionConfig
+from ckpt_core.steplog import StepLogFormatError
+from ckpt_core.steplog.format import pack_segment, split_segment
+
+from .steplog_train import assert_bit_equal, load_into, make, state, train_step
+from .test_steplog import _reference
+
+STEPS, CKPT_AT, EVERY = 12, 3, 3
+
+
+@pytest.fixture
+def logged(tmp_path):
+    """A file:// directory with a checkpoint after step 3 and 9 more logged steps, 3 per segment."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = make("adamw")
+    with CheckpointEngine({"step_log": {"flush_every_steps": EVERY}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, STEPS + 1):
+            train_step(net, opt, sched, step)
+            if step == CKPT_AT:
+                engine.save(state(net, opt, sched), f"{directory}/ck.ckpt")
+        slog.close()
+    return directory
+
+
+def _segments(directory: str) -> list[str]:
+    segdir = os.path.join(directory, ".checkrun", "steplog")
+    return sorted(os.path.join(segdir, f) for f in os.listdir(segdir) if f.startswith("seg-"))
+
+
+def _after_checkpoint(directory: str) -> list[str]:
+    """Segments holding the steps after the checkpoint, in order."""
+    mark = next(f for f in os.listdir(os.path.join(directory, ".checkrun", "steplog")) if f.startswith("mark-"))
+    event = int(mark.split("-")[2])
+    return [s for s in _segments(directory) if int(os.path.basename(s).split("-")[4].split(".")[0]) > event]
+
+
+def _resume(directory: str) -> tuple[int, tuple]:
+    net, opt, sched = make("adamw")
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{directory}/ck.ckpt"), net, opt, sched)
+        n = engine.replay(directory, opt, sched)
+    return n, (net, opt, sched)
+
+
+def _rewrite(path: str, fn) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(fn(data))
+
+
+def _repack(path: str, mutate) -> None:
+    """Change a segment's header and write it back with valid checksums (a hostile writer)."""
+    header, payload = split_segment(open(path, "rb").read(), path)
+    mutate(header)
+    for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
+        header.pop(k)
+    _rewrite(path, lambda _: pack_segment(header, [bytes(payload)]))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_segment_stops_at_last_good_step(logged, damage):
+    segs = _after_checkpoint(logged)
+    assert len(segs) == 3
+    bad = segs[1]
+    if damage == "flip":
+        _rewrite(bad, lambda d: d[:-10] + bytes([d[-10] ^ 0x40]) + d[-9:])
+    elif damage == "truncate":
+        _rewrite(bad, lambda d: d[: len(d) // 2])
+    else:
+        os.remove(bad)
+    named = os.path.basename(bad) if damage != "delete" else os.path.basename(bad)[:29]  # seg-<run>-<seq>
+    with pytest.warns(UserWarning, match=named) as rec:
+        n, resumed = _resume(logged)
+    assert n == EVERY, n
+    assert "replay stopped after step 6" in str(rec[0].message)
+    assert_bit_equal(state(*resumed), _reference("adamw", CKPT_AT + EVERY))
+
+
+def _step(h: dict) -> dict:
+    return next(e for e in h["events"] if e["kind"] == "step")
+
+
+def _dense(h: dict) -> dict:
+    return next(g for g in _step(h)["grads"] if g["k"] == "dense")
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda h: _dense(h).__setitem__("shape", [1] * 9), "field 'shape'"),
+    (lambda h: _dense(h).__setitem__("data", [0, 10**9, []]), "reaches byte"),
+    (lambda h: _dense(h)["data"].__setitem__(2, [{"name": "pickle", "version": 1}]), "pickle"),
+    (lambda h: _dense(h)["data"].__setitem__(2, [{"name": "uniform", "version": 1, "bits": 4}]), "codec"),
+    (lambda h: _dense(h).__setitem__("p", "../../etc/passwd"), "field 'p'"),
+    (lambda h: _dense(h).__setitem__("dtype", "object"), "unknown dtype"),
+    (lambda h: _step(h).__setitem__("extra", 1), "exactly step, grads"),
+    (lambda h: h["events"].append({"kind": "exec", "code": "rm -rf /"}), "hi - lo"),
+    (lambda h: h["events"][1].__setitem__("sched", [1, 2]), "'sched'"),
+    (lambda h: h.__setitem__("hi", h["hi"] + 1), "hi - lo"),
+    (lambda h: h.__setitem__("run", "../x"), "field 'run'"),
+])
+def test_hostile_segment_header_is_refused(logged, mutate, message):
+    bad = _after_checkpoint(logged)[0]
+    _repack(bad, mutate)
+    with pytest.raises(StepLogFormatError, match=os.path.basename(bad)) as exc:
+        _resume(logged)
+    assert message in str(exc.value)
+
+
+def test_unknown_format_version_is_refused(logged, monkeypatch):
+    from ckpt_core.steplog import format as fmt
+
+    bad = _after_checkpoint(logged)[0]
+    header, payload = split_segment(open(bad, "rb").read(), bad)
+    for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
+        header.pop(k)
+    monkeypatch.setattr(fmt, "FORMAT_VERSION", 99)
+    data = pack_segment(header, [bytes(payload)])
+    monkeypatch.undo()
+    _rewrite(bad, lambda _: data)
+    with pytest.raises(StepLogFormatError, match="unsupported step-log format_version '99'"):
+        _resume(logged)
+
+
+def test_hostile_row_indices_are_refused(logged):
+    """Checksums intact, the table's gradient claims row 10**6 of a 512-row table."""
+    bad = _after_checkpoint(logged)[0]
+    header, payload = split_segment(open(bad, "rb").read(), bad)
+    step = next(e for e in header["events"] if e["kind"] == "step")
+    g = next(g for g in step["grads"] if g["k"] == "rows")
+    idx, _ = index_pipeline().encode(torch.tensor([[10**6]], dtype=torch.int64))
+    rows_pipe = lossless_pipeline(torch.float32, CompressionConfig())
+    rows, _ = rows_pipe.encode(torch.ones(1, g["shape"][1]))
+    idx, rows = bytes(idx), bytes(rows)
+    g["n"] = 1
+    g["idx"] = [len(payload), len(idx), index_pipeline().to_list()]
+    g["data"] = [len(payload) + len(idx), len(rows), rows_pipe.to_list()]
+    for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
+        header.pop(k)
+    _rewrite(bad, lambda _: pack_segment(header, [bytes(payload), idx, rows]))
+    with pytest.raises(StepLogFormatError, match="row index outside") as exc:
+        _resume(logged)
+    assert os.path.basename(bad) in str(exc.value)
+
+
+def test_huge_header_length_is_refused_before_reading_it(logged):
+    bad = _after_checkpoint(logged)[0]
+    _rewrite(bad, lambda d: d[:8] + struct.pack("<I", 2**31) + d[12:])
+    with pytest.raises(StepLogFormatError, match="header of 2147483648 bytes"):
+        _resume(logged)
+
+
+def test_hostile_marker_is_refused(logged):
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    mark = os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("mark-")))
+    body = json.loads(open(mark).read())
+    body["checkpoint"] = "../../other.ckpt"
+    _rewrite(mark, lambda _: json.dumps(body).encode())
+    with pytest.raises(StepLogFormatError, match=os.path.basename(mark)):
+        _resume(logged)

@@ -1,0 +1,203 @@
+"""The step log in the Accelerate adapter (issue 23): ``step_log.enabled: true`` logs the prepared
+optimizer's steps; ``load_state()`` loads the checkpoint, then replays the steps logged after it.
+
+In-process with a real Accelerator, and a real ``accelerate launch`` (1 process, and 2 CPU ranks)
+SIGKILLed at a random step: the resumed state equals an uninterrupted run's at the resumed step, bit
+for bit, on every rank, and no step whose ``flush()`` had returned is lost. The launch is
+synchronised through the lines the script prints (and appends to its progress file) after each step.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import ProjectConfiguration
+
+from accelerate_ckpt import AcceleratorCheckpointer
+from accelerate_ckpt.steplog import StepLogSetupError
+from tests.core.steplog_train import assert_bit_equal, batch, make
+from tests.integration.accel_scripts.harness import BIN, REPO, accelerate_args, launch_env
+
+CHILD = Path(__file__).resolve().parent / "steplog_accel_child.py"
+CONFIG = {"step_log": {"enabled": True, "flush_every_steps": 3}, "saving": {"sigterm_grace_seconds": None}}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+# -- in-process -----------------------------------------------------------------------------------
+def _setup(project: Path, kind: str = "adam", config: dict | None = None) -> tuple:
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(project), automatic_checkpoint_naming=True))
+    net, opt, sched = acc.prepare(*make(kind))
+    return acc, net, opt, sched, AcceleratorCheckpointer(acc, config or CONFIG).attach()
+
+
+def _step(acc: Accelerator, net, opt, sched, step: int) -> None:
+    ids, y = batch(step)
+    opt.zero_grad()
+    acc.backward(torch.nn.functional.mse_loss(net(ids), y))
+    acc.clip_grad_norm_(net.parameters(), 0.5)
+    opt.step()
+    sched.step()
+
+
+def _state(net, opt, sched) -> dict:
+    """A copy: the optimizer's state_dict holds its live tensors, which later steps change in place."""
+    return copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+
+
+def _reference(kind: str, steps: int) -> dict:
+    """An uninterrupted run, without checkrun, through a second Accelerator."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    net, opt, sched = acc.prepare(*make(kind))
+    for step in range(1, steps + 1):
+        _step(acc, net, opt, sched, step)
+    return _state(net, opt, sched)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_chain(tmp_path: Path, kind: str) -> None:
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj", kind)
+    for step in range(1, 11):
+        _step(acc, net, opt, sched, step)
+        if step == 4:
+            acc.save_state()
+    at_10 = _state(net, opt, sched)
+    assert ckpt.optimizer_steps == 10 and ckpt.step_log is not None
+    acc.load_state()  # checkpoint_0 (step 4) + steps 5..10 from the log
+    assert (ckpt.replayed_steps, ckpt.optimizer_steps) == (6, 10)
+    assert_bit_equal(_state(net, opt, sched), at_10, "after the first replay")
+    for step in range(11, 14):  # logged by the log that continues the replayed chain
+        _step(acc, net, opt, sched, step)
+    at_13 = _state(net, opt, sched)
+    acc.load_state()  # still checkpoint_0: steps 5..10 (first run), 11..13 (the continuation)
+    assert (ckpt.replayed_steps, ckpt.optimizer_steps) == (9, 13)
+    assert_bit_equal(_state(net, opt, sched), at_13, "after the second replay")
+    ckpt.close()
+    assert_bit_equal(at_13, _reference(kind, 13), "against an uninterrupted run")
+
+
+def test_without_the_log_nothing_is_replayed_and_a_checkpoint_without_markers_warns(tmp_path: Path) -> None:
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj", config={"saving": {"sigterm_grace_seconds": None}})
+    for step in range(1, 4):
+        _step(acc, net, opt, sched, step)
+    acc.save_state()
+    at_3 = _state(net, opt, sched)
+    _step(acc, net, opt, sched, 4)
+    acc.load_state()
+    assert ckpt.step_log is None and ckpt.optimizer_steps is None and ckpt.replayed_steps == 0
+    assert_bit_equal(_state(net, opt, sched), at_3)
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")  # now with the log: the checkpoint has no marker
+    with pytest.warns(RuntimeWarning, match="no step log after .*rank0.ckpt"):
+        acc.load_state()
+    assert ckpt.replayed_steps == 0 and ckpt.optimizer_steps == 0
+    assert_bit_equal(_state(net, opt, sched), at_3)
+    ckpt.close()
+
+
+def test_retention_truncates_the_log_and_the_newest_checkpoint_still_replays(tmp_path: Path) -> None:
+    pc = ProjectConfiguration(str(tmp_path / "proj"), automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(cpu=True, project_config=pc)
+    net, opt, sched = acc.prepare(*make("adam"))
+    ckpt = AcceleratorCheckpointer(acc, CONFIG).attach()
+    for step in range(1, 24):
+        _step(acc, net, opt, sched, step)
+        if step % 4 == 0:
+            acc.save_state()  # checkpoint_0..4 at steps 4..20; total_limit keeps checkpoint_3 and 4
+    ckpt.wait()
+    at_23 = _state(net, opt, sched)
+    logdir = tmp_path / "proj" / "checkpoints" / ".checkrun" / "parts" / ".checkrun" / "steplog"
+    markers = sorted(p.name for p in logdir.glob("mark-*.json"))
+    assert len(markers) == 2, markers  # those of the retained checkpoints' rank 0 parts
+    acc.load_state()  # checkpoint_4 (step 20) + 21..23
+    assert (ckpt.replayed_steps, ckpt.optimizer_steps) == (3, 23)
+    assert_bit_equal(_state(net, opt, sched), at_23)
+    ckpt.close()
+
+
+def test_two_optimizers_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True))
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    acc.prepare(a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1))
+    ckpt = AcceleratorCheckpointer(acc, CONFIG)
+    with pytest.raises(StepLogSetupError, match="step_log.enabled.*2 prepared optimizer"):
+        ckpt.attach()
+    ckpt.close()
+
+
+# -- real accelerate launch, SIGKILL ------------------------------------------------------------------
+def _env(tmp: Path) -> dict:
+    return launch_env(tmp, {"PYTHONPATH": str(REPO)})  # the script imports tests.core.steplog_train
+
+
+def _train_until_killed(tmp: Path, processes: int, kind: str, kill_after: int) -> tuple[int, list[str]]:
+    """Launch the training, SIGKILL the whole launch once step >= kill_after was flushed after a
+    committed checkpoint; returns (last flushed step, the progress file's lines)."""
+    progress = tmp / "progress.txt"
+    cmd = [BIN / "accelerate", "launch", *accelerate_args(processes), CHILD, "train", "--project", tmp / "proj",
+           "--progress", progress, "--kind", kind]
+    with open(tmp / "train.stderr", "w") as err:
+        child = subprocess.Popen(list(map(str, cmd)), cwd=str(REPO), env=_env(tmp), stdout=subprocess.PIPE,
+                                 stderr=err, text=True, start_new_session=True)
+        flushed, committed = 0, False
+        try:
+            for line in child.stdout:
+                what, _, value = line.strip().partition(" ")
+                if what not in ("step", "committed", "flushed"):
+                    continue
+                committed = committed or what == "committed"
+                if what == "flushed":
+                    flushed = int(value)
+                    if flushed >= kill_after and committed:
+                        break
+            os.killpg(child.pid, signal.SIGKILL)  # the launcher and every rank; training went on meanwhile
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == -signal.SIGKILL, (tmp / "train.stderr").read_text()[-4000:]
+    return flushed, progress.read_text().split("\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes,kind", [(1, "adam"), (1, "sgd"), (2, "adamw")])
+def test_accelerate_launch_sigkilled_at_a_random_step_resumes_bit_exact(tmp_path: Path, processes: int,
+                                                                       kind: str) -> None:
+    seed = random.randrange(1 << 30)
+    kill_after = random.Random(seed).randrange(8, 40)
+    flushed, lines = _train_until_killed(tmp_path, processes, kind, kill_after)
+    assert flushed >= kill_after, f"seed {seed}: the training ended before step {kill_after}"
+    last = max(int(line.split()[1]) for line in lines if line.strip())
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(list(map(str, [BIN / "accelerate", "launch", *accelerate_args(processes), CHILD, "resume",
+                                         "--project", tmp_path / "proj", "--out", out, "--kind", kind])),
+                          cwd=str(REPO), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    for rank in range(processes):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        where = f"seed {seed}, rank {rank}, resumed at step {got['steps']} ({got['replayed']} replayed)"
+        assert got["world"] == processes
+        # nothing flushed is lost; nothing after the step the kill interrupted can be in the log
+        assert flushed <= got["steps"] <= last + 1, where
+        assert (got["steps"] - got["replayed"]) % 7 == 0, where  # a checkpoint's step (one every 7) + the log
+        assert_bit_equal(got["resumed"], got["reference"], where)

@@ -1,0 +1,191 @@
+"""The step log in the Lightning plugin (issue 23): ``CheckrunCheckpointIO(step_log=True)``; a real
+``Trainer`` SIGKILLed at a random step resumes with ``fit(ckpt_path="last")`` at the newest logged
+step: model, optimizer and scheduler state bit for bit, ``global_step`` and the fit loop's counters as
+in a checkpoint Lightning itself saved at that step of an uninterrupted run; no step whose
+``flush()`` had returned is lost. Synchronised through the child's stdout (a line per step)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_ckpt import CheckrunCheckpointIO
+from lightning_ckpt.steplog import StepLogSetupError, targets
+from tests.core.steplog_train import assert_bit_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHILD = [sys.executable, "-m", "tests.integration.steplog_lightning_child"]
+
+
+def _env(devices: int) -> dict:
+    return {**os.environ, "STEPLOG_DEVICES": str(devices), "OMP_NUM_THREADS": "1"}
+
+
+def _train_until_killed(directory: str, kind: str, kill_after: int, devices: int) -> tuple[int, int]:
+    """Returns (the last flushed step, the last step the child reported)."""
+    child = subprocess.Popen([*CHILD, "train", directory, kind], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env(devices), start_new_session=True)
+    flushed, last, committed = 0, 0, False
+    try:
+        for line in child.stdout:
+            what, _, value = line.strip().partition(" ")
+            committed = committed or what == "committed"
+            if what in ("step", "flushed"):
+                last = int(value)
+            if what == "flushed":
+                flushed = int(value)
+                if flushed >= kill_after and committed:  # a checkpoint to resume from exists
+                    break
+        os.killpg(child.pid, signal.SIGKILL)  # every rank; it trains on meanwhile: the kill lands anywhere
+        for line in child.stdout:  # what it printed before the kill landed
+            what, _, value = line.strip().partition(" ")
+            if what in ("step", "flushed"):
+                last = int(value)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL, child.stderr.read()[-3000:]
+    return flushed, last
+
+
+def _run(devices: int, *args: str) -> None:
+    done = subprocess.run([*CHILD, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(devices))
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,kind", [(1, "adam"), (1, "sgd"), (2, "adam")])
+def test_trainer_sigkilled_at_a_random_step_resumes_from_last_bit_exact_with_counters(tmp_path, devices, kind):
+    seed = random.randrange(1 << 30)
+    kill_after = random.Random(seed).randrange(8, 40)
+    directory = str(tmp_path / "ckpts")
+    flushed, last = _train_until_killed(directory, kind, kill_after, devices)
+    assert flushed >= kill_after, f"seed {seed}: the child ended before step {kill_after}"
+    out = str(tmp_path / "resumed.pt")
+    _run(devices, "resume", directory, kind, out)
+    states = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
+    resumed = states[0]["global_step"]
+    where = f"seed {seed}, kill after {kill_after}, resumed at {resumed}"
+    assert flushed <= resumed <= last + 1, where
+    _run(devices, "reference", kind, str(resumed), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    for rank, state in enumerate(states):
+        assert_bit_equal(state, reference, f"{where}, rank {rank}")
+
+
+def test_step_log_argument_sets_the_config_key() -> None:
+    assert CheckrunCheckpointIO(step_log=True).config.step_log.enabled
+    assert not CheckrunCheckpointIO().config.step_log.enabled
+    assert CheckrunCheckpointIO(config={"step_log": {"enabled": True}}).config.step_log.enabled
+    assert not CheckrunCheckpointIO(config={"step_log": {"enabled": True}}, step_log=False).config.step_log.enabled
+    assert CheckrunCheckpointIO().step_log is None
+
+
+def test_two_optimizers_and_lbfgs_are_refused() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+
+    class _T:
+        def __init__(self, optimizers):
+            self.optimizers, self.lr_scheduler_configs = optimizers, []
+
+    with pytest.raises(StepLogSetupError, match="2 optimizer"):
+        targets(_T([torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1)]))
+    with pytest.raises(StepLogSetupError, match="LBFGS"):
+        targets(_T([torch.optim.LBFGS([p])]))
+
+
+# -- in-process: the chain across two resumes, and a checkpoint saved at an epoch end ----------------
+class _Crash(Exception):
+    pass
+
+
+def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_kwargs=None, **mc_kwargs):
+    """A fit with the step log; ``crash_at``: flush the log at that step, then raise (no save at the
+    end, as after a kill). Returns the trainer and the module."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integration.steplog_lightning_child import Lit, _trainer, plugin
+
+    io = plugin()
+
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == crash_at:
+                io.step_log.flush()
+                raise _Crash
+
+    module = Lit("adam")
+    mc = ModelCheckpoint(dirpath=directory, **{"save_last": True, **mc_kwargs})
+    trainer = _trainer(plugins=[io], callbacks=[Crash(), mc], max_steps=max_steps, **(trainer_kwargs or {}))
+    try:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    except _Crash:
+        pass
+    return trainer, module
+
+
+def _live(trainer, module) -> dict:
+    import copy
+
+    return copy.deepcopy({"model": module.state_dict(), "opt": trainer.optimizers[0].state_dict(),
+                          "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                          "global_step": trainer.global_step})
+
+
+def test_a_second_resume_replays_through_the_steps_logged_after_the_first(tmp_path):
+    directory = str(tmp_path / "ckpts")
+    _fit(directory, 100, crash_at=10, every_n_train_steps=8)  # last.ckpt at 8; 9, 10 logged
+    second, module = _fit(directory, 100, ckpt_path="last", crash_at=14, every_n_train_steps=8)
+    at_14 = _live(second, module)  # resumed at 10 (replayed), trained 11..14: no checkpoint after 8
+    third, module = _fit(directory, 14, ckpt_path="last", every_n_train_steps=8)
+    assert third.global_step == 14  # 8 + 2 (the first run's log) + 4 (the second run's, chained)
+    assert_bit_equal(_live(third, module), at_14)
+
+
+def test_a_last_checkpoint_that_links_to_the_newest_one_replays_too(tmp_path):
+    directory = str(tmp_path / "ckpts")
+    first, module = _fit(directory, 100, crash_at=10, every_n_train_steps=4, save_last="link")
+    at_10 = _live(first, module)
+    assert os.path.islink(os.path.join(directory, "last.ckpt"))
+    resumed, module = _fit(directory, 10, ckpt_path="last", every_n_train_steps=4, save_last="link")
+    assert_bit_equal(_live(resumed, module), at_10)  # epoch=0-step=8.ckpt + 2 replayed steps
+
+
+def test_resume_from_a_checkpoint_saved_at_an_epoch_end(tmp_path):
+    """8 batches per epoch, ModelCheckpoint at each epoch end: the replayed steps are in epoch 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integration.steplog_lightning_child import Lit, _saved, _trainer
+
+    directory, epoch = str(tmp_path / "ckpts"), {"limit_train_batches": 8}
+    _fit(directory, 100, crash_at=11, trainer_kwargs=epoch)  # last.ckpt at 8 (epoch 0's end); 9..11 logged
+    resumed, module = _fit(directory, 11, ckpt_path="last", trainer_kwargs=epoch)  # at max_steps at once
+    ref_dir = str(tmp_path / "ref")
+    _trainer(callbacks=[ModelCheckpoint(dirpath=ref_dir, filename="ref", every_n_train_steps=11)], max_steps=11,
+             **epoch).fit(Lit("adam"))
+    ref, got = _saved(f"{ref_dir}/ref.ckpt"), _live(resumed, module)
+    assert got["global_step"] == 11  # (the epoch counter moves on when the loop runs on, as Lightning does)
+    assert_bit_equal({k: got[k] for k in ("model", "opt", "sched")}, {k: ref[k] for k in ("model", "opt", "sched")})
+    loop = resumed.fit_loop.epoch_loop
+    assert loop.batch_progress.total.ready == ref["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 11
+
+
+def test_a_checkpoint_saved_without_the_log_resumes_at_itself_with_a_warning(tmp_path):
+    """The engine's NoMarkerError (the log has no marker for last.ckpt) is a warning, not a failure."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integration.steplog_lightning_child import Lit, _trainer
+
+    directory = str(tmp_path / "ckpts")
+    mc = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=4)
+    _trainer(plugins=[CheckrunCheckpointIO()], callbacks=[mc], max_steps=4).fit(Lit("adam"))
+    with pytest.warns(RuntimeWarning, match="no step log after .*last.ckpt"):
+        resumed, _ = _fit(directory, 6, ckpt_path="last", every_n_train_steps=4)
+    assert resumed.global_step == 6 and resumed.strategy.checkpoint_io._steplog.replayed_steps == 0
