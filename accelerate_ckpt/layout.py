@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ckpt_core import CheckpointEngine
 from ckpt_core.format import composite
 from ckpt_core.format.composite import INDEX_NAME, PARTS_DIR, Composite, join, parent
-from ckpt_core.retain.composites import checkpoint_key
+from ckpt_core.retain.composites import checkpoint_key, list_in
 
 __all__ = ["Target", "join", "parent", "checkpoint_key", "INDEX_NAME", "PARTS_DIR"]
 
@@ -93,4 +93,4 @@ def part_urls(index_url: str, index: dict) -> list[str]:
 
 def list_checkpoints(engine: CheckpointEngine, root: str, storage_options: dict | None) -> list[Composite]:
     """Committed (and unreadable) checkpoints of ``root``, oldest first (no waiting)."""
-    return composite.list_in(root, storage_options, engine.config)
+    return list_in(root, storage_options, engine.config)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..format import composite
+from ..retain.composites import list_in
 from .tree import plain_values
 from .util import Context, CliError, log
 from ..errors import CheckpointNotFoundError, CheckrunError
@@ -94,7 +95,7 @@ def folder_index(ctx: Context, directory: str) -> str | None:
 
 def folders(ctx: Context, directory: str) -> list[composite.Composite]:
     """Checkpoint folders directly in ``directory`` (format 2 composites), oldest first."""
-    return composite.list_in(directory, ctx.storage_options, ctx.engine.config, legacy=False)
+    return list_in(directory, ctx.storage_options, ctx.engine.config, legacy=False)
 
 
 def resolve_checkpoint(ctx: Context, url: str) -> str:

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError, FormatError, NotACheckpointError, UnsafePathError
+from ..errors import CheckrunError, FormatError, NotACheckpointError, UnsafePathError
 from .manifest import Manifest
-from ..loading.reader import read_manifest
-from ..retain.retention import list_checkpoints
 from ..storage.store import Store
 from .tree import unflatten
 
@@ -128,58 +126,6 @@ class Composite:
         return self.manifest.created if self.manifest is not None else 0.0
 
 
-def _subfolders(store: Store) -> list[str]:
-    """Names of the folders directly in the store's directory (hidden ones left out)."""
-    fs, root = store.fs, store.root.rstrip("/")
-    fs.invalidate_cache(root)
-    try:
-        found = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        return []
-    names = []
-    for info in found:
-        path = info["name"].rstrip("/")
-        head, _, name = path.rpartition("/")
-        if info.get("type") == "directory" and head == root and name and not name.startswith("."):
-            names.append(name)
-    return sorted(names)
-
-
-def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | None:
-    sub = Store(store.fs, join(store.root, name), store.config, store.url_prefix)
-    url = sub.url(INDEX_NAME)
-    try:
-        manifest = read_manifest(sub, INDEX_NAME, config)
-        index = index_of(manifest, url)
-    except CheckpointNotFoundError:
-        return None  # a folder without an index: a save in flight, one that crashed, or not ours
-    except CheckrunError as exc:
-        return Composite(name, url, sub.url(""), None, None, str(exc))
-    if index is None:
-        return None
-    return Composite(name, url, sub.url(""), manifest, index)
-
-
-def list_composites(store: Store, config: EngineConfig, legacy: bool = True) -> list[Composite]:
-    """Committed composite checkpoints of a directory, oldest first, unreadable ones with their error.
-
-    Folders holding an ``INDEX_NAME`` (format 2) and, with ``legacy``, index manifests directly in
-    the directory (format 1). Other folders and ordinary manifests are left out."""
-    out = [e for e in (_folder_entry(store, n, config) for n in _subfolders(store)) if e is not None]
-    if legacy:
-        for entry in list_checkpoints(store, config):
-            if entry.manifest is None:
-                continue
-            try:
-                index = index_of(entry.manifest, entry.url)
-            except CheckrunError as exc:
-                out.append(Composite(entry.name, entry.url, None, None, None, str(exc)))
-                continue
-            if index is not None:
-                out.append(Composite(entry.name, entry.url, None, entry.manifest, index))
-    return sorted(out, key=lambda e: (e.created, e.name))
-
-
 def folder_fs(url: str, storage_options: dict | None, config: EngineConfig) -> tuple[Any, str]:
     """``(fsspec filesystem, path)`` of a folder, with the config's storage options merged in."""
     store = Store.for_directory(os.fspath(url), storage_options, config.storage)
@@ -200,13 +146,6 @@ def remove_folder(url: str, storage_options: dict | None, config: EngineConfig) 
     except FileNotFoundError:
         pass
     fs.invalidate_cache(path)
-
-
-def list_in(directory: str, storage_options: dict | None, config: EngineConfig,
-            legacy: bool = True) -> list[Composite]:
-    """``list_composites`` of a directory given as a path or URL."""
-    return list_composites(Store.for_directory(os.fspath(directory), storage_options, config.storage),
-                           config, legacy)
 
 
 def store_url(path: str, storage_options: dict | None, config: EngineConfig) -> str:

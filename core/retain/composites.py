@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..format import composite
-from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, join
+from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, index_of, join
+from ..loading.reader import read_manifest
 from ..format.manifest import parse_manifest
 from ..format.limits import limits_for
 from ..storage.store import Store
@@ -99,7 +100,7 @@ class Composites:
         if not self.keep_last:
             return []
         protect = set(self.protect) | set(keep)
-        entries = [e for e in composite.list_in(self.root, self.storage_options, self.config)
+        entries = [e for e in list_in(self.root, self.storage_options, self.config)
                    if e.manifest is not None]
         garbage: list[Garbage] = []
         removed = 0
@@ -142,7 +143,7 @@ class Composites:
         still in flight on some rank); none while an index is unreadable (its parts are unknown)."""
         referenced: set[str] = set()
         try:
-            for entry in composite.list_in(self.root, self.storage_options, self.config):
+            for entry in list_in(self.root, self.storage_options, self.config):
                 if entry.index is None:
                     return []
                 referenced.update(u.rpartition("/")[2] for u in composite.part_urls(entry.url, entry.index))
@@ -166,3 +167,63 @@ class Composites:
     def _file(self, url: str) -> tuple[Store, str]:
         store, name = Store.for_path(url, self.storage_options, self.config.storage)
         return self._stores.setdefault(store.url(""), store), name
+
+
+# -- listing the composite checkpoints of a directory ------------------------------------------------
+def _subfolders(store: Store) -> list[str]:
+    """Names of the folders directly in the store's directory (hidden ones left out)."""
+    fs, root = store.fs, store.root.rstrip("/")
+    fs.invalidate_cache(root)
+    try:
+        found = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    names = []
+    for info in found:
+        path = info["name"].rstrip("/")
+        head, _, name = path.rpartition("/")
+        if info.get("type") == "directory" and head == root and name and not name.startswith("."):
+            names.append(name)
+    return sorted(names)
+
+
+def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | None:
+    sub = Store(store.fs, join(store.root, name), store.config, store.url_prefix)
+    url = sub.url(INDEX_NAME)
+    try:
+        manifest = read_manifest(sub, INDEX_NAME, config)
+        index = index_of(manifest, url)
+    except CheckpointNotFoundError:
+        return None  # a folder without an index: a save in flight, one that crashed, or not ours
+    except CheckrunError as exc:
+        return Composite(name, url, sub.url(""), None, None, str(exc))
+    if index is None:
+        return None
+    return Composite(name, url, sub.url(""), manifest, index)
+
+
+def list_composites(store: Store, config: EngineConfig, legacy: bool = True) -> list[Composite]:
+    """Committed composite checkpoints of a directory, oldest first, unreadable ones with their error.
+
+    Folders holding an ``INDEX_NAME`` (format 2) and, with ``legacy``, index manifests directly in
+    the directory (format 1). Other folders and ordinary manifests are left out."""
+    out = [e for e in (_folder_entry(store, n, config) for n in _subfolders(store)) if e is not None]
+    if legacy:
+        for entry in list_checkpoints(store, config):
+            if entry.manifest is None:
+                continue
+            try:
+                index = index_of(entry.manifest, entry.url)
+            except CheckrunError as exc:
+                out.append(Composite(entry.name, entry.url, None, None, None, str(exc)))
+                continue
+            if index is not None:
+                out.append(Composite(entry.name, entry.url, None, entry.manifest, index))
+    return sorted(out, key=lambda e: (e.created, e.name))
+
+
+def list_in(directory: str, storage_options: dict | None, config: EngineConfig,
+            legacy: bool = True) -> list[Composite]:
+    """``list_composites`` of a directory given as a path or URL."""
+    return list_composites(Store.for_directory(os.fspath(directory), storage_options, config.storage),
+                           config, legacy)

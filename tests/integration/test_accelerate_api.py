@@ -19,6 +19,7 @@ from torch import nn
 
 import ckpt_core
 from ckpt_core.format import composite
+from ckpt_core.retain.composites import list_in
 from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
 from accelerate_ckpt.config import resolve
 from accelerate_ckpt.launch import main as cli_main
@@ -167,7 +168,7 @@ def test_attach_roundtrip_hooks_and_detach(tmp_path: Path, make_setup) -> None:
 
 def _names(directory: str) -> list[str]:
     """Names of the committed checkpoints (folders) in ``directory``, by name."""
-    return sorted(e.name for e in composite.list_in(directory, None, ckpt_core.EngineConfig())
+    return sorted(e.name for e in list_in(directory, None, ckpt_core.EngineConfig())
                   if e.manifest is not None)
 
 
