@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 
-BENCHES = ("format", "async", "incremental", "quant", "lightning", "accelerate", "dcp", "quant_accuracy")
+BENCHES = ("format", "async", "incremental", "quant", "lightning", "accelerate", "dcp", "restore", "steplog", "quant_accuracy")
 DEFAULT = BENCHES[:-1]
 DEFAULT_SIZE = 256.0
 DATA = ROOT / "docs" / "benchmarks" / "data"
@@ -49,6 +49,10 @@ def arguments(name: str, size: float, extra: bool) -> list[str]:
         return ["--params-mb", str(max(8, round(size / 3))), "--saves", "3"]
     if name == "dcp":
         return ["--state-mb", str(max(16, round(size / 2))), "--repeats", "3"]
+    if name == "restore":
+        return ["--size", s(size), "--reps", "3"]
+    if name == "steplog":  # DLRM tables of size/2 MB, a GPT-like state of size/5 MB
+        return ["--steps", "30", "--rounds", "3", "--table-mb", s(max(16.0, size / 2)), "--gpt-mb", s(max(16.0, size / 5))]
     return ["--extra"] if extra else []
 
 

@@ -21,12 +21,14 @@ from benchmarks.common import ROOT, table, verdict
 from benchmarks.report_bytes import incremental_section, quant_section
 from benchmarks.report_peers import accelerate_section, dcp_section, lightning_section
 from benchmarks.report_sections import async_section, format_section
+from benchmarks.report_wait import restore_section, steplog_section
 
 DOC = ROOT / "docs" / "benchmarks.md"
 DATA = ROOT / "docs" / "benchmarks" / "data"
 ACCURACY = "## 5. Quantization: accuracy"
 PROBLEMS = "## Engine problems found"
-ORDER = ("format", "async", "incremental", "quant", "quant_accuracy", "lightning", "accelerate", "dcp")
+ORDER = ("format", "async", "incremental", "quant", "quant_accuracy", "lightning", "accelerate", "dcp", "restore",
+         "steplog")
 
 
 def load_results(data: Path) -> tuple[dict, dict]:
@@ -182,7 +184,8 @@ def render(data: Path = DATA, out: Path = DOC, png: Optional[Path] = None) -> st
         targets += rows
     parts.append(accuracy_section(old, results.get("quant_accuracy")))
     targets += accuracy_target(results.get("quant_accuracy"))
-    for fn, key in ((lightning_section, "lightning"), (accelerate_section, "accelerate"), (dcp_section, "dcp")):
+    for fn, key in ((lightning_section, "lightning"), (accelerate_section, "accelerate"), (dcp_section, "dcp"),
+                    (steplog_section, "steplog"), (restore_section, "restore")):
         text, rows = fn(results.get(key), png, results)
         parts.append(text)
         targets += rows

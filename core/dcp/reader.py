@@ -23,7 +23,8 @@ from ..codecs import Pipeline
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN
 from .format import CheckpointIdMixin, decode_metadata
-from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError
+from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError, ResourceLimitError
+from ..format.limits import memory_limit
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from ..loading.reader import decode_chunk, fetch_blob, read_manifest
 from ..storage.store import Store
@@ -140,6 +141,11 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         """Decode the needed chunks of a batch of records in parallel, then copy on this thread.
         Returns the blobs it read (each verified against its checksum)."""
         tasks, buffers = [], []
+        need, limit = sum(rec.nbytes for rec, _ in batch), memory_limit(self.config.load.max_total_bytes)
+        if need > limit:  # the stored tensors this batch decodes at once (DCP's own tensors are the caller's)
+            raise ResourceLimitError(f"{where}: reading {', '.join(repr(rec.key) for rec, _ in batch[:3])} needs "
+                                     f"{need} bytes of host memory, more than the limit of {limit} "
+                                     "(load.max_total_bytes)")
         for rec, reqs in batch:
             dtype = DTYPES[rec.dtype]
             try:

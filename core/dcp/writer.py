@@ -49,6 +49,7 @@ from ..errors import CheckrunError, FormatError
 from ..format.manifest import ObjectRecord, TensorRecord
 from ..saving.quant_rules import RuleMatcher
 from ..retain import after_commit
+from ..saving.handles import ByteRatios
 from ..saving.lease import SaveLease
 from ..storage.store import Store
 
@@ -66,8 +67,9 @@ class _RankPlan:
 
 
 @dataclass(frozen=True)
-class DcpSaveInfo:
-    """What the coordinator committed (``CheckrunStorageWriter.last_save``)."""
+class DcpSaveInfo(ByteRatios):
+    """What the coordinator committed (``CheckrunStorageWriter.last_save``), in the words of ``SaveInfo``
+    (``referenced_bytes`` = ``stored_bytes``, ``compression_ratio``, ``write_ratio``)."""
 
     path: str
     tensor_bytes: int

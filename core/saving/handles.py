@@ -48,6 +48,11 @@ class ByteRatios:
         """Written bytes over tensor bytes (incremental saves are well below 1)."""
         return self.written_bytes / self.tensor_bytes if self.tensor_bytes else 0.0
 
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes *referenced by this checkpoint* (the same number as ``stored_bytes``)."""
+        return self.stored_bytes
+
 
 @dataclass(frozen=True)
 class SaveInfo(ByteRatios):
@@ -82,11 +87,6 @@ class SaveInfo(ByteRatios):
     quantized_tensors: int
     quantization_saved_bytes: int
     """Raw bytes minus stored bytes of the quantized tensors."""
-
-    @property
-    def referenced_bytes(self) -> int:
-        """Bytes *referenced by this checkpoint* (the same number as ``stored_bytes``)."""
-        return self.stored_bytes
 
     def summary(self) -> str:
         """One line in checkrun's words and units (``ckpt_core.units``), e.g. ``wrote 526.7 KiB (10.5% of

@@ -147,3 +147,18 @@ def test_spread_plans_cut_replicated_tensors_and_balance_ranks() -> None:
     assert [r for r, i in items if i.index.fqn == "own"] == [2]  # unique items stay where they are
     loads = [sum(i.tensor_data.chunk.sizes.numel() * 4 for i in p.items) for p in plans]
     assert max(loads) - min(loads) <= 4000 + 2000  # within one piece of each other
+
+
+def test_reader_applies_load_max_total_bytes_and_save_info_speaks_savinfo_words(tmp_path) -> None:
+    from ckpt_core.errors import ResourceLimitError
+
+    path = str(tmp_path / "x.dcp")
+    state = _state()
+    info = cdcp.save(state, path)
+    assert info.referenced_bytes == info.stored_bytes > 0 and info.compression_ratio > 0
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0,
+              "meta": {"name": None, "betas": None, "nan": None}}
+    with pytest.raises(ResourceLimitError, match=r"x\.dcp.*load\.max_total_bytes"):
+        cdcp.load(target, path, config={"load": {"max_total_bytes": 64}})
+    cdcp.load(target, path, config={"load": {"max_total_bytes": 1 << 20}})
+    _same(state, target)
