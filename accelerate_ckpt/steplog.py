@@ -16,6 +16,9 @@ Order of the calls (all on the training thread, every rank, like ``save_state``/
   part); rank 0 then starts logging again, continuing the chain the replay ended on (the engine
   remembers it), so a second crash resumes through both runs.
 
+The prepared ``GradScaler`` (``accelerator.scaler``, fp16 mixed precision) is logged and replayed with
+the optimizer; the one prepared model (unwrapped) names the parameters in the log.
+
 ``optimizer_steps`` counts the optimizer's steps (a step post-hook: steps a ``GradScaler`` skipped
 are not counted); it is saved in the replicated tree and restored on load, plus what was replayed.
 """
@@ -110,7 +113,7 @@ class AccelerateStepLog:
         self._replaying = True
         try:
             replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
-                                          storage_options=self.storage_options)
+                                          storage_options=self.storage_options, scaler=self.accelerator.scaler)
         except NoMarkerError:
             # saved without the log (or by a run that had it off): nothing to replay after it
             warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself",
@@ -124,8 +127,14 @@ class AccelerateStepLog:
         return replayed
 
     def _open(self, directory: str, optimizer: Any, scheduler: Any) -> None:
-        self.log = self.engine.step_log(directory, optimizer, scheduler, storage_options=self.storage_options)
+        self.log = self.engine.step_log(directory, optimizer, scheduler, storage_options=self.storage_options,
+                                        scaler=self.accelerator.scaler, model=self._model())
         self.directory = directory
+
+    def _model(self) -> Any:
+        """The one prepared model, unwrapped (its names are the state dict's), or None."""
+        models = self.accelerator._models
+        return self.accelerator.unwrap_model(models[0]) if len(models) == 1 else None
 
     def close(self) -> None:
         """Flush and stop the log (rank 0; idempotent)."""

@@ -7,11 +7,16 @@ as a GPU job leaves the host CPU), run side by side in one process:
   touch <= 5% of the rows) + an MLP, one Adagrad optimizer, StepLR;
 * gpt: the GPT-like dense model of ``benchmarks.common`` with Adam, StepLR.
 
-For each: median step time without any checkpointing and with ``engine.step_log`` (file://, defaults),
-the overhead, stored bytes logged per step against a full checkpoint's stored bytes, and recovery:
-load the checkpoint + ``replay`` of the logged steps, against re-running those steps.
+For each: step time without any checkpointing and with ``engine.step_log`` (file://, defaults),
+measured in alternating rounds (none, log, none, log, ...: both see the same machine), reported as
+min-median-max over the rounds; the overhead (of the medians), stored bytes logged per step against a
+full checkpoint's stored bytes, and recovery per round: load the checkpoint + ``replay`` of the logged
+steps, against re-running those steps.
 
-Run: ``python -m benchmarks.bench_steplog [--steps 40] [--rounds 3] [--table-mb 64] [--gpt-mb 48]``.
+Run: ``python -m benchmarks.bench_steplog [--steps 40] [--rounds 3] [--table-mb 128] [--gpt-mb 48]
+[--json PATH]``. The JSON's ``results`` hold one object per model with the keys model, step_ms,
+step_log_ms, overhead_pct, bytes_per_step, checkpoint_bytes, touched_rows_pct, replayed, load_s,
+replay_s, rerun_s (medians) and ``<time>_min`` / ``<time>_max`` for each of the five times.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import MB, gpt_model, machine_header, table, write_json
+from benchmarks.common import MB, gpt_model, machine_header, machine_info, table, write_json
 
 BATCH, IDS_PER_TABLE, TABLES, DIM = 256, 8, 8, 32
 
@@ -87,6 +92,14 @@ def _dir_bytes(path: Path, sub: str = "") -> int:
     return sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
 
 
+def _spread(values: dict[str, list[float]]) -> dict:
+    """Median of each time under its own key, min and max under ``<key>_min`` / ``<key>_max``."""
+    out = {}
+    for k, v in values.items():
+        out.update({k: statistics.median(v), f"{k}_min": min(v), f"{k}_max": max(v)})
+    return out
+
+
 def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) -> dict:
     from ckpt_core import CheckpointEngine
 
@@ -95,6 +108,7 @@ def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) 
         step(i)
     times = {"none": [], "log": []}
     logged = saved = 0
+    firsts = []  # per round, the step before the logged ones (recovery re-runs from there)
     i = 100
     for r in range(rounds):
         for mode in ("none", "log"):
@@ -114,12 +128,20 @@ def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) 
                 if slog is not None:
                     slog.close()
                     logged = slog.bytes_logged / steps
-    recovery = _recovery(name, setup, size, work / f"{name}-{rounds - 1}-log", i - steps, steps)
-    base, with_log = statistics.median(times["none"]), statistics.median(times["log"])
-    return {"model": name, "step_ms": base * 1e3, "step_log_ms": with_log * 1e3,
-            "overhead_pct": 100 * (with_log / base - 1), "bytes_per_step": logged,
-            "checkpoint_bytes": saved, "touched_rows_pct": None if touched is None else 100 * touched,
-            **recovery}
+                if mode == "log":
+                    firsts.append(i - steps)
+    recovery: dict[str, list] = {"load_s": [], "replay_s": [], "rerun_s": []}
+    replayed = 0
+    for r, first in enumerate(firsts):
+        rec = _recovery(name, setup, size, work / f"{name}-{r}-log", first, steps)
+        replayed = rec.pop("replayed")
+        for k, v in rec.items():
+            recovery[k].append(v)
+    spread = _spread({"step_ms": [t * 1e3 for t in times["none"]], "step_log_ms": [t * 1e3 for t in times["log"]],
+                      **recovery})
+    return {"model": name, **spread, "overhead_pct": 100 * (spread["step_log_ms"] / spread["step_ms"] - 1),
+            "bytes_per_step": logged, "checkpoint_bytes": saved,
+            "touched_rows_pct": None if touched is None else 100 * touched, "replayed": replayed}
 
 
 def _recovery(name: str, setup, size: float, d: Path, first: int, steps: int) -> dict:
@@ -142,6 +164,10 @@ def _recovery(name: str, setup, size: float, d: Path, first: int, steps: int) ->
     return {"replayed": n, "load_s": t_load, "replay_s": t_replay, "rerun_s": time.perf_counter() - t0}
 
 
+def _mmm(r: dict, key: str) -> str:
+    return f"{r[key + '_min']:.1f}-{r[key]:.1f}-{r[key + '_max']:.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -152,19 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    started = machine_info()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     results = [measure("dlrm", dlrm_setup, args.table_mb, args.steps, args.rounds, work),
                measure("gpt", gpt_setup, args.gpt_mb, args.steps, args.rounds, work)]
     print(machine_header("step log: per-step overhead, bytes per step, recovery"))
     rows = [[r["model"], r["touched_rows_pct"] if r["touched_rows_pct"] is not None else "dense",
-             r["step_ms"], r["step_log_ms"], f"{r['overhead_pct']:+.1f}%", r["bytes_per_step"] / MB,
+             _mmm(r, "step_ms"), _mmm(r, "step_log_ms"), f"{r['overhead_pct']:+.1f}%", r["bytes_per_step"] / MB,
              r["checkpoint_bytes"] / MB, f"{100 * r['bytes_per_step'] / r['checkpoint_bytes']:.1f}%",
              r["replayed"], r["load_s"] + r["replay_s"], r["rerun_s"]] for r in results]
-    print(table(["model", "rows touched %", "step ms", "+log ms", "overhead", "MB/step", "ckpt MB",
-                 "step/ckpt", "steps", "load+replay s", "re-run s"], rows))
+    print(table(["model", "rows touched %", "step ms (min-med-max)", "+log ms (min-med-max)", "overhead",
+                 "MB/step", "ckpt MB", "step/ckpt", "steps", "load+replay s", "re-run s"], rows))
+    print("\noverhead: of the medians; one torch thread, the other core left to the log's threads; "
+          "load+replay and re-run: medians over the rounds")
     shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, "steplog", args, results)
+    write_json(args.json, "steplog", args, results, started)
     return 0
 
 

@@ -101,25 +101,34 @@ class CheckpointEngine:
         return handle
 
     def load(self, path: PathLike, map_location: Any = None, weights_only: bool = True,
-             storage_options: dict | None = None) -> Any:
+             storage_options: dict | None = None, into: Any = None) -> Any:
         """Load the checkpoint at ``path`` (waits for a pending save to it). Tensors are verified.
 
         ``weights_only=True`` refuses values that need pickle unless their type is allow-listed.
-        The next save to the same directory is incremental against what was loaded."""
+        The next save to the same directory is incremental against what was loaded.
+
+        ``into``: a structure shaped like the checkpoint (``{"model": model.state_dict(), ...}``).
+        Each CPU tensor of it at the path of a stored tensor, with its shape and dtype, receives the
+        values in place (decoded straight into it) and is the leaf returned; any other leaf (another
+        shape, dtype or device, a path ``into`` lacks) loads as without ``into``, no error. If the
+        load fails (a corrupt or missing blob), those tensors may be partly overwritten: load again.
+        See docs/ENGINE_API.md."""
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
         manifest = self._read_manifest(store, name)
         incremental = self.config.incremental
 
-        def keep_copy(rec, flat) -> bool:
-            return wants_stream(rec, flat, incremental, lambda: _lands_on_cpu(flat, rec.device, map_location))
+        def keep_copy(rec, flat, live) -> bool:  # ckpt_core.load's one-shot engine saves nothing after
+            return getattr(self, "_keep_loaded", True) and wants_stream(
+                rec, flat, incremental, lambda: live or _lands_on_cpu(flat, rec.device, map_location))
 
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
-                                            weights_only=weights_only, config=self.config, keep_copy=keep_copy)
+                                            weights_only=weights_only, config=self.config, keep_copy=keep_copy,
+                                            alloc_copy=self._pool.copy_allocator(), into=into)
         if self._process is not None:
             self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
-        adopt_loaded(self._dirstate(store), manifest.blobs(), loaded, self._pool.host_copy)
+        adopt_loaded(self._dirstate(store), manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host)
         self._coord.release_if_idle()
         return state
 
@@ -354,21 +363,23 @@ class CheckpointEngine:
             raise wrapped
 
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
-                 storage_options: dict | None = None) -> Any:
-        """Log every ``optimizer.step()`` (and ``scheduler.step()``) into ``directory``'s step log;
-        saves by this engine into ``directory`` mark their position in it. Returns the ``StepLog``
-        (``flush()``, ``close()``). Training thread; see docs/steplog.md."""
+                 storage_options: dict | None = None, *, scaler: Any = None, model: Any = None) -> Any:
+        """Log every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state: a
+        ``torch.amp.GradScaler``) into ``directory``'s step log; saves by this engine into ``directory``
+        mark their position in it. ``model``: names the parameters in the log when the optimizer's groups
+        do not. Returns the ``StepLog`` (``flush()``, ``close()``). Training thread; see docs/steplog.md."""
         from .steplog import open_log
 
-        return open_log(self, directory, optimizer, scheduler, storage_options)
+        return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model)
 
     def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
-               after: PathLike | None = None, storage_options: dict | None = None) -> int:
+               after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None) -> int:
         """After loading checkpoint ``after`` (default: the newest one the log marks) into the model,
-        ``optimizer`` and ``scheduler``, apply the steps logged since; returns how many. Training thread."""
+        ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
+        Training thread."""
         from .steplog import replay
 
-        return replay(self, directory, optimizer, scheduler, after, storage_options)
+        return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:
@@ -389,11 +400,14 @@ def save(state: Any, path: PathLike, *, config: EngineConfig | dict | PathLike |
 
 
 def load(path: PathLike, *, map_location: Any = None, weights_only: bool = True,
-         config: EngineConfig | dict | PathLike | None = None, storage_options: dict | None = None) -> Any:
-    """Load the checkpoint at ``path`` (a one-call convenience)."""
+         config: EngineConfig | dict | PathLike | None = None, storage_options: dict | None = None,
+         into: Any = None) -> Any:
+    """Load the checkpoint at ``path`` (a one-call convenience); ``into``: decode into those live
+    tensors in place, see ``CheckpointEngine.load``."""
     with CheckpointEngine(config) as engine:
+        engine._keep_loaded = False  # no save follows: no reference copy for the next row delta
         return engine.load(path, map_location=map_location, weights_only=weights_only,
-                           storage_options=storage_options)
+                           storage_options=storage_options, into=into)
 
 
 __all__ = ["CheckpointEngine", "save", "load"]

@@ -20,6 +20,9 @@ Lightning calls ``load_checkpoint`` before its strategy creates the optimizers.
   batch) it replays the steps logged after that checkpoint on every rank, advances the training
   epoch loop's counters (``global_step`` is its optimizer-step count) by the steps replayed, and
   rank 0 logs on, continuing the chain. Another ``ckpt_path`` loads that checkpoint exactly.
+* The precision plugin's ``GradScaler`` (``16-mixed``; Lightning has one on CUDA only, and turns
+  ``16-mixed`` on the CPU into ``bf16-mixed``, which has none) is logged and replayed with the
+  optimizer; the LightningModule names the parameters in the log (``checkrun export --step``).
 """
 from __future__ import annotations
 
@@ -69,6 +72,11 @@ def targets(trainer: Any) -> tuple[torch.optim.Optimizer, Any]:
         raise StepLogSetupError("CheckrunCheckpointIO(step_log=True): LBFGS evaluates its closure several times "
                                 "per step; the step log cannot capture one set of gradients per step")
     return optimizer, (configs[0].scheduler if configs else None)
+
+
+def grad_scaler(trainer: Any) -> Any:
+    """The precision plugin's ``GradScaler`` (16-mixed), or None."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
 
 def _closure_first(optimizer: torch.optim.Optimizer) -> None:
@@ -146,7 +154,7 @@ class LightningStepLog:
             return
         optimizer, scheduler = targets(trainer)
         self.close()
-        self._open(engine, directory, optimizer, scheduler)
+        self._open(engine, directory, trainer, optimizer, scheduler)
 
     def after_load(self, engine: CheckpointEngine, strategy: Any, url: str) -> None:
         """Every rank, after loading ``url``: arm the replay if it is a ``last*.ckpt`` of a Trainer."""
@@ -172,7 +180,7 @@ class LightningStepLog:
             self.close()
         steps = 0
         try:
-            steps = engine.replay(directory, optimizer, scheduler, after=url)
+            steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer))
         except NoMarkerError:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
                           stacklevel=2)
@@ -180,14 +188,15 @@ class LightningStepLog:
         if steps:
             advance_counters(trainer, steps)
         if trainer.is_global_zero:
-            self._open(engine, directory, optimizer, scheduler)
+            self._open(engine, directory, trainer, optimizer, scheduler)
         log.info("lightning_ckpt: replayed %d logged step(s) after %s (global_step %d)", steps, url,
                  trainer.global_step)
         return steps
 
-    def _open(self, engine: CheckpointEngine, directory: str, optimizer: Any, scheduler: Any) -> None:
+    def _open(self, engine: CheckpointEngine, directory: str, trainer: Any, optimizer: Any, scheduler: Any) -> None:
         _closure_first(optimizer)
-        self.log = engine.step_log(directory, optimizer, scheduler)
+        self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
+                                   model=trainer.lightning_module)
         self.directory = directory
 
     def close(self) -> None:

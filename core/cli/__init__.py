@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the state at logged step N: the checkpoint marked newest at or before N, then the "
                         "step log replayed to N (CKPT: a directory, or the checkpoint to start from)")
     p.add_argument("--optimizer", metavar="NAME",
-                   help="with --step: the torch.optim class that trained (e.g. Adam); the log does not record it")
+                   help="with --step: the torch.optim class that trained (e.g. Adam); default: the class the "
+                        "step log records, if it is one of torch.optim's (logs before format version 2 record none)")
     _common(p)
 
     p = add("import", "turn a torch.save or safetensors file into a checkrun checkpoint")

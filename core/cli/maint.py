@@ -107,7 +107,8 @@ def cmd_gc(ctx: Context) -> int:
                    "deleted": report.deleted, "deleted_blobs": len(report.deleted),
                    "freed_bytes": report.freed_bytes, "kept_young": report.kept_young,
                    "kept_leased": report.kept_leased, "leases": report.leases,
-                   "referenced": report.referenced, "problems": [one_line(p) for p in report.problems]})
+                   "referenced": report.referenced, "step_log": report.step_log,
+                   "problems": [one_line(p) for p in report.problems]})
         return code
     if report.problems:
         print(f"gc skipped {report.directory}: a manifest cannot be read, so its blobs may still be needed")
@@ -121,4 +122,8 @@ def cmd_gc(ctx: Context) -> int:
           f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed_bytes)}")
     print(f"kept {report.referenced} referenced blob(s), {report.kept_leased} leased by "
           f"{report.leases} save(s) in flight, {report.kept_young} younger than the grace ({grace:g} s)")
+    if report.step_log:  # segments, markers and run objects of the step log no replay needs
+        print(f"{verb} {len(report.step_log)} step-log object(s) no retained checkpoint or open log needs:")
+        for name in report.step_log:
+            print(f"  {name}")
     return code

@@ -3,11 +3,14 @@
 The checkpoint whose marker is the newest at or before step N is loaded; its optimizer is rebuilt
 and the logged steps up to N are replayed into it. What the replay needs and where it comes from:
 
-* the optimizer's class: the step log does not record it, so ``--optimizer NAME`` names it; only a
-  class of ``torch.optim`` itself is accepted (no other code is imported);
+* the optimizer's class: the one the log's run header records (format version 2), looked up among
+  ``torch.optim``'s classes by module and name, never imported from the log (loading never executes
+  code a checkpoint names); ``--optimizer NAME`` overrides it, and is needed for a log that records
+  none (version 1) or a class outside ``torch.optim``; only a class of ``torch.optim`` is accepted;
 * which checkpoint tensors are its parameters: the optimizer state's ``param_names`` (torch >= 2.6
-  records them for an optimizer built from ``model.named_parameters()``) and the one dictionary of
-  the state that holds a tensor under every such name (the model's state dict);
+  records them for an optimizer built from ``model.named_parameters()``), else the names the log's
+  run header records (the adapters and ``step_log(model=)`` record the model's), and the one
+  dictionary of the state that holds a tensor under every such name (the model's state dict);
 * the LR scheduler: the one dictionary of the state shaped like a scheduler's ``state_dict``
   (``last_epoch`` and ``_step_count``), if any; the log's scheduler records are applied to it.
 
@@ -31,13 +34,31 @@ from ..steplog.capture import flat_params
 _MAX_DEPTH = 8
 
 
-def optimizer_class(name: str | None) -> type:
+def _optimizer_classes() -> dict[str, type]:
+    """torch.optim's optimizer classes by short name (``Adam``)."""
+    return {n: getattr(torch.optim, n) for n in sorted(torch.optim.__all__)
+            if isinstance(getattr(torch.optim, n, None), type) and n != "Optimizer"
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
+
+
+def logged_class(recorded: str | None) -> type:
+    """The ``torch.optim`` class whose ``module.qualname`` the log records (``torch.optim.adam.Adam``):
+    a look-up in torch.optim's own classes, never an import of the recorded module."""
+    classes = _optimizer_classes()
+    if recorded is None:
+        raise CliError("--step needs --optimizer NAME: this step log does not record the optimizer's class "
+                       f"(written before format version 2; one of torch.optim's: {', '.join(classes)})", EXIT_USAGE)
+    by_path = {f"{c.__module__}.{c.__qualname__}": c for c in classes.values()}
+    if recorded not in by_path:
+        raise CliError(f"--step needs --optimizer NAME: the step log records the optimizer class {recorded!r}, "
+                       "which is not one of torch.optim's (checkrun imports no other code); name the torch.optim "
+                       f"class that steps like it (one of: {', '.join(classes)})", EXIT_USAGE)
+    return by_path[recorded]
+
+
+def optimizer_class(name: str) -> type:
     """The ``torch.optim`` class called ``name`` (an error naming the choices otherwise)."""
-    choices = sorted(n for n in torch.optim.__all__ if isinstance(getattr(torch.optim, n, None), type)
-                     and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer")
-    if name is None:
-        raise CliError("--step needs --optimizer NAME: the step log does not record the optimizer's class "
-                       f"(one of torch.optim's: {', '.join(choices)})", EXIT_USAGE)
+    choices = list(_optimizer_classes())
     short = name.removeprefix("torch.optim.")
     if short not in choices:
         raise CliError(f"--optimizer {name!r}: not a torch.optim optimizer class (one of: {', '.join(choices)})",
@@ -107,13 +128,25 @@ def _one(found: list, what: str, where: str) -> Any:
     return found[0]
 
 
-def locate(state: Any, where: str) -> tuple[dict, dict, list[list[str]], dict | None]:
-    """(model state dict, optimizer state dict, parameter names per group, scheduler state or None)."""
+def _fits(names: Any, groups: list) -> bool:
+    return (isinstance(names, (list, tuple)) and len(names) == len(groups)
+            and all(isinstance(n, (list, tuple)) and len(n) == len(g["params"]) for n, g in zip(names, groups)))
+
+
+def locate(state: Any, where: str, logged_names: Any = None) -> tuple[dict, dict, list[list[str]], dict | None]:
+    """(model state dict, optimizer state dict, parameter names per group, scheduler state or None).
+    The names: the optimizer state's ``param_names``, else ``logged_names`` (the log's run header)."""
     opt = _one([d for d in _walk_dicts(state) if _is_optimizer_state(d)], "optimizer state_dict", where)
     names = [g.get("param_names") for g in opt["param_groups"]]
-    if not all(isinstance(n, list) and len(n) == len(g["params"]) for n, g in zip(names, opt["param_groups"])):
-        raise CliError(f"{where}: the optimizer state has no param_names, so the logged gradients cannot be "
-                       "matched to the model's tensors (build the optimizer from model.named_parameters())")
+    if not _fits(names, opt["param_groups"]):
+        if logged_names is not None and not _fits(logged_names, opt["param_groups"]):
+            raise CliError(f"{where}: the step log names {sum(map(len, logged_names))} parameters in "
+                           f"{len(logged_names)} group(s), the optimizer state does not have that shape")
+        if logged_names is None:
+            raise CliError(f"{where}: neither the optimizer state (param_names) nor the step log names the "
+                           "parameters, so the logged gradients cannot be matched to the model's tensors (build the "
+                           "optimizer from model.named_parameters(), or pass model= to engine.step_log)")
+        names = [list(n) for n in logged_names]
     flat = [n for group in names for n in group]
     model = _one([d for d in _walk_dicts(state) if d is not opt
                   and all(isinstance(d.get(n), torch.Tensor) for n in flat)], "model state_dict holding "
@@ -181,11 +214,12 @@ def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_
 def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None,
                    weights_only: bool) -> tuple[str, Any, dict]:
     """(the checkpoint used, the state replayed to ``step``, facts for the report)."""
-    cls = optimizer_class(optimizer_name)
-    segs, entry, _, chain = choose_start(ctx, src, step)
+    segs, entry, index, chain = choose_start(ctx, src, step)
+    run = index.runs.get(chain.marker.run)
+    cls = optimizer_class(optimizer_name) if optimizer_name is not None else logged_class(run and run.optimizer)
     url = src if ctx.kind(src) == "file" else f"{src.rstrip('/')}/{entry.name}"
     state = open_view(ctx, url).load(ctx, weights_only=weights_only)
-    model, opt, names, sched = locate(state, url)
+    model, opt, names, sched = locate(state, url, run and run.param_names)
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
         replayed = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),

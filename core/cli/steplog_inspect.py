@@ -7,7 +7,7 @@ import os
 from .steplog import STEPLOG_DIR, has_log, read_header, segments_store
 from .util import EXIT_OK, CliError, Context, emit_json, human_size, one_line, table
 from ..errors import CheckpointNotFoundError, CheckrunError
-from ..steplog.format import PREFIX_BYTES, SegmentDamaged, header_end, parse_header, split_segment
+from ..steplog.format import PREFIX_BYTES, RunInfo, SegmentDamaged, header_end, parse_header, split_segment
 from ..steplog.index import read_index
 from ..storage.store import Store
 
@@ -119,8 +119,9 @@ def cmd_inspect_log(ctx: Context, path: str) -> int:
             except (SegmentDamaged, CheckrunError) as exc:
                 row.update(steps=None, payload_bytes=None, error=one_line(exc))
             rows.append(row)
+    runs = [_run_info(info) for info in sorted(index.runs.values(), key=lambda r: r.created)]
     if ctx.json:
-        emit_json({"step_log": base, "segments": rows, "markers": [m.__dict__ for m in index.markers]})
+        emit_json({"step_log": base, "segments": rows, "markers": [m.__dict__ for m in index.markers], "runs": runs})
         return EXIT_OK
     print(table(["SEGMENT", "EVENTS", "STEPS", "PAYLOAD"],
                 [[r["segment"].rpartition("/")[2], "{}..{}".format(*r["events"]),
@@ -128,7 +129,20 @@ def cmd_inspect_log(ctx: Context, path: str) -> int:
                   human_size(r["payload_bytes"]) if r["payload_bytes"] is not None else ""] for r in rows]))
     for m in index.markers:
         print(f"marker: {m.checkpoint} after step {m.step} (run {m.run}, event {m.event})")
+    for r in runs:
+        names = "" if r["param_names"] is None else f", {sum(map(len, r['param_names']))} named parameters"
+        after = f"continues run {r['parent']['run']} after event {r['parent']['event']}" if r["parent"] else "first run"
+        print(f"run {r['run']}: {r['optimizer'] or 'optimizer class not recorded'}{names}; {after}; "
+              f"{'closed' if r['closed'] else 'open or ended without close'}")
     return EXIT_OK
+
+
+def _run_info(info: RunInfo) -> dict:
+    """A run object as ``inspect DIR/.checkrun/steplog --json`` shows it."""
+    return {"run": info.run, "created": info.created, "start_step": info.start_step,
+            "parent": None if info.parent is None else {"run": info.parent[0], "event": info.parent[1]},
+            "optimizer": info.optimizer, "closed": info.closed,
+            "param_names": None if info.param_names is None else [list(g) for g in info.param_names]}
 
 
 def header_steps(header: dict) -> list[dict]:

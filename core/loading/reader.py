@@ -1,5 +1,7 @@
-"""Load and verify: read manifest -> fetch blobs in parallel -> verify -> decode -> apply deltas ->
-place (``placement``: ``map_location`` for every tensor, those inside pickled values included).
+"""Load and verify: read manifest -> fetch, verify and decode every blob in one pass (``decode``:
+bases and delta links together, straight into the destination) -> place (``placement``:
+``map_location`` for every tensor, those inside pickled values included). A load may decode into
+the caller's live tensors (``into``: matched by ``into.match_into``).
 
 Every byte is checked against the manifest's size and xxh3 checksum before a decoder sees it, and
 every decoder is bounded by the size the manifest declares (already validated against limits).
@@ -11,17 +13,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-import numpy as np
 import torch
-import xxhash
 
-from ..codecs import Pipeline, index_pipeline
-from ..codecs._common import tensor_bytes
+from ..codecs import Pipeline
 from ..config import EngineConfig
-from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
+from ..errors import CheckrunError, FormatError, ResourceLimitError
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
 from ..format.objects import deserialize_object
+from .decode import Pass, decode_limit, fetch_blob, pack_limit
+from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
 from ..storage.store import Store
@@ -34,20 +35,6 @@ def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
     """Read and validate the manifest ``name`` of ``store`` (errors name its URL)."""
     data = store.read_manifest(name)
     return parse_manifest(data, store.url(name), limits=limits_for(config))
-
-
-def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> bytes | memoryview:
-    """Read one blob and check its size and checksum before anything uses it.
-
-    With ``buf`` (at least ``ref.size + 1`` bytes) a local store reads into it and the result
-    aliases it."""
-    data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
-    if len(data) != ref.size:
-        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
-                                     "in the manifest (truncated or replaced blob)")
-    if xxhash.xxh3_64_hexdigest(data) != ref.csum:
-        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
-    return data
 
 
 class Scratch:
@@ -76,28 +63,18 @@ def alloc_host(numel: int, dtype: torch.dtype, where: str, what: str) -> torch.T
                                  f"{exc}") from None
 
 
-def _decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
-    """Most bytes any stage of a chunk's pipeline may produce (raw size, quantization scales)."""
-    raw = chunk.rows * chunk.cols * dtype.itemsize
-    return 2 * raw + 16 * chunk.rows + 4096
-
-
 def decode_chunk(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch.dtype) -> torch.Tensor:
     """Fetch, verify and decode one chunk (a part of a pack included) into a new (rows, cols) tensor."""
     data = fetch_blob(store, chunk.blob)
     try:
         if chunk.part is None:
-            return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, _decode_limit(chunk, dtype))
+            return pipeline.decode(data, (chunk.rows, chunk.cols), dtype, decode_limit(chunk, dtype))
         start, total = chunk.part
-        pack = pipeline.decode(data, (1, total // dtype.itemsize), dtype, _pack_limit(total)).reshape(-1)
+        pack = pipeline.decode(data, (1, total // dtype.itemsize), dtype, pack_limit(total)).reshape(-1)
         first = start // dtype.itemsize
         return pack[first:first + chunk.rows * chunk.cols].clone().view(chunk.rows, chunk.cols)
     except FormatError as exc:
         raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
-
-
-def _pack_limit(total: int) -> int:
-    return 2 * total + 4096
 
 
 def _pipeline(rec: TensorRecord, where: str) -> Pipeline:
@@ -115,110 +92,71 @@ class LoadedTensor:
     copy: torch.Tensor | None = None  # a second copy of the values, private to the engine
 
 
-#: ``keep_copy(record, flat)``: whether ``load_tensors`` should also fill ``LoadedTensor.copy``.
-KeepCopy = Callable[[TensorRecord, torch.Tensor], bool]
+#: ``keep_copy(record, flat, live)``: whether ``load_tensors`` should also fill ``LoadedTensor.copy``
+#: (``live``: ``flat`` is the caller's own CPU tensor, from ``into``).
+KeepCopy = Callable[[TensorRecord, torch.Tensor, bool], bool]
 
 
 def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCopy | None = None,
-                 max_total_bytes: int | None = None) -> list[LoadedTensor]:
-    """Fetch, verify and decode every tensor (bases in parallel, then deltas in order).
+                 max_total_bytes: int | None = None,
+                 alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+                 into: dict[int, torch.Tensor] | None = None) -> list[LoadedTensor]:
+    """Fetch, verify and decode every tensor: one pass over the bases and every delta link
+    (``decode.Pass``), each tensor's links applied in chain order as soon as its blobs are decoded.
 
-    Tensors ``keep_copy`` selects get a second copy (``LoadedTensor.copy``), made chunk by chunk
-    on the io threads right after each chunk is decoded (the engine keeps it as the reference of
-    the next row-delta save). What the manifest declares is checked against ``max_total_bytes``
-    (``load.max_total_bytes``) before anything is allocated."""
+    ``into`` (record index -> a contiguous CPU tensor of the record's shape and dtype): decoded
+    straight into that tensor, which becomes ``LoadedTensor.flat``; the others are allocated here.
+    Tensors ``keep_copy`` selects get a second copy (``LoadedTensor.copy``, never an alias of
+    ``flat``), made on the io threads while the values are hot (the engine keeps it as the
+    reference of the next row-delta save). What the manifest declares (tensors not in ``into``,
+    row indices, the links' values, the copies) is checked against ``max_total_bytes``
+    (``load.max_total_bytes``) before anything is allocated. ``alloc_copy(numel, dtype)`` allocates
+    those copies where the caller keeps them (the writer process's shared memory), default: here."""
+    into = into or {}
     limit = memory_limit(max_total_bytes)
-    total = check_load_bytes(manifest, where, limit)
-    out, tasks, packs = [], [], {}
-    for rec in manifest.tensors:
+    total = check_load_bytes(manifest, where, limit, sum(
+        (0 if i in into else rec.nbytes) + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0]))
+        for i, rec in enumerate(manifest.tensors)))
+    scratch = Scratch(where)
+    one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what))
+    out = []
+    for i, rec in enumerate(manifest.tensors):
         dtype = DTYPES[rec.dtype]
         pipe = _pipeline(rec, where)
-        flat = alloc_host(rec.numel, dtype, where, f"tensor {rec.key!r}")
+        live = into.get(i)
+        flat = live.detach().view(-1) if live is not None else alloc_host(rec.numel, dtype, where, f"tensor {rec.key!r}")
         lt = LoadedTensor(rec, flat)
-        if keep_copy is not None and keep_copy(rec, flat):
+        if keep_copy is not None and keep_copy(rec, flat, live is not None):
             total = check_load_bytes(manifest, where, limit, total + rec.nbytes)
-            lt.copy = alloc_host(rec.numel, dtype, where, f"copy of tensor {rec.key!r}")
+            lt.copy = (alloc_copy(rec.numel, dtype) if alloc_copy is not None
+                       else alloc_host(rec.numel, dtype, where, f"copy of tensor {rec.key!r}"))
         out.append(lt)
-        for chunk in rec.base:
-            if chunk.part is None:
-                tasks.append((lt, pipe, chunk, dtype))
-            else:  # parts of one pack are decoded together, once
-                packs.setdefault((chunk.blob, chunk.part[1], pipe.spec_id, dtype.itemsize), []).append(
-                    (lt, pipe, chunk, dtype))
-    tasks.extend(packs.values())
-
-    scratch = Scratch(where)
-
-    def pack_task(members: list) -> None:
-        _, pipe, first, dtype = members[0]
-        total = first.part[1]
-        data = fetch_blob(store, first.blob, scratch.get(-1, first.blob.size + 1))
-        pack = torch.frombuffer(scratch.get(-2, total), dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
-        try:
-            pipe.decode_into(data, pack.view(dtype).view(1, -1), _pack_limit(total), scratch.get)
-        except FormatError as exc:
-            raise FormatError(f"{store.blob_path(first.blob.key)}: {exc}") from None
-        for lt, _, chunk, _ in members:
-            n = chunk.rows * chunk.cols
-            part = pack[chunk.part[0]:chunk.part[0] + n * dtype.itemsize]
-            lt.flat[chunk.off:chunk.off + n].view(torch.uint8).copy_(part)
-            if lt.copy is not None:
-                lt.copy[chunk.off:chunk.off + n].view(torch.uint8).copy_(part)
-
-    def base_task(task) -> None:
-        if isinstance(task, list):
-            pack_task(task)
-            return
-        lt, pipe, chunk, dtype = task
-        dest = lt.flat[chunk.off:chunk.off + chunk.rows * chunk.cols].view(chunk.rows, chunk.cols)
-        data = fetch_blob(store, chunk.blob, scratch.get(-1, chunk.blob.size + 1))
-        try:
-            pipe.decode_into(data, dest, _decode_limit(chunk, dtype), scratch.get)
-        except FormatError as exc:
-            raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
-        if lt.copy is not None and dest.numel():  # numpy: one thread, while the chunk is hot
-            np.copyto(np.frombuffer(tensor_bytes(lt.copy[chunk.off:chunk.off + dest.numel()]), np.uint8),
-                      np.frombuffer(tensor_bytes(dest), np.uint8))
-
-    store.map(base_task, tasks, cost=lambda task: (task[0] if isinstance(task, list) else task)[2].blob.size)
-    del scratch
-    index_pipe = index_pipeline()
-    for lt in out:
-        if lt.record.deltas:
-            _apply_deltas(store, lt, _pipeline(lt.record, where), index_pipe, where)
+        one_pass.add(lt, pipe, dtype)
+    one_pass.run()
     return out
-
-
-def _apply_deltas(store: Store, lt: LoadedTensor, pipe: Pipeline, index_pipe: Pipeline, where: str) -> None:
-    rec = lt.record
-    rows, cols = rec.row_shape
-    t2d = lt.flat.view(rows, cols)
-    for delta in rec.deltas:
-        idx = decode_chunk(store, index_pipe, ChunkRef(0, 1, delta.n, delta.idx), torch.int64).reshape(-1)
-        if delta.n and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-            raise CorruptCheckpointError(f"{where}: tensor {rec.key!r}: delta row index out of range")
-        parts = store.map(lambda c: decode_chunk(store, pipe, c, lt.flat.dtype), list(delta.chunks))
-        values = torch.cat([p.reshape(-1, cols) for p in parts]) if parts else t2d[:0]
-        t2d.index_copy_(0, idx, values)
-        if lt.copy is not None:
-            lt.copy.view(rows, cols).index_copy_(0, idx, values)
-        lt.delta_indices.append(idx)
 
 
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
                         weights_only: bool, config: EngineConfig,
-                        keep_copy: KeepCopy | None = None) -> tuple[Any, list[LoadedTensor]]:
-    """Rebuild the saved state tree from a parsed manifest (``keep_copy``: see ``load_tensors``)."""
+                        keep_copy: KeepCopy | None = None,
+                        alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+                        into: Any = None) -> tuple[Any, list[LoadedTensor]]:
+    """Rebuild the saved state tree from a parsed manifest (``keep_copy``, ``alloc_copy``: see
+    ``load_tensors``). The CPU tensors of ``into`` that match a stored tensor (``into.plan_into``)
+    receive its values in place and are the leaves returned; ``map_location`` places the others."""
     where = store.url(name)
     leaves = check_structure(manifest, where)
-    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes)
+    plan = plan_into(manifest, leaves, into)
+    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy, plan.direct)
     placer = Placer(map_location)
     try:
-        tensors = [placer.place(lt.flat.view(lt.record.shape), lt.record.device) for lt in loaded]
+        tensors = [lt.flat.view(lt.record.shape) if i in plan.direct else
+                   placer.place(lt.flat.view(lt.record.shape), lt.record.device) for i, lt in enumerate(loaded)]
     except CheckrunError as exc:
         raise type(exc)(f"{where}: {exc}") from None
     finally:
         placer.finish()  # one wait per device for the copies queued
+    finish_into(plan, tensors)
     objects = []
     object_location = object_map_location(map_location)
     for rec in manifest.objects:
@@ -230,7 +168,7 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         except CheckrunError as exc:  # name the checkpoint and blob
             raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
     try:
-        state = unflatten(manifest.skeleton, [tensors[i] for i in leaves], objects)
+        state = unflatten(manifest.skeleton, [plan.leaves.get(j, tensors[i]) for j, i in enumerate(leaves)], objects)
     except CheckrunError:
         raise
     except (ValueError, TypeError, KeyError, IndexError) as exc:

@@ -129,6 +129,8 @@ class GCReport:
     """Live leases of saves in flight seen."""
     pending: dict = field(default_factory=dict)
     """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
+    step_log: list[str] = field(default_factory=list)
+    """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
 
 
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
@@ -159,6 +161,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
             _account(report, victims)
             if candidates is None:
                 _collect_temp_files(store, config, floor, report, delete=False)
+            _collect_steplog(store, config, report, dry_run)
             return report
         deleted, left = _delete_in_rounds(store, config, ldir, gc, victims, floor, report)
         _account(report, deleted)
@@ -306,6 +309,6 @@ def _collect_steplog(store: Store, config: EngineConfig, report: GCReport, dry_r
     from ..steplog.gc import collect_segments  # a later stage: imported where used
 
     try:
-        collect_segments(store, lambda: list_checkpoints(store, config), dry_run)
+        report.step_log = collect_segments(store, lambda: list_checkpoints(store, config), dry_run)
     except CheckrunError as exc:  # a malformed step-log object: delete none of it, say why
         report.problems.append(f"step log: {exc}")

@@ -9,9 +9,11 @@ everything taken: budget, buffers, and the row streams' claim to match what is c
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,25 +108,15 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     created = time.time()
     stamp = new_stamp()
     flat = flatten(state)
-    leaves: list[int] = []
-    unique: dict[tuple, int] = {}
-    sources: list[tuple[str, torch.Tensor]] = []
-    for leaf in flat.tensors:
-        # Views of the same memory with the same layout (tied weights) are stored once.
-        k = _alias_key(leaf.tensor)
-        if k not in unique:
-            if leaf.tensor.device.type not in DEVICE_TYPES:  # a load would refuse the manifest
-                raise FormatError(f"{leaf.key}: cannot save a tensor on {leaf.tensor.device}: checkrun saves "
-                                  f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
-            unique[k] = len(sources)
-            sources.append((leaf.key, leaf.tensor.detach()))
-        leaves.append(unique[k])
+    with _gc_paused():
+        leaves, unique, sources = _sources(flat.tensors)
     deferred = _device_objects(flat.objects, sources)
     charged = _staging_bytes(sources) + sum(deferred.values())
     budget.acquire(charged)
     taken: list[torch.Tensor] = []  # staging buffers from the pool: given back on an error
     try:
-        staged = _stage_all(sources, dirstate, pool, copier, config, trackers, taken)
+        with _gc_paused():
+            staged = _stage_all(sources, dirstate, pool, copier, config, trackers, taken)
         objects, later = _stage_objects(flat.objects, deferred, copier, pool.pin_memory)
         meta, late_meta = _meta(state, lambda t: _staged_copy(t, unique, staged))
         event = copier.finish()
@@ -146,11 +138,44 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, meta, stamp)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC (process-wide) while staging: it allocates a few objects per tensor, and a
+    collection they trigger scans every live object of the process, on the training thread (what
+    ``flatten`` does too). Blocking waits (the budget) stay outside."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str, torch.Tensor]]]:
+    """(leaf -> source index, alias key -> source index, the distinct (key, tensor) sources)."""
+    indices: list[int] = []
+    unique: dict[tuple, int] = {}
+    sources: list[tuple[str, torch.Tensor]] = []
+    for leaf in leaves:
+        # Views of the same memory with the same layout (tied weights) are stored once.
+        k = _alias_key(leaf.tensor)
+        if k not in unique:
+            # is_cpu first: ``device.type`` costs a device object per tensor (~0.6 us, many small tensors)
+            if not leaf.tensor.is_cpu and leaf.tensor.device.type not in DEVICE_TYPES:  # a load would refuse it
+                raise FormatError(f"{leaf.key}: cannot save a tensor on {leaf.tensor.device}: checkrun saves "
+                                  f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
+            unique[k] = len(sources)
+            sources.append((leaf.key, leaf.tensor.detach()))
+        indices.append(unique[k])
+    return indices, unique, sources
+
+
 def _by_device(sources: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
     """Indices of the device (non-CPU) sources, per device."""
     out: dict[torch.device, list[int]] = {}
     for i, (_, t) in enumerate(sources):
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             out.setdefault(t.device, []).append(i)
     return out
 
@@ -158,7 +183,7 @@ def _by_device(sources: list[tuple[str, torch.Tensor]]) -> dict[torch.device, li
 def _staging_bytes(sources: list[tuple[str, torch.Tensor]]) -> int:
     """What staging ``sources`` takes: host tensors' bytes, and per device its arena (the device
     tensors' bytes with their alignment)."""
-    host = sum(t.nbytes for _, t in sources if t.device.type == "cpu")
+    host = sum(t.nbytes for _, t in sources if t.is_cpu)
     return host + sum(arena_layout([(sources[i][1].dtype, sources[i][1].numel()) for i in idxs])[1]
                       for idxs in _by_device(sources).values())
 
@@ -172,7 +197,7 @@ def _stage_all(sources: list[tuple[str, torch.Tensor]], dirstate: DirState, pool
         views = pool.take_arena([(sources[i][1].dtype, sources[i][1].numel()) for i in idxs], device)
         taken.extend(views)
         arena.update(zip(idxs, views))
-    out = []
+    out: list = []
     for i, (key, t) in enumerate(sources):
         buf = arena.get(i)
         if buf is not None:
@@ -180,11 +205,15 @@ def _stage_all(sources: list[tuple[str, torch.Tensor]], dirstate: DirState, pool
             out.append(StagedTensor(key, tuple(t.shape), buf, str(t.device)))
         else:
             out.append(_stage(key, t, dirstate, pool, copier, config, trackers, taken))
-    return tuple(out)
+    # Comparisons the copier's helper may still run: joined last, so that this thread staged every
+    # other tensor meanwhile.
+    return tuple(o() if callable(o) else o for o in out)
 
 
-def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copier: Copier,
-           config: EngineConfig, trackers: tuple, taken: list) -> StagedTensor:
+def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copier: Copier, config: EngineConfig,
+           trackers: tuple, taken: list) -> "StagedTensor | Callable[[], StagedTensor]":
+    """Stage the host tensor ``t``: into its row stream, or a buffer from the pool. A callable when
+    the row stream's comparison still runs on the copier's helper thread (it waits for it)."""
     shape = tuple(t.shape)
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
@@ -198,22 +227,26 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
             rows = tracker.rows_for(t, stream.tracker_since)
             if rows is not None:
                 break
-        changed = stream.capture(t, rows, config.incremental, copier.copy)
-        if rows is None and changed is not None:
-            for tracker in trackers:
-                tracker.check(t, changed, stream.tracker_since)
-        stream.tracker_since = max((tr.clock + 1 for tr in trackers), default=0)
-        return StagedTensor(key, shape, stream.buffer, str(t.device), stream, changed)
+        found = stream.capture(t, rows, config.incremental, copier.copy, copier.share)
+        since, stream.tracker_since = stream.tracker_since, max((tr.clock + 1 for tr in trackers), default=0)
+
+        def staged() -> StagedTensor:
+            changed = found() if callable(found) else found
+            if rows is None and changed is not None:
+                for tracker in trackers:
+                    tracker.check(t, changed, since)
+            return StagedTensor(key, shape, stream.buffer, "cpu", stream, changed)
+        return staged if callable(found) else staged()
     buf = pool.take(t.dtype, t.numel(), for_cuda=False)
     taken.append(buf)
     copier.copy(t, buf)
-    return StagedTensor(key, shape, buf, str(t.device))
+    return StagedTensor(key, shape, buf, "cpu")
 
 
 def _devices_in_use(sources: list[tuple[str, torch.Tensor]]) -> bool:
     """Whether a pickled value may hold device tensors: a device tensor is saved, or a device
     backend is initialised (no device tensor exists without). Never initialises one."""
-    if any(t.device.type != "cpu" for _, t in sources) or torch.cuda.is_initialized():
+    if any(not t.is_cpu for _, t in sources) or torch.cuda.is_initialized():
         return True
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():

@@ -4,8 +4,10 @@ background waits on before it reads a snapshot.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 import torch
 
@@ -14,15 +16,20 @@ from . import pinned as _pinned
 #: Host copies at least this large are split in two, the second half copied by a helper thread.
 SPLIT_COPY_BYTES = 1 << 20
 
+T = TypeVar("T")
+
 
 class Copier:
     """Copies source tensors into flat staging buffers; one instance per engine (training thread).
 
-    Host copies of ``SPLIT_COPY_BYTES`` or more are split along the first dimension: the helper
-    thread copies the second half while this thread goes on (``copy_`` runs without the GIL). One
-    core's copy does not use the memory bandwidth: 32 MB took 9.2 ms on one thread, 5.7 ms on two,
-    on the development VM. Row streams' full copies go through ``copy`` too. ``finish`` waits for
-    the helper.
+    Host copies of ``SPLIT_COPY_BYTES`` or more are split in two: the helper thread copies the second
+    half while this thread goes on (both without the GIL). One core's copy does not use the memory
+    bandwidth: 32 MB took 9.2 ms on one thread, 5.7 ms on two, on the development VM. A dense source
+    is copied as bytes (``memmove`` through ctypes), not by ``copy_``: torch runs every copy above 32K
+    elements on its OpenMP team, whose threads sleep between a snapshot's tensors and compete with
+    the helper, so the 120 copies of 160 KB of a LoRA state took 6.5-9 ms that way and 1.5-1.9 ms on
+    one thread each (2026-12-03, 2 cores). Row streams' full copies go through ``copy`` too.
+    ``finish`` waits for the helper.
 
     Every non-CPU source is a device tensor and is never split across threads. Where its backend
     has streams (``pinned.device_module``) it is copied non-blocking on a side stream per device
@@ -43,18 +50,10 @@ class Copier:
 
     def copy(self, src: torch.Tensor, dst_flat: torch.Tensor) -> None:
         """Copy ``src`` (any strides/device) into the flat contiguous ``dst_flat``."""
-        dst = dst_flat.view(src.shape)
-        if src.device.type == "cpu":
-            if dst.nbytes >= SPLIT_COPY_BYTES and src.dim() and src.shape[0] >= 2:
-                half = src.shape[0] // 2
-                with self._helper_lock:
-                    if self._helper is None:
-                        self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
-                    self._halves.append(self._helper.submit(dst[half:].copy_, src[half:]))
-                dst = dst[:half]
-                src = src[:half]
-            dst.copy_(src)
+        if src.is_cpu:
+            self._copy_host(src, dst_flat)
             return
+        dst = dst_flat.view_as(src)  # not view(src.shape): parsing a torch.Size costs ~3 us more
         kind = src.device.type
         if kind not in self._mods:
             self._mods[kind] = _pinned.device_module(kind)
@@ -77,12 +76,57 @@ class Copier:
             self._keep.append(src)  # held until the copy is done instead
         self._pending[src.device] = (mod, stream)
 
+    def _copy_host(self, src: torch.Tensor, dst_flat: torch.Tensor) -> None:
+        n = src.nbytes
+        if _plain_bytes(src, dst_flat):
+            if n >= SPLIT_COPY_BYTES:
+                half = n // 2 & ~63
+                self._halves.append(self._submit(_memmove, dst_flat, src, half, n - half))
+                n = half
+            _memmove(dst_flat, src, 0, n)
+            return
+        dst = dst_flat.view_as(src)
+        if n >= SPLIT_COPY_BYTES and src.dim() and src.shape[0] >= 2:
+            half = src.shape[0] // 2
+            self._halves.append(self._submit(dst[half:].copy_, src[half:]))
+            dst, src = dst[:half], src[:half]
+        dst.copy_(src)
+
+    def _submit(self, fn: Callable, *args) -> Future:
+        with self._helper_lock:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
+            return self._helper.submit(fn, *args)
+
+    def share(self, parts: list[Callable[[], T]]) -> Callable[[], list[T]]:
+        """Queue ``parts`` (work without the GIL: a C kernel through ctypes) on the helper thread and
+        return ``join``, which gives their results in order.
+
+        ``join`` runs on this thread the parts the helper has not started, from the end of the list
+        while the helper works from its start, and waits for the others. Until then this thread
+        goes on with other tensors: their Python work overlaps the helper's memory-bound parts.
+        ``finish``, ``settle`` and ``abort`` wait for every part started, joined or not."""
+        futures = [self._submit(part) for part in parts]
+        self._halves.extend(futures)
+
+        def join() -> list[T]:
+            out: list = [None] * len(parts)
+            for i in range(len(parts) - 1, -1, -1):
+                if futures[i].cancel():  # not started: this thread does it
+                    out[i] = parts[i]()
+            for i, future in enumerate(futures):
+                if not future.cancelled():
+                    out[i] = future.result()
+            return out
+        return join
+
     def finish(self) -> "_MultiEvent | None":
         """Wait for the host copies; order training after the device copies and return an event the
         background thread waits on (None without device copies)."""
         halves = self.settle()
         for future in halves:
-            future.result()
+            if not future.cancelled():  # a part ``share``'s join ran itself
+                future.result()
         if not self._pending:
             return None
         events = []
@@ -100,7 +144,8 @@ class Copier:
         """Wait until no helper copy runs (also after an error: they write into staging buffers)."""
         halves, self._halves = self._halves, []
         for future in halves:
-            future.exception()
+            if not future.cancelled():
+                future.exception()
         return halves
 
     def abort(self) -> None:
@@ -119,6 +164,19 @@ class Copier:
             helper, self._helper = self._helper, None
         if helper is not None:
             helper.shutdown(wait=True)
+
+
+def _plain_bytes(src: torch.Tensor, dst_flat: torch.Tensor) -> bool:
+    """Whether ``src`` is its bytes in memory order (copied with a memmove): a dense host tensor of
+    ``dst_flat``'s dtype and size, without a lazy conjugate or negative bit (``copy_`` applies those)."""
+    return (src.layout == torch.strided and not src.is_quantized and src.dtype == dst_flat.dtype
+            and src.is_contiguous() and not src.is_conj() and not src.is_neg() and src.numel() == dst_flat.numel())
+
+
+def _memmove(dst: torch.Tensor, src: torch.Tensor, offset: int, nbytes: int) -> None:
+    """Bytes ``offset:offset + nbytes`` of ``src`` into ``dst``: one thread, without the GIL (ctypes)."""
+    if nbytes:
+        ctypes.memmove(dst.data_ptr() + offset, src.data_ptr() + offset, nbytes)
 
 
 class _MultiEvent:

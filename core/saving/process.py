@@ -16,7 +16,10 @@ endpoint reaches them), writes and commits exactly as a background thread would
 (``commit.write_and_commit``), and answers
 with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
 runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
-which blobs exist or are gone, in order, on the same pipe.
+which blobs exist or are gone, in order, on the same pipe. A load never starts nor waits for the
+writer process (what it tells is kept until the process starts for the next save), and the copies
+it keeps as the row streams' references are made in shared memory in the first place, on the io
+threads (``BufferPool.copy_allocator``), so adopting them copies nothing.
 
 Lifetime: started at the first save, stopped by ``CheckpointEngine.close``. It ignores SIGINT and
 SIGTERM (the engine decides when it stops; SIGTERM's grace is the engine's) and exits when the
@@ -261,6 +264,7 @@ def serve(fd: int) -> None:
     stores: dict[tuple, Store] = {}
     dirs: dict[tuple, DirState] = {}
     maps: dict[str, torch.Tensor] = {}
+    stopped = False  # the engine said stop: it deletes its buffers itself
     try:
         while True:
             try:
@@ -268,6 +272,7 @@ def serve(fd: int) -> None:
             except EOFError:
                 return
             if message is None:
+                stopped = True
                 return
             kind, *args = message
             message = None  # the snapshot's buffers: referenced by ``args`` only, until unmapped
@@ -294,6 +299,8 @@ def serve(fd: int) -> None:
         workers.shutdown(wait=True)
         for store in stores.values():
             store.close()
-        if os.getppid() != parent:  # the engine's process died: nobody else deletes its buffers
+        # End of file without a stop: the engine's process is gone, though getppid() may not say so
+        # yet (an exiting process closes its files before its children are re-parented).
+        if not stopped or os.getppid() != parent:  # nobody else deletes its buffers
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -156,6 +156,8 @@ class BufferPool:
     # id(buf) -> (key, buf) of buffers lent by ``take``; id(view) -> its _Arena for ``take_arena``
     _lent: dict = field(default_factory=dict, repr=False)
     _views: dict = field(default_factory=dict, repr=False)
+    # id(buf) -> buf: copies ``copy_allocator`` made that ``host_copy`` has not adopted yet
+    _unadopted: dict = field(default_factory=dict, repr=False)
 
     def bound(self) -> int | None:
         """Most bytes the pool may hold (None: no budget object, unbounded)."""
@@ -247,10 +249,37 @@ class BufferPool:
         buffer replaced when its tensor changed size): shared memory is released at once."""
         self._release([buf])
 
+    def copy_allocator(self) -> Callable[[int, torch.dtype], torch.Tensor] | None:
+        """How a load allocates the copies of the tensors that become row streams (``load_tensors``'s
+        ``alloc_copy``; training thread, one load at a time): in shared memory where the pool uses it,
+        so that ``host_copy`` adopts them without copying; None (the reader's own memory) otherwise.
+
+        Copies of an earlier load that ``host_copy`` never adopted (that load failed) are released
+        first: nothing else refers to them."""
+        if self.shared is None:
+            return None
+        with self._lock:
+            stale, self._unadopted = list(self._unadopted.values()), {}
+        self._release(stale)
+        shared = self.shared
+
+        def alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            buf = shared.allocate(numel, dtype)
+            with self._lock:
+                self._unadopted[id(buf)] = buf
+            return buf
+
+        return alloc
+
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` itself, or a copy of it in shared memory where the pool uses shared memory."""
+        """``t`` itself where it can serve as a row stream's buffer (no shared memory, or a copy
+        ``copy_allocator`` made), else a copy of it in shared memory."""
         if self.shared is None:
             return t
+        with self._lock:
+            if self._unadopted.get(id(t)) is t:
+                del self._unadopted[id(t)]
+                return t
         out = self.shared.allocate(t.numel(), t.dtype)
         out.copy_(t.reshape(-1))
         return out
@@ -300,6 +329,7 @@ class BufferPool:
             self._lru.clear()
             self._lent.clear()
             self._views.clear()
+            self._unadopted.clear()
             self.allocated_bytes = 0
 
 

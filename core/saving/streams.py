@@ -8,6 +8,7 @@ copies plus chunk-level content hashing and are re-probed every ``max_chain`` sa
 """
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import math
 from dataclasses import dataclass, field
@@ -17,14 +18,49 @@ import numpy as np
 import torch
 
 from ..codecs import Pipeline
+from ..codecs._common import load_native
 from ..config import IncrementalConfig
 from ..format.manifest import BlobRef, DeltaRef, TensorRecord
+from .copier import SPLIT_COPY_BYTES
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 #: Rows compared per step of ``copy_changed_rows``: the block of both tensors stays in cache.
 _COMPARE_BLOCK_BYTES = 1 << 20
+
+#: Without the C kernel, tensors smaller than this are compared in full, never sampled by
+#: ``RowStream._looks_dense``: sampling costs a dozen small torch calls (~0.1-0.2 ms).
+_SAMPLE_MIN_BYTES = 1 << 20
+
+#: ``Copier.share``: queues parts on the copier's helper thread; returns the join of their results.
+Share = Callable[[list], Callable[[], list]]
+
+#: Rows per part of a shared comparison: enough to make a ctypes call's cost negligible, small
+#: enough that both threads finish close together.
+_PART_BYTES = 4 << 20
+
+_ABI = 1  # checkrun_crows_abi() of the C kernel this module was written for
+
+
+def _load_native() -> ctypes.CDLL | None:
+    """The C kernel (``ckpt_core._crows``), or None when it was not built."""
+    lib = load_native("_crows", "checkrun_crows_abi", _ABI, "changed rows are found in numpy, on one thread")
+    if lib is None:
+        return None
+    fn = lib.checkrun_copy_changed_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    return lib
+
+
+_NATIVE = _load_native()
+
+
+def native_available() -> bool:
+    """Whether changed rows are found by the C kernel (see ``copy_changed_rows``)."""
+    return _NATIVE is not None
 
 
 def row_view(t: torch.Tensor) -> torch.Tensor:
@@ -39,12 +75,47 @@ def row_view(t: torch.Tensor) -> torch.Tensor:
         _INT_VIEW[t.element_size()])
 
 
-def copy_changed_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Copy the rows of ``src`` that differ bitwise from ``dst`` into ``dst``; return their indices.
+def copy_changed_rows(src: torch.Tensor, dst: torch.Tensor, share: Share | None = None) -> torch.Tensor:
+    """Copy the rows of ``src`` that differ bitwise from ``dst`` into ``dst``; return their indices
+    (ascending, int64). Both contiguous, with the same shape and dtype.
 
-    One pass over row blocks that fit in cache, in numpy (single-threaded, no temporaries of the
-    tensor's size): compare the widest integer words, reduce per row, copy the changed rows.
+    With the C kernel (``ckpt_core._crows``): one pass, a memcmp and, where it differs, a memcpy per
+    row, without the GIL; a table of ``SPLIT_COPY_BYTES`` or more is cut in row ranges shared with
+    the copier's helper thread (``share``: ``Copier.share``). Without it, numpy (the same indices):
+    row blocks that fit in cache, one thread.
     """
+    return start_changed_rows(src, dst, share)()
+
+
+def start_changed_rows(src: torch.Tensor, dst: torch.Tensor, share: Share | None) -> Callable[[], torch.Tensor]:
+    """``copy_changed_rows``, begun: the helper thread may still be comparing when this returns (with
+    ``share``); the callable returned finishes the work and gives the indices. Until it is called,
+    ``src`` and ``dst`` must stay as they are."""
+    if _NATIVE is None or not (src.shape[0] and src.nbytes and src.is_contiguous() and dst.is_contiguous()):
+        found = _numpy_changed_rows(src, dst)
+        return lambda: found
+    rows = src.shape[0]
+    row_bytes = src.nbytes // rows
+    out = torch.empty(rows, dtype=torch.int64)
+    a, b, o = src.data_ptr(), dst.data_ptr(), out.data_ptr()
+
+    def part(start: int, stop: int) -> int:
+        return _NATIVE.checkrun_copy_changed_rows(a + start * row_bytes, b + start * row_bytes, stop - start,
+                                                 row_bytes, start, o + start * 8)
+    if share is None or rows < 2 or src.nbytes < SPLIT_COPY_BYTES:
+        found = out[:part(0, rows)].clone()
+        return lambda: found
+    step = max(1, _PART_BYTES // row_bytes, -(-rows // 64))
+    starts = range(0, rows, step)
+    join = share([lambda s=s: part(s, min(s + step, rows)) for s in starts])
+
+    def result() -> torch.Tensor:
+        counts = join()
+        return torch.cat([out[s:s + n] for s, n in zip(starts, counts)])
+    return result
+
+
+def _numpy_changed_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     a, b = row_view(src).numpy(), row_view(dst).numpy()
     rows, words = a.shape
     if rows == 0 or words == 0:
@@ -61,6 +132,16 @@ def copy_changed_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
             b[start:stop][changed] = a[start:stop][changed]
             found.append(changed + start)
     return torch.from_numpy(np.concatenate(found)) if found else torch.empty(0, dtype=torch.int64)
+
+
+def _sample_first(src: torch.Tensor) -> bool:
+    """Whether to guess from a sample that most rows changed before comparing them all.
+
+    Only for the numpy comparison of a large tensor: the C kernel stops comparing a row at its
+    first difference and copies it, so on a tensor whose rows all changed it costs about a plain
+    copy, and the sample (0.5-1.5 ms per 16 MB table measured, on the training thread) would only
+    add to it. A dense tensor is then found by ``plan_rows`` and copied whole from the next save on."""
+    return _NATIVE is None and src.nbytes >= _SAMPLE_MIN_BYTES
 
 
 @dataclass
@@ -86,29 +167,34 @@ class RowStream:
         return self.valid and t.dtype == self.dtype and tuple(t.shape) == self.shape
 
     def capture(self, src: torch.Tensor, rows: torch.Tensor | None = None,
-                cfg: IncrementalConfig | None = None, copy=None) -> torch.Tensor | None:
+                cfg: IncrementalConfig | None = None, copy=None,
+                share: Share | None = None) -> "torch.Tensor | Callable[[], torch.Tensor] | None":
         """Update the buffer from ``src``; return changed row indices, or None after a full copy.
 
         ``rows``: the only rows that can have changed (from an EmbeddingTracker): copied without
         comparing. ``copy(src, flat_buffer)`` makes full copies (the engine's ``Copier.copy``,
-        finished by its ``finish``); default: ``copy_`` here. Runs on the training thread (the
-        blocking part of save)."""
-        dst = self.buffer.view(self.shape)
+        finished by its ``finish``); default: ``copy_`` here. With ``share`` (``Copier.share``) a
+        comparison may still run on the helper thread: then a callable is returned that waits for
+        it and gives the indices (``start_changed_rows``). Runs on the training thread (the blocking
+        part of save)."""
         full = copy or (lambda s, flat: flat.view(s.shape).copy_(s))
         if not self.matches(src) or self.dense_countdown > 0:
             full(src, self.buffer)
             return None
+        dst = self.buffer.view_as(src)  # same shape (``matches``); view_as is cheaper than view(shape)
         if rows is not None:
             if rows.numel():
                 dst.index_copy_(0, rows, src.index_select(0, rows))
             return rows
-        if cfg is not None and self._looks_dense(src, dst, cfg.rebase_ratio):
+        if cfg is not None and _sample_first(src) and self._looks_dense(src, dst, cfg.rebase_ratio):
             # Dense training changes every row: skip the full comparison (it would only cost time)
             # and save this tensor whole for the next max_chain saves.
             full(src, self.buffer)
             self.dense_countdown = cfg.max_chain + 1
             return None
-        return copy_changed_rows(src, dst)
+        if share is None:
+            return copy_changed_rows(src, dst)
+        return start_changed_rows(src, dst, share)
 
     @staticmethod
     def _looks_dense(src: torch.Tensor, dst: torch.Tensor, ratio: float, samples: int = 64) -> bool:
@@ -212,7 +298,7 @@ class DirState:
 def row_eligible(key: str, t: torch.Tensor, cfg: IncrementalConfig) -> bool:
     """Row deltas apply to CPU, contiguous tensors with ndim >= 2 and enough rows."""
     return (cfg.enabled and t.dim() >= 2 and t.shape[0] >= max(cfg.row_delta_min_rows, 1)
-            and t.device.type == "cpu" and t.is_contiguous() and math.prod(t.shape[1:]) > 0
+            and t.is_cpu and t.is_contiguous() and math.prod(t.shape[1:]) > 0
             and any(fnmatch.fnmatchcase(key, p) for p in cfg.row_delta_keys))
 
 
@@ -238,18 +324,25 @@ def wants_stream(rec: TensorRecord, flat: torch.Tensor, cfg: IncrementalConfig,
 
 
 def adopt_loaded(state: DirState, blobs: Iterable[BlobRef], loaded: Iterable[Loaded],
-                 host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 host_copy: Callable[[torch.Tensor], torch.Tensor],
+                 free: Callable[[torch.Tensor], None] | None = None) -> None:
     """Remember a loaded checkpoint in its directory's ``state`` so the next save there is incremental:
     its ``blobs`` count as verified (the load checked every one), its records as the last ones, and
     each tensor loaded with a copy (``wants_stream``) becomes a row stream whose buffer is
-    ``host_copy(copy)`` (training thread, inside ``load``)."""
+    ``host_copy(copy)`` (training thread, inside ``load``). The buffer of a row stream this replaces
+    goes to ``free`` (the pool's ``free_host``) once no save to the directory is in flight."""
     state.adopt_verified(list(blobs))
+    # Saves to one directory finish in order: once the last is done, no save uses a stream's buffer.
+    idle = state.last is None or state.last.done()
     for lt in loaded:
         rec = lt.record
         state.records[rec.key] = rec
         if lt.copy is None:
             continue
         buffer = host_copy(lt.copy)
+        old = state.streams.get(rec.key)
+        if free is not None and idle and old is not None and old.buffer is not buffer:
+            free(old.buffer)  # in shared memory it would stay until the engine closes
         stream = RowStream(buffer, buffer.dtype, tuple(rec.shape), valid=True, record=rec)
         mask = torch.zeros(rec.shape[0], dtype=torch.bool)
         for idx in lt.delta_indices:

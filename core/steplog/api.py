@@ -12,33 +12,42 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..storage.store import Store
 from .index import read_index
-from .format import NoMarkerError
+from .format import NoMarkerError, StepLogError
 from .log import StepLog, active_log, log_store
 from .replay import find_marker, replay_chain
 
 
 def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
-             storage_options: dict | None = None) -> StepLog:
-    """Start logging every ``optimizer.step()`` (and ``scheduler.step()``) into ``directory``."""
+             storage_options: dict | None = None, *, scaler: Any = None, model: Any = None) -> StepLog:
+    """Start logging every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state) into
+    ``directory``; ``model`` names the parameters in the log when the optimizer's groups do not."""
     engine._check_open()
+    if scaler is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
+        # GradScaler.step then hands step() scaled gradients and the scale (fused=True): the log holds neither
+        raise StepLogError(f"step log of {directory}: {type(optimizer).__name__} unscales its gradients inside step() "
+                           "(fused=True) when a GradScaler drives it; the log records gradients as step() receives "
+                           "them, so it cannot replay that: use the optimizer without fused=True")
     store = engine._dir_store(directory, storage_options)
     resume = engine.__dict__.setdefault("_steplog_resume", {}).get(store.url(""))
-    slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume)
+    slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model)
     logs = engine.__dict__.setdefault("_steplogs", [])
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
     return slog
 
 
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
-           after: str | os.PathLike | None = None, storage_options: dict | None = None) -> int:
+           after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
+           scaler: Any = None) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
-    ``directory`` that the log marks); returns how many optimizer steps were replayed."""
+    ``directory`` that the log marks); returns how many optimizer steps were replayed. ``scaler`` (a
+    ``GradScaler``) ends in the logged state."""
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
     index = read_index(log_store(store))
     marker = _start(engine, store, index, after, storage_options)
-    pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes)
+    pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
+                       scaler)
     engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
     slog = active_log(optimizer)  # a log opened before the replay continues the chain too
     if slog is not None and slog.store.url("") == store.url(""):

@@ -1,9 +1,15 @@
 """Capturing one optimizer step on the training thread: gradients into reused staging, hyperparameters.
 
 Called from the optimizer's step pre-hook, i.e. with the gradients exactly as ``step()`` will
-consume them (after clipping and ``GradScaler.unscale_``). Dense gradients are copied into buffers
-allocated once per parameter and reused (``Staging``); 2-D gradients with few non-zero rows and
-torch sparse gradients are taken as (row indices, rows), fresh but small.
+consume them (after clipping and ``GradScaler.unscale_``). Everything lands in host buffers
+allocated once and reused (``Staging``; fresh allocations cost page faults on every step):
+
+* gradients (or their logged part: the rows of a sparse gradient, the non-zero rows of a mostly
+  zero 2-D one, and row indices) under ``PACK_MAX_BYTES`` are copied by one ``torch.cat`` per
+  dtype into that dtype's *pack*, a contiguous buffer; the encoder then shuffles a pack once and
+  needs no per-tensor setup (a DLRM step has dozens of such tensors: per-tensor work on either
+  thread holds the GIL the training thread needs);
+* larger ones are copied into a buffer of their own, per parameter.
 """
 from __future__ import annotations
 
@@ -20,11 +26,19 @@ from .format import StepLogError
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MIN_ROWS_FOR_SPARSE = 16
 MIN_NUMEL_FOR_ROWS = 4096  # smaller gradients are copied whole: the row scan costs more than it saves
+PACK_MAX_BYTES = 1 << 20
+"""Tensors smaller than this go into their dtype's pack; larger ones get a buffer of their own
+(their own encode is cheap next to their bytes, and a pack stays cache-sized)."""
+_GROWTH = 1.25  # a growing buffer (sparse rows vary per step) is reallocated this much larger
 
 
 @dataclass
 class Grad:
-    """One parameter's gradient of one step, as captured (``data``/``idx`` are CPU tensors)."""
+    """One parameter's gradient of one step, as captured.
+
+    The logged values (``kind`` dense: the whole gradient; rows/sparse: ``n`` rows) and, for
+    rows/sparse, their int64 row indices are either a CPU tensor of their own (``data``/``idx``)
+    or a span of a pack (``data_at``/``idx_at``: ``(start, numel)`` in the pack of their dtype)."""
 
     p: int
     kind: str  # none | dense | rows | sparse
@@ -33,25 +47,30 @@ class Grad:
     data: torch.Tensor | None = None
     idx: torch.Tensor | None = None
     coalesced: bool = False
+    n: int = 0
+    data_at: tuple[int, int] | None = None
+    idx_at: tuple[int, int] | None = None
 
 
 @dataclass
 class StepRecord:
-    """A captured step: its number and each parameter's gradient."""
+    """A captured step: its number, each parameter's gradient, and the packs they point into."""
 
     step: int
     grads: list[Grad]
-    slot: int | None = None  # the staging set holding its dense gradients; given back after encoding
+    slot: int | None = None  # the staging set holding its gradients; given back after encoding
     nbytes: int = 0
+    packs: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    """Per dtype, the filled part of that dtype's pack (1-D, CPU)."""
 
 
 @dataclass
 class Staging:
-    """``depth`` sets of reusable host buffers, one buffer per parameter; a step takes a free set and
-    the encoder gives it back, so at most ``depth`` captured steps wait (backpressure)."""
+    """``depth`` sets of reusable host buffers (per parameter, plus one pack per dtype); a step takes
+    a free set and the encoder gives it back, so at most ``depth`` captured steps wait (backpressure)."""
 
     depth: int
-    sets: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    sets: list[dict[Any, torch.Tensor]] = field(default_factory=list)
     dense_streak: dict[int, int] = field(default_factory=dict)
     """Per parameter, how many row scans in a row found its gradient dense (``_rows``)."""
     _free: list[int] = field(default_factory=list)
@@ -75,12 +94,50 @@ class Staging:
             self._cond.notify_all()
 
     def buffer(self, slot: int, p: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of parameter ``p``'s dense gradient, shaped like ``like``."""
         buf = self.sets[slot].get(p)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            pin = like.device.type == "cuda"
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
             self.sets[slot][p] = buf
         return buf
+
+    def span(self, slot: int, key: Any, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """The first ``numel`` elements of the growing 1-D buffer ``key`` (a pack, or a large sparse
+        gradient's rows or indices, whose sizes change from step to step)."""
+        buf = self.sets[slot].get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            size = max(numel, int(_GROWTH * buf.numel()) if buf is not None and buf.dtype == dtype else 0)
+            buf = torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
+            self.sets[slot][key] = buf
+        return buf[:numel]
+
+
+class _Packer:
+    """The small tensors of one step, per dtype, until ``fill`` copies each dtype's with one ``cat``."""
+
+    def __init__(self) -> None:
+        self.srcs: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.sizes: dict[torch.dtype, int] = {}
+
+    def add(self, t: torch.Tensor) -> tuple[int, int]:
+        """Queue ``t`` (any shape); its ``(start, numel)`` in its dtype's pack."""
+        flat = t.detach().reshape(-1)
+        start = self.sizes.get(t.dtype, 0)
+        self.srcs.setdefault(t.dtype, []).append(flat)
+        self.sizes[t.dtype] = start + flat.numel()
+        return start, flat.numel()
+
+    def fill(self, staging: Staging, slot: int) -> dict[torch.dtype, torch.Tensor]:
+        packs = {}
+        for dtype, srcs in self.srcs.items():
+            pin = any(s.device.type == "cuda" for s in srcs)
+            pack = staging.span(slot, ("pack", dtype), self.sizes[dtype], dtype, pin)
+            if all(s.device.type == "cpu" for s in srcs):
+                torch.cat(srcs, out=pack)
+            else:  # one device-side cat, one transfer (a cat cannot mix devices)
+                pack.copy_(torch.cat([s.to(srcs[0].device) for s in srcs]))
+            packs[dtype] = pack
+        return packs
 
 
 def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -114,7 +171,7 @@ def sched_skeleton(state: dict) -> dict:
         if not isinstance(k, str):
             continue
         if _json_exact(v):  # a skeleton of itself (most scheduler fields): no flatten, ~10x cheaper
-            out[k] = v
+            out[k] = list(v) if isinstance(v, list) else v  # a copy: the scheduler may change its list
             continue
         flat = flatten(v)
         if not flat.tensors and not flat.objects:
@@ -146,41 +203,55 @@ def _plain(v: Any) -> bool:
 def capture_step(optimizer: torch.optim.Optimizer, step: int, staging: Staging, slot: int,
                  sparse_max_fraction: float) -> StepRecord:
     """Training thread, inside the step pre-hook: copy what ``step()`` is about to consume."""
-    grads, nbytes = [], 0
+    grads, packer = [], _Packer()
     for i, p in enumerate(flat_params(optimizer)):
         g = p.grad
         if g is None:
             grads.append(Grad(i, "none"))
-            continue
-        if g.is_sparse:
-            item = _sparse(i, g)
+        elif g.is_sparse:
+            grads.append(_sparse(i, g, staging, slot, packer))
         else:
-            item = _rows(i, g, sparse_max_fraction, staging, step) or _dense(i, g, staging, slot)
-        nbytes += item.data.numel() * item.data.element_size()
-        if item.idx is not None:
-            nbytes += item.idx.numel() * 8
-        grads.append(item)
-    return StepRecord(step, grads, slot, nbytes)
+            grads.append(_rows(i, g, sparse_max_fraction, staging, step, packer)
+                         or _dense(i, g, staging, slot, packer))
+    packs = packer.fill(staging, slot)
+    nbytes = sum(t.numel() * t.element_size() for t in packs.values())
+    nbytes += sum(t.numel() * t.element_size() for g in grads for t in (g.data, g.idx) if t is not None)
+    return StepRecord(step, grads, slot, nbytes, packs)
 
 
-def _dense(i: int, g: torch.Tensor, staging: Staging, slot: int) -> Grad:
+def _small(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() < PACK_MAX_BYTES
+
+
+def _dense(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer) -> Grad:
+    if _small(g):
+        return Grad(i, "dense", tuple(g.shape), g.dtype, data_at=packer.add(g))
     buf = staging.buffer(slot, i, g)
     buf.copy_(g.detach())
     return Grad(i, "dense", tuple(g.shape), g.dtype, buf)
 
 
-def _sparse(i: int, g: torch.Tensor) -> Grad:
+def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer) -> Grad:
     # The uncoalesced form as it is: SGD adds duplicate rows one by one, and coalescing first
     # would round differently.
-    idx = g._indices().detach().to("cpu", copy=True).view(-1) if g.sparse_dim() == 1 else None
-    if idx is None:
+    if g.sparse_dim() != 1:
         raise StepLogError(f"step log: parameter {i} has a sparse gradient with {g.sparse_dim()} sparse "
                            "dimensions; only row-sparse gradients (nn.Embedding(sparse=True)) can be logged")
-    vals = g._values().detach().to("cpu", copy=True).contiguous()
-    return Grad(i, "sparse", tuple(g.shape), g.dtype, vals, idx, bool(g.is_coalesced()))
+    idx, vals = g._indices().detach(), g._values().detach()
+    item = Grad(i, "sparse", tuple(g.shape), g.dtype, coalesced=bool(g.is_coalesced()), n=int(vals.shape[0]))
+    if _small(vals):
+        item.data_at, item.idx_at = packer.add(vals), packer.add(idx)
+        return item
+    pin = g.device.type == "cuda"
+    item.data = staging.span(slot, ("rows", i), vals.numel(), vals.dtype, pin).view(vals.shape)
+    item.data.copy_(vals)
+    item.idx = staging.span(slot, ("idx", i), idx.numel(), idx.dtype, pin)
+    item.idx.copy_(idx.view(-1))
+    return item
 
 
-def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: int) -> Grad | None:
+def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: int,
+          packer: _Packer) -> Grad | None:
     """The non-zero rows of a 2-D gradient when few are; zero compared bit for bit (-0.0 is kept).
 
     The scan is a pass over the gradient: one found dense 4 times in a row is scanned only every
@@ -201,5 +272,10 @@ def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: 
         return None
     staging.dense_streak[i] = 0
     idx = touched.nonzero().view(-1)
-    rows = g.index_select(0, idx).to("cpu").contiguous()
-    return Grad(i, "rows", tuple(g.shape), g.dtype, rows, idx.to("cpu"))
+    rows = g.index_select(0, idx)  # fresh, so a pack or a fresh host copy (rarely large: few rows)
+    item = Grad(i, "rows", tuple(g.shape), g.dtype, n=n)
+    if _small(rows):
+        item.data_at, item.idx_at = packer.add(rows), packer.add(idx)
+    else:
+        item.data, item.idx = rows.to("cpu").contiguous(), idx.to("cpu")
+    return item

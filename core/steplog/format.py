@@ -3,7 +3,9 @@
 Under ``<dir>/.checkrun/steplog/`` (see docs/format.md, "Step log"):
 
 * ``run-<run>.json``: one logging run (one ``engine.step_log`` call): its parent (the run and event
-  it continues after a replay) or null, and its first event index. Written before its segments.
+  it continues after a replay) or null, and its first event index; from version 2 also the
+  optimizer's class, its parameter names, the logging process and whether the log was closed
+  (``meta``). Written before its segments (and again at ``close``).
 * ``seg-<run>-<seq>-<lo>-<hi>.bin``: events ``lo+1 .. hi`` of the run, committed atomically (rename /
   one PUT). Layout: ``MAGIC | u32 header length | header JSON | u64 xxh3 of the header | payload``;
   the header lists the events and, per gradient, where its encoded bytes lie in the payload and
@@ -27,16 +29,22 @@ import xxhash
 from ..errors import CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..format.limits import ManifestLimits, check_json
+from .meta import check_optimizer, check_owner, check_param_names, check_scaler
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this checkrun. Version 1 (checkrun before 2026-12-04) is read too: its objects lack the
+run header's metadata and the ``scaler`` of ``state`` events (``meta``)."""
+READ_VERSIONS = (1, 2)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
-MAX_SMALL_BYTES = 64 << 10  # run and marker objects
+MAX_SMALL_BYTES = 64 << 10  # marker objects
+MAX_RUN_BYTES = 8 << 20  # run objects: their parameter names (``meta.MAX_NAMES``)
 MAX_EVENTS = 1_000_000
 MAX_GRADS = 100_000
 MAX_DIMS = 8
 HEADER_LIMITS = ManifestLimits(max_bytes=MAX_HEADER_BYTES, max_elements=2_000_000)
 _SMALL_LIMITS = ManifestLimits(max_bytes=MAX_SMALL_BYTES, max_elements=10_000)
+_RUN_LIMITS = ManifestLimits(max_bytes=MAX_RUN_BYTES, max_elements=250_000)
 _PREFIX = struct.Struct("<8sI")
 _CSUM = struct.Struct("<Q")
 PREFIX_BYTES = _PREFIX.size  # magic + header length: what header_end needs
@@ -103,6 +111,14 @@ class RunInfo:
     """Events logged before this run's first one (0, or the parent's event it continues from)."""
     start_step: int
     parent: tuple[str, int] | None
+    optimizer: str | None = None
+    """``module.qualname`` of the optimizer's class (version 2; None: not recorded)."""
+    param_names: tuple[tuple[str, ...], ...] | None = None
+    """The names of the optimizer's parameters per group, when known (version 2)."""
+    owner: dict | None = None
+    """The logging process (writer, pid, start, host: as a lease records it; version 2)."""
+    closed: bool = False
+    """Rewritten true by ``close`` once no save into the directory was in flight (version 2)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +137,11 @@ def _dump(body: dict) -> bytes:
 
 def run_to_bytes(info: RunInfo) -> bytes:
     parent = None if info.parent is None else {"run": info.parent[0], "event": info.parent[1]}
+    names = None if info.param_names is None else [list(g) for g in info.param_names]
     return _dump({"_checkrun": "steplog-run", "format_version": FORMAT_VERSION, "run": info.run,
                   "created": info.created, "start": info.start, "start_step": info.start_step,
-                  "parent": parent})
+                  "parent": parent, "optimizer": info.optimizer, "param_names": names, "owner": info.owner,
+                  "closed": info.closed})
 
 
 def marker_to_bytes(m: Marker) -> bytes:
@@ -131,22 +149,27 @@ def marker_to_bytes(m: Marker) -> bytes:
                   "event": m.event, "step": m.step, "checkpoint": m.checkpoint, "commit": m.commit})
 
 
-def _load_small(data: bytes, where: str, magic: str, keys: set[str]) -> dict:
-    if len(data) > MAX_SMALL_BYTES:
-        raise StepLogFormatError(f"{where}: {len(data)} bytes, more than the limit of {MAX_SMALL_BYTES}")
-    check_json(data, where, _SMALL_LIMITS)
+_RUN_KEYS = {"_checkrun", "format_version", "run", "created", "start", "start_step", "parent"}
+_RUN_KEYS_V2 = {"optimizer", "param_names", "owner", "closed"}  # optional from version 2
+
+
+def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: set[str] = frozenset(),
+                limits: ManifestLimits = _SMALL_LIMITS) -> dict:
+    if len(data) > limits.max_bytes:
+        raise StepLogFormatError(f"{where}: {len(data)} bytes, more than the limit of {limits.max_bytes}")
+    check_json(data, where, limits)
     body = _json(data, where)
     if not isinstance(body, dict) or body.get("_checkrun") != magic:
         raise StepLogFormatError(f"{where}: not a checkrun {magic} object")
-    _version(body, where)
-    if set(body) != keys:
-        raise StepLogFormatError(f"{where}: keys {sorted(body)}, expected {sorted(keys)}")
+    allowed = keys | (optional if _version(body, where) >= 2 else set())
+    if not keys <= set(body) <= allowed:
+        raise StepLogFormatError(f"{where}: keys {sorted(body)[:20]}, expected {sorted(keys)}"
+                                 + (f" and optionally {sorted(allowed - keys)}" if allowed != keys else ""))
     return body
 
 
 def parse_run(data: bytes, where: str, run: str) -> RunInfo:
-    body = _load_small(data, where, "steplog-run", {"_checkrun", "format_version", "run", "created",
-                                                      "start", "start_step", "parent"})
+    body = _load_small(data, where, "steplog-run", _RUN_KEYS, _RUN_KEYS_V2, _RUN_LIMITS)
     if body["run"] != run:
         raise StepLogFormatError(f"{where}: field 'run' is {str(body['run'])[:40]!r}, its name says {run!r}")
     created = body["created"]
@@ -157,8 +180,16 @@ def parse_run(data: bytes, where: str, run: str) -> RunInfo:
         if not isinstance(parent, dict) or set(parent) != {"run", "event"}:
             raise StepLogFormatError(f"{where}: field 'parent' must be null or {{run, event}}")
         parent = (_hex16(parent["run"], where, "parent.run"), _index(parent["event"], where, "parent.event"))
+    closed = body.get("closed", False)
+    if not isinstance(closed, bool):
+        raise StepLogFormatError(f"{where}: field 'closed' must be true/false")
+    try:
+        meta = (check_optimizer(body.get("optimizer")), check_param_names(body.get("param_names")),
+                check_owner(body.get("owner")))
+    except FormatError as exc:  # meta's checks: named here
+        raise StepLogFormatError(f"{where}: {exc}") from None
     return RunInfo(run, float(created), _index(body["start"], where, "start"),
-                   _index(body["start_step"], where, "start_step"), parent)
+                   _index(body["start_step"], where, "start_step"), parent, *meta, closed)
 
 
 def parse_marker(data: bytes, where: str, name: str) -> Marker:
@@ -250,7 +281,7 @@ _SEG_KEYS = {"_checkrun", "format_version", "run", "seq", "lo", "hi", "events", 
 def _check_header(h: Any, where: str, payload_len: int) -> None:
     if not isinstance(h, dict) or h.get("_checkrun") != "steplog-segment":
         raise StepLogFormatError(f"{where}: not a checkrun step-log segment header")
-    _version(h, where)
+    version = _version(h, where)
     if set(h) != _SEG_KEYS:
         raise StepLogFormatError(f"{where}: header keys {sorted(h)[:20]}, expected {sorted(_SEG_KEYS)}")
     _hex16(h["run"], where, "run")
@@ -264,22 +295,27 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
         raise StepLogFormatError(f"{where}: field 'events' must list hi - lo = {hi - lo} events")
     grads = 0
     for i, ev in enumerate(events):
-        grads += _check_event(ev, f"{where}: event {lo + i + 1}", max(size, payload_len))
+        grads += _check_event(ev, f"{where}: event {lo + i + 1}", max(size, payload_len), version)
         if grads > MAX_GRADS * max(1, len(events)):  # pragma: no cover - bounded by the JSON limits
             raise StepLogFormatError(f"{where}: too many gradients")
 
 
-def _check_event(ev: Any, what: str, payload: int) -> int:
+def _check_event(ev: Any, what: str, payload: int, version: int = FORMAT_VERSION) -> int:
     if not isinstance(ev, dict) or ev.get("kind") not in ("step", "state"):
         raise StepLogFormatError(f"{what}: must be an object of kind 'step' or 'state'")
     if ev["kind"] == "state":
         groups = ev.get("groups")
-        if set(ev) != {"kind", "groups", "sched"} or not isinstance(groups, list) or len(groups) > 10_000 \
-                or not all(_scalars(g) for g in groups):
+        keys = {"kind", "groups", "sched"}
+        if not keys <= set(ev) <= (keys | {"scaler"} if version >= 2 else keys) or not isinstance(groups, list) \
+                or len(groups) > 10_000 or not all(_scalars(g) for g in groups):
             raise StepLogFormatError(f"{what}: a 'state' event holds 'groups' (mappings of names to scalars) "
-                                     "and 'sched'")
+                                     "and 'sched'" + (" (and, from version 2, 'scaler')" if version < 2 else ""))
         if ev["sched"] is not None and not isinstance(ev["sched"], dict):
             raise StepLogFormatError(f"{what}: field 'sched' must be null or a mapping")
+        try:
+            check_scaler(ev.get("scaler"))
+        except FormatError as exc:  # meta's checks: named here
+            raise StepLogFormatError(f"{what}: {exc}") from None
         return 0
     if set(ev) != {"kind", "step", "grads"}:
         raise StepLogFormatError(f"{what}: a 'step' event holds exactly step, grads")
@@ -346,11 +382,12 @@ def _json(data: bytes, where: str) -> Any:
         raise StepLogFormatError(f"{where}: invalid JSON: {str(exc)[:200]}") from None
 
 
-def _version(body: dict, where: str) -> None:
+def _version(body: dict, where: str) -> int:
     v = body.get("format_version")
-    if v != FORMAT_VERSION:
+    if type(v) is not int or v not in READ_VERSIONS:
         raise StepLogFormatError(f"{where}: unsupported step-log format_version {str(v)[:20]!r} "
-                                 f"(this checkrun reads {FORMAT_VERSION})")
+                                 f"(this checkrun reads {', '.join(map(str, READ_VERSIONS))})")
+    return v
 
 
 def _hex16(v: Any, where: str, name: str) -> str:

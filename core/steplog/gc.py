@@ -1,10 +1,18 @@
-"""Truncating the step log: delete the segments and markers no retained checkpoint's replay needs.
+"""Truncating the step log: delete the segments, markers and run objects no retained checkpoint's
+replay and no open log needs.
 
 A replay from checkpoint C starts at C's marker (run R, event p) and reads R's segments after p, then
 the runs that continue R. So, per run, everything up to the *floor* is garbage: the lowest event of a
-live marker in the run (a retained checkpoint's, or one newer than every retained one of the run:
-its save may still be in flight), or the run's start if a live marker of an ancestor run precedes
-the branch point. A run with neither has no segment any replay can reach.
+live marker in the run, or the run's start if a live marker of an ancestor run precedes the branch
+point. A run with neither has no segment any replay can reach.
+
+Live markers: a retained checkpoint's, and, for a run that may still be logging, every one newer than
+its newest retained one (that save may still be in flight). A run is *finished* once its run object
+says ``closed`` (``StepLog.close`` writes it after the saves into the directory ended) or its process
+is certainly gone (``meta.owner_gone``: same host only); a finished run has no save in flight, so its
+markers of checkpoints no longer listed are garbage. A finished run's object goes too once no segment
+or marker of it is left and no replay can enter it. An open log holds its run: its object says neither
+(run objects of checkrun before format version 2 record no owner and are never collected).
 
 No lease is needed for segments being written: a writer writes its run object before its segments
 and a marker before the segments after it, and ``read_index`` lists segments before markers and runs,
@@ -18,24 +26,31 @@ import math
 from typing import Any, Callable, Iterable
 
 from ..storage.store import Store
-from .format import Marker
+from .format import Marker, run_name
 from .index import LogIndex, read_index
 from .log import log_store
+from .meta import owner_gone
 
 log = logging.getLogger("ckpt_core")
 
 
 def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry_run: bool = False) -> list[str]:
     """Delete the step-log objects of ``store`` that no replay from ``checkpoints()`` (the directory's
-    ``CheckpointEntry`` list after retention, listed after the log) needs; returns their names. Background or training thread."""
+    ``CheckpointEntry`` list after retention, listed after the log) and no open log needs; returns their
+    names (segments, markers, run objects). Background or training thread."""
     segs = log_store(store)
     if not segs.is_directory():
         return []
     index = read_index(segs)
-    live = _live_markers(index, list(checkpoints()))
+    finished = {run for run, info in index.runs.items() if info.closed or owner_gone(info.owner)}
+    live = _live_markers(index, list(checkpoints()), finished)
+    floors = {run: _floor(index, run, live) for run in set(index.segments) | set(index.runs)}
     victims = [s.name for run, segments in index.segments.items()
-               for s in segments if s.hi <= _floor(index, run, live)]
+               for s in segments if s.hi <= floors[run]]
     victims += [m.name for m in index.markers if m.name not in live]
+    left = {s.run for run, segments in index.segments.items() for s in segments if s.hi > floors[run]}
+    left |= {m.run for m in live.values()}
+    victims += [run_name(run) for run in sorted(finished) if run not in left and floors[run] == math.inf]
     if not dry_run:
         for name in victims:
             segs.delete_manifest(name)
@@ -45,7 +60,7 @@ def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry
     return victims
 
 
-def _live_markers(index: LogIndex, checkpoints: list[Any]) -> dict[str, Marker]:
+def _live_markers(index: LogIndex, checkpoints: list[Any], finished: set[str]) -> dict[str, Marker]:
     stamps = {(e.name, _key(e.manifest.commit)) for e in checkpoints if e.manifest is not None}
     unreadable = {e.name for e in checkpoints if e.manifest is None}  # it may be a marked one: keep
     retained = [m for m in index.markers
@@ -54,7 +69,8 @@ def _live_markers(index: LogIndex, checkpoints: list[Any]) -> dict[str, Marker]:
     newest: dict[str, int] = {}
     for m in retained:
         newest[m.run] = max(newest.get(m.run, -1), m.event)
-    return {m.name: m for m in index.markers if m in retained or m.event > newest.get(m.run, -1)}
+    return {m.name: m for m in index.markers
+            if m in retained or (m.run not in finished and m.event > newest.get(m.run, -1))}
 
 
 def _key(commit: dict | None) -> tuple | None:

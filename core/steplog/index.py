@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotFoundError
 from ..storage.store import Store
-from .format import (MARK_RE, MAX_SMALL_BYTES, RUN_RE, Marker, RunInfo, SegName, parse_marker, parse_run,
-                     parse_seg_name)
+from .format import (MARK_RE, MAX_RUN_BYTES, MAX_SMALL_BYTES, RUN_RE, Marker, RunInfo, SegName, parse_marker,
+                     parse_run, parse_seg_name)
 
 
 @dataclass
@@ -41,20 +41,20 @@ def read_index(segs: Store) -> LogIndex:
     names = [f.name for f in segs.list_files()]  # listed again: markers written since count (see above)
     for name in names:
         if MARK_RE.fullmatch(name):
-            data = _read(segs, name)
+            data = _read(segs, name, MAX_SMALL_BYTES)
             if data is not None:
                 index.markers.append(parse_marker(data, segs.url(name), name))
     for name in names:
         m = RUN_RE.fullmatch(name)
         if m:
-            data = _read(segs, name)
+            data = _read(segs, name, MAX_RUN_BYTES)
             if data is not None:
                 index.runs[m.group(1)] = parse_run(data, segs.url(name), m.group(1))
     return index
 
 
-def _read(segs: Store, name: str) -> bytes | None:
+def _read(segs: Store, name: str, limit: int) -> bytes | None:
     try:
-        return segs.read_manifest(name, MAX_SMALL_BYTES + 1)
+        return segs.read_manifest(name, limit + 1)
     except CheckpointNotFoundError:  # deleted since the listing (gc): as if never listed
         return None

@@ -12,7 +12,7 @@ surface once, at the next hook, ``flush`` or ``close``.
 from __future__ import annotations
 
 import atexit
-import json
+import dataclasses
 import logging
 import os
 import queue
@@ -24,15 +24,16 @@ from typing import Any
 
 import torch
 
-from ..codecs import Pipeline, RawCodec, lossless_pipeline, index_pipeline
 from ..config import EngineConfig
-from ..format.dtypes import dtype_name
+from ..saving import inflight
+from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
-from .capture import Grad, Staging, StepRecord, capture_step, group_scalars, sched_skeleton
-from .format import Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
+from . import meta
+from .capture import Staging, StepRecord, capture_step, group_scalars, sched_skeleton
+from .encode import StepEncoder
+from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
 log = logging.getLogger("ckpt_core")
-_RAW = Pipeline(RawCodec(), ())
 STEPLOG_DIR = ".checkrun/steplog"
 _ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
 
@@ -52,10 +53,12 @@ class StepLog:
     ``close()`` flushes and stops logging."""
 
     def __init__(self, store: Store, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 config: EngineConfig, parent: tuple[str, int, int] | None = None) -> None:
+                 config: EngineConfig, parent: tuple[str, int, int] | None = None, scaler: Any = None,
+                 model: Any = None) -> None:
         if active_log(optimizer) is not None:
             raise StepLogError("this optimizer already has an open step log: close it first")
         self.store, self.optimizer, self.scheduler, self.config = store, optimizer, scheduler, config
+        self.scaler = scaler  # a GradScaler: its state goes with the scheduler's (meta.scaler_state)
         self._segs = log_store(store)
         self.run = uuid.uuid4().hex[:16]
         self.event = parent[1] if parent else 0  # events logged (all runs of the chain)
@@ -71,12 +74,13 @@ class StepLog:
         self.bytes_logged = 0  # stored bytes of the segments committed so far
         self.segments = 0
         info = RunInfo(self.run, time.time(), self.event, self.step,
-                       None if parent is None else (parent[0], parent[1]))
-        self._segs.write_manifest(run_name(self.run), run_to_bytes(info))  # before any segment (gc)
+                       None if parent is None else (parent[0], parent[1]), meta.class_name(optimizer),
+                       meta.param_names(optimizer, model), meta.owner_record())
+        self._info = self._write_run(info)  # before any segment (gc)
         self._first, self._first_step = self.event, self.step  # the encoder must not read self.event
         self._thread = threading.Thread(target=self._loop, name="checkrun-steplog", daemon=True)
         self._thread.start()
-        self._last_state: str | None = None
+        self._last_state: dict | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook)]
         _ACTIVE[optimizer] = self
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -109,7 +113,20 @@ class StepLog:
                 h.remove()
             if _ACTIVE.get(self.optimizer) is self:
                 del _ACTIVE[self.optimizer]
+        # gc may drop a closed run's markers of checkpoints it does not list: only once no save
+        # (whose marker this run wrote) can still commit
+        if self._error is None and inflight.wait_under(self.store.url("").rstrip("/") + "/",
+                                                       self.config.retention.lease_seconds):
+            self._write_run(dataclasses.replace(self._info, closed=True))
         self._check()
+
+    def _write_run(self, info: RunInfo) -> RunInfo:
+        data = run_to_bytes(info)
+        if len(data) > MAX_RUN_BYTES:  # parameter names past the format's limit: recorded without them
+            info = dataclasses.replace(info, param_names=None)
+            data = run_to_bytes(info)
+        self._segs.write_manifest(run_name(self.run), data)
+        return info
 
     def on_save(self, store: Store, name: str, stamp: Any) -> None:
         """Training thread, in ``engine.save`` after the snapshot, before the save is queued: write
@@ -139,8 +156,8 @@ class StepLog:
             return False
         self.event, self.step = parent[1], parent[2]
         self._first, self._first_step = self.event, self.step
-        info = RunInfo(self.run, time.time(), self.event, self.step, (parent[0], parent[1]))
-        self._segs.write_manifest(run_name(self.run), run_to_bytes(info))
+        self._info = self._write_run(dataclasses.replace(self._info, created=time.time(), start=self.event,
+                                                         start_step=self.step, parent=(parent[0], parent[1])))
         self._queue.put(("rebase", self.event))
         return True
 
@@ -177,11 +194,12 @@ class StepLog:
         replay restores them before the next step, so the step and the resumed scheduler are exact."""
         state = {"groups": group_scalars(self.optimizer),
                  "sched": None if self.scheduler is None else sched_skeleton(self.scheduler.state_dict())}
-        text = json.dumps(state, sort_keys=True, separators=(",", ":"))
-        if text != self._last_state:
-            self._last_state = text
+        if self.scaler is not None:  # its update() also runs after a skipped step, where no pre-hook does
+            state["scaler"] = meta.scaler_state(self.scaler)
+        if state != self._last_state:  # fresh plain data (no JSON round trip: this runs every step)
+            self._last_state = state
             self.event += 1
-            self._queue.put(("state", json.loads(text)))
+            self._queue.put(("state", state))
 
     def _check(self) -> None:
         err, self._error = self._error, None
@@ -192,11 +210,12 @@ class StepLog:
     def _loop(self) -> None:
         """Encoder thread: events into batches; a full batch goes to the writer thread, so encoding
         goes on while a segment is written (one segment in flight: ``_writes`` holds one)."""
+        lower_thread_priority(self.config.saving.thread_nice)  # as the saves' threads: training first
         writes: queue.Queue = queue.Queue(maxsize=1)
         writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer",
                                   daemon=True)
         writer.start()
-        pays = _Pays()
+        pays = StepEncoder(self.config.compression)
         batch = _Batch(self.run, self._first, pays)
         seq = 0
         while True:
@@ -234,6 +253,7 @@ class StepLog:
                 return
 
     def _write_loop(self, writes: queue.Queue) -> None:
+        lower_thread_priority(self.config.saving.thread_nice)
         while True:
             job = writes.get()
             if job is None:
@@ -265,7 +285,7 @@ class _Batch:
     ``flush`` or save, so a segment cut by ``flush_seconds`` alone must not end with a step whose
     scheduler state is not logged yet (replay would resume the scheduler one step behind)."""
 
-    def __init__(self, run: str, lo: int, pays: "_Pays") -> None:
+    def __init__(self, run: str, lo: int, pays: StepEncoder) -> None:
         self.run, self.lo, self.hi, self.pays = run, lo, lo, pays
         self.events: list[dict] = []
         self.payload: list[bytes] = []
@@ -288,7 +308,7 @@ class _Batch:
         parts: list[bytes] = []
         ranges: list[list] = []
         try:
-            grads = [self._grad(g, config, parts, ranges) for g in rec.grads]
+            grads = self.pays.encode(rec, parts, ranges)
         finally:
             if rec.slot is not None:
                 staging.give(rec.slot)
@@ -314,50 +334,6 @@ class _Batch:
         self.payload.extend(parts)
         self.size += sum(len(p) for p in parts)
         self.hi += 1
-
-    def _grad(self, g: Grad, config: EngineConfig, parts: list[bytes], ranges: list[list]) -> dict:
-        if g.kind == "none":
-            return {"p": g.p, "k": "none"}
-        compress = self.pays.compress(g.p)
-        pipeline = lossless_pipeline(g.dtype, config.compression) if compress else _RAW
-        out = {"p": g.p, "k": g.kind, "dtype": dtype_name(g.dtype), "shape": list(g.shape),
-               "data": _put(g.data, pipeline, parts, ranges)}
-        if compress:
-            self.pays.record(g.p, out["data"][1], g.data.numel() * g.data.element_size())
-        if g.idx is not None:
-            out["idx"] = _put(g.idx.to(torch.int64), index_pipeline(), parts, ranges)
-            out["n"] = int(g.idx.numel())
-        if g.kind == "sparse":
-            out["coalesced"] = g.coalesced
-        return out
-
-
-def _put(t: torch.Tensor, pipeline: Pipeline, parts: list[bytes], ranges: list[list]) -> list:
-    flat = t.reshape(1, -1) if t.numel() else t.reshape(0, 1)
-    data, _ = pipeline.encode(flat.contiguous())
-    data = bytes(data)
-    r = [sum(len(p) for p in parts), len(data), pipeline.to_list()]
-    parts.append(data)
-    ranges.append(r)
-    return r
-
-
-class _Pays:
-    """Whether compressing a parameter's gradient pays (encoder thread). Dense gradients hardly
-    compress (~1.0-1.1x, all mantissa), and shuffle + zstd of them costs more CPU than the log's
-    copy: a gradient that stayed above 90% of its size 3 times in a row is stored raw, and tried
-    again every 64th step (DESIGN: compress where it pays)."""
-
-    def __init__(self) -> None:
-        self.misses: dict[int, int] = {}
-        self.seen: dict[int, int] = {}
-
-    def compress(self, p: int) -> bool:
-        self.seen[p] = self.seen.get(p, 0) + 1
-        return self.misses.get(p, 0) < 3 or self.seen[p] % 64 == 0
-
-    def record(self, p: int, stored: int, raw: int) -> None:
-        self.misses[p] = self.misses.get(p, 0) + 1 if stored > 0.9 * raw else 0
 
 
 def _close_at_exit(ref: "weakref.ref[StepLog]") -> None:

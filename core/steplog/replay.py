@@ -5,7 +5,9 @@ chain starts at the checkpoint's marker (its run and event), follows that run's 
 later run continues it (a resume that replayed and logged on), switches to the newest such run at its
 branch point. A damaged segment (checksum, truncation) or a missing one ends the replay with a
 warning naming it; a segment whose checksums hold but whose content is invalid raises
-``StepLogFormatError`` naming it.
+``StepLogFormatError`` naming it. A ``GradScaler`` passed in takes each logged scaler state in turn,
+so it ends in the state logged last (steps it skipped for inf/nan are not logged: they changed only
+its scale, which the next state holds).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def find_marker(index: LogIndex, name: str, commit: dict | None) -> Marker | Non
 
 
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
-                 max_bytes: int) -> Position:
+                 max_bytes: int, scaler: Any = None) -> Position:
     """Apply every logged event after ``start``; returns where it ended."""
     pos = Position(start.run, start.event, start.step)
     slog = active_log(optimizer)
@@ -60,7 +62,8 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
     try:
         while not pos.stopped:
             target = next(iter(index.children(pos.run, pos.event)), None)
-            _apply_run(segs, index, pos, optimizer, scheduler, max_bytes, None if target is None else target.parent[1])
+            _apply_run(segs, index, pos, (optimizer, scheduler, scaler), max_bytes,
+                       None if target is None else target.parent[1])
             if target is None or pos.stopped or pos.event != target.parent[1]:
                 break
             pos.run = target.run
@@ -72,8 +75,9 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
     return pos
 
 
-def _apply_run(segs: Store, index: LogIndex, pos: Position, optimizer: Any, scheduler: Any,
-               max_bytes: int, stop_at: int | None) -> None:
+def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_bytes: int,
+               stop_at: int | None) -> None:
+    optimizer, scheduler, scaler = targets
     prev = 0
     for seg in index.segments.get(pos.run, []):
         if seg.hi <= pos.event:
@@ -96,7 +100,7 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, optimizer: Any, sche
                 continue
             if stop_at is not None and event > stop_at:
                 return
-            apply_event(ev, payload, optimizer, scheduler, segs.url(seg.name), max_bytes)
+            apply_event(ev, payload, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler)
             pos.event = event
             if ev["kind"] == "step":
                 pos.step = ev["step"]
@@ -130,12 +134,14 @@ def _stop(pos: Position, where: str, why: str) -> None:
 
 
 def apply_event(ev: dict, payload: memoryview, optimizer: Any, scheduler: Any, where: str,
-                max_bytes: int) -> None:
+                max_bytes: int, scaler: Any = None) -> None:
     """Apply one checked event of a segment (``split_segment``'s header and payload): a ``state``
     event sets the groups' hyperparameters and the scheduler's state, a ``step`` event sets every
     parameter's ``.grad`` to the logged gradient and calls ``optimizer.step()``. Training thread."""
     if ev["kind"] == "state":
         _apply_state(ev, optimizer, scheduler, where)
+        if scaler is not None and ev.get("scaler") is not None:
+            _apply_scaler(ev["scaler"], scaler, where)
         return
     what = f"{where}: step {ev['step']}"
     params = flat_params(optimizer)
@@ -171,6 +177,16 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a log of another scheduler: say which segment
             raise StepLogError(f"{where}: the logged scheduler state does not fit {type(scheduler).__name__}: "
                                f"{exc}") from exc
+
+
+def _apply_scaler(state: dict, scaler: Any, where: str) -> None:
+    if not scaler.is_enabled():  # a disabled scaler has no state (state_dict() is empty)
+        return
+    try:
+        scaler.load_state_dict(dict(state))
+    except Exception as exc:  # noqa: BLE001 - not a torch GradScaler: say which segment
+        raise StepLogError(f"{where}: the logged GradScaler state does not load into "
+                           f"{type(scaler).__name__}: {exc}") from exc
 
 
 def _grad(g: dict, p: torch.Tensor, payload: memoryview, what: str, max_bytes: int) -> torch.Tensor:

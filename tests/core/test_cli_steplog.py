@@ -288,8 +288,6 @@ def test_export_step_safetensors_roundtrip(logged, tmp_path, capsys):
 
 def test_export_step_refuses_what_it_cannot_do(logged, tmp_path, capsys):
     out = str(tmp_path / "x.pt")
-    code, _, err = _run(capsys, "export", logged, out, "--step", "9")
-    assert code == 2 and "does not record the optimizer's class" in err
     code, _, err = _run(capsys, "export", logged, out, "--step", "9", "--optimizer", "os.system")
     assert code == 2 and "not a torch.optim optimizer class" in err
     code, _, err = _run(capsys, "export", logged, out, "--step", str(STEPS + 1), "--optimizer", "Adam")

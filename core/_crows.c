@@ -1,0 +1,35 @@
+/* Row change detection for ckpt_core.saving.streams (incremental saves), loaded through ctypes (no
+ * Python API here, so ctypes releases the GIL around each call and the copier's helper thread can
+ * run the other half of a table at the same time).
+ *
+ * Built by setup.py as the optional extension ckpt_core._crows. When it is missing (no C compiler
+ * at install time) streams.py does the same work in numpy: the same rows, in the same order.
+ *
+ * The comparison is bytewise (memcmp), so it is exact for every dtype: -0.0 and 0.0 differ, NaNs
+ * with different payloads differ, equal bytes never count as a change.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Version of this interface; streams.py refuses a library with another one. */
+int checkrun_crows_abi(void) { return 1; }
+
+/* For each of ``rows`` rows of ``row_bytes`` bytes (both buffers contiguous): if src's row differs
+ * from dst's, copy it into dst and append ``first + row`` to ``out`` (room for ``rows`` entries).
+ * One pass: a row is compared and copied while both are in cache. Returns the number of rows
+ * written to ``out``, in ascending order. */
+int64_t checkrun_copy_changed_rows(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t row_bytes,
+                                   int64_t first, int64_t *out) {
+    int64_t n = 0;
+    size_t width = (size_t)row_bytes;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *s = src + (size_t)r * width;
+        uint8_t *d = dst + (size_t)r * width;
+        if (memcmp(s, d, width) != 0) {
+            memcpy(d, s, width);
+            out[n++] = first + r;
+        }
+    }
+    return n;
+}

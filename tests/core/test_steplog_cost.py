@@ -1,0 +1,176 @@
+"""The step log's cheap path (issue 23, cost): reused staging and packs on the training thread,
+one shuffle per pack on the encoder thread, and the bytes and replay that must not change for it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine
+from ckpt_core.codecs import index_pipeline, lossless_pipeline
+from ckpt_core.config import CompressionConfig
+from ckpt_core.steplog.capture import PACK_MAX_BYTES, Staging, StepRecord, capture_step
+from ckpt_core.steplog.encode import StepEncoder
+
+from .steplog_train import assert_bit_equal
+
+
+def _opt_with_grads(grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(torch.zeros(g.shape, dtype=g.dtype)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _sparse_grad(rows: int, dim: int, ids: list[int], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([ids], dtype=torch.int64)
+    return torch.sparse_coo_tensor(idx, torch.randn(len(ids), dim, generator=gen), (rows, dim))
+
+
+def _grads(seed: int, n_ids: int = 40) -> list[torch.Tensor]:
+    """Sparse rows (repeated ids, uncoalesced), dense fp32/bf16/fp16 of awkward sizes, an empty
+    gradient, and a bf16 one whose byte planes are large enough for shuffle_zstd's probe."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (n_ids,), generator=gen).tolist()
+    bumpy = torch.randn(300 << 10, generator=gen).to(torch.bfloat16)  # 600 KiB: planes of 300 KiB
+    return [_sparse_grad(50, 7, ids, seed), torch.randn(13, 5, generator=gen),
+            torch.randn(33, generator=gen).to(torch.bfloat16), torch.randn(3, 3, generator=gen).half(),
+            torch.zeros(0, 4), bumpy, torch.full((64, 64), 0.5)]
+
+
+def _capture(opt, staging: Staging, step: int, slot: int = 0) -> StepRecord:
+    return capture_step(opt, step, staging, slot, 0.5)
+
+
+def _own_bytes(t: torch.Tensor, pipeline) -> bytes:
+    flat = t.reshape(1, -1) if t.numel() else t.reshape(0, 1)
+    return bytes(pipeline.encode(flat.contiguous())[0])
+
+
+def test_packed_blobs_equal_the_codecs_bytes():
+    """Each tensor's blob from a shuffled pack is byte for byte what its pipeline gives for the
+    tensor alone (shuffle_zstd's plane rule and probe, and index_pipeline's one frame)."""
+    grads = _grads(1)
+    opt = _opt_with_grads(grads)
+    rec = _capture(opt, Staging(1), 1)
+    assert all(g.data is None for g in rec.grads), "every tensor here is below PACK_MAX_BYTES"
+    parts, ranges = [], []
+    entries = StepEncoder(CompressionConfig()).encode(rec, parts, ranges)
+    payload = b"".join(parts)
+    sparse = grads[0]
+    expected = [(sparse._values(), lossless_pipeline(torch.float32, CompressionConfig()))]
+    assert [e["k"] for e in entries] == ["sparse"] + ["dense"] * (len(grads) - 1)
+    for e, (t, pipe) in zip(entries, expected + [(g, lossless_pipeline(g.dtype, CompressionConfig()))
+                                                   for g in grads[1:]]):
+        off, size, codecs = e["data"]
+        assert codecs == pipe.to_list()
+        assert payload[off:off + size] == _own_bytes(t, pipe), e["p"]
+    off, size, codecs = entries[0]["idx"]
+    assert codecs == index_pipeline().to_list() and entries[0]["n"] == 40
+    assert payload[off:off + size] == _own_bytes(sparse._indices().view(-1), index_pipeline())
+
+
+def test_staging_is_reused_and_grows_only_when_a_step_is_larger():
+    grads = _grads(2)
+    opt = _opt_with_grads(grads)
+    staging = Staging(2)
+    first = _capture(opt, staging, 1)
+    ptrs = {d: t.data_ptr() for d, t in first.packs.items()}
+    for step, seed in ((2, 3), (3, 4)):  # new values, same sizes: the same memory
+        for p, g in zip(opt.param_groups[0]["params"], _grads(seed)):
+            p.grad = g
+        rec = _capture(opt, staging, step)
+        assert {d: t.data_ptr() for d, t in rec.packs.items()} == ptrs
+    opt.param_groups[0]["params"][0].grad = _sparse_grad(50, 7, list(range(50)) * 2, 5)  # more rows
+    grown = _capture(opt, staging, 4)
+    assert grown.packs[torch.float32].data_ptr() != ptrs[torch.float32]
+    assert grown.grads[0].n == 100
+    again = _capture(opt, staging, 5)
+    assert again.packs[torch.float32].data_ptr() == grown.packs[torch.float32].data_ptr()
+    other = _capture(opt, staging, 6, slot=1)  # each slot has its own buffers
+    assert other.packs[torch.float32].data_ptr() != again.packs[torch.float32].data_ptr()
+
+
+def test_capture_is_a_copy_of_what_step_consumes():
+    grads = _grads(6)
+    opt = _opt_with_grads(grads)
+    rec = _capture(opt, Staging(1), 1)
+    before = {d: t.clone() for d, t in rec.packs.items()}
+    dense = grads[1].clone()
+    for g in grads:  # training goes on: the next backward writes into the gradients
+        (g._values() if g.is_sparse else g).add_(1)
+    for d, t in rec.packs.items():
+        assert torch.equal(t.view(torch.uint8), before[d].view(torch.uint8))
+    start, n = rec.grads[1].data_at
+    assert torch.equal(rec.packs[torch.float32][start:start + n], dense.reshape(-1))
+
+
+def test_large_gradients_get_buffers_of_their_own():
+    rows = PACK_MAX_BYTES // (4 * 16) + 10  # values just over PACK_MAX_BYTES
+    sparse = _sparse_grad(rows + 5, 16, list(range(rows)), 7)
+    dense = torch.randn(PACK_MAX_BYTES // 4 + 1)
+    opt = _opt_with_grads([sparse, dense, torch.randn(4)])
+    staging = Staging(1)
+    rec = _capture(opt, staging, 1)
+    big_sparse, big_dense, small = rec.grads
+    assert big_sparse.data is not None and big_sparse.idx is not None and big_sparse.data_at is None
+    assert torch.equal(big_sparse.data, sparse._values()) and torch.equal(big_sparse.idx, sparse._indices()[0])
+    assert big_dense.data is not None and torch.equal(big_dense.data, dense)
+    assert small.data is None and small.data_at == (0, 4)
+    ptr = big_sparse.data.data_ptr()
+    assert _capture(opt, staging, 2).grads[0].data.data_ptr() == ptr
+
+
+class _Table(torch.nn.Module):
+    """A sparse table whose rows of one step are more than PACK_MAX_BYTES, and small layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6000, 64, sparse=True)
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).sum(1))
+
+
+def _train(net, opt, sched, step: int, n_ids: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 6000, (n_ids // 8, 8), generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(net(ids), torch.randn(n_ids // 8, 3, generator=gen)).backward()
+    opt.step()
+    sched.step()
+
+
+def _make():
+    torch.manual_seed(7)
+    net = _Table()
+    opt = torch.optim.Adagrad(net.parameters(), lr=0.05)
+    return net, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def _state(net, opt, sched) -> dict:
+    return {"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+
+
+@pytest.mark.parametrize("n_ids", [4400, 64])  # sparse rows of their own (1.1 MB), and packed
+def test_replay_is_bit_exact_through_both_paths(tmp_path, n_ids):
+    directory = str(tmp_path / "run")
+    net, opt, sched = _make()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 6):
+            _train(net, opt, sched, step, n_ids)
+            if step == 1:
+                engine.save(_state(net, opt, sched), f"{directory}/ck.ckpt").result()
+        slog.close()
+        expected = copy.deepcopy(_state(net, opt, sched))
+        net2, opt2, sched2 = _make()
+        st = engine.load(f"{directory}/ck.ckpt")
+        net2.load_state_dict(st["model"])
+        opt2.load_state_dict(st["opt"])
+        sched2.load_state_dict(st["sched"])
+        assert engine.replay(directory, opt2, sched2) == 4
+    assert_bit_equal(_state(net2, opt2, sched2), expected)
