@@ -122,9 +122,10 @@ def _scalar_depth(enc: Any) -> int:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC: the walks create many acyclic objects, and every collection they
-    trigger would rescan each live tensor (over half of flatten's time at 100k tensors)."""
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC (process-wide): walks and staging create many acyclic objects, and every
+    collection they trigger would rescan each live tensor (over half of flatten's time at 100k
+    tensors), on the training thread. Blocking waits belong outside."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -289,7 +290,7 @@ def flatten(state: Any, *, max_depth: int = 512) -> Flattened:
     objects (no copy). Raises FormatError for a reference cycle or nesting beyond ``max_depth``.
     """
     enc = _Encoder(max_depth)
-    with _gc_paused():
+    with gc_paused():
         skeleton = enc.run(state)
     return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects))
 
@@ -491,7 +492,7 @@ def validate_skeleton(skeleton: Any, n_tensors: int, n_objects: int, *, max_dept
     never evaluates or imports anything. Raises FormatError naming the key path.
     """
     _check_counts(n_tensors, n_objects, max_depth)
-    with _gc_paused():
+    with gc_paused():
         _Decoder(None, n_tensors, None, n_objects, max_depth).run(skeleton)
 
 
@@ -504,5 +505,5 @@ def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor], objects: Sequence[
     raises FormatError naming the key path.
     """
     _check_counts(len(tensors), len(objects), max_depth)
-    with _gc_paused():
+    with gc_paused():
         return _Decoder(tensors, len(tensors), objects, len(objects), max_depth).run(skeleton)

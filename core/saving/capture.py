@@ -9,11 +9,9 @@ everything taken: budget, buffers, and the row streams' claim to match what is c
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,7 +25,7 @@ from ..format.objects import DeferredObject, device_storage_bytes, serialize_obj
 from .pinned import arena_layout, can_pin
 from .staging import AfterCopy, BufferPool, Copier, MemoryBudget, empty_host
 from .streams import DirState, RowStream, row_eligible
-from ..format.tree import flatten
+from ..format.tree import flatten, gc_paused
 
 
 @dataclass(frozen=True)
@@ -108,14 +106,14 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     created = time.time()
     stamp = new_stamp()
     flat = flatten(state)
-    with _gc_paused():
+    with gc_paused():
         leaves, unique, sources = _sources(flat.tensors)
     deferred = _device_objects(flat.objects, sources)
     charged = _staging_bytes(sources) + sum(deferred.values())
     budget.acquire(charged)
     taken: list[torch.Tensor] = []  # staging buffers from the pool: given back on an error
     try:
-        with _gc_paused():
+        with gc_paused():
             staged = _stage_all(sources, dirstate, pool, copier, config, trackers, taken)
         objects, later = _stage_objects(flat.objects, deferred, copier, pool.pin_memory)
         meta, late_meta = _meta(state, lambda t: _staged_copy(t, unique, staged))
@@ -136,20 +134,6 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
         budget.release(charged)
         raise
     return Snapshot(flat.skeleton, staged, objects, tuple(leaves), event, charged, created, meta, stamp)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC (process-wide) while staging: it allocates a few objects per tensor, and a
-    collection they trigger scans every live object of the process, on the training thread (what
-    ``flatten`` does too). Blocking waits (the budget) stay outside."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str, torch.Tensor]]]:
