@@ -9,6 +9,10 @@ LoRA adapters with Adam) and five methods (``benchmarks.restore_methods``):
    checked equal to the saved state after the last round). checkrun restores with a fresh engine
    each time (a restarted job; the engine is built before the clock) and ``engine.load(path, into=)``
    where that exists, else load + ``copy_``.
+   In every round the order of the methods rotates, and before each timed restore or save the
+   previous method's garbage is collected and its dirty pages written back (``gc.collect()``,
+   ``os.sync()``, outside the clock): DCP's saves leave a cyclic-GC pass to whatever allocates next,
+   which otherwise added 6-9 ms to the save timed after DCP's.
 2. blocking s per save (incremental on): a warm-up save per method, then ``--reps`` rounds of (one
    training interval, then a save by every method in turn, each durable before the next); blocking =
    until the call returns, durable = until committed / fsync'd.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import sys
 import time
@@ -70,11 +75,19 @@ def cold_restore(method: str, r, payload: dict, ref: list[torch.Tensor]) -> floa
     if method in ("threads", "process"):
         r.prepare()
     drop_caches()
+    gc.collect()  # no garbage of the method before falls on this one (as in the blocking rounds)
     t, _ = timed(lambda: r.restore(payload))
     if method in ("threads", "process"):
         r.finish()
     assert same_as(ref, payload), f"{method}: the restored state differs from the saved one"
     return t
+
+
+def rotated(methods: list[str], i: int) -> list[str]:
+    """The methods in round ``i``'s order: rotated each round, so no method always follows the same one
+    (a save's background effects, such as the kernel's write-back, fall on the next method timed)."""
+    k = i % len(methods)
+    return methods[k:] + methods[:k]
 
 
 # -- 1. restore ---------------------------------------------------------------------------------
@@ -85,8 +98,8 @@ def restore_state(bs: BenchState, methods: list[str], reps: int, root: Path) -> 
     for m in methods:
         rs[m].save(bs.payload)
     out: dict = {m: [] for m in methods}
-    for _ in range(reps):
-        for m in methods:
+    for i in range(reps):
+        for m in rotated(methods, i):
             out[m].append(cold_restore(m, rs[m], bs.payload, ref))
     for p in root.iterdir():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -118,7 +131,9 @@ def blocking_state(bs: BenchState, methods: list[str], reps: int, root: Path) ->
             savers[m].timed_save(bs.payload, 0)
         for i in range(1, reps + 1):
             bs.change(i)
-            for m in methods:
+            for m in rotated(methods, i):
+                os.sync()  # the previous method's dirty pages are written back before this save, not during it
+                gc.collect()  # and its garbage collected: DCP's leaves a cyclic GC pass to whoever allocates next
                 b, d = savers[m].timed_save(bs.payload, i)
                 out[m]["blocking"].append(b)
                 if m != "floor":  # a copy in memory is never durable: its column stays empty
