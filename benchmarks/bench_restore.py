@@ -18,8 +18,10 @@ LoRA adapters with Adam) and five methods (``benchmarks.restore_methods``):
    until the call returns, durable = until committed / fsync'd.
 3. chain: checkrun threads, DLRM, ``incremental.policy: consecutive``: 9 saves with an interval between
    them (a base + a chain of 8 deltas); cold restores of the last and of the base, alternating.
+4. fresh: the DLRM checkpoint loaded by a new process per load (a restarted job), threads vs process
+   mode in alternation, cold (the interpreter start and the torch import are outside the clock).
 
-Run: ``python -m benchmarks.bench_restore [--size 256] [--reps 3] [--only restore,blocking,chain]
+Run: ``python -m benchmarks.bench_restore [--size 256] [--reps 3] [--only restore,blocking,chain,fresh]
 [--states dlrm,dense,ft] [--methods floor,torch,dcp,threads,process] [--dir DIR] [--json PATH]``.
 Cells are median (min-max) of the reps; ratios are of medians.
 """
@@ -37,10 +39,10 @@ import torch
 
 from benchmarks.common import (drop_caches, floor_copy, loadavg, machine_header, machine_info, med, table,
                                tensors, timed, verdict, workdir, write_json)
-from benchmarks.restore_methods import (METHODS, RESTORE_LABELS, SAVE_LABELS, STATE_LABELS, STATES, BenchState,
+from benchmarks.restore_methods import (CHECKRUN, METHODS, RESTORE_LABELS, SAVE_LABELS, STATE_LABELS, STATES, BenchState,
                                         Saver, build_state, engine_load_into, has_into, restorer)
 
-SECTIONS = ("restore", "blocking", "chain")
+SECTIONS = ("restore", "blocking", "chain", "fresh")
 CHAIN = {"incremental": {"policy": "consecutive", "max_chain": 8}}
 CHAIN_SAVES = 9  # a base and 8 consecutive deltas
 REF_LABELS = {"dcp": "DCP", "floor": "floor"}
@@ -198,6 +200,42 @@ def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
     print(f"\n- chain restore {r:.2f}x the full restore (target <= 1.5x): {verdict(r <= 1.5)}")
 
 
+# -- 4. a restarted job ---------------------------------------------------------------------------
+_CHILD = ("import json, sys, time, ckpt_core\n"
+          "engine = ckpt_core.CheckpointEngine(json.loads(sys.argv[1]))\n"
+          "t0 = time.perf_counter(); engine.load(sys.argv[2]); print(time.perf_counter() - t0)\n"
+          "engine.close()\n")
+
+
+def fresh_restore(bs: BenchState, reps: int, root: Path) -> dict:
+    """{mode: [s]}: ``engine.load`` of the DLRM checkpoint in a new process per restore (a restarted job:
+    one load, fresh memory; the interpreter and torch import are outside the clock), cold, threads vs
+    process mode in alternation."""
+    import json
+    import subprocess
+
+    import ckpt_core
+
+    path = root / "step=0.ckpt"
+    with ckpt_core.CheckpointEngine() as engine:
+        engine.save(bs.payload, path).result()
+    out: dict = {m: [] for m in ("threads", "process")}
+    for i in range(reps):
+        for m in rotated(list(out), i):
+            drop_caches()
+            done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CHECKRUN[m]), str(path)],
+                                  capture_output=True, text=True, check=True)
+            out[m].append(float(done.stdout.split()[-1]))
+    shutil.rmtree(root)
+    return out
+
+
+def print_fresh(res: dict) -> None:
+    print("\n### DLRM restore by a restarted job (a new process per load, `engine.load`, cold)\n")
+    print(table(["mode", "restore s", "x threads"], [[m, cell(v), ratio(v, res["threads"])] for m, v in res.items()],
+                digits=2))
+
+
 # -- driver -------------------------------------------------------------------------------------
 def pick(arg: str, allowed: tuple, what: str) -> list[str]:
     names = [n.strip() for n in arg.split(",") if n.strip()]
@@ -233,6 +271,9 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     if "chain" in sections:
         results["chain"] = chain_restore(build_state("dlrm", args.size), args.reps, root / "chain")
         print_chain(results["chain"], results["restore"].get("dlrm", {}).get("dcp"), cold)
+    if "fresh" in sections:
+        results["fresh"] = fresh_restore(build_state("dlrm", args.size), args.reps, root / "fresh")
+        print_fresh(results["fresh"])
     return results
 
 
@@ -240,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=float, default=256, help="MB of fp32 in each state (default 256)")
     ap.add_argument("--reps", type=int, default=3, help="timed restores / saves per cell (default 3)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help="sections: restore,blocking,chain")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="sections: restore,blocking,chain,fresh")
     ap.add_argument("--states", default=",".join(STATES), help="states: dlrm,dense,ft")
     ap.add_argument("--methods", default=",".join(METHODS), help="methods: floor,torch,dcp,threads,process")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp; removed)")
