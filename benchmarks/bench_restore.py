@@ -4,7 +4,8 @@ One run, one process, three states of ``--size`` MB of fp32 (DLRM: 8 tables of d
 Adagrad + an MLP with Adam; dense: a GPT-like model + Adam; fine-tune: frozen 2048x2048 layers + rank-16
 LoRA adapters with Adam) and five methods (``benchmarks.restore_methods``):
 
-1. restore s (cold): each method saves the state once; then ``--reps`` rounds, each restoring with every
+1. restore s (cold): each method saves the state once (checkrun: the second save of an engine, one
+   training interval after its first, as the checkpoint a job restores usually is); then ``--reps`` rounds, each restoring with every
    method in turn (page cache dropped before each restore; live tensors zeroed, outside the clock, and
    checked equal to the saved state after the last round). checkrun restores with a fresh engine
    each time (a restarted job; the engine is built before the clock) and ``engine.load(path, into=)``
@@ -95,8 +96,12 @@ def rotated(methods: list[str], i: int) -> list[str]:
 # -- 1. restore ---------------------------------------------------------------------------------
 def restore_state(bs: BenchState, methods: list[str], reps: int, root: Path) -> dict:
     """{method: [seconds per rep]} for state ``bs``; every method's files exist at once (rounds)."""
-    ref = floor_copy(bs.payload, None)  # the saved values, to check each restore landed in place
     rs = {m: restorer(m, root) for m in methods}
+    for m in methods:  # checkrun: a save, a training interval, then the restored save (see history)
+        if hasattr(rs[m], "history"):
+            rs[m].history(bs.payload)
+    bs.change(0)
+    ref = floor_copy(bs.payload, None)  # the saved values, to check each restore landed in place
     for m in methods:
         rs[m].save(bs.payload)
     out: dict = {m: [] for m in methods}

@@ -166,12 +166,25 @@ class CheckrunFile:
         self.dir, self.config = root / f"ckr-{mode}", CHECKRUN[mode]
         self.path, self.engine = self.dir / "step=0.ckpt", None
 
-    def save(self, payload: dict) -> None:
+    def history(self, payload: dict) -> None:
+        """A save before the restored one, by the same engine (as in training: the checkpoint a job
+        restores is rarely its first, and the engine's choices, e.g. which tensors are dense, show in it)."""
         import ckpt_core
 
         fresh(self.dir)
-        with ckpt_core.CheckpointEngine(self.config) as engine:
-            engine.save(payload, self.path).result()
+        self._writer = ckpt_core.CheckpointEngine(self.config)
+        self._writer.save(payload, self.dir / "step=-1.ckpt").result()
+
+    def save(self, payload: dict) -> None:
+        import ckpt_core
+
+        writer = getattr(self, "_writer", None)
+        if writer is None:
+            fresh(self.dir)
+            writer = ckpt_core.CheckpointEngine(self.config)
+        with writer:
+            writer.save(payload, self.path).result()
+        self._writer = None
 
     def prepare(self) -> None:
         import ckpt_core

@@ -32,7 +32,7 @@ from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
 from .storage.store import Store
-from .saving.streams import DirState, adopt_loaded, wants_stream
+from .saving.streams import DirState, adopt_loaded, dense_keys, wants_stream
 from .saving.tracking import EmbeddingTracker
 from .saving.process import WriterProcess, check_store
 
@@ -117,11 +117,11 @@ class CheckpointEngine:
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
         manifest = self._read_manifest(store, name)
-        incremental = self.config.incremental
+        incremental, dense = self.config.incremental, dense_keys(manifest.meta)
 
         def keep_copy(rec, flat, live) -> bool:  # ckpt_core.load's one-shot engine saves nothing after
             return getattr(self, "_keep_loaded", True) and wants_stream(
-                rec, flat, incremental, lambda: live or _lands_on_cpu(flat, rec.device, map_location))
+                rec, flat, incremental, lambda: live or _lands_on_cpu(flat, rec.device, map_location), dense)
 
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
                                             weights_only=weights_only, config=self.config, keep_copy=keep_copy,

@@ -11,6 +11,7 @@ from .util import (
     EXIT_OK, Context, codecs_text, emit_json, fmt_float, fmt_less, fmt_ratio, human_size, human_time,
     iso_time, log, output_width, ratio, shorten_end, table)
 from ..format.manifest import DTYPES, Manifest, TensorRecord
+from ..saving.streams import DENSE_META
 
 
 def step_of(meta: dict) -> Any:
@@ -122,7 +123,7 @@ def _summary(view: View) -> dict:
     raw = sum(tensor_bytes(x) for x in manifests)
     written = sum(written_bytes(x) for x in manifests) + (len(m.to_bytes()) if view.composite else 0)
     meta = ({k: v for k, v in view.index.items() if k != "parts"} if view.composite
-            else {k: v for k, v in m.meta.items() if k != "leaves"})
+            else {k: v for k, v in m.meta.items() if k not in ("leaves", DENSE_META)})
     out = {"path": view.url, "format_version": m.format_version, "created": m.created,
            "created_iso": iso_time(m.created), "meta": meta, "stats": m.stats,
            "tensors": sum(len(x.tensors) for x in manifests), "objects": sum(len(x.objects) for x in manifests),

@@ -302,6 +302,18 @@ def row_eligible(key: str, t: torch.Tensor, cfg: IncrementalConfig) -> bool:
             and any(fnmatch.fnmatchcase(key, p) for p in cfg.row_delta_keys))
 
 
+#: Manifest ``meta`` key: the row-stream tensors this save wrote whole because training changes
+#: every row of them (``RowPlan.dense``). A load keeps no reference copy of those (``wants_stream``):
+#: the next save copies them whole anyway, and the copy would double their host memory.
+DENSE_META = "checkrun.dense_rows"
+
+
+def dense_keys(meta: dict) -> frozenset[str]:
+    """The tensor keys a manifest's ``meta`` marks dense (anything malformed marks none)."""
+    keys = meta.get(DENSE_META)
+    return frozenset(k for k in keys if isinstance(k, str)) if isinstance(keys, list) else frozenset()
+
+
 class Loaded(Protocol):
     """A tensor a load decoded (``loading.reader.LoadedTensor``), as seen by the save side."""
 
@@ -311,14 +323,16 @@ class Loaded(Protocol):
 
 
 def wants_stream(rec: TensorRecord, flat: torch.Tensor, cfg: IncrementalConfig,
-                 lands_on_cpu: Callable[[], bool]) -> bool:
+                 lands_on_cpu: Callable[[], bool], dense: frozenset[str] = frozenset()) -> bool:
     """Whether a loaded tensor becomes a row stream (which needs its own host copy of the values).
 
     Only where row deltas will really apply: saved from the CPU and loaded onto the CPU
     (``lands_on_cpu``: where the load's ``map_location`` puts it; a GPU job resuming with
     ``map_location="cpu"`` saves from the GPU again, where row deltas never apply, so a host copy of
-    model + optimizer state would only double its host memory)."""
-    if rec.quant or rec.device != "cpu" or not row_eligible(rec.key, flat.view(rec.shape), cfg):
+    model + optimizer state would only double its host memory), and not for a tensor the checkpoint
+    marks ``dense`` (``DENSE_META``: every row changes, the next save copies it whole)."""
+    if (rec.quant or rec.device != "cpu" or rec.key in dense
+            or not row_eligible(rec.key, flat.view(rec.shape), cfg)):
         return False
     return lands_on_cpu()
 

@@ -38,7 +38,7 @@ from .lease import SaveLease
 from .plan import PackPlan, Planner, TensorPlan, WritePlan
 from .quant_error import stream_row_norms, tensor_quant
 from .quant_rules import RuleMatcher
-from .streams import DirState
+from .streams import DENSE_META, DirState
 
 log = logging.getLogger("ckpt_core")
 
@@ -301,6 +301,10 @@ class SnapshotWriter:
             "encode_seconds": time.perf_counter() - t0,
         }
         meta = dict(self.snap.meta)
+        dense = sorted(k for k, (rplan, *_) in self.stream_updates.items() if rplan is not None and rplan.full
+                       and rplan.dense)
+        if dense:
+            meta[DENSE_META] = dense
         if list(self.snap.leaves) != list(range(len(self.snap.leaves))) or len(self.snap.leaves) != len(records):
             meta["leaves"] = list(self.snap.leaves)
         manifest = Manifest(self.snap.created, self.snap.skeleton, tuple(records), tuple(objects), stats, meta)

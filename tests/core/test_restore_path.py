@@ -194,3 +194,34 @@ def test_a_blob_missing_in_the_middle_of_a_load_is_named(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="missing blob") as info:
         ckpt_core.load(tmp_path / "m.ckpt", into={"a": torch.zeros(2048, 16), "b": torch.zeros(2048, 16)})
     assert gone.name in str(info.value)
+
+
+def test_a_tensor_saved_whole_because_every_row_changed_gets_no_reference_copy_at_load(tmp_path) -> None:
+    """A dense tensor (every row changes between saves) is marked in the manifest; loading it keeps no
+    second host copy (the next save copies it whole anyway), while a sparse table keeps its reference
+    and its next save stays a row delta. Both save and load back bit for bit."""
+    from ckpt_core.saving.streams import DENSE_META
+
+    g = torch.Generator().manual_seed(0)
+    state = {"dense": torch.randn(2048, 16, generator=g), "table": torch.randn(4096, 16, generator=g)}
+    d = tmp_path / "run"
+    with CheckpointEngine() as engine:
+        engine.save(state, d / "0.ckpt").result()
+        for i in (1, 2):
+            state["dense"].add_(1.0)  # every row
+            state["table"][i] += 1.0  # one row
+            engine.save(state, d / f"{i}.ckpt").result()
+        manifest = engine.read_manifest(d / "2.ckpt")
+    assert manifest.meta[DENSE_META] == ["dense"]
+    with CheckpointEngine() as engine:
+        loaded = engine.load(d / "2.ckpt")
+        assert _same(loaded["dense"], state["dense"]) and _same(loaded["table"], state["table"])
+        streams = engine._dirstate(engine._dir_store(d, None)).streams
+        assert set(streams) == {"table"}  # no reference copy of the dense tensor
+        loaded["dense"].add_(1.0)
+        loaded["table"][7] += 1.0
+        info = engine.save(loaded, d / "3.ckpt").result()
+        assert info.chain_depth >= 1  # the table is still a row delta
+    with CheckpointEngine() as engine:
+        again = engine.load(d / "3.ckpt")
+    assert _same(again["dense"], loaded["dense"]) and _same(again["table"], loaded["table"])
