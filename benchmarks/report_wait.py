@@ -127,7 +127,8 @@ def restore_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str, 
             "embedding tables (dim 64) + row-wise Adagrad + an MLP with Adam; dense: GPT-like weights + Adam; "
             "fine-tune: a frozen GPT-like base + LoRA adapters with Adam. Copy floor: one raw file read with "
             "`readinto` into the live tensors / a copy into buffers allocated once. checkrun restores with "
-            "`engine.load(path, into=live)`; torch.load is followed by `copy_` into the live tensors (what "
+            "`engine.load(path, into=live)` the second save of an engine, one training interval after its first "
+            "(as a job's restored checkpoint usually is: for DLRM a delta on a base); torch.load is followed by `copy_` into the live tensors (what "
             f"Lightning's `load_state_dict` does). {caption(res)} Arguments: `{args_text(res)}`.\n\n"
             + "\n\n".join(parts) + "\n")
     return text, targets
