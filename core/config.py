@@ -169,6 +169,12 @@ class LoadConfig:
     """Refuse to load (or decode in ``verify``) a checkpoint whose tensors, delta row indices and
     kept copies need more host memory than this, before allocating any (None = this machine's
     physical memory)."""
+    reference: Literal["auto", "background", "inline"] = "auto"
+    """When a load makes the copy of the tensors the next row-delta save compares against (the
+    reference): ``inline``, during the load; ``background``, after the load returned, on a thread that
+    reads and decodes their blobs again (the next save waits for it); ``auto``: ``background`` on a
+    local filesystem (the blobs are in the page cache), ``inline`` elsewhere (an object store would
+    download them twice). docs/performance.md "Restore path"."""
     max_manifest_elements: int = 4_000_000
     """Refuse, before parsing it, a manifest whose JSON holds more elements than this, or lists and
     objects more than a quarter of it: each costs 50-200 bytes of memory to parse, and a checkpoint

@@ -26,13 +26,14 @@ from .saving.coordinator import Coordinator, Job
 from .saving.handles import SaveHandle, SaveInfo
 from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
+from .loading.references import ReferenceBuild
 from .loading.reader import (
     VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest)
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
 from .storage.store import Store
-from .saving.streams import DirState, adopt_loaded, dense_keys, wants_stream
+from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, wants_stream
 from .saving.tracking import EmbeddingTracker
 from .saving.process import WriterProcess, check_store
 
@@ -82,6 +83,7 @@ class CheckpointEngine:
         self._coord.acquire_slot()
         try:
             dirstate = self._dirstate(store)
+            self._adopt_rebuilds(dirstate)
             self._wait_streams(dirstate)
             snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
                                  tuple(self._trackers))
@@ -118,6 +120,8 @@ class CheckpointEngine:
         self._wait_path(store.url(name))
         manifest = self._read_manifest(store, name)
         incremental, dense = self.config.incremental, dense_keys(manifest.meta)
+        mode = self.config.load.reference
+        later: list[int] | None = [] if mode == "background" or (mode == "auto" and store.is_local) else None
 
         def keep_copy(rec, flat, live) -> bool:  # ckpt_core.load's one-shot engine saves nothing after
             return getattr(self, "_keep_loaded", True) and wants_stream(
@@ -125,10 +129,15 @@ class CheckpointEngine:
 
         state, loaded = load_manifest_state(store, name, manifest, map_location=map_location,
                                             weights_only=weights_only, config=self.config, keep_copy=keep_copy,
-                                            alloc_copy=self._pool.copy_allocator(), into=into)
+                                            alloc_copy=self._pool.copy_allocator(), into=into, deferred=later)
         if self._process is not None:
             self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
-        adopt_loaded(self._dirstate(store), manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host)
+        dirstate = self._dirstate(store)
+        adopt_loaded(dirstate, manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host)
+        if later:  # load.reference: the copies the next row-delta save compares against, made now in the background
+            drop_streams(dirstate, (manifest.tensors[i].key for i in later), self._pool.free_host)
+            dirstate.rebuilds.append(ReferenceBuild(store, manifest, store.url(name), later, self._pool.new_host,
+                                                    self.config.load.max_total_bytes))
         self._coord.release_if_idle()
         return state
 
@@ -234,6 +243,8 @@ class CheckpointEngine:
                 steplog.close()
             self._coord.wait_idle()
         finally:
+            for dirstate in self._dirs.values():  # no thread reads a store after it is closed
+                self._adopt_rebuilds(dirstate, install=False)
             self._closed = True
             self._coord.stop_after_queued()  # interrupted while waiting: end after the queued saves
             self._coord.wait_idle()
@@ -333,6 +344,22 @@ class CheckpointEngine:
         # Keyed like the store: the same URL through other options (another endpoint) may be another
         # store, whose blobs this directory's index and row streams must not assume.
         return self._dirs.setdefault(store.cache_key, DirState())
+
+    def _adopt_rebuilds(self, dirstate: DirState, install: bool = True) -> None:
+        """Wait for the references that loads here rebuild in the background (``load.reference``)
+        and make them the row streams, in the order of the loads (``install=False``: drop them)."""
+        builds, dirstate.rebuilds = dirstate.rebuilds, []
+        for build in builds:
+            loaded = build.result(quiet=not install)
+            if loaded is not None and install:
+                adopt_loaded(dirstate, (), loaded, lambda t: t, self._pool.free_host)
+                continue
+            drop_streams(dirstate, build.keys, self._pool.free_host)
+            if loaded is None:  # failed: release what it allocated; what it read is checked before reuse
+                for buf in build.buffers:
+                    self._pool.free_host(buf)
+                for key in build.blob_keys:
+                    dirstate.verified.pop(key, None)
 
     def _wait_streams(self, dirstate: DirState) -> None:
         """Row streams own one buffer each: the previous save to the directory must be done first."""

@@ -100,7 +100,8 @@ KeepCopy = Callable[[TensorRecord, torch.Tensor, bool], bool]
 def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCopy | None = None,
                  max_total_bytes: int | None = None,
                  alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
-                 into: dict[int, torch.Tensor] | None = None) -> list[LoadedTensor]:
+                 into: dict[int, torch.Tensor] | None = None,
+                 deferred: list[int] | None = None) -> list[LoadedTensor]:
     """Fetch, verify and decode every tensor: one pass over the bases and every delta link
     (``decode.Pass``), each tensor's links applied in chain order as soon as its blobs are decoded.
 
@@ -111,7 +112,9 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
     reference of the next row-delta save). What the manifest declares (tensors not in ``into``,
     row indices, the links' values, the copies) is checked against ``max_total_bytes``
     (``load.max_total_bytes``) before anything is allocated. ``alloc_copy(numel, dtype)`` allocates
-    those copies where the caller keeps them (the writer process's shared memory), default: here."""
+    those copies where the caller keeps them (the writer process's shared memory), default: here.
+    With ``deferred`` (a list), the records ``keep_copy`` selects are counted the same but appended
+    to it instead of copied: the caller makes the copies later (``load_references``)."""
     into = into or {}
     limit = memory_limit(max_total_bytes)
     total = check_load_bytes(manifest, where, limit, sum(
@@ -128,11 +131,38 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
         lt = LoadedTensor(rec, flat)
         if keep_copy is not None and keep_copy(rec, flat, live is not None):
             total = check_load_bytes(manifest, where, limit, total + rec.nbytes)
-            lt.copy = (alloc_copy(rec.numel, dtype) if alloc_copy is not None
-                       else alloc_host(rec.numel, dtype, where, f"copy of tensor {rec.key!r}"))
+            if deferred is not None:
+                deferred.append(i)
+            else:
+                lt.copy = (alloc_copy(rec.numel, dtype) if alloc_copy is not None
+                           else alloc_host(rec.numel, dtype, where, f"copy of tensor {rec.key!r}"))
         out.append(lt)
         one_pass.add(lt, pipe, dtype)
     one_pass.run()
+    return out
+
+
+def load_references(store: Store, manifest: Manifest, where: str, indices: list[int],
+                    alloc: Callable[[int, torch.dtype], torch.Tensor],
+                    max_total_bytes: int | None = None) -> list[LoadedTensor]:
+    """Decode the tensors ``indices`` of ``manifest`` again, each into a buffer from ``alloc(numel,
+    dtype)`` that becomes its ``copy`` (and ``flat``): the references of the next row-delta saves,
+    rebuilt after a load returned (``engine.load``, ``load.reference``). Read and verified like a
+    load; what the copies and the links need is checked against ``max_total_bytes`` first."""
+    recs = [manifest.tensors[i] for i in indices]
+    check_load_bytes(manifest, where, memory_limit(max_total_bytes), sum(
+        rec.nbytes + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0])) for rec in recs))
+    scratch = Scratch(where)
+    one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what))
+    out = []
+    for rec in recs:
+        dtype = DTYPES[rec.dtype]
+        lt = LoadedTensor(rec, alloc(rec.numel, dtype))
+        out.append(lt)
+        one_pass.add(lt, _pipeline(rec, where), dtype)
+    one_pass.run()
+    for lt in out:
+        lt.copy = lt.flat
     return out
 
 
@@ -140,14 +170,15 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
                         weights_only: bool, config: EngineConfig,
                         keep_copy: KeepCopy | None = None,
                         alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
-                        into: Any = None) -> tuple[Any, list[LoadedTensor]]:
-    """Rebuild the saved state tree from a parsed manifest (``keep_copy``, ``alloc_copy``: see
-    ``load_tensors``). The CPU tensors of ``into`` that match a stored tensor (``into.plan_into``)
+                        into: Any = None, deferred: list[int] | None = None) -> tuple[Any, list[LoadedTensor]]:
+    """Rebuild the saved state tree from a parsed manifest (``keep_copy``, ``alloc_copy``,
+    ``deferred``: see ``load_tensors``). The CPU tensors of ``into`` that match a stored tensor (``into.plan_into``)
     receive its values in place and are the leaves returned; ``map_location`` places the others."""
     where = store.url(name)
     leaves = check_structure(manifest, where)
     plan = plan_into(manifest, leaves, into)
-    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy, plan.direct)
+    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy, plan.direct,
+                          deferred)
     placer = Placer(map_location)
     try:
         tensors = [lt.flat.view(lt.record.shape) if i in plan.direct else

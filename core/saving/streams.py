@@ -276,6 +276,8 @@ class DirState:
     """The next collection here lists every blob (a removed checkpoint could not be read)."""
     leases_seen: bool = False
     """The last collection here saw live leases of other saves: look again at the next commit."""
+    rebuilds: list = field(default_factory=list)
+    """``loading.references.ReferenceBuild`` of loads here, oldest first: adopted by the next save."""
 
     def adopt_verified(self, blobs: list[BlobRef]) -> None:
         """Blobs a load read and verified: reused by the next save without reading them again."""
@@ -365,6 +367,16 @@ def adopt_loaded(state: DirState, blobs: Iterable[BlobRef], loaded: Iterable[Loa
         stream.saves_since_base = len(rec.deltas)
         stream.spec_id = _spec_id(rec)
         state.streams[rec.key] = stream
+
+
+def drop_streams(state: DirState, keys: Iterable[str], free: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Forget the row streams of ``keys`` (their references no longer hold what was saved or loaded
+    last): the next save copies those tensors whole. Buffers go to ``free`` as in ``adopt_loaded``."""
+    idle = state.last is None or state.last.done()
+    for key in keys:
+        old = state.streams.pop(key, None)
+        if old is not None and free is not None and idle:
+            free(old.buffer)
 
 
 def _spec_id(rec: TensorRecord) -> str:

@@ -49,6 +49,8 @@ def _forge_devices(path: Path, device: str) -> None:
 
 # -- 1: no host reference copies for tensors saved from a device --------------------------------
 def _streams(engine: CheckpointEngine) -> int:
+    for d in engine._dirs.values():  # references a load rebuilds in the background (load.reference)
+        engine._adopt_rebuilds(d)
     return sum(len(d.streams) for d in engine._dirs.values())
 
 

@@ -1,6 +1,7 @@
 """Loads with ``saving.background: process``: no writer process is started or waited for, the load's
 own copies become the row streams' shared buffers (adoption copies nothing), and the next save is
-a row delta, across engine restarts too."""
+a row delta, across engine restarts too. These are the copies made during the load
+(``load.reference: inline``); those rebuilt after it are tests/core/test_load_reference.py's."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from ckpt_core.saving.shm_staging import SharedBuffers
 from ckpt_core.saving.staging import BufferPool
 
 PROCESS = {"saving": {"background": "process"}, "incremental": {"row_delta_min_rows": 64},
-           "retention": {"gc_grace_seconds": 0}}
+           "retention": {"gc_grace_seconds": 0}, "load": {"reference": "inline"}}
 TABLES, ROWS, DIM = 3, 2048, 32
 
 
