@@ -72,8 +72,10 @@ def zero(payload: dict) -> None:
             t.zero_()
 
 
-def cold_restore(method: str, r, payload: dict, ref: list[torch.Tensor]) -> float:
-    """Seconds of one restore of ``r`` into ``payload`` (page cache dropped first), checked against ``ref``."""
+def cold_restore(method: str, r, payload: dict, ref: list[torch.Tensor], ready: dict) -> float:
+    """Seconds of one restore of ``r`` into ``payload`` (page cache dropped first), checked against ``ref``.
+    checkrun: ``ready[method]`` gets the seconds until the next save's references were rebuilt too
+    (in the background after the load returned, ``load.reference``; nothing else runs meanwhile)."""
     zero(payload)  # outside the clock: a restore that does not write the live tensors fails the check
     if method in ("threads", "process"):
         r.prepare()
@@ -81,6 +83,7 @@ def cold_restore(method: str, r, payload: dict, ref: list[torch.Tensor]) -> floa
     gc.collect()  # no garbage of the method before falls on this one (as in the blocking rounds)
     t, _ = timed(lambda: r.restore(payload))
     if method in ("threads", "process"):
+        ready[method].append(t + timed(r.references_ready)[0])
         r.finish()
     assert same_as(ref, payload), f"{method}: the restored state differs from the saved one"
     return t
@@ -105,9 +108,11 @@ def restore_state(bs: BenchState, methods: list[str], reps: int, root: Path) -> 
     for m in methods:
         rs[m].save(bs.payload)
     out: dict = {m: [] for m in methods}
+    ready: dict = {m: [] for m in methods}
     for i in range(reps):
         for m in rotated(methods, i):
-            out[m].append(cold_restore(m, rs[m], bs.payload, ref))
+            out[m].append(cold_restore(m, rs[m], bs.payload, ref, ready))
+    out.update({f"{m}+ready": v for m, v in ready.items() if v})
     for p in root.iterdir():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     return out
@@ -118,6 +123,11 @@ def print_restore(res: dict, states: list[str], methods: list[str], cold: bool) 
     print(f"\n### restore s ({how}, into live tensors), median (min-max)\n")
     print(table(["method", *(STATE_LABELS[s] for s in states)],
                 [[RESTORE_LABELS[m], *(cell(res[s][m]) for s in states)] for m in methods]))
+    for m in methods:
+        if any(f"{m}+ready" in res[s] for s in states):
+            print(f"- {RESTORE_LABELS[m]}: the next save's references (rebuilt in the background after the load "
+                  "returned, `load.reference`) ready after " +
+                  ", ".join(f"{STATE_LABELS[s]} {cell(res[s].get(f'{m}+ready', []))} s" for s in states))
     refs = [b for b in ("dcp", "floor") if b in methods]
     if not refs:
         return

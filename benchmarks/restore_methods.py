@@ -30,7 +30,10 @@ METHODS = ("floor", "torch", "dcp", "threads", "process")
 RESTORE_LABELS = {"floor": "copy floor (raw readinto live tensors)",
                   "torch": "torch.save / torch.load + copy_ (Lightning)",
                   "dcp": "DCP dcp.load in place", "threads": "checkrun threads (defaults)",
-                  "process": "checkrun, saving.background: process"}
+                  "process": "checkrun, saving.background: process",
+                  # not restores: until the next save's references were rebuilt after the load (load.reference)
+                  "threads+ready": "(checkrun threads: + references rebuilt in the background)",
+                  "process+ready": "(checkrun process: + references rebuilt in the background)"}
 SAVE_LABELS = {"floor": "copy floor (reused buffers)", "torch": "torch.save (the call)",
                "dcp": "DCP async_save (reused stager)", "threads": "checkrun threads (incremental)",
                "process": "checkrun process (incremental)"}
@@ -193,6 +196,13 @@ class CheckrunFile:
 
     def restore(self, payload: dict) -> None:
         engine_load_into(self.engine, self.path, payload)
+
+    def references_ready(self) -> None:
+        """Wait for the references the load rebuilds in the background (``load.reference``), as the
+        next save would."""
+        for dirstate in getattr(self.engine, "_dirs", {}).values():
+            if hasattr(self.engine, "_adopt_rebuilds"):
+                self.engine._adopt_rebuilds(dirstate)
 
     def finish(self) -> None:
         if self.engine is not None:

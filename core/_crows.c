@@ -1,4 +1,5 @@
-/* Row change detection for ckpt_core.saving.streams (incremental saves), loaded through ctypes (no
+/* Row change detection for ckpt_core.saving.streams (incremental saves) and the row scatter of
+ * ckpt_core.loading.decode (delta links applied on restore), loaded through ctypes (no
  * Python API here, so ctypes releases the GIL around each call and the copier's helper thread can
  * run the other half of a table at the same time).
  *
@@ -13,7 +14,7 @@
 #include <string.h>
 
 /* Version of this interface; streams.py refuses a library with another one. */
-int checkrun_crows_abi(void) { return 1; }
+int checkrun_crows_abi(void) { return 2; }
 
 /* For each of ``rows`` rows of ``row_bytes`` bytes (both buffers contiguous): if src's row differs
  * from dst's, copy it into dst and append ``first + row`` to ``out`` (room for ``rows`` entries).
@@ -32,4 +33,14 @@ int64_t checkrun_copy_changed_rows(const uint8_t *src, uint8_t *dst, int64_t row
         }
     }
     return n;
+}
+
+/* Apply one delta link: copy row ``i`` of ``values`` (``n`` contiguous rows of ``row_bytes``) to row
+ * ``idx[i]`` of ``table``, for i in order (a row listed twice ends with its last value). The caller
+ * has checked every index against the table's rows. */
+void checkrun_scatter_rows(const uint8_t *values, uint8_t *table, const int64_t *idx, int64_t n,
+                           int64_t row_bytes) {
+    size_t width = (size_t)row_bytes;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(table + (size_t)idx[i] * width, values + (size_t)i * width, width);
 }

@@ -221,10 +221,13 @@ class CheckpointEngine:
         self._callbacks.append(fn)
 
     def wait(self) -> None:
-        """Block until every pending save is durable and the engine's threads have ended; raise a
-        background error not yet surfaced."""
+        """Block until every pending save is durable and the engine's threads have ended (the
+        rebuilds of references after a load included); raise a background error not yet surfaced."""
         if self._forked():
             return
+        for dirstate in list(self._dirs.values()):
+            for build in dirstate.rebuilds:
+                build.join()
         self._coord.wait_idle()
         self._raise_pending_error()
 

@@ -53,6 +53,12 @@ class ReferenceBuild:
             self._loaded = load_references(store, manifest, self.where, indices, alloc, limit)
         except BaseException as exc:  # reported by ``result``, on the thread that waits
             self._error = exc
+        finally:
+            store.release_idle()  # an idle engine holds no thread (a save's map keeps its pool)
+
+    def join(self) -> None:
+        """Wait for the thread to end (``result`` gives what it built)."""
+        self._thread.join()
 
     def result(self, quiet: bool = False) -> list[LoadedTensor] | None:
         """Wait for the thread; the rebuilt tensors (``copy`` set), or None if it failed (a warning

@@ -40,7 +40,7 @@ Share = Callable[[list], Callable[[], list]]
 #: enough that both threads finish close together.
 _PART_BYTES = 4 << 20
 
-_ABI = 1  # checkrun_crows_abi() of the C kernel this module was written for
+_ABI = 2  # checkrun_crows_abi() of the C kernel this module was written for
 
 
 def _load_native() -> ctypes.CDLL | None:

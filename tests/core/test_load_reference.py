@@ -176,3 +176,14 @@ def test_two_loads_before_a_save_keep_the_newest_reference(tmp_path):
 def test_an_unknown_reference_mode_is_refused():
     with pytest.raises(ConfigError, match="reference"):
         EngineConfig.from_dict({"load": {"reference": "lazy"}})
+
+
+def test_wait_after_a_load_leaves_no_thread_and_the_next_save_is_still_a_delta(tmp_path):
+    with CheckpointEngine(_cfg("background")) as engine:
+        engine.save(_state(), tmp_path / "0.ckpt").result()
+    with CheckpointEngine(_cfg("background")) as engine:
+        loaded = engine.load(tmp_path / "0.ckpt")
+        engine.wait()  # an idle engine holds no thread: the rebuild and its io threads have ended
+        assert [t.name for t in threading.enumerate() if t.name.startswith("checkrun")] == []
+        _train(loaded, 6)
+        assert engine.save(loaded, tmp_path / "1.ckpt").result().chain_depth == 1

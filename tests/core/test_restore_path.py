@@ -134,6 +134,19 @@ def test_chain_links_apply_in_order_and_equal_a_full_save_bit_for_bit(tmp_path):
     assert out["emb"] is live["emb"] and torch.equal(live["emb"][7], torch.full((16,), 500.0))
 
 
+def test_the_c_row_scatter_and_numpy_apply_a_chain_alike(tmp_path, monkeypatch):
+    """Links applied by ``checkrun_scatter_rows`` (the C kernel) or by numpy give the same bytes."""
+    from ckpt_core.loading import decode
+
+    assert decode._SCATTER is not None  # built by setup.py here (CI has a compiler)
+    with CheckpointEngine(_cfg()) as engine:
+        state, _ = _chain(tmp_path, engine, links=6)
+    native = ckpt_core.load(tmp_path / "6.ckpt")
+    monkeypatch.setattr(decode, "_SCATTER", None)
+    fallback = ckpt_core.load(tmp_path / "6.ckpt")
+    assert all(_same(native[k], fallback[k]) and _same(native[k], state[k]) for k in state)
+
+
 def test_a_chain_is_read_in_one_pass(tmp_path, monkeypatch):
     with CheckpointEngine(_cfg()) as engine:
         _chain(tmp_path, engine, links=4)
