@@ -352,6 +352,8 @@ class CheckpointEngine:
         """Wait for the references that loads here rebuild in the background (``load.reference``)
         and make them the row streams, in the order of the loads (``install=False``: drop them)."""
         builds, dirstate.rebuilds = dirstate.rebuilds, []
+        for build in builds if not install else ():
+            build.cancel()  # the engine closes: a script that exits after a load does not wait for it
         for build in builds:
             loaded = build.result(quiet=not install)
             if loaded is not None and install:

@@ -23,7 +23,7 @@ import xxhash
 
 from ..codecs import Pipeline, index_pipeline
 from ..codecs._common import load_native, tensor_bytes
-from ..errors import CorruptCheckpointError, FormatError
+from ..errors import CheckrunError, CorruptCheckpointError, FormatError
 from ..format.manifest import BlobRef, ChunkRef, DeltaRef
 from ..storage.store import Store
 
@@ -56,6 +56,10 @@ def decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
 def pack_limit(total: int) -> int:
     """Most bytes any stage of a pack's pipeline may produce."""
     return 2 * total + 4096
+
+
+class Stopped(CheckrunError):
+    """A pass whose ``stop`` event was set (nobody wants its result any more)."""
 
 
 @dataclass
@@ -95,8 +99,10 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 class Pass:
     """The tasks of one load, run by ``run`` (one ``Store.map``); built by ``add`` per tensor."""
 
-    def __init__(self, store: Store, where: str, scratch: ScratchGet, alloc: Alloc) -> None:
+    def __init__(self, store: Store, where: str, scratch: ScratchGet, alloc: Alloc,
+                 stop: threading.Event | None = None) -> None:
         self.store, self.where, self.scratch, self.alloc = store, where, scratch, alloc
+        self.stop = stop  # set: every blob not fetched yet raises ``Stopped`` instead (the rest is cancelled)
         self.tasks: list[tuple] = []  # (cost in bytes, method, its arguments)
         self._packs: dict[tuple, list] = {}
         self._index = index_pipeline()
@@ -136,6 +142,8 @@ class Pass:
 
     # -- tasks (io threads) ----------------------------------------------------------------------
     def _fetch(self, ref: BlobRef) -> bytes | memoryview:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped(f"{self.where}: stopped")
         return fetch_blob(self.store, ref, self.scratch(-1, ref.size + 1))
 
     def _decode(self, pipe: Pipeline, ref: BlobRef, dest: torch.Tensor, limit: int) -> None:

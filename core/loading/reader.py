@@ -144,16 +144,17 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
 
 def load_references(store: Store, manifest: Manifest, where: str, indices: list[int],
                     alloc: Callable[[int, torch.dtype], torch.Tensor],
-                    max_total_bytes: int | None = None) -> list[LoadedTensor]:
+                    max_total_bytes: int | None = None, stop: threading.Event | None = None) -> list[LoadedTensor]:
     """Decode the tensors ``indices`` of ``manifest`` again, each into a buffer from ``alloc(numel,
     dtype)`` that becomes its ``copy`` (and ``flat``): the references of the next row-delta saves,
     rebuilt after a load returned (``engine.load``, ``load.reference``). Read and verified like a
-    load; what the copies and the links need is checked against ``max_total_bytes`` first."""
+    load; what the copies and the links need is checked against ``max_total_bytes`` first. Once
+    ``stop`` is set, the blobs not read yet are not read (``decode.Stopped`` is raised)."""
     recs = [manifest.tensors[i] for i in indices]
     check_load_bytes(manifest, where, memory_limit(max_total_bytes), sum(
         rec.nbytes + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0])) for rec in recs))
     scratch = Scratch(where)
-    one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what))
+    one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what), stop)
     out = []
     for rec in recs:
         dtype = DTYPES[rec.dtype]

@@ -38,6 +38,7 @@ class ReferenceBuild:
         self.buffers: list[torch.Tensor] = []  # every buffer allocated, for ``free`` after a failure
         self._loaded: list[LoadedTensor] | None = None
         self._error: BaseException | None = None
+        self._stop = threading.Event()
 
         def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
             buf = alloc(numel, dtype)
@@ -50,7 +51,7 @@ class ReferenceBuild:
 
     def _run(self, store: Store, manifest: Manifest, indices: list[int], alloc, limit: int | None) -> None:
         try:
-            self._loaded = load_references(store, manifest, self.where, indices, alloc, limit)
+            self._loaded = load_references(store, manifest, self.where, indices, alloc, limit, self._stop)
         except BaseException as exc:  # reported by ``result``, on the thread that waits
             self._error = exc
         finally:
@@ -59,6 +60,10 @@ class ReferenceBuild:
     def join(self) -> None:
         """Wait for the thread to end (``result`` gives what it built)."""
         self._thread.join()
+
+    def cancel(self) -> None:
+        """Nobody will use the result (the engine closes): stop reading blobs; ``result`` is then None."""
+        self._stop.set()
 
     def result(self, quiet: bool = False) -> list[LoadedTensor] | None:
         """Wait for the thread; the rebuilt tensors (``copy`` set), or None if it failed (a warning

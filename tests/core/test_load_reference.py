@@ -187,3 +187,26 @@ def test_wait_after_a_load_leaves_no_thread_and_the_next_save_is_still_a_delta(t
         assert [t.name for t in threading.enumerate() if t.name.startswith("checkrun")] == []
         _train(loaded, 6)
         assert engine.save(loaded, tmp_path / "1.ckpt").result().chain_depth == 1
+
+
+def test_closing_during_a_rebuild_stops_it_before_it_reads_on(tmp_path, monkeypatch):
+    """A script that exits right after a load does not wait for a rebuild nobody will use."""
+    from ckpt_core.loading import decode, references
+
+    with CheckpointEngine(_cfg("background")) as engine:
+        engine.save(_state(), tmp_path / "0.ckpt").result()
+    fetched = []
+    real_fetch, real_rebuild = decode.fetch_blob, references.load_references
+    monkeypatch.setattr(decode, "fetch_blob", lambda *a, **k: fetched.append(a[1].key) or real_fetch(*a, **k))
+
+    def held_until_stopped(*args):  # the rebuild starts only once close() told it to stop
+        assert args[6].wait(60)
+        return real_rebuild(*args)
+
+    monkeypatch.setattr(references, "load_references", held_until_stopped)
+    engine = CheckpointEngine(_cfg("background"))
+    live = engine.load(tmp_path / "0.ckpt")
+    assert fetched and _equal(live, _state())  # the load read every blob
+    fetched.clear()
+    engine.close()
+    assert fetched == [] and _rebuild_threads() == []  # stopped before reading anything
