@@ -58,10 +58,6 @@ def pack_limit(total: int) -> int:
     return 2 * total + 4096
 
 
-class Stopped(CheckrunError):
-    """A pass whose ``stop`` event was set (nobody wants its result any more)."""
-
-
 @dataclass
 class Link:
     """One delta of a tensor, decoded by the pass: its row indices and the new values of those rows."""
@@ -102,7 +98,7 @@ class Pass:
     def __init__(self, store: Store, where: str, scratch: ScratchGet, alloc: Alloc,
                  stop: threading.Event | None = None) -> None:
         self.store, self.where, self.scratch, self.alloc = store, where, scratch, alloc
-        self.stop = stop  # set: every blob not fetched yet raises ``Stopped`` instead (the rest is cancelled)
+        self.stop = stop  # set: every blob not fetched yet raises instead (the rest is cancelled; nobody wants it)
         self.tasks: list[tuple] = []  # (cost in bytes, method, its arguments)
         self._packs: dict[tuple, list] = {}
         self._index = index_pipeline()
@@ -143,7 +139,7 @@ class Pass:
     # -- tasks (io threads) ----------------------------------------------------------------------
     def _fetch(self, ref: BlobRef) -> bytes | memoryview:
         if self.stop is not None and self.stop.is_set():
-            raise Stopped(f"{self.where}: stopped")
+            raise CheckrunError(f"{self.where}: stopped (the engine closed)")
         return fetch_blob(self.store, ref, self.scratch(-1, ref.size + 1))
 
     def _decode(self, pipe: Pipeline, ref: BlobRef, dest: torch.Tensor, limit: int) -> None:

@@ -149,7 +149,7 @@ def load_references(store: Store, manifest: Manifest, where: str, indices: list[
     dtype)`` that becomes its ``copy`` (and ``flat``): the references of the next row-delta saves,
     rebuilt after a load returned (``engine.load``, ``load.reference``). Read and verified like a
     load; what the copies and the links need is checked against ``max_total_bytes`` first. Once
-    ``stop`` is set, the blobs not read yet are not read (``decode.Stopped`` is raised)."""
+    ``stop`` is set, the blobs not read yet are not read (a CheckrunError is raised)."""
     recs = [manifest.tensors[i] for i in indices]
     check_load_bytes(manifest, where, memory_limit(max_total_bytes), sum(
         rec.nbytes + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0])) for rec in recs))

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..format.manifest import Manifest
+from ..saving import lifecycle
 from ..storage.store import Store
 from .reader import LoadedTensor, load_references
 
@@ -48,6 +49,9 @@ class ReferenceBuild:
         self._thread = threading.Thread(target=self._run, name="checkrun-reference", daemon=True,
                                         args=(store, manifest, indices, allocate, max_total_bytes))
         self._thread.start()
+        # It starts and ends io threads; CPython 3.11 can deadlock a child forked while a thread ends
+        # (DataLoader workers fork right after a resume): a fork waits for this thread first.
+        lifecycle.retiring(self._thread)
 
     def _run(self, store: Store, manifest: Manifest, indices: list[int], alloc, limit: int | None) -> None:
         try:

@@ -210,3 +210,23 @@ def test_closing_during_a_rebuild_stops_it_before_it_reads_on(tmp_path, monkeypa
     fetched.clear()
     engine.close()
     assert fetched == [] and _rebuild_threads() == []  # stopped before reading anything
+
+
+def test_a_fork_waits_for_the_rebuild(tmp_path):
+    """DataLoader workers fork right after a resume; CPython 3.11 can deadlock a child forked while
+    a thread ends, so the rebuild (which starts and ends io threads) is joined before any fork."""
+    import os
+
+    from ckpt_core.saving import lifecycle
+
+    with CheckpointEngine(_cfg("background")) as engine:
+        engine.save(_state(), tmp_path / "0.ckpt").result()
+    with CheckpointEngine(_cfg("background")) as engine:
+        engine.load(tmp_path / "0.ckpt")
+        (build,) = next(iter(engine._dirs.values())).rebuilds
+        assert build._thread in set(lifecycle._retiring)
+        pid = os.fork()
+        if pid == 0:  # the child: only the forking thread, and nothing of the parent's to finish
+            os._exit(0 if not any(t.name == "checkrun-reference" for t in threading.enumerate()) else 1)
+        assert not build._thread.is_alive()  # joined before the fork
+        assert os.waitpid(pid, 0)[1] == 0
