@@ -15,11 +15,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data import dataloader as dl_module
 
 import ckpt_core
 from ckpt_core.testing.faults import FaultFS as FaultyFS
-from tests.integration.test_lightning_common import close_plugins, make_io  # noqa: F401 (fixture)
+from tests.integration.test_lightning_common import close_plugins, make_io, record_worker_shutdown  # noqa: F401
 
 HANG_GUARD_S = 120  # only bounds a broken run; a passing child exits at once
 
@@ -91,17 +90,7 @@ class _GatePerEpoch(Callback):
 
 
 def test_dataloader_workers_exit_cleanly_during_a_save(tmp_path, gate, monkeypatch) -> None:
-    shut_down, terminated = [], []
-    original = dl_module._MultiProcessingDataLoaderIter._shutdown_workers
-
-    def recording(self):  # observes how the workers end; changes nothing
-        for w in getattr(self, "_workers", []):
-            shut_down.append(w.pid)
-            # the DataLoader terminates only workers still alive after their grace: hung ones
-            w.terminate = lambda w=w, term=w.terminate: (terminated.append(w.pid), term())[1]
-        original(self)
-
-    monkeypatch.setattr(dl_module._MultiProcessingDataLoaderIter, "_shutdown_workers", recording)
+    shut_down, terminated = record_worker_shutdown(monkeypatch)
     plugin = make_io()
     mc = ModelCheckpoint(dirpath=f"gatefile://{tmp_path}/ckpts", every_n_epochs=1, save_top_k=-1)
     trainer = Trainer(max_epochs=3, plugins=[plugin], callbacks=[_GatePerEpoch(gate, plugin), mc],

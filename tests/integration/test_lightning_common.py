@@ -178,3 +178,22 @@ def lroot(request: pytest.FixtureRequest, tmp_path, monkeypatch) -> tuple[str, d
     options = request.getfixturevalue("s3_storage_options")
     monkeypatch.setitem(fsspec.config.conf, "s3", dict(options))
     return request.getfixturevalue("s3_root"), options
+
+
+def record_worker_shutdown(monkeypatch) -> tuple[list, list]:
+    """(workers shut down, workers the DataLoader had to terminate: hung ones), filled as DataLoader
+    iterators end their workers; observes, changes nothing."""
+    from torch.utils.data import dataloader as dl_module
+
+    shut_down, terminated = [], []
+    original = dl_module._MultiProcessingDataLoaderIter._shutdown_workers
+
+    def recording(self):
+        for w in getattr(self, "_workers", []):
+            shut_down.append(w.pid)
+            # the DataLoader terminates only workers still alive after their grace: hung ones
+            w.terminate = lambda w=w, term=w.terminate: (terminated.append(w.pid), term())[1]
+        original(self)
+
+    monkeypatch.setattr(dl_module._MultiProcessingDataLoaderIter, "_shutdown_workers", recording)
+    return shut_down, terminated

@@ -7,10 +7,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data import dataloader as dl_module
 
 import ckpt_core
-from tests.integration.test_lightning_common import close_plugins, make_io  # noqa: F401 (fixture)
+from tests.integration.test_lightning_common import close_plugins, make_io, record_worker_shutdown  # noqa: F401
 
 ROWS = 4096
 
@@ -45,16 +44,7 @@ def _trainer(tmp_path, epochs: int, plugin) -> Trainer:
 
 def test_resume_with_dataloader_workers_then_a_row_delta(tmp_path, monkeypatch) -> None:
     _trainer(tmp_path, 2, make_io()).fit(_Recommender())
-    shut_down, terminated = [], []
-    original = dl_module._MultiProcessingDataLoaderIter._shutdown_workers
-
-    def recording(self):  # observes how the workers end; changes nothing
-        for w in getattr(self, "_workers", []):
-            shut_down.append(w.pid)
-            w.terminate = lambda w=w, term=w.terminate: (terminated.append(w.pid), term())[1]
-        original(self)
-
-    monkeypatch.setattr(dl_module._MultiProcessingDataLoaderIter, "_shutdown_workers", recording)
+    shut_down, terminated = record_worker_shutdown(monkeypatch)
     plugin = make_io()
     model = _Recommender()
     trainer = _trainer(tmp_path, 3, plugin)
