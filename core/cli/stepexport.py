@@ -12,7 +12,10 @@ and the logged steps up to N are replayed into it. What the replay needs and whe
   run header records (the adapters and ``step_log(model=)`` record the model's), and the one
   dictionary of the state that holds a tensor under every such name (the model's state dict);
 * the LR scheduler: the one dictionary of the state shaped like a scheduler's ``state_dict``
-  (``last_epoch`` and ``_step_count``), if any; the log's scheduler records are applied to it.
+  (``last_epoch`` and ``_step_count``), if any; the log's scheduler records are applied to it;
+* the ``GradScaler``: the one dictionary with exactly a scaler's ``state_dict`` keys (``scale``,
+  ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), if any; the
+  scaler state of the log's records (written when the log had ``scaler=``) is applied to it.
 
 Anything missing or ambiguous is an error that says so: nothing is guessed.
 """
@@ -28,8 +31,9 @@ from .util import EXIT_USAGE, CliError, Context, log, one_line
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..steplog.format import SegmentDamaged, split_segment
 from ..steplog.index import LogIndex, read_index
-from ..steplog.replay import apply_event, find_marker
+from ..steplog.replay import Payload, apply_event, find_marker
 from ..steplog.capture import flat_params
+from ..steplog.meta import SCALER_KEYS
 
 _MAX_DEPTH = 8
 
@@ -133,9 +137,11 @@ def _fits(names: Any, groups: list) -> bool:
             and all(isinstance(n, (list, tuple)) and len(n) == len(g["params"]) for n, g in zip(names, groups)))
 
 
-def locate(state: Any, where: str, logged_names: Any = None) -> tuple[dict, dict, list[list[str]], dict | None]:
-    """(model state dict, optimizer state dict, parameter names per group, scheduler state or None).
-    The names: the optimizer state's ``param_names``, else ``logged_names`` (the log's run header)."""
+def locate(state: Any, where: str, logged_names: Any = None) -> tuple[dict, dict, list[list[str]], dict | None,
+                                                                    dict | None]:
+    """(model state dict, optimizer state dict, parameter names per group, scheduler state or None,
+    GradScaler state or None). The names: the optimizer state's ``param_names``, else
+    ``logged_names`` (the log's run header)."""
     opt = _one([d for d in _walk_dicts(state) if _is_optimizer_state(d)], "optimizer state_dict", where)
     names = [g.get("param_names") for g in opt["param_groups"]]
     if not _fits(names, opt["param_groups"]):
@@ -154,14 +160,21 @@ def locate(state: Any, where: str, logged_names: Any = None) -> tuple[dict, dict
     scheds = [d for d in _walk_dicts(state) if "last_epoch" in d and "_step_count" in d]
     if len(scheds) > 1:
         raise CliError(f"{where}: {len(scheds)} LR scheduler states in the checkpoint; --step supports one")
-    return model, opt, names, scheds[0] if scheds else None
+    scalers = [d for d in _walk_dicts(state) if set(d) == set(SCALER_KEYS)]
+    if len(scalers) > 1:
+        raise CliError(f"{where}: {len(scalers)} GradScaler states in the checkpoint; --step supports one")
+    return model, opt, names, scheds[0] if scheds else None, scalers[0] if scalers else None
 
 
 class _SchedulerState:
-    """Stands in for the LR scheduler: replay reads and sets its ``state_dict`` (plain data)."""
+    """Stands in for the LR scheduler (and the GradScaler): replay reads and sets its ``state_dict``
+    (plain data), in place in the checkpoint's state."""
 
     def __init__(self, state: dict) -> None:
         self.state = state
+
+    def is_enabled(self) -> bool:  # as a GradScaler: its state is there, so it was enabled
+        return True
 
     def state_dict(self) -> dict:
         return dict(self.state)
@@ -190,7 +203,8 @@ def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], w
     return optimizer
 
 
-def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_bytes: int) -> int:
+def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_bytes: int,
+              scaler: Any = None) -> int:
     """Apply the chain's events up to logged step ``step`` and the state records after it in its
     segment (a segment ends with the state at its flush point: the scheduler after that step)."""
     done, at = 0, chain.marker.step
@@ -202,10 +216,11 @@ def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_
             if at >= step:  # only the state records after step N could be here; its segment ended with them
                 return done
             raise CliError(f"{one_line(exc)}: the log ends early here, step {step} is not reachable") from None
+        data = Payload(header, payload, max_bytes)
         for ev in header["events"][first - seg.lo - 1:last - seg.lo]:
             if ev["kind"] == "step" and (ev["step"] > step or at >= step):
                 return done
-            apply_event(ev, payload, optimizer, sched, where, max_bytes)
+            apply_event(ev, data, optimizer, sched, where, max_bytes, scaler)
             if ev["kind"] == "step":
                 done, at = done + 1, ev["step"]
     return done
@@ -219,11 +234,11 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     cls = optimizer_class(optimizer_name) if optimizer_name is not None else logged_class(run and run.optimizer)
     url = src if ctx.kind(src) == "file" else f"{src.rstrip('/')}/{entry.name}"
     state = open_view(ctx, url).load(ctx, weights_only=weights_only)
-    model, opt, names, sched = locate(state, url, run and run.param_names)
+    model, opt, names, sched, scaler = locate(state, url, run and run.param_names)
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
         replayed = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
-                             ctx.engine.config.load.max_blob_bytes)
+                             ctx.engine.config.load.max_blob_bytes, None if scaler is None else _SchedulerState(scaler))
     except CliError:
         raise
     except CheckrunError as exc:

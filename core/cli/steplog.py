@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .util import Context, human_size, one_line
-from ..codecs import Pipeline
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
@@ -21,7 +20,7 @@ from ..steplog.format import (
     split_segment)
 from ..steplog.index import LogIndex, read_index
 from ..steplog.log import STEPLOG_DIR, log_store
-from ..steplog.replay import find_marker
+from ..steplog.replay import Payload, find_marker
 from ..storage.store import Store
 
 def is_segment_path(path: str) -> bool:
@@ -156,6 +155,7 @@ def logged_text(r: dict) -> str | None:
 
 def _decode_all(header: dict, payload: memoryview, where: str, max_bytes: int) -> None:
     """Decode every gradient (the format has no per-gradient checksum: decoding is the check)."""
+    data = Payload(header, payload, max_bytes)
     for ev in header["events"]:
         for g in ev.get("grads", ()) if ev["kind"] == "step" else ():
             if g["k"] == "none":
@@ -167,11 +167,9 @@ def _decode_all(header: dict, payload: memoryview, where: str, max_bytes: int) -
                       DTYPES[g["dtype"]])]
             if "idx" in g:
                 parts.append((g["idx"], g["n"], torch.int64))
-            for (off, size, codecs), n, dtype in parts:
+            for ref, n, dtype in parts:
                 try:
-                    pipeline = Pipeline.from_list(codecs)
-                    if n:
-                        pipeline.decode(payload[off:off + size], (1, n), dtype, max_bytes)
+                    data.tensor(ref, n, dtype, where)
                 except (FormatError, ValueError, RuntimeError) as exc:
                     raise StepLogFormatError(f"{where}: step {ev['step']}, param {g['p']}: {one_line(exc)}") from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .steplog import STEPLOG_DIR, has_log, read_header, segments_store
-from .util import EXIT_OK, CliError, Context, emit_json, human_size, one_line, table
+from .util import EXIT_OK, CliError, Context, codecs_text, emit_json, human_size, one_line, table
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..steplog.format import PREFIX_BYTES, RunInfo, SegmentDamaged, header_end, parse_header, split_segment
 from ..steplog.index import read_index
@@ -19,8 +19,12 @@ def _grad_info(g: dict) -> dict:
     out = {"param": g["p"], "kind": g["k"]}
     if g["k"] == "none":
         return out
-    out.update(shape=g["shape"], dtype=g["dtype"], encoded_bytes=g["data"][1] + (g["idx"][1] if "idx" in g else 0),
-               codecs=g["data"][2])
+    out.update(shape=g["shape"], dtype=g["dtype"])
+    if isinstance(g["data"], dict):  # a span of its dtype's pack (the pack's codecs are listed with it)
+        out["pack"] = {"dtype": g["data"]["pack"], "at": g["data"]["at"]}
+    else:
+        out.update(encoded_bytes=g["data"][1] + (g["idx"][1] if isinstance(g.get("idx"), list) else 0),
+                   codecs=g["data"][2])
     if "n" in g:
         out["rows"] = g["n"]
     return out
@@ -39,7 +43,10 @@ def describe(header: dict) -> dict:
     steps = [e["step"] for e in events if e["kind"] == "step"]
     return {"run": header["run"], "seq": header["seq"], "events": [header["lo"] + 1, header["hi"]],
             "steps": [steps[0], steps[-1]] if steps else None, "step_count": len(steps),
-            "payload_bytes": header["payload_bytes"], "payload_csum": header["payload_csum"], "records": events}
+            "payload_bytes": header["payload_bytes"], "payload_csum": header["payload_csum"],
+            "packs": {name: {"chunks": len(chunks), "numel": sum(c["numel"] for c in chunks),
+                             "encoded_bytes": sum(c["data"][1] for c in chunks), "codecs": chunks[0]["data"][2]}
+                      for name, chunks in header.get("packs", {}).items()}, "records": events}
 
 
 def examine(data: bytes, where: str) -> tuple[dict, str]:
@@ -70,8 +77,9 @@ def grad_row(g: dict) -> list:
     info = _grad_info(g)
     if info["kind"] == "none":
         return [info["param"], "none", "", "", "", ""]
+    stored = human_size(info["encoded_bytes"]) if "encoded_bytes" in info else f"in pack {info['pack']['dtype']}"
     return [info["param"], info["kind"], "x".join(map(str, info["shape"])) or "()", info["dtype"],
-            info.get("rows", ""), human_size(info["encoded_bytes"])]
+            info.get("rows", ""), stored]
 
 
 def cmd_inspect_segment(ctx: Context, path: str) -> int:
@@ -90,6 +98,9 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
         shown = "checksum ok" if status == "ok" else f"DAMAGED ({status.removeprefix(where + ': ')})"
         print(f"payload   {human_size(info['payload_bytes'])}, xxh3 {info['payload_csum']}: {shown}; "
               "header checksum ok")
+        if info["packs"]:
+            print("packs     " + "; ".join(f"{name}: {p['numel']} elements in {p['chunks']} chunks, {human_size(p['encoded_bytes'])} "
+                                         f"({codecs_text(p['codecs'])})" for name, p in info["packs"].items()))
         print()
         body = [[ev["step"] if i == 0 else "", *grad_row(g)] for ev in header_steps(header)
                 for i, g in enumerate(ev["grads"])]

@@ -18,6 +18,7 @@ is allocated; anything malformed is a ``StepLogFormatError`` naming the object.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import struct
@@ -31,10 +32,11 @@ from ..format.dtypes import DTYPES
 from ..format.limits import ManifestLimits, check_json
 from .meta import check_optimizer, check_owner, check_param_names, check_scaler
 
-FORMAT_VERSION = 2
-"""Written by this checkrun. Version 1 (checkrun before 2026-12-04) is read too: its objects lack the
-run header's metadata and the ``scaler`` of ``state`` events (``meta``)."""
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""Written by this checkrun. Versions 1 and 2 are read too: version 1 (checkrun before 2026-12-04)
+lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``); segments before
+version 3 have no ``packs`` (every gradient is a payload range of its own)."""
+READ_VERSIONS = (1, 2, 3)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects
@@ -276,14 +278,16 @@ def split_segment(data: bytes, where: str) -> tuple[dict, memoryview]:
 
 
 _SEG_KEYS = {"_checkrun", "format_version", "run", "seq", "lo", "hi", "events", "payload_bytes", "payload_csum"}
+MAX_PACK_NUMEL = 1 << 40
 
 
 def _check_header(h: Any, where: str, payload_len: int) -> None:
     if not isinstance(h, dict) or h.get("_checkrun") != "steplog-segment":
         raise StepLogFormatError(f"{where}: not a checkrun step-log segment header")
     version = _version(h, where)
-    if set(h) != _SEG_KEYS:
-        raise StepLogFormatError(f"{where}: header keys {sorted(h)[:20]}, expected {sorted(_SEG_KEYS)}")
+    if not _SEG_KEYS <= set(h) <= (_SEG_KEYS | {"packs"} if version >= 3 else _SEG_KEYS):
+        raise StepLogFormatError(f"{where}: header keys {sorted(h)[:20]}, expected {sorted(_SEG_KEYS)}"
+                                 + (" and optionally packs" if version >= 3 else ""))
     _hex16(h["run"], where, "run")
     lo, hi = _index(h["lo"], where, "lo"), _index(h["hi"], where, "hi")
     _index(h["seq"], where, "seq")
@@ -293,14 +297,39 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     events = h["events"]
     if not isinstance(events, list) or len(events) > MAX_EVENTS or len(events) != hi - lo:
         raise StepLogFormatError(f"{where}: field 'events' must list hi - lo = {hi - lo} events")
+    payload = max(size, payload_len)
+    packs = _check_packs(h.get("packs", {}), where, payload)
     grads = 0
     for i, ev in enumerate(events):
-        grads += _check_event(ev, f"{where}: event {lo + i + 1}", max(size, payload_len), version)
+        grads += _check_event(ev, f"{where}: event {lo + i + 1}", payload, version, packs)
         if grads > MAX_GRADS * max(1, len(events)):  # pragma: no cover - bounded by the JSON limits
             raise StepLogFormatError(f"{where}: too many gradients")
 
 
-def _check_event(ev: Any, what: str, payload: int, version: int = FORMAT_VERSION) -> int:
+def _check_packs(packs: Any, where: str, payload: int) -> dict[str, list[int]]:
+    """Version 3's ``packs``: per dtype name, its chunks ``{"numel", "data": range}`` in order; per
+    dtype name, the element offsets where its chunks end."""
+    if not isinstance(packs, dict) or len(packs) > len(DTYPES):
+        raise StepLogFormatError(f"{where}: field 'packs' must map dtype names to lists of chunks")
+    out = {}
+    for name, chunks in packs.items():
+        if name not in DTYPES or not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_EVENTS:
+            raise StepLogFormatError(f"{where}: pack {str(name)[:32]!r} must be a known dtype's list of chunks")
+        ends, total = [], 0
+        for chunk in chunks:
+            if not isinstance(chunk, dict) or set(chunk) != {"numel", "data"} or type(chunk["numel"]) is not int \
+                    or not 0 < chunk["numel"] <= MAX_PACK_NUMEL:
+                raise StepLogFormatError(f"{where}: a chunk of pack {name!r} must be {{numel, data}} with numel in "
+                                         f"[1, {MAX_PACK_NUMEL}]")
+            _range(chunk["data"], f"{where}: pack {name!r}", "data", payload)
+            total += chunk["numel"]
+            ends.append(total)
+        out[name] = ends
+    return out
+
+
+def _check_event(ev: Any, what: str, payload: int, version: int = FORMAT_VERSION,
+                 packs: dict[str, list[int]] | None = None) -> int:
     if not isinstance(ev, dict) or ev.get("kind") not in ("step", "state"):
         raise StepLogFormatError(f"{what}: must be an object of kind 'step' or 'state'")
     if ev["kind"] == "state":
@@ -324,7 +353,7 @@ def _check_event(ev: Any, what: str, payload: int, version: int = FORMAT_VERSION
     if not isinstance(grads, list) or len(grads) > MAX_GRADS:
         raise StepLogFormatError(f"{what}: 'grads' must be a list of at most {MAX_GRADS}")
     for g in grads:
-        check_grad(g, what, payload)
+        check_grad(g, what, payload, packs or {})
     return len(grads)
 
 
@@ -344,8 +373,9 @@ _GRAD_KEYS = {"none": {"p", "k"}, "dense": {"p", "k", "dtype", "shape", "data"},
               "sparse": {"p", "k", "dtype", "shape", "data", "idx", "n", "coalesced"}}
 
 
-def check_grad(g: Any, what: str, payload: int) -> None:
-    """One gradient entry: kind, shape, dtype, and payload ranges inside ``payload`` bytes."""
+def check_grad(g: Any, what: str, payload: int, packs: dict[str, list[int]]) -> None:
+    """One gradient entry: kind, shape, dtype, and its tensors inside ``payload`` bytes (a range) or
+    inside one chunk of the pack of their dtype (``packs``: ``_check_packs``)."""
     if not isinstance(g, dict) or g.get("k") not in _GRAD_KEYS or set(g) != _GRAD_KEYS[g["k"]]:
         raise StepLogFormatError(f"{what}: malformed gradient entry (keys {sorted(g)[:10] if isinstance(g, dict) else g!r})")
     what = f"{what}, param {g['p']!r}"
@@ -357,14 +387,39 @@ def check_grad(g: Any, what: str, payload: int) -> None:
     shape = g["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**40 for d in shape):
         raise StepLogFormatError(f"{what}: field 'shape' must list at most {MAX_DIMS} sizes")
-    _range(g["data"], what, "data", payload)
+    numel = 1
+    for d in shape:
+        numel *= d
     if g["k"] in ("rows", "sparse"):
-        _range(g["idx"], what, "idx", payload)
         n = _index(g["n"], what, "n")
         if len(shape) != 2 or (g["k"] == "rows" and n > shape[0]):
             raise StepLogFormatError(f"{what}: {g['k']} gradient needs a 2-D shape and n <= rows")
+        _ref(g["idx"], what, "idx", payload, packs, "int64", n)
+        numel = n * shape[1]
+    _ref(g["data"], what, "data", payload, packs, g["dtype"], numel)
     if g["k"] == "sparse" and not isinstance(g["coalesced"], bool):
         raise StepLogFormatError(f"{what}: field 'coalesced' must be true/false")
+
+
+def _ref(r: Any, what: str, name: str, payload: int, packs: dict[str, list[int]], dtype: str, numel: int) -> None:
+    """A tensor's bytes: a payload range, or ``{"pack": dtype, "at": offset}`` (version 3): ``numel``
+    elements of the segment's pack of its dtype from element ``at``, all inside one chunk."""
+    if not isinstance(r, dict):
+        _range(r, what, name, payload)
+        return
+    if set(r) != {"pack", "at"} or type(r["at"]) is not int or not 0 <= r["at"] <= MAX_PACK_NUMEL * MAX_EVENTS:
+        raise StepLogFormatError(f"{what}: field {name!r} must be [offset, length, codecs] or {{pack, at}}")
+    if r["pack"] != dtype:
+        raise StepLogFormatError(f"{what}: field {name!r} names pack {str(r['pack'])[:32]!r}, its dtype is {dtype}")
+    if not numel:
+        return
+    ends = packs.get(dtype)
+    if not ends:
+        raise StepLogFormatError(f"{what}: field {name!r} names pack {dtype}, the segment has none")
+    j = bisect.bisect_right(ends, r["at"])
+    if j == len(ends) or r["at"] + numel > ends[j]:
+        raise StepLogFormatError(f"{what}: field {name!r} reaches element {r['at'] + numel} of pack {dtype}, "
+                                 f"past the end of its chunk ({ends[j] if j < len(ends) else ends[-1]})")
 
 
 def _range(r: Any, what: str, name: str, payload: int) -> None:

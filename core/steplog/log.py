@@ -270,7 +270,7 @@ class StepLog:
 
     def _write(self, batch: "_Batch", seq: int) -> None:
         data = pack_segment({"run": self.run, "seq": seq, "lo": batch.lo, "hi": batch.hi,
-                             "events": batch.events}, batch.payload)
+                             "events": batch.events, "packs": batch.packs}, batch.payload)
         batch.payload.clear()  # the joined copy is all that is needed now
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data)
         self.bytes_logged += len(data)
@@ -283,15 +283,19 @@ class _Batch:
     The newest step is *held* (encoded, not yet in ``events``) until the next event arrives or the
     training thread flushes: the scheduler's step after it is logged only at the next ``step()``,
     ``flush`` or save, so a segment cut by ``flush_seconds`` alone must not end with a step whose
-    scheduler state is not logged yet (replay would resume the scheduler one step behind)."""
+    scheduler state is not logged yet (replay would resume the scheduler one step behind). A step's
+    byte ranges and pack references are relative to its own bytes and chunks until it is appended."""
 
     def __init__(self, run: str, lo: int, pays: StepEncoder) -> None:
         self.run, self.lo, self.hi, self.pays = run, lo, lo, pays
         self.events: list[dict] = []
         self.payload: list[bytes] = []
+        self.packs: dict[str, list[dict]] = {}
+        """Per dtype name, the segment's pack chunks in order (``{"numel", "data": range}``)."""
+        self._pack_numel: dict[str, int] = {}
         self.size = 0
         self.started = time.monotonic()
-        self.held: tuple[dict, list[bytes], list[list]] | None = None
+        self.held: tuple[dict, list[bytes], list[list], dict] | None = None
 
     @property
     def empty(self) -> bool:
@@ -302,17 +306,17 @@ class _Batch:
             self.started = time.monotonic()
         self.release()
         if kind == "state":
-            self._append({"kind": "state", **item}, [], [])
+            self._append({"kind": "state", **item}, [], [], {})
             return
         rec: StepRecord = item
         parts: list[bytes] = []
         ranges: list[list] = []
         try:
-            grads = self.pays.encode(rec, parts, ranges)
+            grads, chunks = self.pays.encode(rec, parts, ranges)
         finally:
             if rec.slot is not None:
                 staging.give(rec.slot)
-        self.held = ({"kind": "step", "step": rec.step, "grads": grads}, parts, ranges)
+        self.held = ({"kind": "step", "step": rec.step, "grads": grads}, parts, ranges, chunks)
 
     def release(self) -> None:
         """Move the held step into the segment (its scheduler state is logged, or the training
@@ -327,9 +331,17 @@ class _Batch:
         nxt.held, self.held = self.held, None
         return nxt
 
-    def _append(self, event: dict, parts: list[bytes], ranges: list[list]) -> None:
+    def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict) -> None:
         for r in ranges:  # offsets were relative to the event's own bytes
             r[0] += self.size
+        for g in event.get("grads", ()):  # pack offsets were relative to the step's own chunks
+            for key in ("data", "idx"):
+                ref = g.get(key)
+                if isinstance(ref, dict):
+                    ref["at"] += self._pack_numel.get(ref["pack"], 0)
+        for name, (numel, r) in chunks.items():
+            self.packs.setdefault(name, []).append({"numel": numel, "data": r})
+            self._pack_numel[name] = self._pack_numel.get(name, 0) + numel
         self.events.append(event)
         self.payload.extend(parts)
         self.size += sum(len(p) for p in parts)

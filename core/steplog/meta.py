@@ -20,7 +20,7 @@ MAX_NAMES = 100_000
 MAX_HOST_CHARS = 512
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*){0,31}")
 _WRITER = re.compile(r"[0-9a-f]{1,32}")
-_SCALER_KEYS = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+SCALER_KEYS = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
                 "_growth_tracker": int}
 
 
@@ -68,7 +68,7 @@ def scaler_state(scaler: Any) -> dict | None:
     if scaler is None or not scaler.is_enabled():
         return None
     state = scaler.state_dict()
-    return {k: (float(state[k]) if typ is float else int(state[k])) for k, typ in _SCALER_KEYS.items()}
+    return {k: (float(state[k]) if typ is float else int(state[k])) for k, typ in SCALER_KEYS.items()}
 
 
 # ----------------------------------------------------------------------------- parsing (hostile input)
@@ -105,9 +105,9 @@ def check_owner(v: Any) -> dict | None:
 def check_scaler(v: Any) -> dict | None:
     if v is None:
         return None
-    if not isinstance(v, dict) or set(v) != set(_SCALER_KEYS):
-        raise FormatError(f"field 'scaler' must be null or {{{', '.join(sorted(_SCALER_KEYS))}}}")
-    for k, typ in _SCALER_KEYS.items():
+    if not isinstance(v, dict) or set(v) != set(SCALER_KEYS):
+        raise FormatError(f"field 'scaler' must be null or {{{', '.join(sorted(SCALER_KEYS))}}}")
+    for k, typ in SCALER_KEYS.items():
         x = v[k]
         ok = (type(x) in (int, float) and x == x) if typ is float else (type(x) is int and 0 <= x < 2**63)
         if not ok:

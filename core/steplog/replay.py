@@ -11,6 +11,8 @@ its scale, which the next state holds).
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -94,13 +96,14 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
         header, payload = _read_segment(segs, seg, pos, max_bytes)
         if header is None:
             return
+        data = Payload(header, payload, max_bytes)
         for i, ev in enumerate(header["events"]):
             event = seg.lo + i + 1
             if event <= pos.event:
                 continue
             if stop_at is not None and event > stop_at:
                 return
-            apply_event(ev, payload, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler)
+            apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler)
             pos.event = event
             if ev["kind"] == "step":
                 pos.step = ev["step"]
@@ -133,9 +136,37 @@ def _stop(pos: Position, where: str, why: str) -> None:
     warnings.warn(msg, UserWarning, stacklevel=4)
 
 
-def apply_event(ev: dict, payload: memoryview, optimizer: Any, scheduler: Any, where: str,
+class Payload:
+    """A checked segment's payload (``split_segment``): the tensors its gradient entries name, each
+    a range of its own or a span of one chunk of its dtype's pack (version 3); a chunk is decoded once."""
+
+    def __init__(self, header: dict, payload: memoryview, max_bytes: int) -> None:
+        self.view, self.max_bytes = payload, max_bytes
+        self.chunks: dict[str, list[dict]] = header.get("packs", {})
+        self._ends = {name: list(itertools.accumulate(c["numel"] for c in chunks)) for name, chunks in self.chunks.items()}
+        self._decoded: dict[tuple[str, int], torch.Tensor] = {}
+
+    def tensor(self, ref: list | dict, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """The 1-D tensor of ``numel`` elements that ``ref`` names (checked by ``split_segment``)."""
+        if numel * dtype.itemsize > self.max_bytes:
+            raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes allows")
+        if not isinstance(ref, dict):
+            return _decode(ref, self.view, numel, dtype, what, self.max_bytes)
+        if not numel:
+            return torch.empty(0, dtype=dtype)
+        name, ends = ref["pack"], self._ends[ref["pack"]]
+        j = bisect.bisect_right(ends, ref["at"])
+        if (name, j) not in self._decoded:
+            chunk = self.chunks[name][j]
+            self._decoded[(name, j)] = _decode(chunk["data"], self.view, chunk["numel"], dtype,
+                                               f"{what}: chunk {j} of pack {name}", self.max_bytes)
+        start = ref["at"] - (ends[j - 1] if j else 0)
+        return self._decoded[(name, j)][start:start + numel]
+
+
+def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, where: str,
                 max_bytes: int, scaler: Any = None) -> None:
-    """Apply one checked event of a segment (``split_segment``'s header and payload): a ``state``
+    """Apply one checked event of a segment (``split_segment``'s header and payload, as ``Payload``): a ``state``
     event sets the groups' hyperparameters and the scheduler's state, a ``step`` event sets every
     parameter's ``.grad`` to the logged gradient and calls ``optimizer.step()``. Training thread."""
     if ev["kind"] == "state":
@@ -189,21 +220,21 @@ def _apply_scaler(state: dict, scaler: Any, where: str) -> None:
                            f"{type(scaler).__name__}: {exc}") from exc
 
 
-def _grad(g: dict, p: torch.Tensor, payload: memoryview, what: str, max_bytes: int) -> torch.Tensor:
+def _grad(g: dict, p: torch.Tensor, payload: Payload, what: str, max_bytes: int) -> torch.Tensor:
     dtype, shape = DTYPES[g["dtype"]], tuple(g["shape"])
     if shape != tuple(p.shape):
         raise StepLogError(f"{what}: logged shape {list(shape)}, the parameter has {list(p.shape)}")
-    if g["k"] == "dense":
-        return _decode(g["data"], payload, _numel(shape), dtype, what, max_bytes).view(shape).to(p.device)
+    if g["k"] == "dense":  # a copy: a span of a pack must not alias the gradient optimizer.step() gets
+        return payload.tensor(g["data"], _numel(shape), dtype, what).view(shape).to(p.device, copy=True)
     n, cols = g["n"], _numel(shape[1:])
-    idx = _decode(g["idx"], payload, n, torch.int64, what, max_bytes)
-    rows = _decode(g["data"], payload, n * cols, dtype, what, max_bytes).view(n, *shape[1:])
+    idx = payload.tensor(g["idx"], n, torch.int64, what)
+    rows = payload.tensor(g["data"], n * cols, dtype, what).view(n, *shape[1:])
     if n and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
         raise StepLogFormatError(f"{what}: row index outside [0, {shape[0]})")
     if g["k"] == "sparse":
         if g["coalesced"] and n > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise StepLogFormatError(f"{what}: a coalesced sparse gradient with unsorted or repeated rows")
-        return torch.sparse_coo_tensor(idx.view(1, -1), rows, shape, is_coalesced=g["coalesced"],
+        return torch.sparse_coo_tensor(idx.view(1, -1).clone(), rows.clone(), shape, is_coalesced=g["coalesced"],
                                        check_invariants=True).to(p.device)
     out = torch.zeros(shape, dtype=dtype)
     out.index_copy_(0, idx, rows)

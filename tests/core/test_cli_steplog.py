@@ -128,8 +128,9 @@ def test_inspect_segment_prints_its_header(logged, capsys):
     assert grads[0]["shape"] == [32, 3] and grads[0]["dtype"] == "float32"
     assert grads[0]["kind"] in ("rows", "dense")  # rows when few are touched: the core decides
     assert grads[0]["kind"] == "dense" or 0 < grads[0]["rows"] <= 8  # 4 x 2 ids touch at most 8 rows
-    assert grads[1]["shape"] == [1, 6] and grads[1]["kind"] == "dense" and grads[1]["encoded_bytes"] > 0
-    assert sum(g["encoded_bytes"] for r in steps for g in r["grads"]) <= doc["payload_bytes"]
+    assert grads[1]["shape"] == [1, 6] and grads[1]["kind"] == "dense" and grads[1]["pack"]["dtype"] == "float32"
+    assert "float32" in doc["packs"] and doc["packs"]["float32"]["encoded_bytes"] > 0
+    assert sum(p["encoded_bytes"] for p in doc["packs"].values()) <= doc["payload_bytes"]
     code, out, _ = _run(capsys, "inspect", str(seg))
     assert code == 0 and "checksum ok" in out and "float32" in out and f"run       {doc['run']}" in out
 

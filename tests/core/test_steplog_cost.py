@@ -1,5 +1,5 @@
 """The step log's cheap path (issue 23, cost): reused staging and packs on the training thread,
-one shuffle per pack on the encoder thread, and the bytes and replay that must not change for it."""
+one chunk per dtype pack and step on the encoder thread, and the bytes and replay that must not change for it."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_core import CheckpointEngine
-from ckpt_core.codecs import index_pipeline, lossless_pipeline
+from ckpt_core.codecs import lossless_pipeline
 from ckpt_core.config import CompressionConfig
 from ckpt_core.steplog.capture import PACK_MAX_BYTES, Staging, StepRecord, capture_step
 from ckpt_core.steplog.encode import StepEncoder
@@ -49,27 +49,58 @@ def _own_bytes(t: torch.Tensor, pipeline) -> bytes:
     return bytes(pipeline.encode(flat.contiguous())[0])
 
 
-def test_packed_blobs_equal_the_codecs_bytes():
-    """Each tensor's blob from a shuffled pack is byte for byte what its pipeline gives for the
-    tensor alone (shuffle_zstd's plane rule and probe, and index_pipeline's one frame)."""
+def test_a_steps_packs_are_one_chunk_per_dtype_and_entries_point_into_them():
+    """A step's small tensors are encoded as one chunk per dtype (its pack, through the dtype's
+    lossless pipeline: the chunk decodes to the pack bit for bit) and every entry names its span."""
     grads = _grads(1)
     opt = _opt_with_grads(grads)
     rec = _capture(opt, Staging(1), 1)
     assert all(g.data is None for g in rec.grads), "every tensor here is below PACK_MAX_BYTES"
     parts, ranges = [], []
-    entries = StepEncoder(CompressionConfig()).encode(rec, parts, ranges)
+    entries, chunks = StepEncoder(CompressionConfig()).encode(rec, parts, ranges)
     payload = b"".join(parts)
-    sparse = grads[0]
-    expected = [(sparse._values(), lossless_pipeline(torch.float32, CompressionConfig()))]
+    assert set(chunks) == {"float32", "bfloat16", "float16", "int64"} and len(parts) == 4
+    decoded = {}
+    for name, (numel, (off, size, codecs)) in chunks.items():
+        dtype = getattr(torch, name)
+        pipe = lossless_pipeline(dtype, CompressionConfig())
+        assert codecs == pipe.to_list() and numel == rec.packs[dtype].numel()
+        decoded[name] = pipe.decode(payload[off:off + size], (1, numel), dtype, 1 << 30).view(-1)
+        assert torch.equal(decoded[name].view(torch.uint8), rec.packs[dtype].view(torch.uint8))
     assert [e["k"] for e in entries] == ["sparse"] + ["dense"] * (len(grads) - 1)
-    for e, (t, pipe) in zip(entries, expected + [(g, lossless_pipeline(g.dtype, CompressionConfig()))
-                                                   for g in grads[1:]]):
-        off, size, codecs = e["data"]
-        assert codecs == pipe.to_list()
-        assert payload[off:off + size] == _own_bytes(t, pipe), e["p"]
-    off, size, codecs = entries[0]["idx"]
-    assert codecs == index_pipeline().to_list() and entries[0]["n"] == 40
-    assert payload[off:off + size] == _own_bytes(sparse._indices().view(-1), index_pipeline())
+    for e, g in zip(entries, grads):
+        t = g._values() if g.is_sparse else g
+        at = e["data"]["at"]
+        span = decoded[e["data"]["pack"]][at:at + t.numel()]
+        assert torch.equal(span.view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    at = entries[0]["idx"]["at"]
+    assert torch.equal(decoded["int64"][at:at + 40], grads[0]._indices().view(-1))
+
+
+def test_pack_references_count_along_the_segments_chunks():
+    """In a segment, ``at`` counts along the chunks of its dtype: a held step carried into the next
+    segment starts again at 0 there."""
+    from ckpt_core.steplog.log import _Batch
+
+    grads = _grads(2)
+    opt = _opt_with_grads(grads)
+    staging = Staging(3)
+    enc = StepEncoder(CompressionConfig())
+    batch = _Batch("0" * 16, 0, enc)
+    recs = [_capture(opt, staging, step, slot=step - 1) for step in (1, 2, 3)]
+    n32 = recs[0].packs[torch.float32].numel()
+    batch.add("step", recs[0], None, staging)
+    batch.add("step", recs[1], None, staging)  # step 1 is appended, step 2 is held
+    assert [e["step"] for e in batch.events] == [1] and batch.held is not None
+    batch.release()
+    assert [c["numel"] for c in batch.packs["float32"]] == [n32, n32]
+    assert batch.events[1]["grads"][1]["data"]["at"] == n32 + recs[1].grads[1].data_at[0]
+    batch.add("step", recs[2], None, staging)  # step 3 held: cut here, it goes to the next segment
+    nxt = batch.rest()
+    nxt.release()
+    assert len(batch.packs["float32"]) == 2 and [c["numel"] for c in nxt.packs["float32"]] == [n32]
+    assert nxt.events[0]["grads"][1]["data"]["at"] == recs[2].grads[1].data_at[0]
+    assert nxt.packs["float32"][0]["data"][0] == 0  # byte offsets restart with the segment too
 
 
 def test_staging_is_reused_and_grows_only_when_a_step_is_larger():

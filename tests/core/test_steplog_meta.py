@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,13 @@ import torch
 
 from ckpt_core import CheckpointEngine
 from ckpt_core.cli import main
+from ckpt_core.codecs import index_pipeline, lossless_pipeline
+from ckpt_core.config import CompressionConfig
+from ckpt_core.format.dtypes import DTYPES
 from ckpt_core.steplog import StepLogError, StepLogFormatError
 from ckpt_core.steplog import format as fmt
 from ckpt_core.steplog import log as steplog_log
+from ckpt_core.steplog.replay import Payload
 from ckpt_core.steplog.format import (MARK_RE, RUN_RE, SEG_RE, pack_segment, parse_marker, parse_run,
                                       split_segment)
 from ckpt_core.storage import owner
@@ -74,7 +79,7 @@ def test_run_header_records_optimizer_class_and_names(tmp_path):
     names = [["emb.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]]
     for d, want in ((d1, names), (d2, names), (d3, None)):
         body = _run_json(d)
-        assert body["format_version"] == 2 and body["optimizer"] == "torch.optim.adam.Adam"
+        assert body["format_version"] == fmt.FORMAT_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
         assert body["param_names"] == want and body["closed"] is True
         assert body["owner"]["pid"] == owner.identity()["pid"]
 
@@ -137,7 +142,29 @@ def _to_v1(directory: str) -> None:
         for ev in header["events"]:
             ev.pop("scaler", None)
         keep = {k: header[k] for k in ("run", "seq", "lo", "hi", "events")}
-        p.write_bytes(_pack(keep, [bytes(payload)], version=1))
+        p.write_bytes(_pack(keep, _unpacked(header, payload), version=1))
+
+
+def _unpacked(header: dict, payload: memoryview) -> list[bytes]:
+    """The payload as writers before version 3 laid it out: every pack reference of the header's
+    gradients becomes a range of its own (the tensor through its pipeline, appended)."""
+    data = Payload(header, payload, 1 << 40)
+    parts, size = [bytes(payload)], len(payload)
+    for ev in header["events"]:
+        for g in ev["grads"] if ev["kind"] == "step" else ():
+            for key in ("data", "idx"):
+                ref = g.get(key)
+                if not isinstance(ref, dict):
+                    continue
+                dtype = DTYPES[ref["pack"]]
+                numel = g["n"] if key == "idx" else g["n"] * g["shape"][1] if "n" in g else math.prod(g["shape"])
+                t = data.tensor(ref, numel, dtype, "test")
+                pipe = index_pipeline() if key == "idx" else lossless_pipeline(dtype, CompressionConfig())
+                blob = bytes(pipe.encode(t.reshape(1, -1) if numel else t.reshape(0, 1))[0])
+                g[key] = [size, len(blob), pipe.to_list()]
+                parts.append(blob)
+                size += len(blob)
+    return parts
 
 
 def _pack(header: dict, payload: list, version: int) -> bytes:
@@ -191,7 +218,7 @@ def _run_bytes(**fields) -> bytes:
     ({"owner": {"writer": "ab", "pid": 1, "start": 1}}, "owner"),
     ({"closed": "yes"}, "closed"),
     ({"extra": 1}, "keys"),
-    ({"format_version": 3}, "format_version"),
+    ({"format_version": 4}, "format_version"),
     ({"format_version": 1, "optimizer": "torch.optim.adam.Adam"}, "keys"),
 ])
 def test_hostile_run_header_is_rejected(fields, message):
@@ -308,6 +335,30 @@ def test_grad_scaler_state_is_logged_and_replayed(tmp_path):
         replayed = engine.replay(directory, opt2, sched2, scaler=scaler2)
     assert replayed == STEPS - CKPT_AT - len(INF_AT)  # skipped steps are not optimizer steps
     assert_bit_equal(_amp_state(net2, opt2, sched2, scaler2), want)
+
+
+def test_export_step_writes_the_logged_scaler_state(tmp_path, capsys):
+    """``checkrun export --step N`` applies the logged GradScaler states to the checkpoint's scaler
+    state, as replay does to a live scaler: the file holds the scale at step N, not the checkpoint's."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = make("adam")
+    scaler = _scaler()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, opt, sched, scaler=scaler, model=net)
+        for step in range(1, STEPS + 1):
+            _amp_step(net, opt, sched, scaler, step)
+            if step == CKPT_AT:
+                engine.save(_amp_state(net, opt, sched, scaler), f"{directory}/ck.ckpt").result()
+        slog.close()
+    want = copy.deepcopy(_amp_state(net, opt, sched, scaler))
+    last = STEPS - len(INF_AT)  # optimizer steps: the skipped ones are not among them
+    out = tmp_path / "s.pt"
+    code, _, err = _cli(capsys, "export", directory, str(out), "--step", str(last))
+    assert code == 0, err
+    got = torch.load(out, weights_only=True)
+    assert got["scaler"] == want["scaler"] and got["scaler"]["scale"] != 2.0**12
+    assert_bit_equal(got["model"], want["model"])
+    assert_bit_equal(got["opt"]["state"], want["opt"]["state"])
 
 
 def test_replay_without_scaler_leaves_the_log_scaler_alone(tmp_path):
