@@ -8,15 +8,19 @@ as a GPU job leaves the host CPU), run side by side in one process:
 * gpt: the GPT-like dense model of ``benchmarks.common`` with Adam, StepLR.
 
 For each: step time without any checkpointing and with ``engine.step_log`` (file://, defaults),
-measured in alternating rounds (none, log, none, log, ...: both see the same machine), reported as
-min-median-max over the rounds; the overhead (of the medians), stored bytes logged per step against a
-full checkpoint's stored bytes, and recovery per round: load the checkpoint + ``replay`` of the logged
-steps, against re-running those steps.
+measured in alternating rounds (none, log, none, log, ...: both see the same machine). The step time
+of a mode is the mean over every step of all its rounds (total time / steps: a segment write every
+16 steps counts in full), with min-max of the rounds' means; the overhead is the ratio of those means
+(on a shared 2-core VM single rounds move by more than the log costs: many short alternating rounds
+average that out). Also stored bytes logged per step against a full checkpoint's stored bytes, and
+recovery per round: load the checkpoint + ``replay`` of the logged steps, against re-running those
+steps.
 
-Run: ``python -m benchmarks.bench_steplog [--steps 40] [--rounds 3] [--table-mb 128] [--gpt-mb 48]
+Run: ``python -m benchmarks.bench_steplog [--steps 24] [--rounds 10] [--table-mb 128] [--gpt-mb 48]
 [--json PATH]``. The JSON's ``results`` hold one object per model with the keys model, step_ms,
-step_log_ms, overhead_pct, bytes_per_step, checkpoint_bytes, touched_rows_pct, replayed, load_s,
-replay_s, rerun_s (medians) and ``<time>_min`` / ``<time>_max`` for each of the five times.
+step_log_ms (means over all steps), overhead_pct, bytes_per_step, checkpoint_bytes, touched_rows_pct,
+replayed, load_s, replay_s, rerun_s (medians over the rounds) and ``<time>_min`` / ``<time>_max`` for
+each of the five times (of the rounds).
 """
 from __future__ import annotations
 
@@ -106,7 +110,8 @@ def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) 
     model, opt, sched, step, touched = setup(size)
     for i in range(3):  # warm-up: allocator, optimizer state
         step(i)
-    times = {"none": [], "log": []}
+    times = {"none": [], "log": []}  # per round, the mean step time
+    total = {"none": 0.0, "log": 0.0}
     logged = saved = 0
     firsts = []  # per round, the step before the logged ones (recovery re-runs from there)
     i = 100
@@ -124,7 +129,9 @@ def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) 
                 for _ in range(steps):
                     i += 1
                     step(i)
-                times[mode].append((time.perf_counter() - t0) / steps)
+                took = time.perf_counter() - t0
+                times[mode].append(took / steps)
+                total[mode] += took
                 if slog is not None:
                     slog.close()
                     logged = slog.bytes_logged / steps
@@ -139,7 +146,8 @@ def measure(name: str, setup, size: float, steps: int, rounds: int, work: Path) 
             recovery[k].append(v)
     spread = _spread({"step_ms": [t * 1e3 for t in times["none"]], "step_log_ms": [t * 1e3 for t in times["log"]],
                       **recovery})
-    return {"model": name, **spread, "overhead_pct": 100 * (spread["step_log_ms"] / spread["step_ms"] - 1),
+    spread["step_ms"], spread["step_log_ms"] = (1e3 * total[m] / (steps * rounds) for m in ("none", "log"))
+    return {"model": name, **spread, "overhead_pct": 100 * (total["log"] / total["none"] - 1),
             "bytes_per_step": logged, "checkpoint_bytes": saved,
             "touched_rows_pct": None if touched is None else 100 * touched, "replayed": replayed}
 
@@ -170,8 +178,8 @@ def _mmm(r: dict, key: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--table-mb", type=float, default=128.0)
     ap.add_argument("--gpt-mb", type=float, default=48.0)
     ap.add_argument("--workdir", default="/tmp/checkrun-bench-steplog")
@@ -188,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
              _mmm(r, "step_ms"), _mmm(r, "step_log_ms"), f"{r['overhead_pct']:+.1f}%", r["bytes_per_step"] / MB,
              r["checkpoint_bytes"] / MB, f"{100 * r['bytes_per_step'] / r['checkpoint_bytes']:.1f}%",
              r["replayed"], r["load_s"] + r["replay_s"], r["rerun_s"]] for r in results]
-    print(table(["model", "rows touched %", "step ms (min-med-max)", "+log ms (min-med-max)", "overhead",
+    print(table(["model", "rows touched %", "step ms (min-mean-max)", "+log ms (min-mean-max)", "overhead",
                  "MB/step", "ckpt MB", "step/ckpt", "steps", "load+replay s", "re-run s"], rows))
-    print("\noverhead: of the medians; one torch thread, the other core left to the log's threads; "
-          "load+replay and re-run: medians over the rounds")
+    print("\nstep ms: min-max of the rounds' means and the mean over all steps; overhead: of those means; one torch "
+          "thread, the other core left to the log's threads; load+replay and re-run: medians over the rounds")
     shutil.rmtree(work, ignore_errors=True)
     write_json(args.json, "steplog", args, results, started)
     return 0

@@ -39,7 +39,7 @@ def steplog_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str, 
                               "with the step log": spread_of(r, "step_log_ms")}
         recovery.setdefault(f"{r['model']}: {r['replayed']} steps", {}).update(
             {"load + replay": [r["load_s"] + r["replay_s"]], "re-run the steps": [r["rerun_s"]]})
-    p = plots.grouped_bars(groups, "ms per training step (median, min-max over rounds)",
+    p = plots.grouped_bars(groups, "ms per training step (mean over all steps, min-max of the rounds' means)",
                            "Training step time with and without the step log", res["machine"],
                            png / "steplog_overhead.png")
     q = plots.grouped_bars(recovery, "seconds", "Recovery: load + replay vs re-running the lost steps",
@@ -50,7 +50,8 @@ def steplog_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str, 
     text = (f"{title}\n\nTwo real training loops, one torch thread (the other core is left to checkrun's "
             "background work, as a GPU job leaves the host CPU): a DLRM-style model and a GPT-like dense one. "
             "Rounds alternate the loop without any checkpointing and the loop with `engine.step_log` (file://, "
-            "defaults); overhead = median with / median without. Logged = stored bytes per step; recovery = "
+            "defaults), many short rounds; step time = the mean over every step of a mode's rounds (min-max: of "
+            "the rounds' means); overhead = mean with / mean without. Logged = stored bytes per step; recovery = "
             "load the checkpoint + `engine.replay` of the logged steps, against re-running those steps. "
             f"{caption(res)} Arguments: `{args_text(res)}`. See [steplog.md](steplog.md).\n\n"
             f"{img(p, 'step-log overhead')}{img(q, 'step-log recovery')}\n"

@@ -1,0 +1,86 @@
+"""Where the step log's cost on the DLRM-style loop of ``bench_steplog`` goes (a diagnostic, not a peer
+comparison): the loop without checkpointing, and with the log cut short at each stage in turn.
+
+* ``none``: no log;
+* ``capture``: the step pre-hook copies the gradients into staging; the encoder thread takes each
+  record and gives its staging back without encoding it;
+* ``encode``: the encoder also encodes each step (shuffle + zstd); segments are not written;
+* ``full``: the log as shipped (segments written to file://).
+
+Modes alternate in short rounds (same machine state for all); each prints the mean step time over
+all its steps and its overhead against ``none``.
+
+Run: ``python -m benchmarks.profile_steplog [--rounds 12] [--steps 24] [--table-mb 128] [--config JSON]``
+(``--config``: the engine's config for the log, e.g. ``'{"compression": {"zstd_level": -3}}'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_steplog import dlrm_setup
+from benchmarks.common import machine_header, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--table-mb", type=float, default=128.0)
+    ap.add_argument("--config", default="{}", help="EngineConfig as JSON, for the engine of the log")
+    ap.add_argument("--workdir", default="/tmp/checkrun-profile-steplog")
+    args = ap.parse_args(argv)
+    from ckpt_core import CheckpointEngine
+    from ckpt_core.steplog import log as steplog
+
+    torch.set_num_threads(1)
+    model, opt, sched, step, _ = dlrm_setup(args.table_mb)
+    for i in range(3):
+        step(i)
+    add, write = steplog._Batch.add, steplog.StepLog._write
+
+    def give_back(self, kind, item, config, staging):  # capture only
+        if kind == "step" and item.slot is not None:
+            staging.give(item.slot)
+
+    def drop(self, batch, seq):  # encode, do not write
+        batch.payload.clear()
+
+    modes = {"none": None, "capture": (give_back, write), "encode": (add, drop), "full": (add, write)}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    work = Path(args.workdir)
+    i = 100
+    try:
+        for _ in range(args.rounds):
+            for mode, patch in modes.items():
+                if patch is not None:
+                    steplog._Batch.add, steplog.StepLog._write = patch
+                shutil.rmtree(work, ignore_errors=True)
+                with CheckpointEngine(json.loads(args.config)) as engine:
+                    slog = engine.step_log(str(work), opt, sched) if patch else None
+                    for _ in range(args.steps):
+                        i += 1
+                        t0 = time.perf_counter()
+                        step(i)
+                        times[mode].append(time.perf_counter() - t0)
+                    if slog is not None:
+                        slog.close()
+    finally:
+        steplog._Batch.add, steplog.StepLog._write = add, write
+        shutil.rmtree(work, ignore_errors=True)
+    base = statistics.mean(times["none"])
+    print(machine_header("step log: where the DLRM step's overhead goes") + f"\nconfig: {args.config}\n")
+    print(table(["mode", "mean step ms", "median step ms", "overhead (means)"],
+                [[m, 1e3 * statistics.mean(t), 1e3 * statistics.median(t), f"{100 * (statistics.mean(t) / base - 1):+.1f}%"]
+                 for m, t in times.items()]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
