@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.mean(times["none"])
     print(machine_header("step log: where the DLRM step's overhead goes") + f"\nconfig: {args.config}\n")
     print(table(["mode", "mean step ms", "median step ms", "overhead (means)"],
-                [[m, 1e3 * statistics.mean(t), 1e3 * statistics.median(t), f"{100 * (statistics.mean(t) / base - 1):+.1f}%"]
-                 for m, t in times.items()]))
+                [[m, 1e3 * statistics.mean(t), 1e3 * statistics.median(t),
+                  f"{100 * (statistics.mean(t) / base - 1):+.1f}%"] for m, t in times.items()]))
     return 0
 
 

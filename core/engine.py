@@ -395,23 +395,31 @@ class CheckpointEngine:
             raise wrapped
 
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
-                 storage_options: dict | None = None, *, scaler: Any = None, model: Any = None) -> Any:
+                 storage_options: dict | None = None, *, scaler: Any = None, model: Any = None,
+                 counters: Callable[[], dict[str, int]] | None = None) -> Any:
         """Log every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state: a
         ``torch.amp.GradScaler``) into ``directory``'s step log; saves by this engine into ``directory``
         mark their position in it. ``model``: names the parameters in the log when the optimizer's groups
-        do not. Returns the ``StepLog`` (``flush()``, ``close()``). Training thread; see docs/steplog.md."""
+        do not. ``counters``: returns the training loop's own counters (names to ints, e.g. steps
+        including those a ``GradScaler`` skipped), logged with each state record; ``replay(counters=)``
+        hands back the last ones it replayed. Returns the ``StepLog`` (``flush()``, ``close()``).
+        Training thread; see docs/steplog.md."""
         from .steplog import open_log
 
-        return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model)
+        return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model,
+                        counters=counters)
 
     def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
-               after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None) -> int:
+               after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None,
+               counters: dict | None = None) -> int:
         """After loading checkpoint ``after`` (default: the newest one the log marks) into the model,
         ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
-        Training thread."""
+        ``counters``: a dict that receives the counters (``step_log(counters=)``) of the last state
+        record replayed (left empty when none has any). Training thread."""
         from .steplog import replay
 
-        return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler)
+        return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
+                      counters=counters)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:

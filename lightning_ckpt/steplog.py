@@ -18,8 +18,10 @@ Lightning calls ``load_checkpoint`` before its strategy creates the optimizers.
 * ``fit(ckpt_path="last")``: ``load_checkpoint`` of a ``last*.ckpt`` (every rank) arms a callback; at
   ``on_train_start`` (after Lightning restored optimizer, schedulers and loops, before the first
   batch) it replays the steps logged after that checkpoint on every rank, advances the training
-  epoch loop's counters (``global_step`` is its optimizer-step count) by the steps replayed, and
-  rank 0 logs on, continuing the chain. Another ``ckpt_path`` loads that checkpoint exactly.
+  epoch loop's counters (``global_step`` is its optimizer-step count) by the steps replayed (or, when
+  a ``GradScaler`` skipped steps, to the ``global_step`` logged with the last record replayed: the log
+  records it with every state record), and rank 0 logs on, continuing the chain. Another
+  ``ckpt_path`` loads that checkpoint exactly.
 * The precision plugin's ``GradScaler`` (``16-mixed``; Lightning has one on CUDA only, and turns
   ``16-mixed`` on the CPU into ``bf16-mixed``, which has none) is logged and replayed with the
   optimizer; the LightningModule names the parameters in the log (``checkrun export --step``).
@@ -178,15 +180,19 @@ class LightningStepLog:
         directory = parent_dir(url)
         if trainer.is_global_zero:
             self.close()
-        steps = 0
+        steps, logged = 0, {}
         try:
-            steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer))
+            steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
+                                  counters=logged)
         except NoMarkerError:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
                           stacklevel=2)
         self.replayed_steps = steps
-        if steps:
-            advance_counters(trainer, steps)
+        # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
+        # in the log): the logged global_step says how far the loop had come
+        moved = max(steps, logged.get("global_step", 0) - trainer.global_step)
+        if moved:
+            advance_counters(trainer, moved)
         if trainer.is_global_zero:
             self._open(engine, directory, trainer, optimizer, scheduler)
         log.info("lightning_ckpt: replayed %d logged step(s) after %s (global_step %d)", steps, url,
@@ -196,7 +202,8 @@ class LightningStepLog:
     def _open(self, engine: CheckpointEngine, directory: str, trainer: Any, optimizer: Any, scheduler: Any) -> None:
         _closure_first(optimizer)
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
-                                   model=trainer.lightning_module)
+                                   model=trainer.lightning_module,
+                                   counters=lambda: {"global_step": trainer.global_step})
         self.directory = directory
 
     def close(self) -> None:

@@ -99,8 +99,9 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
         print(f"payload   {human_size(info['payload_bytes'])}, xxh3 {info['payload_csum']}: {shown}; "
               "header checksum ok")
         if info["packs"]:
-            print("packs     " + "; ".join(f"{name}: {p['numel']} elements in {p['chunks']} chunks, {human_size(p['encoded_bytes'])} "
-                                         f"({codecs_text(p['codecs'])})" for name, p in info["packs"].items()))
+            print("packs     " + "; ".join(f"{name}: {p['numel']} elements in {p['chunks']} chunks, "
+                                         f"{human_size(p['encoded_bytes'])} ({codecs_text(p['codecs'])})"
+                                         for name, p in info["packs"].items()))
         print()
         body = [[ev["step"] if i == 0 else "", *grad_row(g)] for ev in header_steps(header)
                 for i, g in enumerate(ev["grads"])]

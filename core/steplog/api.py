@@ -18,9 +18,11 @@ from .replay import find_marker, replay_chain
 
 
 def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
-             storage_options: dict | None = None, *, scaler: Any = None, model: Any = None) -> StepLog:
-    """Start logging every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state) into
-    ``directory``; ``model`` names the parameters in the log when the optimizer's groups do not."""
+             storage_options: dict | None = None, *, scaler: Any = None, model: Any = None,
+             counters: Any = None) -> StepLog:
+    """Start logging every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state, and the
+    caller's ``counters()``) into ``directory``; ``model`` names the parameters in the log when the
+    optimizer's groups do not."""
     engine._check_open()
     if scaler is not None and scaler.is_enabled() and getattr(optimizer, "_step_supports_amp_scaling", False):
         # GradScaler.step then hands step() scaled gradients and the scale (fused=True): the log holds neither
@@ -29,7 +31,8 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
                            "them, so it cannot replay that: use the optimizer without fused=True")
     store = engine._dir_store(directory, storage_options)
     resume = engine.__dict__.setdefault("_steplog_resume", {}).get(store.url(""))
-    slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model)
+    slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model,
+                   counters=counters)
     logs = engine.__dict__.setdefault("_steplogs", [])
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
     return slog
@@ -37,10 +40,11 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
 
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
            after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
-           scaler: Any = None) -> int:
+           scaler: Any = None, counters: dict | None = None) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
     ``directory`` that the log marks); returns how many optimizer steps were replayed. ``scaler`` (a
-    ``GradScaler``) ends in the logged state."""
+    ``GradScaler``) ends in the logged state; ``counters`` (a dict) receives the logged counters of the
+    last state record applied."""
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
@@ -49,6 +53,9 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
                        scaler)
     engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
+    if counters is not None:
+        counters.clear()
+        counters.update(pos.counters or {})
     slog = active_log(optimizer)  # a log opened before the replay continues the chain too
     if slog is not None and slog.store.url("") == store.url(""):
         slog.continue_chain((pos.run, pos.event, pos.step))

@@ -30,7 +30,7 @@ import xxhash
 from ..errors import CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..format.limits import ManifestLimits, check_json
-from .meta import check_optimizer, check_owner, check_param_names, check_scaler
+from .meta import check_counters, check_optimizer, check_owner, check_param_names, check_scaler
 
 FORMAT_VERSION = 3
 """Written by this checkrun. Versions 1 and 2 are read too: version 1 (checkrun before 2026-12-04)
@@ -335,14 +335,16 @@ def _check_event(ev: Any, what: str, payload: int, version: int = FORMAT_VERSION
     if ev["kind"] == "state":
         groups = ev.get("groups")
         keys = {"kind", "groups", "sched"}
-        if not keys <= set(ev) <= (keys | {"scaler"} if version >= 2 else keys) or not isinstance(groups, list) \
+        optional = {"scaler", "counters"} if version >= 3 else {"scaler"} if version >= 2 else set()
+        if not keys <= set(ev) <= keys | optional or not isinstance(groups, list) \
                 or len(groups) > 10_000 or not all(_scalars(g) for g in groups):
             raise StepLogFormatError(f"{what}: a 'state' event holds 'groups' (mappings of names to scalars) "
-                                     "and 'sched'" + (" (and, from version 2, 'scaler')" if version < 2 else ""))
+                                     "and 'sched' (and optionally 'scaler' from version 2, 'counters' from version 3)")
         if ev["sched"] is not None and not isinstance(ev["sched"], dict):
             raise StepLogFormatError(f"{what}: field 'sched' must be null or a mapping")
         try:
             check_scaler(ev.get("scaler"))
+            check_counters(ev.get("counters"))
         except FormatError as exc:  # meta's checks: named here
             raise StepLogFormatError(f"{what}: {exc}") from None
         return 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
+from ..errors import FormatError
 from ..saving import inflight
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
@@ -54,11 +55,12 @@ class StepLog:
 
     def __init__(self, store: Store, optimizer: torch.optim.Optimizer, scheduler: Any,
                  config: EngineConfig, parent: tuple[str, int, int] | None = None, scaler: Any = None,
-                 model: Any = None) -> None:
+                 model: Any = None, counters: Any = None) -> None:
         if active_log(optimizer) is not None:
             raise StepLogError("this optimizer already has an open step log: close it first")
         self.store, self.optimizer, self.scheduler, self.config = store, optimizer, scheduler, config
         self.scaler = scaler  # a GradScaler: its state goes with the scheduler's (meta.scaler_state)
+        self.counters = counters  # the caller's counters (names to ints), logged with each state record
         self._segs = log_store(store)
         self.run = uuid.uuid4().hex[:16]
         self.event = parent[1] if parent else 0  # events logged (all runs of the chain)
@@ -196,6 +198,11 @@ class StepLog:
                  "sched": None if self.scheduler is None else sched_skeleton(self.scheduler.state_dict())}
         if self.scaler is not None:  # its update() also runs after a skipped step, where no pre-hook does
             state["scaler"] = meta.scaler_state(self.scaler)
+        if self.counters is not None:
+            try:
+                state["counters"] = meta.check_counters(self.counters())
+            except FormatError as exc:
+                raise StepLogError(f"step log of {self.store.url('')}: step_log(counters=): {exc}") from None
         if state != self._last_state:  # fresh plain data (no JSON round trip: this runs every step)
             self._last_state = state
             self.event += 1

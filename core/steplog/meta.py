@@ -71,6 +71,22 @@ def scaler_state(scaler: Any) -> dict | None:
     return {k: (float(state[k]) if typ is float else int(state[k])) for k, typ in SCALER_KEYS.items()}
 
 
+MAX_COUNTERS = 64
+
+
+def check_counters(v: Any) -> dict | None:
+    """The caller's counters (``step_log(counters=)``) or a state record's ``counters``: at most 64
+    names of 1-64 characters to integers in [0, 2**53)."""
+    if v is None:
+        return None
+    if (not isinstance(v, dict) or len(v) > MAX_COUNTERS
+            or not all(isinstance(k, str) and 0 < len(k) <= 64 and type(n) is int and 0 <= n < 2**53
+                       for k, n in v.items())):
+        raise FormatError(f"counters must be a mapping of at most {MAX_COUNTERS} names (1-64 characters) to "
+                          "integers in [0, 2**53)")
+    return dict(v)
+
+
 # ----------------------------------------------------------------------------- parsing (hostile input)
 def check_optimizer(v: Any) -> str | None:
     if v is not None and (not isinstance(v, str) or len(v) > MAX_OPTIMIZER_CHARS or not _DOTTED.fullmatch(v)):

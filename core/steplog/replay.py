@@ -42,6 +42,8 @@ class Position:
     step: int
     replayed: int = 0
     stopped: bool = False
+    counters: dict | None = None
+    """The logged counters of the last state record applied (``step_log(counters=)``), if any."""
 
 
 def find_marker(index: LogIndex, name: str, commit: dict | None) -> Marker | None:
@@ -105,6 +107,8 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 return
             apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler)
             pos.event = event
+            if ev.get("counters") is not None:
+                pos.counters = dict(ev["counters"])
             if ev["kind"] == "step":
                 pos.step = ev["step"]
                 pos.replayed += 1
@@ -143,7 +147,8 @@ class Payload:
     def __init__(self, header: dict, payload: memoryview, max_bytes: int) -> None:
         self.view, self.max_bytes = payload, max_bytes
         self.chunks: dict[str, list[dict]] = header.get("packs", {})
-        self._ends = {name: list(itertools.accumulate(c["numel"] for c in chunks)) for name, chunks in self.chunks.items()}
+        self._ends = {name: list(itertools.accumulate(c["numel"] for c in chunks))
+                      for name, chunks in self.chunks.items()}
         self._decoded: dict[tuple[str, int], torch.Tensor] = {}
 
     def tensor(self, ref: list | dict, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -270,6 +270,57 @@ def test_scaler_state_needs_version_2():
         split_segment(_state_segment(good, version=1), "seg")
 
 
+def _counters_segment(counters, version: int = fmt.FORMAT_VERSION) -> bytes:
+    ev = {"kind": "state", "groups": [{"lr": 0.1}], "sched": None, "counters": counters}
+    return _pack({"run": _RUN, "seq": 1, "lo": 0, "hi": 1, "events": [ev]}, [], version)
+
+
+@pytest.mark.parametrize("counters", [[1], {"": 1}, {"x" * 65: 1}, {"s": -1}, {"s": 2**53}, {"s": 1.0},
+                                      {"s": True}, {f"c{i}": 1 for i in range(65)}])
+def test_hostile_counters_are_rejected(counters):
+    with pytest.raises(StepLogFormatError, match="counters"):
+        split_segment(_counters_segment(counters), "seg")
+
+
+def test_counters_need_version_3():
+    assert split_segment(_counters_segment({"global_step": 7}), "seg")[0]["events"][0]["counters"] == {"global_step": 7}
+    with pytest.raises(StepLogFormatError, match="counters"):
+        split_segment(_counters_segment({"global_step": 7}, version=2), "seg")
+
+
+def test_counters_are_logged_and_handed_back_by_replay(tmp_path):
+    """``step_log(counters=)`` logs the caller's counters with each state record; ``replay(counters=)``
+    fills the dict with those of the last record it applied (a loop that also counts skipped steps)."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = make("adam")
+    seen = {"batches": 0}
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, opt, sched, counters=lambda: dict(seen))
+        for step in range(1, STEPS + 1):
+            train_step(net, opt, sched, step)
+            seen["batches"] += 2  # e.g. a loop that also counts batches it did not step on
+            if step == CKPT_AT:
+                engine.save(state(net, opt, sched), f"{directory}/ck.ckpt").result()
+        slog.close()
+        net2, opt2, sched2 = make("adam")
+        load_into(engine.load(f"{directory}/ck.ckpt"), net2, opt2, sched2)
+        got = {"stale": 1}
+        assert engine.replay(directory, opt2, sched2, counters=got) == STEPS - CKPT_AT
+    assert got == {"batches": 2 * STEPS}
+    assert_bit_equal(state(net2, opt2, sched2), state(net, opt, sched))
+
+
+def test_a_counters_callable_returning_nonsense_fails_the_step(tmp_path):
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        slog = engine.step_log(str(tmp_path / "run"), opt, sched, counters=lambda: {"step": "seven"})
+        with pytest.raises(StepLogError, match=r"counters=.*integers"):
+            train_step(net, opt, sched, 1)
+        with pytest.raises(StepLogError, match=r"counters="):  # its flush logs the state too
+            slog.close()
+        assert not slog._thread.is_alive()  # closed all the same
+
+
 def test_marker_versions():
     body = {"_checkrun": "steplog-marker", "format_version": 1, "run": _RUN, "event": 3, "step": 2,
             "checkpoint": "a.ckpt", "commit": None}

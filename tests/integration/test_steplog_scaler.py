@@ -2,11 +2,13 @@
 ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))`` (Lightning has a scaler on CUDA only by
 itself; given one, it drives it on the CPU too) and a forced overflow that the scaler skips.
 ``fit(ckpt_path="last")`` replays the steps logged after the last checkpoint: model, optimizer and
-the scaler's scale and growth tracker equal the uninterrupted run's at its end, bit for bit."""
+the scaler's scale and growth tracker equal the uninterrupted run's at its end, bit for bit, and so
+does ``global_step``, which counts the skipped step too (the log records it with each state record)."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -15,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from tests.core.steplog_train import assert_bit_equal
 from tests.integration.steplog_lightning_child import Lit, _trainer, plugin
 
-CKPT_EVERY, STEPS, INF_AT = 5, 13, 3  # the overflow is before the checkpoint (see docs/steplog.md)
+CKPT_EVERY, STEPS = 5, 13
 
 
 def _precision() -> MixedPrecision:
@@ -23,10 +25,13 @@ def _precision() -> MixedPrecision:
 
 
 class Overflow(Callback):
-    """An inf gradient in batch INF_AT: the scaler skips that optimizer step and backs its scale off."""
+    """An inf gradient in batch ``at``: the scaler skips that optimizer step and backs its scale off."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready == INF_AT:
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready == self.at:
             next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
 
 
@@ -46,12 +51,13 @@ class Snapshot(Callback):
         trainer.should_stop = True
 
 
-def test_lightning_replays_the_grad_scaler(tmp_path):
+@pytest.mark.parametrize("inf_at", [3, 12])  # a skipped step before the last checkpoint (10), and after it
+def test_lightning_replays_the_grad_scaler(tmp_path, inf_at):
     torch.set_num_threads(1)
     directory = str(tmp_path / "ckpts")
     mc = ModelCheckpoint(dirpath=directory, every_n_train_steps=CKPT_EVERY, save_last=True)
     module = Lit("adam")
-    trainer = _trainer(plugins=[plugin(), _precision()], callbacks=[Overflow(), mc], max_steps=STEPS)
+    trainer = _trainer(plugins=[plugin(), _precision()], callbacks=[Overflow(inf_at), mc], max_steps=STEPS)
     trainer.fit(module)
     want = _state(trainer, module)
     assert want["global_step"] == STEPS and want["scaler"]["scale"] != 2.0**12
