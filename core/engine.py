@@ -397,13 +397,10 @@ class CheckpointEngine:
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                  storage_options: dict | None = None, *, scaler: Any = None, model: Any = None,
                  counters: Callable[[], dict[str, int]] | None = None) -> Any:
-        """Log every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state: a
-        ``torch.amp.GradScaler``) into ``directory``'s step log; saves by this engine into ``directory``
-        mark their position in it. ``model``: names the parameters in the log when the optimizer's groups
-        do not. ``counters``: returns the training loop's own counters (names to ints, e.g. steps
-        including those a ``GradScaler`` skipped), logged with each state record; ``replay(counters=)``
-        hands back the last ones it replayed. Returns the ``StepLog`` (``flush()``, ``close()``).
-        Training thread; see docs/steplog.md."""
+        """Log every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state: a ``GradScaler``,
+        and what ``counters()`` returns: the loop's own counters) into ``directory``'s step log; saves by
+        this engine into ``directory`` mark their position in it. ``model`` names the parameters when the
+        optimizer's groups do not. Returns the ``StepLog``. Training thread; see docs/steplog.md."""
         from .steplog import open_log
 
         return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model,
@@ -414,8 +411,7 @@ class CheckpointEngine:
                counters: dict | None = None) -> int:
         """After loading checkpoint ``after`` (default: the newest one the log marks) into the model,
         ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
-        ``counters``: a dict that receives the counters (``step_log(counters=)``) of the last state
-        record replayed (left empty when none has any). Training thread."""
+        ``counters`` (a dict) receives the logged counters of the last state record replayed."""
         from .steplog import replay
 
         return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
