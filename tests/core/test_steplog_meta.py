@@ -357,18 +357,24 @@ def _amp_state(net, opt, sched, scaler) -> dict:
     return {**state(net, opt, sched), "scaler": scaler.state_dict()}
 
 
-def test_grad_scaler_state_is_logged_and_replayed(tmp_path):
-    directory = str(tmp_path / "run")
+def _amp_logged(directory: str, model: bool = False) -> dict:
+    """Steps 1..STEPS with a GradScaler (forced inf steps INF_AT) and the log on, a checkpoint after
+    CKPT_AT; the state at the end."""
     net, opt, sched = make("adam")
     scaler = _scaler()
     with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
-        slog = engine.step_log(directory, opt, sched, scaler=scaler)
+        slog = engine.step_log(directory, opt, sched, scaler=scaler, model=net if model else None)
         for step in range(1, STEPS + 1):
             _amp_step(net, opt, sched, scaler, step)
             if step == CKPT_AT:
                 engine.save(_amp_state(net, opt, sched, scaler), f"{directory}/ck.ckpt").result()
         slog.close()
-    want = copy.deepcopy(_amp_state(net, opt, sched, scaler))
+    return copy.deepcopy(_amp_state(net, opt, sched, scaler))
+
+
+def test_grad_scaler_state_is_logged_and_replayed(tmp_path):
+    directory = str(tmp_path / "run")
+    want = _amp_logged(directory)
     # reference: an uninterrupted run without the log reaches the same state
     ref = make("adam")
     ref_scaler = _scaler()
@@ -392,16 +398,7 @@ def test_export_step_writes_the_logged_scaler_state(tmp_path, capsys):
     """``checkrun export --step N`` applies the logged GradScaler states to the checkpoint's scaler
     state, as replay does to a live scaler: the file holds the scale at step N, not the checkpoint's."""
     directory = str(tmp_path / "run")
-    net, opt, sched = make("adam")
-    scaler = _scaler()
-    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
-        slog = engine.step_log(directory, opt, sched, scaler=scaler, model=net)
-        for step in range(1, STEPS + 1):
-            _amp_step(net, opt, sched, scaler, step)
-            if step == CKPT_AT:
-                engine.save(_amp_state(net, opt, sched, scaler), f"{directory}/ck.ckpt").result()
-        slog.close()
-    want = copy.deepcopy(_amp_state(net, opt, sched, scaler))
+    want = _amp_logged(directory, model=True)
     last = STEPS - len(INF_AT)  # optimizer steps: the skipped ones are not among them
     out = tmp_path / "s.pt"
     code, _, err = _cli(capsys, "export", directory, str(out), "--step", str(last))
