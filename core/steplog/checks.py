@@ -106,14 +106,16 @@ _GRAD_KEYS = {"none": {"p", "k"}, "dense": {"p", "k", "dtype", "shape", "data"},
 
 def check_grad(g: Any, what: str, payload: int, packs: dict[str, list[int]]) -> None:
     """One gradient entry: kind, shape, dtype, and its tensors inside ``payload`` bytes (a range) or
-    inside one chunk of the pack of their dtype (``packs``: ``_check_packs``)."""
-    if not isinstance(g, dict) or g.get("k") not in _GRAD_KEYS or set(g) != _GRAD_KEYS[g["k"]]:
-        raise StepLogFormatError(f"{what}: malformed gradient entry (keys {sorted(g)[:10] if isinstance(g, dict) else g!r})")
-    what = f"{what}, param {g['p']!r}"
+    inside one chunk of the pack of their dtype (``packs``: ``check_packs``)."""
+    if not isinstance(g, dict) or not isinstance(g.get("k"), str) or g["k"] not in _GRAD_KEYS \
+            or set(g) != _GRAD_KEYS[g["k"]]:
+        raise StepLogFormatError(f"{what}: malformed gradient entry "
+                                 f"(keys {sorted(g)[:10] if isinstance(g, dict) else str(g)[:40]})")
+    what = f"{what}, param {str(g['p'])[:20]}"
     _index(g["p"], what, "p")
     if g["k"] == "none":
         return
-    if g["dtype"] not in DTYPES:
+    if not isinstance(g["dtype"], str) or g["dtype"] not in DTYPES:
         raise StepLogFormatError(f"{what}: unknown dtype {str(g['dtype'])[:32]!r}")
     shape = g["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**40 for d in shape):

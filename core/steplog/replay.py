@@ -189,7 +189,11 @@ def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, wher
             grads[g["p"]] = _grad(g, params[g["p"]], payload, f"{what}, parameter {g['p']}", max_bytes)
     for i, p in enumerate(params):
         p.grad = grads.get(i)
-    optimizer.step()
+    try:
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - a logged step the optimizer refuses: say which one
+        raise StepLogError(f"{what}: {type(optimizer).__name__}.step() failed on the logged gradients and "
+                           f"hyperparameters: {type(exc).__name__}: {exc}") from exc
 
 
 def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
@@ -200,6 +204,9 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
     for group, values in zip(optimizer.param_groups, ev["groups"]):
         for k, v in values.items():
             if k in group and not isinstance(group[k], torch.Tensor):
+                if not _same_kind(group[k], v):
+                    raise StepLogFormatError(f"{where}: logged hyperparameter {k!r} is {str(v)[:40]}, the optimizer "
+                                             f"holds a {type(group[k]).__name__} there")
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     if scheduler is not None and ev["sched"] is not None:
         full = scheduler.state_dict()
@@ -213,6 +220,18 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a log of another scheduler: say which segment
             raise StepLogError(f"{where}: the logged scheduler state does not fit {type(scheduler).__name__}: "
                                f"{exc}") from exc
+
+
+def _same_kind(held: Any, logged: Any) -> bool:
+    """Whether a logged hyperparameter can replace the group's: numbers for numbers (an int lr may
+    become a float), bools for bools, None for None, lists of those for tuples or lists as long."""
+    if isinstance(held, (list, tuple)):
+        return isinstance(logged, list) and len(logged) == len(held) and all(map(_same_kind, held, logged))
+    if isinstance(held, bool) or held is None:
+        return type(logged) is type(held)
+    if isinstance(held, (int, float)):
+        return isinstance(logged, (int, float)) and not isinstance(logged, bool)
+    return True  # anything else: not among what the log records (group_scalars), so never logged
 
 
 def _apply_scaler(state: dict, scaler: Any, where: str) -> None:

@@ -116,6 +116,10 @@ def _dense(h: dict) -> dict:
     (lambda h: h["packs"].pop("float32"), "the segment has none"),
     (lambda h: _dense(h).__setitem__("p", "../../etc/passwd"), "field 'p'"),
     (lambda h: _dense(h).__setitem__("dtype", "object"), "unknown dtype"),
+    (lambda h: _dense(h).__setitem__("dtype", []), "unknown dtype"),  # found by test_fuzz_steplog: a TypeError
+    (lambda h: _dense(h).__setitem__("k", []), "malformed gradient entry"),
+    (lambda h: next(e for e in h["events"] if e["kind"] == "state")["groups"][0].__setitem__("lr", None),
+     "logged hyperparameter 'lr' is None"),  # found by test_fuzz_steplog: Adam's step() raised a TypeError
     (lambda h: _step(h).__setitem__("extra", 1), "exactly step, grads"),
     (lambda h: h["events"].append({"kind": "exec", "code": "rm -rf /"}), "hi - lo"),
     (lambda h: h["events"][1].__setitem__("sched", [1, 2]), "'sched'"),
