@@ -5,7 +5,11 @@ comparison): the loop without checkpointing, and with the log cut short at each 
 * ``capture``: the step pre-hook copies the gradients into staging; the encoder thread takes each
   record and gives its staging back without encoding it;
 * ``encode``: the encoder also encodes each step (shuffle + zstd); segments are not written;
-* ``full``: the log as shipped (segments written to file://).
+* ``full``: the log as shipped (segments written to file://);
+* ``bg-copy`` / ``bg-cpu``: no log, but after each step a background thread works for 2 ms: copying
+  memory (4 MiB at a time through 64 MiB buffers), or compressing one cache-resident 64 KiB buffer
+  over and over (zstd, GIL released): how much the "free" core's work slows the training step by
+  itself, by kind of work.
 
 Modes alternate in short rounds (same machine state for all); each prints the mean step time over
 all its steps and its overhead against ``none``.
@@ -19,10 +23,13 @@ import argparse
 import json
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import zstandard
 
 from benchmarks.bench_steplog import dlrm_setup
 from benchmarks.common import machine_header, table
@@ -52,23 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     def drop(self, batch, seq):  # encode, do not write
         batch.payload.clear()
 
-    modes = {"none": None, "capture": (give_back, write), "encode": (add, drop), "full": (add, write)}
+    modes = {"none": None, "capture": (give_back, write), "encode": (add, drop), "full": (add, write),
+             "bg-copy": _copy_for(0.002), "bg-cpu": _compress_for(0.002)}
     times: dict[str, list[float]] = {m: [] for m in modes}
     work = Path(args.workdir)
     i = 100
     try:
         for _ in range(args.rounds):
             for mode, patch in modes.items():
-                if patch is not None:
+                if isinstance(patch, tuple):
                     steplog._Batch.add, steplog.StepLog._write = patch
                 shutil.rmtree(work, ignore_errors=True)
-                with CheckpointEngine(json.loads(args.config)) as engine:
-                    slog = engine.step_log(str(work), opt, sched) if patch else None
+                with CheckpointEngine(json.loads(args.config)) as engine, _Background(patch) as bg:
+                    slog = engine.step_log(str(work), opt, sched) if isinstance(patch, tuple) else None
                     for _ in range(args.steps):
                         i += 1
                         t0 = time.perf_counter()
                         step(i)
                         times[mode].append(time.perf_counter() - t0)
+                        bg.kick()
                     if slog is not None:
                         slog.close()
     finally:
@@ -80,6 +89,61 @@ def main(argv: list[str] | None = None) -> int:
                 [[m, 1e3 * statistics.mean(t), 1e3 * statistics.median(t),
                   f"{100 * (statistics.mean(t) / base - 1):+.1f}%"] for m, t in times.items()]))
     return 0
+
+
+class _Background:
+    """A thread that runs ``work()`` once after each training step (``kick``), when ``work`` is a
+    function (the ``bg-*`` modes); nothing otherwise."""
+
+    def __init__(self, work) -> None:
+        self.work = work if callable(work) else None
+        self._go, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_Background":
+        if self.work is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.work is not None:
+            self._stop.set()
+            self._go.set()
+            self._thread.join()
+
+    def kick(self) -> None:
+        self._go.set()
+
+    def _run(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._stop.is_set():
+                return
+            self.work()
+
+
+def _copy_for(seconds: float):
+    src, dst = torch.empty(64 << 20, dtype=torch.uint8), torch.empty(64 << 20, dtype=torch.uint8)
+    chunk = 4 << 20
+
+    def work() -> None:
+        t0, off = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            dst[off:off + chunk].copy_(src[off:off + chunk])
+            off = (off + chunk) % (60 << 20)
+    return work
+
+
+def _compress_for(seconds: float):
+    data = np.random.default_rng(0).integers(0, 4, 64 << 10, dtype=np.uint8).tobytes()
+    cctx = zstandard.ZstdCompressor(level=1)
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            cctx.compress(data)
+    return work
 
 
 if __name__ == "__main__":
