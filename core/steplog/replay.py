@@ -142,14 +142,16 @@ def _stop(pos: Position, where: str, why: str) -> None:
 
 class Payload:
     """A checked segment's payload (``split_segment``): the tensors its gradient entries name, each
-    a range of its own or a span of one chunk of its dtype's pack (version 3); a chunk is decoded once."""
+    a range of its own or a span of one chunk of its dtype's pack (version 3). The last chunk decoded
+    of each dtype is kept (a step's tensors share its chunk; the next step has its own), so memory
+    stays at one chunk per dtype whatever a header's references say."""
 
     def __init__(self, header: dict, payload: memoryview, max_bytes: int) -> None:
         self.view, self.max_bytes = payload, max_bytes
         self.chunks: dict[str, list[dict]] = header.get("packs", {})
         self._ends = {name: list(itertools.accumulate(c["numel"] for c in chunks))
                       for name, chunks in self.chunks.items()}
-        self._decoded: dict[tuple[str, int], torch.Tensor] = {}
+        self._decoded: dict[str, tuple[int, torch.Tensor]] = {}
 
     def tensor(self, ref: list | dict, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """The 1-D tensor of ``numel`` elements that ``ref`` names (checked by ``split_segment``)."""
@@ -161,12 +163,13 @@ class Payload:
             return torch.empty(0, dtype=dtype)
         name, ends = ref["pack"], self._ends[ref["pack"]]
         j = bisect.bisect_right(ends, ref["at"])
-        if (name, j) not in self._decoded:
+        if self._decoded.get(name, (None,))[0] != j:
+            self._decoded.pop(name, None)  # freed before the next one is decoded
             chunk = self.chunks[name][j]
-            self._decoded[(name, j)] = _decode(chunk["data"], self.view, chunk["numel"], dtype,
-                                               f"{what}: chunk {j} of pack {name}", self.max_bytes)
+            self._decoded[name] = (j, _decode(chunk["data"], self.view, chunk["numel"], dtype,
+                                              f"{what}: chunk {j} of pack {name}", self.max_bytes))
         start = ref["at"] - (ends[j - 1] if j else 0)
-        return self._decoded[(name, j)][start:start + numel]
+        return self._decoded[name][1][start:start + numel]
 
 
 def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, where: str,
