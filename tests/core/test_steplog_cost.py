@@ -205,3 +205,22 @@ def test_replay_is_bit_exact_through_both_paths(tmp_path, n_ids):
         sched2.load_state_dict(st["sched"])
         assert engine.replay(directory, opt2, sched2) == 4
     assert_bit_equal(_state(net2, opt2, sched2), expected)
+
+
+def test_replay_keeps_one_decoded_chunk_per_dtype():
+    """``Payload`` decodes a chunk when a reference needs it and keeps only the last one per dtype:
+    a header whose references jump between chunks costs decodes, not memory."""
+    from ckpt_core.steplog.replay import Payload
+
+    chunks, parts, size = [], [], 0
+    pipe = lossless_pipeline(torch.float32, CompressionConfig())
+    for k in range(3):
+        blob = _own_bytes(torch.full((100,), float(k)), pipe)
+        chunks.append({"numel": 100, "data": [size, len(blob), pipe.to_list()]})
+        parts.append(blob)
+        size += len(blob)
+    payload = Payload({"packs": {"float32": chunks}}, memoryview(b"".join(parts)), 1 << 20)
+    for at in (5, 150, 250, 10):
+        got = payload.tensor({"pack": "float32", "at": at}, 3, torch.float32, "seg")
+        assert torch.equal(got, torch.full((3,), float(at // 100)))
+        assert list(payload._decoded) == ["float32"] and payload._decoded["float32"][0] == at // 100
