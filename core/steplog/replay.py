@@ -227,11 +227,12 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
 
 def _same_kind(held: Any, logged: Any) -> bool:
     """Whether a logged hyperparameter can replace the group's: numbers for numbers (an int lr may
-    become a float), bools for bools, None for None, lists of those for tuples or lists as long."""
+    become a float), a flag for a flag (bool or None: ``foreach=None`` means the default), lists of
+    those for tuples or lists as long."""
     if isinstance(held, (list, tuple)):
         return isinstance(logged, list) and len(logged) == len(held) and all(map(_same_kind, held, logged))
     if isinstance(held, bool) or held is None:
-        return type(logged) is type(held)
+        return logged is None or isinstance(logged, bool)
     if isinstance(held, (int, float)):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)
     return True  # anything else: not among what the log records (group_scalars), so never logged

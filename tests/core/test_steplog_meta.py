@@ -566,3 +566,17 @@ def test_gc_takes_runs_of_dead_processes_only(tmp_path):
     run.write_bytes(json.dumps(body).encode())  # version 1 records no owner: never collected
     with CheckpointEngine() as engine:
         assert engine.gc(directory).step_log == [] and run.exists()
+
+
+def test_replay_into_an_optimizer_with_other_flags_keeps_working(tmp_path):
+    """A resumed optimizer whose ``foreach`` is True (logged: None, the default) still replays: flags
+    may differ in kind (bool/None), numbers must stay numbers (see the damage tests). Replay sets the
+    logged value, as for every hyperparameter."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = _train_logged(directory)
+    net2, opt2, sched2 = make("adam")
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{directory}/ck.ckpt"), net2, opt2, sched2)
+        opt2.param_groups[0]["foreach"] = True  # after load_state_dict, which restores the saved flags
+        assert engine.replay(directory, opt2, sched2) == STEPS - CKPT_AT
+    assert_bit_equal(state(net2, opt2, sched2)["model"], state(net, opt, sched)["model"])
