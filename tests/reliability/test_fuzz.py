@@ -118,20 +118,27 @@ def _paths(node, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
+def replace_fields(data, doc: dict, values, keep: tuple = ()) -> None:
+    """Replace 1-3 fields of the JSON document ``doc`` (at any depth; not the top-level keys in
+    ``keep``) by values drawn from ``values``, one after the other (a later one may be inside an
+    earlier replacement)."""
+    paths = [p for p in _paths(doc) if p and p[0] not in keep]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = data.draw(values, label=f"value at {path}")
+        paths = [p for p in _paths(doc) if p and p[0] not in keep]
+
+
 @fuzz
 @given(st.data())
 def test_forged_manifests_load_or_fail_with_checkrun_errors(real, data):
     """An attacker's manifest (valid checksum) with fields replaced by arbitrary JSON, loaded for
     real against the real blobs: a state or a CheckrunError."""
     body = json.loads((real / data.draw(st.sampled_from(["a.ckpt", "b.ckpt"]))).read_bytes())
-    paths = [p for p in _paths(body) if p and p[0] not in ("checksum", "_checkrun")]
-    for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(paths))
-        node = body
-        for k in path[:-1]:
-            node = node[k]
-        node[path[-1]] = data.draw(JSON, label=f"value at {path}")
-        paths = [p for p in _paths(body) if p and p[0] not in ("checksum", "_checkrun")]
+    replace_fields(data, body, JSON, keep=("checksum", "_checkrun"))
     try:
         raw = forge(body)
     except (ValueError, RecursionError):

@@ -19,7 +19,7 @@ from ckpt_core.steplog.capture import PACK_MAX_BYTES
 from ckpt_core.steplog.format import SEG_RE, SegmentDamaged, pack_segment, split_segment
 from ckpt_core.steplog.replay import Payload, apply_event
 
-from .test_fuzz import JSON, _paths, fuzz
+from .test_fuzz import JSON, fuzz, replace_fields
 
 LIMIT = 1 << 24
 KEYS = ["kind", "step", "grads", "groups", "sched", "scaler", "counters", "p", "k", "dtype", "shape", "data",
@@ -96,14 +96,7 @@ def test_forged_segment_headers_replay_or_fail_with_checkrun_errors(segment, dat
     header = json.loads(json.dumps(header))
     for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
         header.pop(k)
-    paths = [p for p in _paths(header) if p]
-    for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(paths))
-        node = header
-        for k in path[:-1]:
-            node = node[k]
-        node[path[-1]] = data.draw(VALUE, label=f"value at {path}")
-        paths = [p for p in _paths(header) if p]
+    replace_fields(data, header, VALUE)
     try:
         forged = pack_segment(header, [bytes(payload)])
     except (ValueError, TypeError, RecursionError):  # not JSON (e.g. a huge float): no such segment exists
