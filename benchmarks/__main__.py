@@ -50,7 +50,7 @@ def arguments(name: str, size: float, extra: bool) -> list[str]:
     if name == "dcp":
         return ["--state-mb", str(max(16, round(size / 2))), "--repeats", "3"]
     if name == "restore":
-        return ["--size", s(size), "--reps", "5"]
+        return ["--size", s(size), "--reps", "7"]
     if name == "steplog":  # DLRM tables of size/2 MB, a GPT-like state of size/5 MB
         return ["--steps", "24", "--rounds", "10", "--table-mb", s(max(16.0, size / 2)), "--gpt-mb", s(max(16.0, size / 5))]
     return ["--extra"] if extra else []
