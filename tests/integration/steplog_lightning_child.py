@@ -13,7 +13,8 @@
         an uninterrupted run to step N saves a checkpoint there with Lightning's own CheckpointIO; the
         same state, from it, to OUT
 
-``STEPLOG_DEVICES=2`` in the environment: DDP on 2 CPU processes (rank 0 prints and saves).
+``STEPLOG_DEVICES=2`` in the environment: DDP on 2 CPU processes (rank 0 prints and saves);
+``STEPLOG_ACCUMULATE=k``: ``accumulate_grad_batches=k`` (an optimizer step every k batches).
 The batches are a deterministic function of the batch index (tests.core.steplog_train.batch) and an
 epoch is longer than any test runs, so the resume is compared within the epoch.
 """
@@ -34,6 +35,7 @@ from tests.core.steplog_train import Net, batch
 
 CKPT_EVERY, FLUSH_EVERY, EPOCH = 7, 5, 10_000
 DEVICES = int(os.environ.get("STEPLOG_DEVICES", "1"))
+ACCUMULATE = int(os.environ.get("STEPLOG_ACCUMULATE", "1"))
 _SAY = threading.Lock()
 
 
@@ -79,7 +81,8 @@ def _trainer(**kwargs) -> Trainer:
     if DEVICES > 1:  # Lightning's launcher runs this script again for the other ranks, same environment
         kwargs.setdefault("strategy", "ddp")
     return Trainer(accelerator="cpu", devices=DEVICES, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=0.5, **kwargs)
+                   enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=0.5,
+                   accumulate_grad_batches=ACCUMULATE, **kwargs)
 
 
 def plugin() -> CheckrunCheckpointIO:

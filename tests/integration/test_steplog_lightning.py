@@ -22,14 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHILD = [sys.executable, "-m", "tests.integration.steplog_lightning_child"]
 
 
-def _env(devices: int) -> dict:
-    return {**os.environ, "STEPLOG_DEVICES": str(devices), "OMP_NUM_THREADS": "1"}
+def _env(devices: int, accumulate: int = 1) -> dict:
+    return {**os.environ, "STEPLOG_DEVICES": str(devices), "STEPLOG_ACCUMULATE": str(accumulate),
+            "OMP_NUM_THREADS": "1"}
 
 
-def _train_until_killed(directory: str, kind: str, kill_after: int, devices: int) -> tuple[int, int]:
+def _train_until_killed(directory: str, kind: str, kill_after: int, devices: int,
+                        accumulate: int = 1) -> tuple[int, int]:
     """Returns (the last flushed step, the last step the child reported)."""
     child = subprocess.Popen([*CHILD, "train", directory, kind], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env(devices), start_new_session=True)
+                             stderr=subprocess.PIPE, text=True, env=_env(devices, accumulate), start_new_session=True)
     flushed, last, committed = 0, 0, False
     try:
         for line in child.stdout:
@@ -54,26 +56,30 @@ def _train_until_killed(directory: str, kind: str, kill_after: int, devices: int
     return flushed, last
 
 
-def _run(devices: int, *args: str) -> None:
-    done = subprocess.run([*CHILD, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(devices))
+def _run(devices: int, *args: str, accumulate: int = 1) -> None:
+    done = subprocess.run([*CHILD, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=_env(devices, accumulate))
     assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,kind", [(1, "adam"), (1, "sgd"), (2, "adam")])
-def test_trainer_sigkilled_at_a_random_step_resumes_from_last_bit_exact_with_counters(tmp_path, devices, kind):
+@pytest.mark.parametrize("devices,kind,accumulate", [(1, "adam", 1), (1, "sgd", 1), (2, "adam", 1), (1, "adam", 3)])
+def test_trainer_sigkilled_at_a_random_step_resumes_from_last_bit_exact_with_counters(tmp_path, devices, kind,
+                                                                                       accumulate):
+    """``accumulate`` > 1: ``accumulate_grad_batches`` (the kill may land between two optimizer steps;
+    the batch counters move ``accumulate`` per logged step)."""
     seed = random.randrange(1 << 30)
     kill_after = random.Random(seed).randrange(8, 40)
     directory = str(tmp_path / "ckpts")
-    flushed, last = _train_until_killed(directory, kind, kill_after, devices)
+    flushed, last = _train_until_killed(directory, kind, kill_after, devices, accumulate)
     assert flushed >= kill_after, f"seed {seed}: the child ended before step {kill_after}"
     out = str(tmp_path / "resumed.pt")
-    _run(devices, "resume", directory, kind, out)
+    _run(devices, "resume", directory, kind, out, accumulate=accumulate)
     states = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(devices)]
     resumed = states[0]["global_step"]
     where = f"seed {seed}, kill after {kill_after}, resumed at {resumed}"
     assert flushed <= resumed <= last + 1, where
-    _run(devices, "reference", kind, str(resumed), str(tmp_path / "reference.pt"))
+    _run(devices, "reference", kind, str(resumed), str(tmp_path / "reference.pt"), accumulate=accumulate)
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)
     for rank, state in enumerate(states):
         assert_bit_equal(state, reference, f"{where}, rank {rank}")
