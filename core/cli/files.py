@@ -24,7 +24,8 @@ from .util import (
     EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log, one_line)
 from ..errors import CheckrunError
 from ..format.manifest import is_manifest_head
-from ..format.tree import flatten, unflatten
+from ..format.skeleton import unflatten
+from ..format.tree import flatten
 from ..storage.atomic import write_atomic
 from ..storage.paths import is_local_fs
 

@@ -1,6 +1,6 @@
 """The state tree of a checkpoint as seen from its manifest alone (no blob is read).
 
-The skeleton is rebuilt with :func:`ckpt_core.format.tree.unflatten` over placeholders: one distinct
+The skeleton is rebuilt with :func:`ckpt_core.format.skeleton.unflatten` over placeholders: one distinct
 1-element tensor per tensor leaf and an :class:`ObjectRef` per pickled object. Plain values come
 back as the real Python values (int dict keys, tuples, inf/nan ...), tensor leaves are recognised
 by their storage, so ``nn.Parameter`` leaves map back to their manifest record too.
@@ -15,7 +15,7 @@ import torch
 
 from ..errors import FormatError
 from ..format.manifest import Manifest, ObjectRecord, TensorRecord
-from ..format.tree import unflatten
+from ..format.skeleton import unflatten
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..errors import FormatError
 from ..format.manifest import DTYPES, Manifest, ObjectRecord, TensorRecord, dtype_name
-from ..format.tree import flatten, unflatten
+from ..format.skeleton import unflatten
+from ..format.tree import flatten
 
 FORMAT = "torch.distributed.checkpoint"
 DCP_VERSION = "1.0.0"

@@ -25,7 +25,7 @@ from ..config import EngineConfig
 from ..errors import CheckrunError, FormatError, NotACheckpointError, UnsafePathError
 from .manifest import Manifest
 from ..storage.store import Store
-from .tree import unflatten
+from .skeleton import unflatten
 
 log = logging.getLogger("ckpt_core")
 

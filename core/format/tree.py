@@ -1,4 +1,4 @@
-"""State tree <-> JSON skeleton plus tensor and object leaves.
+"""State tree <-> JSON skeleton plus tensor and object leaves (decoding: ``skeleton``).
 
 A checkpoint state (any nesting of dict / list / tuple / OrderedDict holding tensors and
 plain values) is split into a JSON skeleton, the tensors, and the non-plain objects. Plain
@@ -22,7 +22,6 @@ enforces it as well, so whatever it produces loads and json stays far from recur
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import gc
 import math
@@ -30,14 +29,14 @@ import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import FormatError
 from .dtypes import ALL_DTYPES
 
-__all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten", "unflatten", "validate_skeleton"]
+__all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten"]
 
 T_DICT, T_ODICT, T_META, T_TUPLE = "$d", "$od", "$meta", "$tuple"
 T_TENSOR, T_PARAM, T_OBJECT = "$t", "$p", "$o"
@@ -293,217 +292,3 @@ def flatten(state: Any, *, max_depth: int = 512) -> Flattened:
     with gc_paused():
         skeleton = enc.run(state)
     return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects))
-
-
-# ----------------------------------------------------------------------------- decoding
-
-
-def _short(value: Any) -> str:
-    text = _text(value, repr)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fail(path: str | None, message: str) -> None:
-    where = path or "<root>"
-    where = where if len(where) <= 200 else "..." + where[-197:]
-    raise FormatError(f"skeleton at {where}: {message}")
-
-
-def _djoin(path: str | None, component: Any) -> str:
-    # Truncated components bound what a hostile skeleton's long keys cost in path strings.
-    text = _text(component)
-    return _join(path, text if len(text) <= 80 else text[:77] + "...")
-
-
-def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
-    """Decode a scalar tag's value; every malformed value ends in one FormatError."""
-    t = type(v)
-    try:
-        if tag == T_FLOAT and t is str:
-            if v in ("nan", "inf", "-inf"):
-                return float(v)  # a fresh object each time, so two nan dict keys stay distinct
-            if _NAN_BITS.fullmatch(v) and math.isnan(x := struct.unpack(">d", bytes.fromhex(v[4:]))[0]):
-                return x
-        elif tag == T_INT and t is str and _HEX_INT.fullmatch(v):
-            return int(v, 16)
-        elif tag == T_BYTES and t is str:
-            return base64.b64decode(v, validate=True)
-        elif tag == T_COMPLEX and t is list and len(v) == 2:
-            return complex(*(_complex_part(p, path) for p in v))
-        elif tag == T_DTYPE and t is str and v in ALL_DTYPES:
-            return ALL_DTYPES[v]
-        elif tag == T_DEVICE and t is str and len(v) <= 64:
-            return torch.device(v)
-        elif tag == T_SIZE and t is list and all(type(d) is int and -_INT64 <= d < _INT64 for d in v):
-            return torch.Size(v)
-    except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError):
-        pass
-    _fail(path, f"bad {tag} value {_short(v)}")
-
-
-def _complex_part(p: Any, path: str | None) -> float:
-    if type(p) is float or type(p) is int:
-        return float(p)
-    if type(p) is dict and len(p) == 1 and T_FLOAT in p:
-        return _decode_scalar(T_FLOAT, p[T_FLOAT], path)
-    _fail(path, f"bad {T_COMPLEX} part {_short(p)}")
-
-
-_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE})
-_ONE_KEY_TAGS = frozenset(_SCALAR_TAGS) | {T_TENSOR, T_PARAM, T_OBJECT, T_TUPLE, T_DICT, T_ODICT}
-
-
-def _tag_of(node: dict, path: str | None) -> str:
-    if len(node) == 1:
-        (tag,) = node
-        if tag in _ONE_KEY_TAGS:
-            return tag
-    elif len(node) == 2 and T_ODICT in node and T_META in node:
-        return T_ODICT
-    _fail(path, f"unknown tag {_short(list(node)[:3])}")
-
-
-class _AttrSlot:
-    """Lets ``out[slot] = value`` set an attribute (OrderedDict._metadata)."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        setattr(self.obj, name, value)
-
-
-class _Decoder:
-    """Iterative walk over an untrusted skeleton; ``tensors=None`` validates only.
-
-    Work items are (node, out, slot, path, depth) like the encoder's; tuples are built as
-    lists and frozen by a _FINISH item once their children are done.
-    """
-
-    def __init__(self, tensors: Sequence | None, n_tensors: int, objects: Sequence | None,
-                 n_objects: int, max_depth: int) -> None:
-        self.tensors, self.n_tensors = tensors, n_tensors
-        self.objects, self.n_objects = objects, n_objects
-        self.max_depth = max_depth
-        self._params: dict[tuple[int, bool], torch.nn.Parameter] = {}
-
-    def run(self, root: Any, depth: int = 0, path: str | None = None, key_mode: bool = False) -> Any:
-        holder = [None]
-        stack: list[tuple] = [(root, holder, 0, path, depth)]
-        while stack:
-            item = stack.pop()
-            if item[0] is _FINISH:
-                _, items, out, slot = item
-                out[slot] = tuple(items)
-            else:
-                self._visit(*item, stack, key_mode)
-        return holder[0]
-
-    def _check(self, depth: int, path: str | None) -> None:
-        if depth > self.max_depth:
-            _fail(path, f"nesting deeper than max_depth={self.max_depth}")
-
-    def _visit(self, node: Any, out: Any, slot: Any, path: str | None, depth: int, stack: list,
-               key_mode: bool) -> None:
-        t = type(node)
-        if node is None or t is bool or t is int or t is float or t is str:
-            out[slot] = node
-            return
-        if t is not dict and t is not list:
-            _fail(path, f"unexpected {t.__name__} in skeleton")
-        self._check(depth + 1, path)
-        tag = _tag_of(node, path) if t is dict else None
-        if key_mode and (tag is None or tag in _KEY_FORBIDDEN):
-            _fail(path, f"{tag or 'a list'} cannot be a dict key")
-        if t is list:
-            out[slot] = items = [None] * len(node)
-            self._push(node, items, path, depth + 1, stack)
-        elif tag in _SCALAR_TAGS:
-            out[slot] = _decode_scalar(tag, node[tag], path)
-        elif tag == T_TUPLE:
-            if type(node[tag]) is not list:
-                _fail(path, f"{T_TUPLE} needs a list")
-            self._check(depth + 2, path)
-            items = [None] * len(node[tag])
-            stack.append((_FINISH, items, out, slot))
-            self._push(node[tag], items, path, depth + 2, stack)
-        elif tag == T_DICT or tag == T_ODICT:
-            out[slot] = self._mapping(node, tag, path, depth + 1, stack)
-        else:
-            out[slot] = self._leaf(tag, node[tag], path)
-
-    @staticmethod
-    def _push(node: list, items: list, path: str | None, depth: int, stack: list) -> None:
-        for i in range(len(node) - 1, -1, -1):
-            stack.append((node[i], items, i, _djoin(path, i), depth))
-
-    def _mapping(self, node: dict, tag: str, path: str | None, depth: int, stack: list) -> dict:
-        flat = node[tag]
-        if type(flat) is not list or len(flat) % 2:
-            _fail(path, f"{tag} needs a flat [key, value, ...] list")
-        self._check(depth + 1, path)
-        target: dict = OrderedDict() if tag == T_ODICT else {}
-        for i in range(0, len(flat), 2):
-            key = flat[i] if type(flat[i]) is str else self.run(flat[i], depth + 1, path, key_mode=True)
-            if key in target:
-                _fail(path, f"duplicate key {_short(key)}")
-            target[key] = None  # fixes the order now; values arrive later
-        keys = list(target)
-        for i in range(len(keys) - 1, -1, -1):
-            stack.append((flat[2 * i + 1], target, keys[i], _djoin(path, keys[i]), depth + 1))
-        if T_META in node:
-            stack.append((node[T_META], _AttrSlot(target), "_metadata", _djoin(path, "_metadata"), depth))
-        return target
-
-    def _leaf(self, tag: str, v: Any, path: str | None) -> Any:
-        if tag == T_OBJECT:
-            if type(v) is not int or not 0 <= v < self.n_objects:
-                _fail(path, f"object ref {_short(v)} out of range (have {self.n_objects})")
-            return None if self.objects is None else self.objects[v]
-        grad = False
-        if tag == T_PARAM:
-            if type(v) is not list or len(v) != 2 or type(v[1]) is not bool:
-                _fail(path, f"{T_PARAM} needs [index, requires_grad], got {_short(v)}")
-            v, grad = v
-        if type(v) is not int or not 0 <= v < self.n_tensors:
-            _fail(path, f"tensor ref {_short(v)} out of range (have {self.n_tensors})")
-        if self.tensors is None or tag == T_TENSOR:
-            return None if self.tensors is None else self.tensors[v]
-        param = self._params.get((v, grad))
-        if param is None:
-            try:
-                param = torch.nn.Parameter(self.tensors[v].detach(), requires_grad=grad)
-            except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
-                _fail(path, f"cannot rebuild nn.Parameter: {exc}")
-            self._params[(v, grad)] = param  # tied parameters stay one object
-        return param
-
-
-def _check_counts(n_tensors: int, n_objects: int, max_depth: int) -> None:
-    for name, n in (("n_tensors", n_tensors), ("n_objects", n_objects), ("max_depth", max_depth)):
-        if type(n) is not int or n < 0:
-            raise TypeError(f"{name} must be a non-negative int, got {n!r}")
-
-
-def validate_skeleton(skeleton: Any, n_tensors: int, n_objects: int, *, max_depth: int = 512) -> None:
-    """Check an untrusted skeleton (e.g. from a tampered manifest) without building the state.
-
-    Verifies tags, value types, ref ranges, dtype and device names, duplicate keys and depth;
-    never evaluates or imports anything. Raises FormatError naming the key path.
-    """
-    _check_counts(n_tensors, n_objects, max_depth)
-    with gc_paused():
-        _Decoder(None, n_tensors, None, n_objects, max_depth).run(skeleton)
-
-
-def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor], objects: Sequence[Any], *,
-              max_depth: int = 512) -> Any:
-    """Rebuild the state from a skeleton, its tensors and its (already loaded) objects.
-
-    Refs to one index yield one object: ``$t`` the given tensor itself, ``$p`` a single
-    nn.Parameter sharing that tensor's data. The skeleton is untrusted: every problem
-    raises FormatError naming the key path.
-    """
-    _check_counts(len(tensors), len(objects), max_depth)
-    with gc_paused():
-        return _Decoder(tensors, len(tensors), objects, len(objects), max_depth).run(skeleton)

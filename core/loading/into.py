@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CheckrunError
 from ..format.manifest import DTYPES, Manifest
-from ..format.tree import unflatten
+from ..format.skeleton import unflatten
 
 _LIST, _TUPLE, _DICT, _ODICT, _TENSOR, _PARAM = list, "$tuple", "$d", "$od", "$t", "$p"
 

@@ -26,7 +26,7 @@ from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
 from ..storage.store import Store
-from ..format.tree import unflatten, validate_skeleton
+from ..format.skeleton import unflatten, validate_skeleton
 
 log = logging.getLogger("ckpt_core")
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..storage import owner
-from ..errors import CheckrunError, CorruptCheckpointError, FormatError
+from ..errors import CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError
 from ..format.dtypes import is_blob_key
 from ..storage.store import LEASE_DIR, Store
 
@@ -143,39 +143,28 @@ class LeaseDir:
         self.store = store
         self.path = f"{store.root.rstrip('/')}/{LEASE_DIR}"
         config = dataclasses.replace(store.config, fsync=False)
-        self._raw = Store(store.fs, store.root, config, store.url_prefix)
+        self._raw = Store(store.fs, self.path, config, store.url_prefix)  # the lease directory
 
     def url(self, name: str) -> str:
         return self.store.url(f"{LEASE_DIR}/{name}")
 
-    def _path(self, name: str) -> str:
+    @staticmethod
+    def _checked(name: str) -> str:
         if not _NAME_RE.fullmatch(name):
             raise CheckrunError(f"invalid lease name {name[:80]!r}")  # never from outside: our own names
-        return f"{self.path}/{name}"
+        return name
 
     def write(self, rec: LeaseRecord) -> None:
         """Write (or replace) a lease object in one atomic step."""
-        path, data = self._path(rec.name), rec.to_bytes()
-        self._raw._retry(lambda: self._raw._write(path, data, single_put=True, tmp_prefix=".lease"),
-                         f"write lease {self.url(rec.name)}")
+        self._raw.put_file(self._checked(rec.name), rec.to_bytes())
 
     def delete(self, name: str) -> None:
         """Delete a lease object; a missing one is not an error."""
-        path = self._path(name)
-        self._raw._retry(lambda: self._raw._remove(path), f"delete lease {self.url(name)}")
+        self._raw.delete_manifest(self._checked(name))
 
     def listing(self) -> set[str]:
         """Names of the files in the lease directory (lease objects, temp files)."""
-        def scan() -> list:
-            self.store.fs.invalidate_cache(self.path)
-            try:
-                return self.store.fs.ls(self.path, detail=True)
-            except FileNotFoundError:
-                return []
-
-        found = self._raw._retry(scan, f"list {self.url('')}")
-        return {str(info["name"]).rstrip("/").rpartition("/")[2] for info in found
-                if info.get("type", "file") == "file"}
+        return {f.name for f in self._raw.list_files(include_temp=True)}
 
     def names(self, prefix: str = "", listing: set[str] | None = None) -> list[str]:
         """Names of the lease objects (other files are ignored), sorted."""
@@ -184,11 +173,9 @@ class LeaseDir:
 
     def read(self, name: str) -> Optional[LeaseRecord]:
         """A lease object, validated; None if it is gone (released meanwhile)."""
-        path = self._path(name)
         try:
-            data = self._raw._retry(lambda: self._raw._read(path, MAX_LEASE_BYTES, "lease"),
-                                    f"read lease {self.url(name)}")
-        except FileNotFoundError:
+            data = self._raw.read_manifest(self._checked(name), MAX_LEASE_BYTES)
+        except CheckpointNotFoundError:
             return None
         except CorruptCheckpointError as exc:  # larger than the limit
             raise FormatError(str(exc)) from None

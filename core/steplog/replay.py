@@ -23,7 +23,7 @@ import torch
 from ..codecs import Pipeline
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
-from ..format.tree import unflatten
+from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import flat_params
 from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, split_segment

@@ -304,8 +304,16 @@ class Store:
         path = self._manifest_path(name)
         return self._retry(lambda: self._is_file(path), f"check {self._display(path)}")
 
+    def put_file(self, name: str, data: bytes) -> None:
+        """Write a small file of this directory (a plain name) atomically in one step: rename on local
+        filesystems, one PUT on object stores. Unlike ``write_manifest`` no blob is synced first and a
+        lost response is not resolved by reading back: for files rewritten often, such as leases."""
+        path = self._manifest_path(name)
+        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
+                    f"write {self._display(path)}")
+
     def delete_manifest(self, name: str) -> None:
-        """Delete a manifest; a missing one is not an error."""
+        """Delete a manifest (or a file ``put_file`` wrote); a missing one is not an error."""
         path = self._manifest_path(name)
         self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
@@ -314,8 +322,9 @@ class Store:
         check_name(dst_name)
         self.write_manifest(dst_name, self.read_manifest(src_name))
 
-    def list_files(self) -> list[FileInfo]:
-        """Regular files directly in the directory (no temp files, no ``.checkrun``), by name."""
+    def list_files(self, include_temp: bool = False) -> list[FileInfo]:
+        """Regular files directly in the directory (no ``.checkrun``; temp files only with
+        ``include_temp``), by name."""
         root = self.root.rstrip("/")
 
         def scan() -> list:
@@ -330,7 +339,7 @@ class Store:
             parent, _, name = info["name"].rstrip("/").rpartition("/")
             # s3fs lists a *file* at root as itself; keep only entries inside the directory.
             if (parent != root or info.get("type") != "file" or not name
-                    or name.startswith(META_DIR) or is_temp_name(name)):
+                    or name.startswith(META_DIR) or (is_temp_name(name) and not include_temp)):
                 continue
             out.append(FileInfo(name, int(info.get("size") or 0), mtime(info)))
         return sorted(out, key=lambda f: f.name)

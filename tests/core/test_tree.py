@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from ckpt_core.errors import CorruptCheckpointError, FormatError, UnsafeLoadError
 from ckpt_core.format.objects import deserialize_object, serialize_object
-from ckpt_core.format.tree import ObjectLeaf, TensorLeaf, flatten, unflatten, validate_skeleton
+from ckpt_core.format.skeleton import unflatten, validate_skeleton
+from ckpt_core.format.tree import ObjectLeaf, TensorLeaf, flatten
 
 
 class Color(enum.Enum):
