@@ -1,0 +1,199 @@
+"""The step log against storage that fails or lies (issue 23): a full disk while a segment is written, a
+segment commit whose response is lost, a transient error; the resume never applies a step that was not
+committed, and never skips one.
+
+The log writes its segments through ``faultfile://`` (the real local disk under ``FaultFS``): a
+segment is a "manifest" kind of write (``.checkrun/steplog/``), committed by temp file + rename.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from ckpt_core import CheckpointEngine
+from ckpt_core.steplog import StepLogError
+from ckpt_core.testing.faults import DiskFull, FaultFS, Gate, Policy, Transient
+from tests.core.steplog_train import assert_bit_equal, load_into, make, state, train_step
+
+KIND = "adam"
+
+
+def _reference(steps: int) -> dict:
+    net, opt, sched = make(KIND)
+    for step in range(1, steps + 1):
+        train_step(net, opt, sched, step)
+    return state(net, opt, sched)
+
+
+def _resume(directory: str) -> tuple[int, dict]:
+    net, opt, sched = make(KIND)
+    with CheckpointEngine() as engine:
+        path = engine.latest(directory)
+        load_into(engine.load(path), net, opt, sched)
+        n = engine.replay(directory, opt, sched, after=path)
+    return n, state(net, opt, sched)
+
+
+class _SegmentsOnly(Policy):
+    """Hands the segment writes (``.checkrun/steplog/``) to ``inner``; everything else passes."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+
+    def on(self, op, kind, path):
+        return self.inner.on(op, kind, path) if "/steplog/" in str(path) else None
+
+    def data(self, kind, path, buf, write):
+        if "/steplog/" in str(path):
+            return self.inner.data(kind, path, buf, write)
+        return write(buf)
+
+
+def test_disk_full_during_a_segment_fails_loudly_and_the_resume_stops_before_the_lost_steps(tmp_path):
+    """Steps 6-8 committed; the disk fills up while steps 9-10 are written (a torn temp file, ENOSPC):
+    the error surfaces at the next flush, naming the cause. Space is freed and training goes on
+    (steps 11-12 are logged after a gap). The resume replays 6-8 and stops at the gap: the state is
+    step 8's, bit for bit, never 8 + 11 + 12."""
+    directory = f"faultfile://{tmp_path}/run"
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 100}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 6):
+            train_step(net, opt, sched, step)
+        engine.save(state(net, opt, sched), f"{directory}/step5.ckpt").result()
+        for step in range(6, 9):
+            train_step(net, opt, sched, step)
+        slog.flush()
+        full = DiskFull(free=64)
+        FaultFS.policy = _SegmentsOnly(full)
+        for step in range(9, 11):
+            train_step(net, opt, sched, step)
+        with pytest.raises(StepLogError, match="No space left on device"):
+            slog.flush()
+        assert full.failures >= 1
+        FaultFS.policy = None  # space freed; the training goes on
+        for step in range(11, 13):
+            train_step(net, opt, sched, step)
+        slog.close()
+    assert not [p for p in (tmp_path / "run" / ".checkrun" / "steplog").rglob("*") if ".tmp-" in p.name], \
+        "a torn temp file of the failed segment was left behind"
+    with pytest.warns(UserWarning, match="damaged or missing .*replay stopped after step 8"):
+        n, resumed = _resume(directory)
+    assert n == 3
+    assert_bit_equal(resumed, _reference(8), "resumed after a full disk")
+
+
+def test_transient_segment_write_errors_are_retried_and_nothing_is_lost(tmp_path, sleeps):
+    """Every segment write fails once (a timeout on open): retried, every step is logged."""
+    directory = f"faultfile://{tmp_path}/run"
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 4):
+            train_step(net, opt, sched, step)
+        engine.save(state(net, opt, sched), f"{directory}/step3.ckpt").result()
+        faults = Transient(1.0, ops=("open",), max_per_path=1)
+        FaultFS.policy = _SegmentsOnly(faults)
+        for step in range(4, 12):
+            train_step(net, opt, sched, step)
+        slog.close()
+        FaultFS.policy = None
+    assert sum(faults.injected.values()) >= 3 and sleeps
+    n, resumed = _resume(directory)
+    assert n == 8
+    assert_bit_equal(resumed, _reference(11), "resumed after retried segment writes")
+
+
+def test_a_segment_commit_whose_response_is_lost_is_resolved_by_reading_it_back(tmp_path, monkeypatch):
+    """The first segment's rename happens but reports an error (its response lost): the log reads the
+    segment back, finds exactly its bytes and counts it committed (no error, no duplicate); every
+    step replays."""
+    directory = f"faultfile://{tmp_path}/run"
+    real, lost = os.replace, []
+
+    def replace_then_lose(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if "/steplog/" in str(dst) and not lost:
+            lost.append(dst)
+            raise OSError(errno.EIO, "response lost after the rename (injected)", dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_lose)
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 4):
+            train_step(net, opt, sched, step)
+        engine.save(state(net, opt, sched), f"{directory}/step3.ckpt").result()
+        for step in range(4, 11):
+            train_step(net, opt, sched, step)
+        slog.close()
+    assert lost
+    n, resumed = _resume(directory)
+    assert n == 7
+    assert_bit_equal(resumed, _reference(10), "resumed after a lost commit response")
+
+
+def _reference_with(steps: list[int]) -> dict:
+    """An uninterrupted run through the given batches (train_step's step numbers), in order."""
+    net, opt, sched = make(KIND)
+    for step in steps:
+        train_step(net, opt, sched, step)
+    return state(net, opt, sched)
+
+
+def test_a_writer_paused_while_its_trainer_restarts_never_mixes_the_two_runs(tmp_path):
+    """Run A logs steps 6-8 (committed), then its writer is paused while committing steps 9-10. The
+    trainer "restarts" meanwhile: run B resumes from A's checkpoint at step 5 (replays 6-8), trains on
+    other batches and checkpoints. A's writer then commits its late segment. A resume from B's
+    checkpoint is B's state; a resume from step 5 follows the newest run (B) from its branch point, never
+    A's late steps 9-10."""
+    directory = f"faultfile://{tmp_path}/run"
+    cfg = {"step_log": {"flush_every_steps": 100}}
+    net_a, opt_a, sched_a = make(KIND)
+    engine_a = CheckpointEngine(cfg)
+    log_a = engine_a.step_log(directory, opt_a, sched_a)
+    for step in range(1, 6):
+        train_step(net_a, opt_a, sched_a, step)
+    engine_a.save(state(net_a, opt_a, sched_a), f"{directory}/step5.ckpt").result()
+    for step in range(6, 9):
+        train_step(net_a, opt_a, sched_a, step)
+    log_a.flush()
+    gate = Gate("close", "manifest", match="/steplog/.seg-")  # the temp file, before its rename
+    FaultFS.policy = gate
+    for step in range(9, 11):
+        train_step(net_a, opt_a, sched_a, step)
+    paused = threading.Thread(target=log_a.flush, daemon=True)
+    paused.start()
+    assert gate.entered.wait(60), "run A's segment write never reached the gate"
+
+    b_batches = [*range(1, 9), *range(109, 113)]  # after the resume at 8: other batches
+    net_b, opt_b, sched_b = make(KIND)
+    with CheckpointEngine(cfg) as engine_b:
+        load_into(engine_b.load(f"{directory}/step5.ckpt"), net_b, opt_b, sched_b)
+        assert engine_b.replay(directory, opt_b, sched_b, after=f"{directory}/step5.ckpt") == 3
+        log_b = engine_b.step_log(directory, opt_b, sched_b)
+        for i, step in enumerate(b_batches[8:], start=9):
+            train_step(net_b, opt_b, sched_b, step)
+            if i == 10:
+                engine_b.save(state(net_b, opt_b, sched_b), f"{directory}/b10.ckpt").result()
+        log_b.close()
+
+    gate.release()  # run A's writer wakes up and commits its late segment
+    paused.join(60)
+    log_a.close()
+    engine_a.close()
+    FaultFS.policy = None
+
+    n, resumed = _resume(directory)  # the newest checkpoint: B's at its step 10
+    assert n == 2
+    assert_bit_equal(resumed, _reference_with(b_batches), "resumed from run B's checkpoint")
+    net, opt, sched = make(KIND)
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{directory}/step5.ckpt"), net, opt, sched)
+        n = engine.replay(directory, opt, sched, after=f"{directory}/step5.ckpt")
+    # where two runs continue the same step, replay follows the newest one (B) from its branch point
+    assert n == 7, f"replayed {n} steps after step 5: not run B's 3 + 4"
+    assert_bit_equal(state(net, opt, sched), _reference_with(b_batches), "replayed after step 5")
