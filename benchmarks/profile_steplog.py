@@ -12,7 +12,8 @@ comparison): the loop without checkpointing, and with the log cut short at each 
   itself, by kind of work.
 
 Modes alternate in short rounds (same machine state for all); each prints the mean step time over
-all its steps and its overhead against ``none``.
+all its steps and its overhead against ``none``, then (Linux) the CPU time per step of each thread:
+the training thread and the log's encoder (``checkrun-steplog``) and writer (``checkrun-steplog-writer``).
 
 Run: ``python -m benchmarks.profile_steplog [--rounds 12] [--steps 24] [--table-mb 128] [--config JSON]``
 (``--config``: the engine's config for the log, e.g. ``'{"compression": {"zstd_level": -3}}'``).
@@ -20,7 +21,9 @@ Run: ``python -m benchmarks.profile_steplog [--rounds 12] [--steps 24] [--table-
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import shutil
 import statistics
 import threading
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"none": None, "capture": (give_back, write), "encode": (add, drop), "full": (add, write),
              "bg-copy": _copy_for(0.002), "bg-cpu": _compress_for(0.002)}
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, collections.Counter] = {m: collections.Counter() for m in modes}  # thread name -> seconds
     work = Path(args.workdir)
     i = 100
     try:
@@ -72,12 +76,20 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(work, ignore_errors=True)
                 with CheckpointEngine(json.loads(args.config)) as engine, _Background(patch) as bg:
                     slog = engine.step_log(str(work), opt, sched) if isinstance(patch, tuple) else None
+                    before, main0 = _thread_cpu(), time.thread_time()
                     for _ in range(args.steps):
                         i += 1
                         t0 = time.perf_counter()
                         step(i)
                         times[mode].append(time.perf_counter() - t0)
                         bg.kick()
+                    if slog is not None:
+                        slog.flush()  # the round's steps encoded and written before the threads' CPU is read
+                    bg.settle()
+                    cpu[mode]["training thread"] += time.thread_time() - main0
+                    for name, seconds in _thread_cpu().items():
+                        if name != threading.current_thread().name:
+                            cpu[mode][name] += seconds - before.get(name, 0.0)
                     if slog is not None:
                         slog.close()
     finally:
@@ -88,7 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["mode", "mean step ms", "median step ms", "overhead (means)"],
                 [[m, 1e3 * statistics.mean(t), 1e3 * statistics.median(t),
                   f"{100 * (statistics.mean(t) / base - 1):+.1f}%"] for m, t in times.items()]))
+    names = sorted({n for c in cpu.values() for n in c if n != "training thread"})
+    if names:  # Linux: /proc/self/task
+        print("\nCPU ms per step, by thread (the training thread's includes the step itself):\n")
+        print(table(["mode", "training thread", *names],
+                    [[m, *(1e3 * c[n] / len(times[m]) for n in ["training thread", *names])] for m, c in cpu.items()]))
     return 0
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live Python thread of this process, by name (Linux: read
+    from /proc/self/task; empty elsewhere)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[t.name] = out.get(t.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 class _Background:
@@ -97,8 +129,9 @@ class _Background:
 
     def __init__(self, work) -> None:
         self.work = work if callable(work) else None
-        self._go, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._go, self._stop, self._done = threading.Event(), threading.Event(), threading.Event()
+        self._done.set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="background work")
 
     def __enter__(self) -> "_Background":
         if self.work is not None:
@@ -112,7 +145,13 @@ class _Background:
             self._thread.join()
 
     def kick(self) -> None:
+        self._done.clear()
         self._go.set()
+
+    def settle(self) -> None:
+        """Wait until the work kicked last is done (so its CPU is counted)."""
+        if self.work is not None:
+            self._done.wait()
 
     def _run(self) -> None:
         while True:
@@ -121,6 +160,7 @@ class _Background:
             if self._stop.is_set():
                 return
             self.work()
+            self._done.set()
 
 
 def _copy_for(seconds: float):
