@@ -37,6 +37,14 @@ def _resume(directory: str) -> tuple[int, dict]:
     return n, state(net, opt, sched)
 
 
+def _train(engine, directory: str, model: tuple, steps, save_at: int | None = None) -> None:
+    """``train_step`` for each of ``steps``; after step ``save_at``, checkpoint ``step<N>.ckpt`` (committed)."""
+    for step in steps:
+        train_step(*model, step)
+        if step == save_at:
+            engine.save(state(*model), f"{directory}/step{step}.ckpt").result()
+
+
 class _SegmentsOnly(Policy):
     """Hands the segment writes (``.checkrun/steplog/``) to ``inner``; everything else passes."""
 
@@ -58,25 +66,19 @@ def test_disk_full_during_a_segment_fails_loudly_and_the_resume_stops_before_the
     (steps 11-12 are logged after a gap). The resume replays 6-8 and stops at the gap: the state is
     step 8's, bit for bit, never 8 + 11 + 12."""
     directory = f"faultfile://{tmp_path}/run"
-    net, opt, sched = make(KIND)
+    model = make(KIND)
     with CheckpointEngine({"step_log": {"flush_every_steps": 100}}) as engine:
-        slog = engine.step_log(directory, opt, sched)
-        for step in range(1, 6):
-            train_step(net, opt, sched, step)
-        engine.save(state(net, opt, sched), f"{directory}/step5.ckpt").result()
-        for step in range(6, 9):
-            train_step(net, opt, sched, step)
+        slog = engine.step_log(directory, *model[1:])
+        _train(engine, directory, model, range(1, 9), save_at=5)
         slog.flush()
         full = DiskFull(free=64)
         FaultFS.policy = _SegmentsOnly(full)
-        for step in range(9, 11):
-            train_step(net, opt, sched, step)
+        _train(engine, directory, model, range(9, 11))
         with pytest.raises(StepLogError, match="No space left on device"):
             slog.flush()
         assert full.failures >= 1
         FaultFS.policy = None  # space freed; the training goes on
-        for step in range(11, 13):
-            train_step(net, opt, sched, step)
+        _train(engine, directory, model, range(11, 13))
         slog.close()
     assert not [p for p in (tmp_path / "run" / ".checkrun" / "steplog").rglob("*") if ".tmp-" in p.name], \
         "a torn temp file of the failed segment was left behind"
@@ -89,16 +91,13 @@ def test_disk_full_during_a_segment_fails_loudly_and_the_resume_stops_before_the
 def test_transient_segment_write_errors_are_retried_and_nothing_is_lost(tmp_path, sleeps):
     """Every segment write fails once (a timeout on open): retried, every step is logged."""
     directory = f"faultfile://{tmp_path}/run"
-    net, opt, sched = make(KIND)
+    model = make(KIND)
     with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
-        slog = engine.step_log(directory, opt, sched)
-        for step in range(1, 4):
-            train_step(net, opt, sched, step)
-        engine.save(state(net, opt, sched), f"{directory}/step3.ckpt").result()
+        slog = engine.step_log(directory, *model[1:])
+        _train(engine, directory, model, range(1, 4), save_at=3)
         faults = Transient(1.0, ops=("open",), max_per_path=1)
         FaultFS.policy = _SegmentsOnly(faults)
-        for step in range(4, 12):
-            train_step(net, opt, sched, step)
+        _train(engine, directory, model, range(4, 12))
         slog.close()
         FaultFS.policy = None
     assert sum(faults.injected.values()) >= 3 and sleeps
@@ -121,14 +120,10 @@ def test_a_segment_commit_whose_response_is_lost_is_resolved_by_reading_it_back(
             raise OSError(errno.EIO, "response lost after the rename (injected)", dst)
 
     monkeypatch.setattr(os, "replace", replace_then_lose)
-    net, opt, sched = make(KIND)
+    model = make(KIND)
     with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
-        slog = engine.step_log(directory, opt, sched)
-        for step in range(1, 4):
-            train_step(net, opt, sched, step)
-        engine.save(state(net, opt, sched), f"{directory}/step3.ckpt").result()
-        for step in range(4, 11):
-            train_step(net, opt, sched, step)
+        slog = engine.step_log(directory, *model[1:])
+        _train(engine, directory, model, range(1, 11), save_at=3)
         slog.close()
     assert lost
     n, resumed = _resume(directory)
@@ -152,33 +147,26 @@ def test_a_writer_paused_while_its_trainer_restarts_never_mixes_the_two_runs(tmp
     A's late steps 9-10."""
     directory = f"faultfile://{tmp_path}/run"
     cfg = {"step_log": {"flush_every_steps": 100}}
-    net_a, opt_a, sched_a = make(KIND)
+    run_a = make(KIND)
     engine_a = CheckpointEngine(cfg)
-    log_a = engine_a.step_log(directory, opt_a, sched_a)
-    for step in range(1, 6):
-        train_step(net_a, opt_a, sched_a, step)
-    engine_a.save(state(net_a, opt_a, sched_a), f"{directory}/step5.ckpt").result()
-    for step in range(6, 9):
-        train_step(net_a, opt_a, sched_a, step)
+    log_a = engine_a.step_log(directory, *run_a[1:])
+    _train(engine_a, directory, run_a, range(1, 9), save_at=5)
     log_a.flush()
     gate = Gate("close", "manifest", match="/steplog/.seg-")  # the temp file, before its rename
     FaultFS.policy = gate
-    for step in range(9, 11):
-        train_step(net_a, opt_a, sched_a, step)
+    _train(engine_a, directory, run_a, range(9, 11))
     paused = threading.Thread(target=log_a.flush, daemon=True)
     paused.start()
     assert gate.entered.wait(60), "run A's segment write never reached the gate"
 
     b_batches = [*range(1, 9), *range(109, 113)]  # after the resume at 8: other batches
-    net_b, opt_b, sched_b = make(KIND)
+    net_b, opt_b, sched_b = run_b = make(KIND)
     with CheckpointEngine(cfg) as engine_b:
-        load_into(engine_b.load(f"{directory}/step5.ckpt"), net_b, opt_b, sched_b)
+        load_into(engine_b.load(f"{directory}/step5.ckpt"), *run_b)
         assert engine_b.replay(directory, opt_b, sched_b, after=f"{directory}/step5.ckpt") == 3
         log_b = engine_b.step_log(directory, opt_b, sched_b)
-        for i, step in enumerate(b_batches[8:], start=9):
-            train_step(net_b, opt_b, sched_b, step)
-            if i == 10:
-                engine_b.save(state(net_b, opt_b, sched_b), f"{directory}/b10.ckpt").result()
+        _train(engine_b, directory, run_b, b_batches[8:10], save_at=b_batches[9])  # B's step 10
+        _train(engine_b, directory, run_b, b_batches[10:])
         log_b.close()
 
     gate.release()  # run A's writer wakes up and commits its late segment
