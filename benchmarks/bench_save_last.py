@@ -1,0 +1,80 @@
+"""Lightning's ``ModelCheckpoint(save_last=...)`` with ``CheckrunCheckpointIO``: what the last checkpoint costs.
+
+``save_last=True`` makes Lightning save the same state twice at every checkpoint (the top-k file, then
+``last.ckpt``). The second save finds the first still in flight and waits for it (``saving.max_pending``
+1, the default); ``save_last="link"`` makes ``last.ckpt`` a symlink instead. For each setting (False,
+True, "link") one real ``Trainer.fit`` of a ``Linear(2048, 8192)`` with Adam (~200 MB of state) on the
+CPU, a checkpoint every 10 steps: the fit's wall time and each save's blocking time (``SaveInfo``).
+
+Run: ``python -m benchmarks.bench_save_last [--steps 50] [--every 10]``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from benchmarks.common import machine_header, table
+
+
+class _Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2048, 8192)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(1024, 2048), batch_size=8)
+
+
+def run(save_last, steps: int, every: int) -> dict:
+    """One fit; its wall seconds and the blocking milliseconds of the top-k and of the last saves."""
+    from lightning_ckpt import CheckrunCheckpointIO
+
+    torch.manual_seed(0)
+    io = CheckrunCheckpointIO()
+    infos: list = []
+    io.add_save_callback(infos.append)
+    with tempfile.TemporaryDirectory() as d:
+        trainer = Trainer(max_steps=steps, plugins=[io], logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, accelerator="cpu",
+                          callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=every, save_last=save_last)])
+        t0 = time.perf_counter()
+        trainer.fit(_Net())
+        wall = time.perf_counter() - t0
+    last = [1e3 * i.blocking_seconds for i in infos if i.path.rsplit("/", 1)[-1].startswith("last")]
+    topk = [1e3 * i.blocking_seconds for i in infos if not i.path.rsplit("/", 1)[-1].startswith("last")]
+    return {"fit_s": wall, "topk_ms": topk, "last_ms": last}
+
+
+def _cell(ms: list[float]) -> str:
+    return f"{statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f})" if ms else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--every", type=int, default=10)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for setting in (False, True, "link"):
+        r = run(setting, args.steps, args.every)
+        rows.append([repr(setting), f"{r['fit_s']:.2f}", _cell(r["topk_ms"]), _cell(r["last_ms"])])
+    print(machine_header("ModelCheckpoint(save_last=...) with CheckrunCheckpointIO") + "\n")
+    print(table(["save_last", "fit s", "top-k save blocking ms", "last.ckpt save blocking ms"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
