@@ -1,8 +1,9 @@
 """Lightning's ``ModelCheckpoint(save_last=...)`` with ``CheckrunCheckpointIO``: what the last checkpoint costs.
 
 ``save_last=True`` makes Lightning save the same state twice at every checkpoint (the top-k file, then
-``last.ckpt``). The second save finds the first still in flight and waits for it (``saving.max_pending``
-1, the default); ``save_last="link"`` makes ``last.ckpt`` a symlink instead. For each setting (False,
+``last.ckpt``). The second save finds the first still in flight; its tensors are bitwise the same, so
+it repeats that save (``ckpt_core.saving.repeat``: compared, not copied, no wait for a
+``saving.max_pending`` slot); ``save_last="link"`` makes ``last.ckpt`` a symlink instead. For each setting (False,
 True, "link") one real ``Trainer.fit`` of a ``Linear(2048, 8192)`` with Adam (~200 MB of state) on the
 CPU, a checkpoint every 10 steps: the fit's wall time and each save's blocking time (``SaveInfo``).
 

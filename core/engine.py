@@ -16,10 +16,12 @@ import logging
 import os
 import sys
 import time
+import weakref
 from typing import Any, Callable
 
 from .saving import inflight, lifecycle
 from .saving.capture import take_snapshot
+from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
 from .saving.coordinator import Coordinator, Job
@@ -80,18 +82,22 @@ class CheckpointEngine:
         if self._process is not None:
             check_store(store)
         handle = SaveHandle(store.url(name))
-        self._coord.acquire_slot()
-        try:
-            dirstate = self._dirstate(store)
-            self._adopt_rebuilds(dirstate)
-            self._wait_streams(dirstate)
-            snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
-                                 tuple(self._trackers))
-        except BaseException:
-            self._coord.release_slot()
-            raise
-        job = Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started)
-        dirstate.last = handle
+        dirstate = self._dirstate(store)
+        snap = repeat_snapshot(state, dirstate, self._coord.release_staging)  # no slot, copy nor wait
+        slot = snap is None
+        if slot:
+            self._coord.acquire_slot()
+            try:
+                self._adopt_rebuilds(dirstate)
+                if dirstate.streams and dirstate.last is not None:  # row streams own one buffer each:
+                    dirstate.last.wait()  # the previous save to the directory must be done first
+                snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
+                                     tuple(self._trackers))
+            except BaseException:
+                self._coord.release_slot()
+                raise
+        job = Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started, slot)
+        dirstate.last, dirstate.leader = handle, (handle, weakref.ref(snap))  # the job owns the snapshot
         for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: mark this save's position
             steplog.on_save(store, name, snap.stamp)
         asynchronous = self.config.saving.asynchronous
@@ -365,11 +371,6 @@ class CheckpointEngine:
                     self._pool.free_host(buf)
                 for key in build.blob_keys:
                     dirstate.verified.pop(key, None)
-
-    def _wait_streams(self, dirstate: DirState) -> None:
-        """Row streams own one buffer each: the previous save to the directory must be done first."""
-        if dirstate.streams and dirstate.last is not None:
-            dirstate.last.wait()
 
     @staticmethod
     def _wait_path(url: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import FormatError
-from .dtypes import ALL_DTYPES
+from .dtypes import ALL_DTYPES, DTYPES
 
 __all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten"]
 
@@ -141,6 +141,16 @@ def _text(value: Any, convert: Any = str) -> str:
         return hex(value) if type(value) is int else f"<{type(value).__name__}>"
 
 
+def _stored_as_tensor(t: torch.Tensor) -> bool:
+    """Whether a tensor is stored as a tensor (chunks, row deltas): a dense (strided) one of a dtype
+    the format names. Sparse, nested and quantized tensors and other dtypes (``complex32``, ``bits8``)
+    are pickled values, exactly as ``torch.save`` writes them (``objects``)."""
+    return t.layout is torch.strided and t.dtype in _STORED_DTYPES and not t.is_nested
+
+
+_STORED_DTYPES = frozenset(DTYPES.values())
+
+
 def _join(path: str | None, component: Any) -> str:
     text = component if type(component) is str else _text(component)
     return text if path is None else f"{path}.{text}"
@@ -192,7 +202,7 @@ class _Encoder:
     def _visit(self, value: Any, out: Any, slot: Any, path: str | None, depth: int, stack: list,
                key_mode: bool) -> None:
         t = type(value)
-        if t is torch.Tensor and not key_mode:  # the common leaf first: capture is on the training thread
+        if t is torch.Tensor and not key_mode and _stored_as_tensor(value):  # the common leaf first
             self._check(depth + 1, path)
             out[slot] = self._tensor_ref(value, path)
             return
@@ -213,7 +223,7 @@ class _Encoder:
             raise _NotPlainKey
         elif (t is dict or t is OrderedDict) and self._mapping(value, out, slot, path, depth, stack):
             pass
-        elif t is torch.Tensor or t is torch.nn.Parameter:
+        elif (t is torch.Tensor or t is torch.nn.Parameter) and _stored_as_tensor(value):
             self._check(depth + (2 if t is torch.nn.Parameter else 1), path)
             out[slot] = self._tensor_ref(value, path)
         else:

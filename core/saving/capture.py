@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -94,6 +94,35 @@ class Snapshot:
     meta: dict
     stamp: CommitStamp | None = None
     """Orders this snapshot's commit against other saves of the same name (``fence``)."""
+    hold: "Hold" = field(default_factory=lambda: Hold())
+    """The staging buffers' owners: this snapshot and the saves that repeat it (``repeat``)."""
+
+
+class Hold:
+    """Shared ownership of a snapshot's staging buffers and budget charge: a save that repeats the
+    one in flight (``repeat``) stages nothing and shares them; the last of them to finish gives them
+    back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners = 1
+
+    def join(self) -> bool:
+        """One more owner; False once they were given back (then nothing changed)."""
+        with self._lock:
+            if self._owners == 0:
+                return False
+            self._owners += 1
+            return True
+
+    def leave(self) -> bool:
+        """One owner less; True for the last one, who gives the buffers back."""
+        with self._lock:
+            self._owners -= 1
+            return self._owners == 0
+
+    def __reduce__(self):  # to a writer process, which gives nothing back: a hold of its own
+        return (Hold, ())
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
@@ -202,7 +231,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
     if row_eligible(key, t, config.incremental):
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
-            if stream is not None:  # no save in flight uses it: the engine waited (_wait_streams)
+            if stream is not None:  # no save in flight uses it: the engine waited (save)
                 pool.free_host(stream.buffer)
             stream = RowStream(pool.new_host(t.numel(), t.dtype), t.dtype, shape)
             dirstate.streams[key] = stream

@@ -54,6 +54,8 @@ class Job:
     """``time.perf_counter()`` at the call to ``save``."""
     blocking: float
     """Seconds the caller of ``save`` waited."""
+    slot: bool = True
+    """Whether it holds a ``max_pending`` slot (a repeat of the save in flight holds none)."""
 
 
 class Coordinator:
@@ -206,7 +208,7 @@ class Coordinator:
                     done = write_and_commit(job.snap, job.store, job.name, job.dir, self.config,
                                             self.matcher, workers)
             finally:
-                self._release_staging(job.snap)
+                self.release_staging(job.snap)
             commit_streams(job.snap, done, self.config.incremental.max_chain)
             info = _info(job, done, time.perf_counter() - t0)
             self._after_commit(job, info, done.unmatched_rules)
@@ -222,9 +224,13 @@ class Coordinator:
                 self._inflight.remove(job.handle)
                 self._cond.notify_all()
             inflight.end(job.handle.path)
-            self._slots.release()
+            if job.slot:
+                self._slots.release()
 
-    def _release_staging(self, snap: Snapshot) -> None:
+    def release_staging(self, snap: Snapshot) -> None:
+        """Give ``snap``'s staging buffers and budget back, unless a save repeating it still uses them."""
+        if not snap.hold.leave():
+            return
         for st in snap.tensors:
             if st.stream is None:
                 self.pool.give(st.data)

@@ -232,7 +232,7 @@ def plan_rows(stream: RowStream, changed: torch.Tensor | None, cfg: IncrementalC
     """Decide base vs delta for one row stream (Check-N-Run's one-shot/consecutive/intermittent)."""
     rows = stream.rows
     fresh = torch.zeros(rows, dtype=torch.bool)
-    if changed is None or stream.record is None or spec_id != stream.spec_id:
+    if changed is None or not stream.valid or stream.record is None or spec_id != stream.spec_id:
         return RowPlan(True, None, (), fresh, dense=stream.dense_countdown > 0)
     dense = changed.numel() > cfg.rebase_ratio * rows
     cum = stream.cum_mask.clone() if stream.cum_mask is not None else fresh.clone()
@@ -269,6 +269,10 @@ class DirState:
     """Lossy row stream key -> (the record it describes, float64 sum of squares of each row): the
     reference norm of the tensor as restored, updated row by row by delta saves."""
     last: object = None
+    leader: tuple | None = None
+    """(handle, weak reference to the snapshot) of the last save here: a save of the same values
+    repeats it while it is in flight (``repeat``); the reference dies with the save's job, so a
+    directory keeps no staging buffer alive after its saves ended."""
     pending: dict = field(default_factory=dict)
     """Blob key -> size: candidates of the next collection here (blobs of checkpoints ``remove``
     deleted, or that a collection found protected by a lease)."""

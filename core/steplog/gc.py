@@ -6,8 +6,9 @@ the runs that continue R. So, per run, everything up to the *floor* is garbage: 
 live marker in the run, or the run's start if a live marker of an ancestor run precedes the branch
 point. A run with neither has no segment any replay can reach.
 
-Live markers: a retained checkpoint's, and, for a run that may still be logging, every one newer than
-its newest retained one (that save may still be in flight). A run is *finished* once its run object
+Live markers: a retained checkpoint's, and, for a run that may still be logging, every one at or after
+the event of its newest retained one (that save may still be in flight: ``save_last=True`` saves twice
+at one step, and the first may commit, and collect, while the second is in flight). A run is *finished* once its run object
 says ``closed`` (``StepLog.close`` writes it after the saves into the directory ended) or its process
 is certainly gone (``meta.owner_gone``: same host only); a finished run has no save in flight, so its
 markers of checkpoints no longer listed are garbage. A finished run's object goes too once no segment
@@ -70,7 +71,7 @@ def _live_markers(index: LogIndex, checkpoints: list[Any], finished: set[str]) -
     for m in retained:
         newest[m.run] = max(newest.get(m.run, -1), m.event)
     return {m.name: m for m in index.markers
-            if m in retained or (m.run not in finished and m.event > newest.get(m.run, -1))}
+            if m in retained or (m.run not in finished and m.event >= newest.get(m.run, -1))}
 
 
 def _key(commit: dict | None) -> tuple | None:

@@ -65,6 +65,7 @@ def test_backpressure_keeps_at_most_max_pending_snapshots(tmp_path):
     second_returned = threading.Event()
 
     def second():
+        state["w"].add_(1.0)  # new values: the same ones would repeat the save in flight (no wait)
         engine.save(state, f"{root}/b.ckpt")
         second_returned.set()
 
@@ -89,7 +90,8 @@ def test_staging_budget_blocks_second_save(tmp_path):
     engine.save(state, f"{root}/a.ckpt")
     FaultyFS.entered.acquire()
     done = threading.Event()
-    t = threading.Thread(target=lambda: (engine.save(state, f"{root}/b.ckpt"), done.set()))
+    changed = {"w": state["w"] + 1}  # the same values would repeat the save in flight (no staging)
+    t = threading.Thread(target=lambda: (engine.save(changed, f"{root}/b.ckpt"), done.set()))
     t.start()
     assert not done.wait(0.2)
     assert engine._budget.in_use == state["w"].nbytes

@@ -328,3 +328,39 @@ def test_engine_close_flushes_and_closes_its_logs(tmp_path):
     n, (net2, opt2, sched2) = _resume(directory, "adam")
     assert n == 5
     assert_bit_equal(state(net2, opt2, sched2), _reference("adam", 7))
+
+
+def test_a_save_at_the_same_step_keeps_its_marker_when_the_first_commits(tmp_path):
+    """``save_last=True``'s pattern: two saves at one step, the second (a repeat, no wait) still in
+    flight when the first commits and collects the log. Its marker is at the same event as the first's:
+    it stays (it was collected before, and a resume from it found no marker)."""
+    from ckpt_core.testing import FaultFS, Gate
+
+    directory = f"faultfile://{tmp_path}/run"
+    net, opt, sched = make("adam")
+    FaultFS.reset()
+    try:
+        with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+            slog = engine.step_log(directory, opt, sched)
+            for step in range(1, STEPS + 1):
+                train_step(net, opt, sched, step)
+                if step == 2:
+                    engine.save(state(net, opt, sched), f"{directory}/s2.ckpt").result()
+                if step == CKPT_AT:
+                    engine.remove(f"{directory}/s2.ckpt")  # so the next commit collects (as top-k does)
+                    gate = Gate("close", "manifest", match=f"s{step}.ckpt")
+                    FaultFS.policy = gate
+                    first = engine.save(state(net, opt, sched), f"{directory}/s{step}.ckpt")
+                    assert gate.entered.wait(120)  # watchdog only
+                    last = engine.save(state(net, opt, sched), f"{directory}/last.ckpt")
+                    assert not first.done()  # both in flight: last.ckpt's marker is written
+                    gate.release()
+                    first.result()
+                    last.result()
+                    FaultFS.policy = None
+            slog.close()
+        n, resumed = _resume(directory, "adam", after=f"{directory}/last.ckpt")
+    finally:
+        FaultFS.reset()
+    assert n == STEPS - CKPT_AT
+    assert_bit_equal(state(*resumed), _reference("adam", STEPS))

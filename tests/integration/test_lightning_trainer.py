@@ -146,6 +146,49 @@ def test_versioned_names_while_saves_are_in_flight(tmp_path) -> None:
             plugin.remove_checkpoint(f"{ckpt_dir}/{n}")
 
 
+def test_save_last_true_repeats_the_topk_save_in_flight(tmp_path) -> None:
+    """``save_last=True`` saves the state twice at one step; with every write held (storage gate
+    closed for the whole fit) and the default one ``max_pending`` slot, the last.ckpt save still
+    returns: it repeats the top-k save in flight (``ckpt_core.saving.repeat``) instead of waiting
+    for it. Both files then hold the same tensors, bit for bit."""
+    ckpt_dir = f"gatefile://{tmp_path}/ckpts"
+    gate = threading.Event()
+    pending_at_end: list[int] = []
+    plugin = make_io()
+
+    class OpenGate(Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            pending_at_end.append(plugin.engine.pending)
+            gate.set()
+
+    FaultyFS.reset()
+    FaultyFS.gate = gate
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            mc = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=True)
+            trainer(str(tmp_path), plugin, callbacks=[mc, OpenGate()], max_steps=2).fit(TinyModel())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        runner = threading.Thread(target=fit, daemon=True)
+        runner.start()
+        runner.join(120)  # watchdog only: a save that waited for the held one would never return
+        assert not runner.is_alive(), "the last.ckpt save waited for the top-k save held at the gate"
+    finally:
+        gate.set()
+        FaultyFS.reset()
+    assert not errors, errors
+    assert pending_at_end == [2]  # both saves were in flight together
+    topk = plugin.load_checkpoint(f"{ckpt_dir}/epoch=0-step=2.ckpt")
+    last = plugin.load_checkpoint(f"{ckpt_dir}/last.ckpt")
+    assert topk["global_step"] == last["global_step"] == 2
+    assert tensors_equal(topk["state_dict"], last["state_dict"])
+    assert tensors_equal(topk["optimizer_states"], last["optimizer_states"])
+
+
 def test_save_last_link(tmp_path) -> None:
     ckpt_dir = str(tmp_path / "ckpts")
     plugin = make_io()

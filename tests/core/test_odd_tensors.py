@@ -1,0 +1,79 @@
+"""Tensors that are not dense tensors of a stored dtype: sparse (COO, CSR), quantized, nested, and
+dtypes the format does not name (complex32, bits8). ``torch.save`` writes them; so must checkrun
+(as pickled values, ``format.tree._stored_as_tensor``), and they load back under
+``weights_only=True``. Before, the save failed with torch's "Cannot access data pointer of Tensor
+that doesn't have storage" or an internal assert, naming neither the tensor nor the file."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ckpt_core
+from ckpt_core import CheckpointEngine
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b) and a.dtype == b.dtype and a.layout == b.layout and a.is_nested == b.is_nested
+    if a.is_nested:
+        for x, y in zip(a.unbind(), b.unbind(), strict=True):
+            _same(x, y)
+        return
+    assert a.shape == b.shape
+    if a.is_quantized:
+        assert a.qscheme() == b.qscheme() and a.q_scale() == b.q_scale() and a.q_zero_point() == b.q_zero_point()
+        assert torch.equal(a.int_repr(), b.int_repr())
+    elif a.layout == torch.sparse_coo:
+        assert torch.equal(a.coalesce().indices(), b.coalesce().indices())
+        assert torch.equal(a.coalesce().values(), b.coalesce().values())
+    elif a.layout == torch.sparse_csr:
+        for get in ("crow_indices", "col_indices", "values"):
+            assert torch.equal(getattr(a, get)(), getattr(b, get)())
+    else:
+        assert torch.equal(_bytes(a), _bytes(b))
+
+
+def _odd() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse invariant checks, nested tensors' prototype warning
+        return {
+            "sparse_coo": torch.sparse_coo_tensor([[0, 2, 5]], torch.randn(3), (8,)),
+            "sparse_csr": torch.eye(4).to_sparse_csr(),
+            "quantized": torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8),
+            "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+            "complex32": torch.randn(4, dtype=torch.complex64).to(torch.complex32),
+            "bits8": torch.tensor([1, 2, 255], dtype=torch.uint8).view(torch.bits8),
+        }
+
+
+@pytest.mark.parametrize("name", list(_odd()))
+def test_an_odd_tensor_round_trips_under_weights_only(tmp_path, name):
+    t = _odd()[name]
+    dense = torch.randn(64, 8)
+    ckpt_core.save({"odd": t, "dense": dense}, tmp_path / "a.ckpt")
+    out = ckpt_core.load(tmp_path / "a.ckpt", weights_only=True)
+    _same(out["odd"], t)
+    assert torch.equal(out["dense"], dense)
+
+
+def test_odd_tensors_in_a_model_state_save_incrementally(tmp_path):
+    """A sparse buffer beside ordinary parameters: later saves are still incremental for those."""
+    model = torch.nn.Linear(256, 256)
+    model.register_buffer("mask", torch.sparse_coo_tensor([[0, 9]], torch.ones(2), (256,)))
+    with CheckpointEngine() as engine:
+        engine.save(model.state_dict(), tmp_path / "s0.ckpt").result()
+        info = engine.save(model.state_dict(), tmp_path / "s1.ckpt").result()
+        assert info.written_bytes < 0.05 * info.tensor_bytes  # nothing changed: manifest + pickled mask
+        out = engine.load(tmp_path / "s1.ckpt")
+    _same(out["mask"], model.mask)
+    assert torch.equal(out["weight"], model.weight.detach())
+    fresh = torch.nn.Linear(256, 256)
+    fresh.register_buffer("mask", torch.zeros(256).to_sparse())
+    fresh.load_state_dict(out)
+    _same(fresh.mask, model.mask)

@@ -1,0 +1,263 @@
+"""A save of the same values as the save still in flight to its directory (``saving/repeat.py``), as
+Lightning's ``ModelCheckpoint(save_last=True)`` makes at every checkpoint: it neither waits for that
+save nor copies, and its checkpoint holds exactly the values it was given, whatever happened to the
+tensors in between (changes through ``.data`` bump no version counter) or to the save it repeats.
+
+The save in flight is held at its manifest commit by a storage gate (``faultfile://``), or, in
+writer-process mode, by stopping the writer process (SIGSTOP)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
+from ckpt_core.saving.repeat import same_bytes
+from ckpt_core.testing import FaultFS, Gate, Policy
+
+from .steplog_train import assert_bit_equal
+
+WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
+
+
+@pytest.fixture(autouse=True)
+def _faults():
+    FaultFS.reset()
+    yield
+    FaultFS.reset()
+
+
+class Net(torch.nn.Module):
+    """An embedding table (row deltas) and a dense layer (whole tensors), trained with Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(4096, 32)
+        self.out = torch.nn.Linear(32, 8)
+        self.opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def step(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 4096, (64,), generator=g)
+        self.out(self.emb(ids)).square().mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def state(self, **extra) -> dict:
+        return {"model": self.state_dict(), "optimizer": self.opt.state_dict(), **extra}
+
+
+def clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [clone(v) for v in state]
+    return state
+
+
+def engine_config(**over) -> EngineConfig:
+    return EngineConfig.from_dict({"saving": {"max_pending": 1}, "incremental": {"row_delta_min_rows": 1024},
+                                   **over})
+
+
+def in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def held_first(engine: CheckpointEngine, root: str, net: Net, policy=None, **extra):
+    """Save s0 (committed: the row streams exist), train a step, then save s1 held at its manifest
+    commit by ``policy`` (default: a gate); returns (s1's handle, its state as saved, the policy)."""
+    net.step(0)
+    engine.save(net.state(), f"{root}/s0.ckpt").result()
+    net.step(1)
+    expected = clone(net.state(**extra))
+    policy = policy or Gate("close", "manifest", match="s1.ckpt")
+    FaultFS.policy = policy
+    first = engine.save(net.state(**extra), f"{root}/s1.ckpt")
+    assert policy.entered.wait(WATCHDOG)  # s1 is in flight: held at its manifest commit
+    return first, expected, policy
+
+
+def save_after_release(engine: CheckpointEngine, net: Net, path: str, gate: Gate, first) -> None:
+    """Save ``net``'s state to ``path`` from a thread (it may wait for ``first``), open ``gate``, and
+    wait for both saves."""
+    saver = in_thread(lambda: engine.save(net.state(), path))
+    gate.release()
+    saver.join(WATCHDOG)
+    assert not saver.is_alive()
+    first.result()
+    engine.wait()
+
+
+def test_a_repeat_of_the_save_in_flight_returns_before_it_and_holds_its_values(tmp_path):
+    root = f"faultfile://{tmp_path}/run"
+    net = Net()
+    with CheckpointEngine(engine_config()) as engine:
+        first, expected, gate = held_first(engine, root, net, step=1, cb="top-k")
+        handles = []
+        saver = in_thread(lambda: handles.append(engine.save(net.state(step=1, cb="last"), f"{root}/last.ckpt")))
+        saver.join(WATCHDOG)
+        # With one slot (max_pending 1) and s1 writing from the row streams' buffers, any save that
+        # waited for s1 would still be inside save() here.
+        assert not saver.is_alive() and not first.done()
+        gate.release()
+        info = handles[0].result()
+        assert first.result().path.endswith("s1.ckpt")
+        assert info.written_bytes < 0.05 * info.tensor_bytes  # a manifest: every blob is s1's
+        net.step(2)
+        after = clone(net.state(step=2))
+        engine.save(net.state(step=2), f"{root}/s2.ckpt").result()  # a row delta on top of the repeat
+        assert_bit_equal(engine.load(f"{root}/s1.ckpt"), expected)
+        assert_bit_equal(engine.load(f"{root}/last.ckpt"), {**expected, "cb": "last"})
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), after)
+        for name in ("s1", "last", "s2"):
+            assert engine.verify(f"{root}/{name}.ckpt").ok
+
+
+@pytest.mark.parametrize("change", ["data", "negative_zero", "one_row"])
+def test_a_change_the_version_counter_misses_is_saved(tmp_path, change):
+    """Not a repeat: the second save has the new values (the comparison is of the bytes)."""
+    root = f"faultfile://{tmp_path}/run"
+    net = Net()
+    with CheckpointEngine(engine_config()) as engine:
+        first, expected_first, gate = held_first(engine, root, net)
+        version = net.out.weight._version
+        if change == "data":
+            net.out.weight.data.mul_(0.5)  # what EMA and clipping code does: no version bump
+        elif change == "negative_zero":
+            net.out.bias.data[3] = 0.0
+            net.out.bias.data[3] = -0.0  # equal as values, not as bytes
+        else:
+            net.emb.weight.data[4000] += 1.0  # one row of the row-delta table
+        assert net.out.weight._version == version
+        expected = clone(net.state())
+        save_after_release(engine, net, f"{root}/s2.ckpt", gate, first)
+        assert_bit_equal(engine.load(f"{root}/s1.ckpt"), expected_first)
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), expected)
+
+
+class FailHeld(Policy):
+    """Hold the commit of the manifest matching ``match`` until released, then fail it."""
+
+    def __init__(self, match: str) -> None:
+        self.match = match
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if op == "close" and kind == "manifest" and self.match in path:
+            self.entered.set()
+            self.go.wait()
+            raise PermissionError(13, "Permission denied", path)
+
+
+def test_a_repeat_of_a_save_that_fails_still_commits_its_values(tmp_path):
+    """The repeat found no changed row relative to a save that then failed: it writes its row-delta
+    tensors whole, from the values it compared (never a delta on the last committed checkpoint)."""
+    root = f"faultfile://{tmp_path}/run"
+    net = Net()
+    with CheckpointEngine(engine_config()) as engine:
+        first, expected, policy = held_first(engine, root, net, FailHeld("s1.ckpt"))
+        handles = []
+        saver = in_thread(lambda: handles.append(engine.save(net.state(), f"{root}/last.ckpt")))
+        saver.join(WATCHDOG)
+        assert not saver.is_alive() and not first.done()
+        policy.go.set()
+        with pytest.raises(BackgroundSaveError, match="s1.ckpt"):
+            first.result()
+        handles[0].result()
+        assert not os.path.exists(tmp_path / "run" / "s1.ckpt")
+        assert_bit_equal(engine.load(f"{root}/last.ckpt"), expected)
+        net.step(2)
+        after = clone(net.state())
+        engine.save(net.state(), f"{root}/s2.ckpt").result()
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), after)
+
+
+def test_a_repeat_after_a_load_into_the_directory_is_a_plain_save(tmp_path):
+    """A load between the two saves replaced the row streams: the second save stages as usual."""
+    root = f"faultfile://{tmp_path}/run"
+    net = Net()
+    with CheckpointEngine(engine_config()) as engine:
+        first, expected, gate = held_first(engine, root, net)
+        engine.load(f"{root}/s0.ckpt")  # another path of the same directory: no wait
+        save_after_release(engine, net, f"{root}/s2.ckpt", gate, first)
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), expected)
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once /proc says it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WATCHDOG
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        os.sched_yield()
+
+
+def test_a_repeat_in_writer_process_mode_shares_the_shared_memory_staging(tmp_path):
+    root = str(tmp_path / "run")
+    net = Net()
+    with CheckpointEngine(engine_config(saving={"max_pending": 1, "background": "process"})) as engine:
+        net.step(0)
+        engine.save(net.state(), f"{root}/s0.ckpt").result()  # starts the writer process
+        pid = engine._process._proc.pid
+        net.step(1)
+        expected = clone(net.state())
+        _stop(pid)
+        try:
+            first = engine.save(net.state(cb="top-k"), f"{root}/s1.ckpt")
+            handles = []
+            saver = in_thread(lambda: handles.append(engine.save(net.state(cb="last"), f"{root}/last.ckpt")))
+            saver.join(WATCHDOG)
+            assert not saver.is_alive() and not first.done()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        first.result()
+        handles[0].result()
+        net.step(2)
+        after = clone(net.state())
+        engine.save(net.state(), f"{root}/s2.ckpt").result()
+        assert_bit_equal(engine.load(f"{root}/s1.ckpt"), {**expected, "cb": "top-k"})
+        assert_bit_equal(engine.load(f"{root}/last.ckpt"), {**expected, "cb": "last"})
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.bool, torch.complex64,
+                                   torch.float64])
+def test_same_bytes_compares_bytes_not_values(dtype):
+    a = (torch.arange(1001) % 7).to(dtype)  # 1001 elements: not a multiple of 8 bytes for 1-byte types
+    assert same_bytes(a, a.clone())
+    b = a.clone()
+    b.view(torch.uint8)[-1] ^= 1  # the last byte: after the 8 MB blocks and the word view
+    assert not same_bytes(a, b)
+    assert not same_bytes(a, a[:-1].clone())
+    if dtype.is_floating_point:
+        z = torch.zeros(16, dtype=dtype)
+        assert not same_bytes(z, -z)  # 0.0 == -0.0 as values
+        nan = torch.full((16,), float("nan"), dtype=dtype)
+        assert same_bytes(nan, nan.clone())  # NaN != NaN as values
+
+
+def test_same_bytes_stops_in_its_blocks(monkeypatch):
+    import ckpt_core.saving.repeat as repeat
+
+    monkeypatch.setattr(repeat, "BLOCK_BYTES", 64)
+    a = torch.randn(1000)
+    b = a.clone()
+    assert same_bytes(a, b)
+    b[999] = 1e9  # in the last block
+    assert not same_bytes(a, b)
+    b = a.clone()
+    b[0] = 1e9
+    assert not same_bytes(a, b)
