@@ -83,7 +83,7 @@ class CheckpointEngine:
             check_store(store)
         handle = SaveHandle(store.url(name))
         dirstate = self._dirstate(store)
-        snap = repeat_snapshot(state, dirstate, self._coord.release_staging)  # no slot, copy nor wait
+        snap = repeat_snapshot(state, dirstate, self._coord.release_staging, self._copier)  # no slot/copy/wait
         slot = snap is None
         if slot:
             self._coord.acquire_slot()

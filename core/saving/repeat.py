@@ -27,16 +27,19 @@ import torch
 from ..format.tree import flatten, gc_paused
 from .capture import Snapshot, StagedTensor, _device_objects, _meta, _sources, _stage_objects
 from .fence import new_stamp
-from .streams import DirState
+from .copier import Copier
+from .streams import DirState, Share
 
 #: Bytes compared per call: a difference found in the first block ends the comparison there.
 BLOCK_BYTES = 8 << 20
 
 
-def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot], None]) -> Snapshot | None:
+def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot], None],
+                    copier: Copier) -> Snapshot | None:
     """A snapshot of ``state`` sharing the staging of the save in flight to ``dirstate``'s directory,
     or None (no save in flight there, or ``state`` differs from it). ``release``: the coordinator's
-    ``release_staging`` (gives the staging back if the save in flight finished meanwhile). Training
+    ``release_staging`` (gives the staging back if the save in flight finished meanwhile);
+    ``copier``: the engine's, whose helper thread compares half of each large tensor. Training
     thread."""
     leader = dirstate.leader
     snap: Snapshot | None = leader[1]() if leader is not None and not leader[0].done() else None
@@ -51,7 +54,10 @@ def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot]
     if not snap.hold.join():  # the save in flight gave its staging back: it is finishing
         return None
     try:
-        staged = _same(sources, snap.tensors, dirstate)
+        try:
+            staged = _same(sources, snap.tensors, dirstate, copier.share)
+        finally:
+            copier.settle()
         if staged is not None:
             objects, _ = _stage_objects(flat.objects, {}, None, False)  # no device values: none later
             meta, _ = _meta(state, lambda t: None)
@@ -64,8 +70,8 @@ def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot]
     return None
 
 
-def _same(sources: list[tuple[str, torch.Tensor]], staged: tuple[StagedTensor, ...],
-          dirstate: DirState) -> tuple[StagedTensor, ...] | None:
+def _same(sources: list[tuple[str, torch.Tensor]], staged: tuple[StagedTensor, ...], dirstate: DirState,
+          share: Share) -> tuple[StagedTensor, ...] | None:
     """``staged`` re-keyed for the new snapshot if every source equals its staged copy bitwise."""
     out = []
     for (key, t), st in zip(sources, staged):
@@ -74,7 +80,7 @@ def _same(sources: list[tuple[str, torch.Tensor]], staged: tuple[StagedTensor, .
             return None
         if st.stream is not None and dirstate.streams.get(key) is not st.stream:
             return None  # a load replaced the stream meanwhile
-        if not same_bytes(t, st.data):
+        if not same_bytes(t, st.data, share):
             return None
         if st.stream is None:
             out.append(StagedTensor(key, st.shape, st.data, "cpu"))
@@ -83,14 +89,19 @@ def _same(sources: list[tuple[str, torch.Tensor]], staged: tuple[StagedTensor, .
     return tuple(out)
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors of the same number of bytes hold the same bytes (not values:
-    ``-0.0`` differs from ``0.0``, and a NaN equals the same NaN), block by block."""
+def same_bytes(a: torch.Tensor, b: torch.Tensor, share: Share | None = None) -> bool:
+    """Whether two contiguous tensors hold the same bytes (not values: ``-0.0`` differs from
+    ``0.0``, and a NaN equals the same NaN), block by block: the first block that differs ends the
+    comparison. ``share`` (``Copier.share``): a tensor of several blocks is compared half on the
+    copier's helper thread (``torch.equal`` runs without the GIL), every block then compared."""
     x, y = _words(a), _words(b)
     if x.numel() != y.numel():
         return False
     step = max(1, BLOCK_BYTES // x.element_size())
-    return all(torch.equal(x[i:i + step], y[i:i + step]) for i in range(0, x.numel(), step))
+    blocks = range(0, x.numel(), step)
+    if share is not None and len(blocks) > 1:
+        return all(share([lambda i=i: torch.equal(x[i:i + step], y[i:i + step]) for i in blocks])())
+    return all(torch.equal(x[i:i + step], y[i:i + step]) for i in blocks)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -249,15 +249,22 @@ def test_same_bytes_compares_bytes_not_values(dtype):
         assert same_bytes(nan, nan.clone())  # NaN != NaN as values
 
 
-def test_same_bytes_stops_in_its_blocks(monkeypatch):
+@pytest.mark.parametrize("shared", [False, True])
+def test_same_bytes_compares_every_block(monkeypatch, shared):
+    """Block by block on this thread, or with half the blocks on the copier's helper thread."""
     import ckpt_core.saving.repeat as repeat
+    from ckpt_core.saving.copier import Copier
 
     monkeypatch.setattr(repeat, "BLOCK_BYTES", 64)
-    a = torch.randn(1000)
-    b = a.clone()
-    assert same_bytes(a, b)
-    b[999] = 1e9  # in the last block
-    assert not same_bytes(a, b)
-    b = a.clone()
-    b[0] = 1e9
-    assert not same_bytes(a, b)
+    copier = Copier()
+    share = copier.share if shared else None
+    try:
+        a = torch.randn(1000)
+        assert same_bytes(a, a.clone(), share)
+        for at in (0, 17, 500, 999):  # the first, a middle and the last block
+            b = a.clone()
+            b[at] = 1e9
+            assert not same_bytes(a, b, share), at
+    finally:
+        copier.settle()
+        copier.close()
