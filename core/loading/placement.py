@@ -45,6 +45,8 @@ def restore_device(saved: str) -> str:
 def object_map_location(map_location: Any) -> Any:
     """The ``map_location`` to give torch.load for pickled values: the caller's, or for None the
     engine's own rule (``restore_device``: the CPU where the saving backend is absent)."""
+    if isinstance(map_location, (str, torch.device)):
+        usable_device(torch.device(map_location))
     if map_location is not None:
         return map_location
 
@@ -60,7 +62,20 @@ def target_device(saved: str, map_location: Any) -> torch.device:
         return torch.device(restore_device(saved))
     if isinstance(map_location, dict):  # a mapped location is restored like a saved one
         return torch.device(restore_device(map_location.get(saved, saved)))
-    return torch.device(map_location)
+    return usable_device(torch.device(map_location))
+
+
+def usable_device(device: torch.device) -> torch.device:
+    """``device`` if this process can put tensors there; a clear error for a ``map_location`` naming
+    a backend this machine lacks or a device index beyond its count (torch would fail deep inside
+    the copy, naming neither)."""
+    count = _BACKENDS.get(device.type, lambda: -1)()
+    if count == 0:
+        raise CheckrunError(f"map_location {str(device)!r}: this machine has no {device.type} device "
+                            "(load with map_location='cpu')")
+    if count > 0 and device.index is not None and device.index >= count:
+        raise CheckrunError(f"map_location {str(device)!r}: this machine has {count} {device.type} device(s)")
+    return device
 
 
 def _storage_device(result: Any) -> torch.device:

@@ -178,6 +178,10 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
     where = store.url(name)
     leaves = check_structure(manifest, where)
     plan = plan_into(manifest, leaves, into)
+    try:  # a map_location naming a device this machine lacks fails here, before any blob is read
+        object_location = object_map_location(map_location)
+    except CheckrunError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
     loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy, plan.direct,
                           deferred)
     placer = Placer(map_location)
@@ -190,7 +194,6 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         placer.finish()  # one wait per device for the copies queued
     finish_into(plan, tensors)
     objects = []
-    object_location = object_map_location(map_location)
     for rec in manifest.objects:
         data = fetch_blob(store, rec.blob)
         try:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ckpt_core import CheckpointEngine, CheckrunError
+from ckpt_core import save as ckpt_core_save
 from ckpt_core.format.manifest import parse_manifest
 from ckpt_core.saving.staging import BufferPool, Copier, MemoryBudget
 from ckpt_core.saving.tracking import EmbeddingTracker
@@ -429,3 +430,23 @@ def test_gpu_check_skips_cleanly_without_cuda():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "skipped: no CUDA" in proc.stdout
+
+
+@pytest.mark.parametrize("where, count, message", [
+    ("cuda", 0, "map_location 'cuda': this machine has no cuda device (load with map_location='cpu')"),
+    (torch.device("cuda", 3), 2, "map_location 'cuda:3': this machine has 2 cuda device(s)"),
+    ("mps", 0, "map_location 'mps': this machine has no mps device"),
+])
+def test_map_location_naming_a_device_this_machine_lacks_is_a_clear_error(tmp_path, monkeypatch, where, count,
+                                                                          message):
+    """Before, torch failed inside the copy ("Torch not compiled with CUDA enabled"), naming no file.
+    The device counts are the machine's as the loader sees them (``placement._BACKENDS``)."""
+    import ckpt_core.loading.placement as placement
+
+    path = tmp_path / "a.ckpt"
+    ckpt_core_save({"w": torch.ones(3), "o": {"nested": [torch.zeros(2)]}}, path)
+    monkeypatch.setitem(placement._BACKENDS, torch.device(where).type, lambda: count)
+    with CheckpointEngine() as engine:
+        with pytest.raises(CheckrunError) as info:
+            engine.load(path, map_location=where)
+    assert str(info.value).startswith(f"{path}: {message}")
