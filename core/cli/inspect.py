@@ -183,7 +183,8 @@ def cmd_inspect(ctx: Context) -> int:
               f"({fmt_less(summary['tensor_bytes'], summary['referenced_bytes'])} than the tensor bytes); "
               f"its save wrote {human_size(summary['written_bytes'])}"))
     if summary["objects"]:
-        print(fit(f"objects     {summary['objects']} pickled value(s) (need --unsafe or allowed_globals to load)"))
+        print(fit(f"objects     {summary['objects']} pickled value(s) (loaded under torch's weights_only rules; "
+                  "other types need --unsafe or allowed_globals)"))
     print()
     quant = summary["quantized"]
     headers = _HEADERS if quant else _HEADERS[:-1]
