@@ -8,6 +8,7 @@ writer-process mode, by stopping the writer process (SIGSTOP)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -268,3 +269,48 @@ def test_same_bytes_compares_every_block(monkeypatch, shared):
     finally:
         copier.settle()
         copier.close()
+
+
+@pytest.mark.parametrize("mode, seed", [("thread", 1), ("thread", 2), ("thread", 3), ("process", 4)])
+def test_random_saves_repeats_changes_and_loads_keep_every_checkpoint_exact(tmp_path, mode, seed):
+    """A random mix (fixed seed) of row changes, changes through ``.data`` (a ``-0.0`` among them),
+    saves followed or not by a save of the same state to ``last.ckpt`` (a repeat whenever the first
+    is still in flight), loads and waits; every checkpoint holds the state given to its last save."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    emb, mom = torch.randn(5000, 16), torch.zeros(5000, 16)
+    lin, bias = torch.randn(64, 8), torch.randn(8)
+    expected: dict[str, dict] = {}
+
+    def state() -> dict:
+        return {"emb": emb, "lin": lin, "bias": bias, "opt": {"mom": mom, "step": 3}}
+
+    cfg = {"saving": {"background": mode, "max_pending": rng.choice([1, 2])},
+           "incremental": {"max_chain": rng.choice([2, 4, 8]), "row_delta_min_rows": 1024}}
+    with CheckpointEngine(cfg) as engine:
+        for i in range(120):
+            op = rng.random()
+            if op < 0.35:
+                rows = torch.randint(0, 5000, (rng.choice([1, 50, 600]),))
+                emb[rows] += 0.01
+                mom[rows] += 1.0
+                if rng.random() < 0.5:
+                    lin.data.mul_(1.01)
+                if rng.random() < 0.2:
+                    bias.data[0] = 0.0 if str(bias[0].item()) == "-0.0" else -0.0
+            elif op < 0.8:
+                name = rng.choice(["a", "b", "last", f"s{i}"])
+                expected[name] = clone(state())
+                engine.save(state(), f"{tmp_path}/{name}.ckpt")
+                if rng.random() < 0.6:
+                    engine.save(state(), f"{tmp_path}/last.ckpt")
+                    expected["last"] = expected[name]
+            elif op < 0.9 and expected:
+                name = rng.choice(sorted(expected))
+                assert_bit_equal(engine.load(f"{tmp_path}/{name}.ckpt"), expected[name], f"op {i}: {name}")
+            else:
+                engine.wait()
+        engine.wait()
+        for name, want in expected.items():
+            assert_bit_equal(engine.load(f"{tmp_path}/{name}.ckpt"), want, name)
+            assert engine.verify(f"{tmp_path}/{name}.ckpt").ok
