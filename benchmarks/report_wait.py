@@ -106,6 +106,10 @@ def restore_section(res: Optional[dict], png: Path, allres: dict) -> tuple[str, 
         r = _ratio(chain["chain"], chain["full"])
         parts.append(f"DLRM restore at the end of a chain of {chain['depth']} consecutive deltas (checkrun threads, "
                      f"cold): full {ms(chain['full'])} s, end of chain {ms(chain['chain'])} s: {r:.2f}x.")
+        if chain.get("read"):  # (bases, links) bytes of the blobs each restore reads
+            (fb, fl), (cb, cl) = chain["read"]["full"], chain["read"]["chain"]
+            parts[-1] += (f" Blobs read: full {(fb + fl) / 1e6:.1f} MB, end of chain {cb / 1e6:.1f} MB of bases + "
+                          f"{cl / 1e6:.1f} MB of delta links ({(cb + cl) / max(1, fb + fl):.2f}x the bytes).")
         targets.append(target("24", RESTORE_TARGETS[2][1], f"{r:.2f}x", r <= 1.5))
     if blocking:
         states = list(blocking)
