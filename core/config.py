@@ -98,7 +98,8 @@ class IncrementalConfig:
     """``one_shot``: delta vs the last full base; ``consecutive``: delta vs the previous save;
     ``intermittent``: one-shot deltas, new base when predicted cheaper (Check-N-Run)."""
     max_chain: int = 8
-    """Most deltas on top of one base before a new full base is taken."""
+    """Most deltas on top of one base before a new full base is taken (a save in which no row of a
+    tensor changed keeps that tensor's record: no link, and it does not count)."""
     row_delta_min_rows: int = 1024
     """2-D tensors with at least this many rows get row-level deltas; others chunk-level dedup."""
     rebase_ratio: float = 0.5

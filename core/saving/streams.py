@@ -209,7 +209,7 @@ class RowStream:
         """Adopt a committed save's outcome (background thread, after the manifest is durable)."""
         self.valid, self.record, self.spec_id = True, record, spec_id
         self.cum_mask = plan.cum_mask
-        self.saves_since_base = 0 if plan.full else self.saves_since_base + 1
+        self.saves_since_base = 0 if plan.full else self.saves_since_base + bool(plan.rows.numel())
         if plan.dense and detected:
             self.dense_countdown = max_chain
         elif self.dense_countdown > 0:
@@ -234,6 +234,9 @@ def plan_rows(stream: RowStream, changed: torch.Tensor | None, cfg: IncrementalC
     fresh = torch.zeros(rows, dtype=torch.bool)
     if changed is None or not stream.valid or stream.record is None or spec_id != stream.spec_id:
         return RowPlan(True, None, (), fresh, dense=stream.dense_countdown > 0)
+    if not changed.numel() and stream.valid:  # nothing changed since the record: keep it as it is
+        return RowPlan(False, changed, stream.record.deltas, stream.cum_mask if stream.cum_mask is not None
+                       else fresh, False)
     dense = changed.numel() > cfg.rebase_ratio * rows
     cum = stream.cum_mask.clone() if stream.cum_mask is not None else fresh.clone()
     cum[changed] = True

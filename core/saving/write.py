@@ -96,6 +96,8 @@ class TensorWriter:
         """Submit the chunk work of ``plan`` (not a pack member) over ``source``."""
         if plan.delta:
             idx = plan.rows.rows.to(torch.int64).contiguous()
+            if not idx.numel():  # no row changed: the record is the last one, no link added
+                return Pending(plan, source, [], idx)
             idx_future = self.submit(self.blobs.put_index, idx)
             rows = source.index_select(0, idx) if plan.spans else source[:0]
             return Pending(plan, source, self._chunks(plan, rows), idx, idx_future)
@@ -122,6 +124,8 @@ class TensorWriter:
         if not plan.delta:
             base: tuple[ChunkRef, ...] = tuple(r.ref for r in results)
             deltas: tuple[DeltaRef, ...] = ()
+        elif pending.idx_future is None:
+            base, deltas = plan.base, tuple(plan.rows.keep_deltas)
         else:
             idx_ref, idx_written = pending.idx_future.result()
             new = DeltaRef(int(pending.idx.numel()), idx_ref, tuple(

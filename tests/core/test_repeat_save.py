@@ -314,3 +314,27 @@ def test_random_saves_repeats_changes_and_loads_keep_every_checkpoint_exact(tmp_
         for name, want in expected.items():
             assert_bit_equal(engine.load(f"{tmp_path}/{name}.ckpt"), want, name)
             assert engine.verify(f"{tmp_path}/{name}.ckpt").ok
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_a_save_with_no_changed_row_adds_no_link_to_the_chain(tmp_path, policy):
+    """The second of two saves of one state (``save_last=True``'s pattern, waited for or repeated)
+    keeps the first's record: no empty link, no index blob, no step toward ``max_chain``. Before, it
+    added an empty link, so with ``save_last=True`` chains grew twice as fast and rebased twice as
+    often."""
+    net = Net()
+    cfg = engine_config(incremental={"row_delta_min_rows": 1024, "policy": policy, "max_chain": 3})
+    depths = []
+    with CheckpointEngine(cfg) as engine:
+        for i in range(4):
+            net.step(i)
+            expected = clone(net.state())
+            first = engine.save(net.state(), tmp_path / f"s{i}.ckpt").result()
+            second = engine.save(net.state(), tmp_path / "last.ckpt").result()
+            depths.append((first.chain_depth, second.chain_depth))
+            assert second.new_blobs == 0  # a manifest over the first's blobs
+            assert_bit_equal(engine.load(tmp_path / "last.ckpt"), expected)
+    # save 0 is a base; saves 1-3 are deltas (intermittent: one cumulative link), none rebased by the
+    # repeated saves in between (max_chain 3)
+    assert depths == ([(0, 0), (1, 1), (2, 2), (3, 3)] if policy == "consecutive" else
+                      [(0, 0), (1, 1), (1, 1), (1, 1)])
