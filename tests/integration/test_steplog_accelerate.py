@@ -24,7 +24,7 @@ from accelerate.utils import ProjectConfiguration
 from accelerate_ckpt import AcceleratorCheckpointer
 from accelerate_ckpt.steplog import StepLogSetupError
 from tests.core.steplog_train import assert_bit_equal, batch, make
-from tests.integration.accel_scripts.harness import BIN, REPO, accelerate_args, launch_env
+from tests.integration.accel_scripts.harness import BIN, REPO, accelerate_args, launch_env, run
 
 CHILD = Path(__file__).resolve().parent / "steplog_accel_child.py"
 CONFIG = {"step_log": {"enabled": True, "flush_every_steps": 3}, "saving": {"sigterm_grace_seconds": None}}
@@ -189,10 +189,8 @@ def test_accelerate_launch_sigkilled_at_a_random_step_resumes_bit_exact(tmp_path
     last = max(int(line.split()[1]) for line in lines if line.strip())
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run(list(map(str, [BIN / "accelerate", "launch", *accelerate_args(processes), CHILD, "resume",
-                                         "--project", tmp_path / "proj", "--out", out, "--kind", kind])),
-                          cwd=str(REPO), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
+    run([BIN / "accelerate", "launch", *accelerate_args(processes), CHILD, "resume", "--project", tmp_path / "proj",
+         "--out", out, "--kind", kind], _env(tmp_path))
     for rank in range(processes):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
         where = f"seed {seed}, rank {rank}, resumed at step {got['steps']} ({got['replayed']} replayed)"

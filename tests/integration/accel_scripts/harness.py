@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 TRAIN = HERE / "train.py"
 BIN = Path(sys.executable).parent
-LAUNCH_TIMEOUT = 600  # hang protection only; nothing asserts on time
+LAUNCH_TIMEOUT = 300  # hang protection only; nothing asserts on time (a launch takes seconds)
 
 
 def free_port() -> int:
@@ -30,7 +31,7 @@ def launch_env(tmp: Path, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("CHECKRUN_CONFIG", None)
     env.update({"HF_HOME": str(tmp / "hf_home"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     env.update(extra or {})
     return env
 
@@ -45,12 +46,41 @@ def accelerate_args(num_processes: int) -> list[str]:
 
 
 def run(cmd: Sequence[str], env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a launch; on failure show its output in the assertion message."""
-    proc = subprocess.run(list(map(str, cmd)), env=env, cwd=str(cwd or REPO), capture_output=True,
-                          text=True, timeout=LAUNCH_TIMEOUT)
-    assert proc.returncode == 0, (f"{' '.join(map(str, cmd))} failed ({proc.returncode})\n"
-                                  f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}")
-    return proc
+    """Run a launch; on failure show its output in the assertion message. A launch still running
+    after ``LAUNCH_TIMEOUT`` fails with every descendant's Python stacks (``PYTHONFAULTHANDLER``:
+    SIGABRT makes each process print all its threads) in the message."""
+    args = list(map(str, cmd))
+    with subprocess.Popen(args, env=env, cwd=str(cwd or REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = _dump_stacks_and_kill(proc)
+            raise AssertionError(f"{' '.join(args)} still ran after {LAUNCH_TIMEOUT} s (a hang); stacks of "
+                                 f"every process:\n--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-30000:]}")
+    out = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    assert out.returncode == 0, (f"{' '.join(args)} failed ({out.returncode})\n"
+                                 f"--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-8000:]}")
+    return out
+
+
+def _dump_stacks_and_kill(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGABRT to every descendant of a hung launch, deepest first (each prints its stacks), then
+    SIGKILL to the whole session; the output collected."""
+    import psutil  # an accelerate dependency
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for child in reversed(family):
+        try:
+            child.send_signal(signal.SIGABRT)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
+    os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
 
 
 def accelerate_launch(launch_args: Sequence[str], script: Path, script_args: Sequence[str], env: dict,
