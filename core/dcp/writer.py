@@ -29,7 +29,6 @@ import logging
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import forksafe
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
 from .format import CheckpointIdMixin, ItemResult, build_manifest
@@ -151,11 +151,13 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         self._lease = lease = SaveLease(store, self.config)
         self._started = time.monotonic()
         try:
-            with ThreadPoolExecutor(self.config.saving.workers, thread_name_prefix="checkrun-dcp",
-                                    initializer=lower_thread_priority,
-                                    initargs=(self.config.saving.thread_nice,)) as pool:
+            pool = forksafe.started_executor(self.config.saving.workers, "checkrun-dcp", lower_thread_priority,
+                                             (self.config.saving.thread_nice,))  # DCP's async thread: a fork races it
+            try:
                 writer = ItemWriter(store, self.config, self.matcher, rank, pool, known, stats, dirstate, lease)
                 results = writer.write(plan.items, planner)
+            finally:
+                forksafe.stop_executor(pool)
             store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
         except BaseException:
             self.release_lease(committed=False)

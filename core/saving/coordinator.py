@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import forksafe
 from ..config import EngineConfig
 from ..retain import after_commit
 from ..storage.store import Store
@@ -102,8 +103,11 @@ class Coordinator:
                 self._ensure_thread()
                 self._queue.put(job)
             return
-        with self._new_workers() as workers:
+        workers = self._new_workers()  # any thread: the Accelerate index committer's is a background one
+        try:
             self._run(job, workers)
+        finally:
+            forksafe.stop_executor(workers)
         self.release_if_idle()
 
     def wait_idle(self) -> None:
@@ -157,16 +161,14 @@ class Coordinator:
         no thread starts in the background while training goes on (see ``_loop``)."""
         if self._thread is None:
             workers = self._new_workers()
-            for _ in range(self.config.saving.workers):
-                workers.submit(int)  # each submit with no idle worker starts one, here
             self._thread = threading.Thread(target=self._loop, args=(workers,), name="checkrun-coordinator",
                                             daemon=True)
             self._thread.start()
 
     def _new_workers(self) -> ThreadPoolExecutor:
         sc = self.config.saving
-        return ThreadPoolExecutor(sc.workers, thread_name_prefix="checkrun-worker",
-                                  initializer=lifecycle.lower_thread_priority, initargs=(sc.thread_nice,))
+        return forksafe.started_executor(sc.workers, "checkrun-worker", lifecycle.lower_thread_priority,
+                                         (sc.thread_nice,))
 
     def _loop(self, workers: ThreadPoolExecutor) -> None:
         """Coordinator: runs the queued saves. It ends, with its workers, the snapshot's copy helper
@@ -175,7 +177,7 @@ class Coordinator:
         and end threads at every save (a fork racing a thread's start or end can deadlock the child
         in CPython 3.11, and DataLoader workers fork every epoch)."""
         lifecycle.lower_thread_priority(self.config.saving.thread_nice)
-        with workers:
+        try:
             while True:
                 try:
                     job = self._queue.get(timeout=IDLE_SECONDS)
@@ -193,6 +195,8 @@ class Coordinator:
                     lifecycle.retiring(threading.current_thread())  # a fork waits for our end
                     self._cond.notify_all()
                     break
+        finally:
+            forksafe.stop_executor(workers)
         self._release_idle()
 
     # -- one job ---------------------------------------------------------------------------------

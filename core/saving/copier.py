@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .. import forksafe
 from . import pinned as _pinned
 
 #: Host copies at least this large are split in two, the second half copied by a helper thread.
@@ -95,7 +96,7 @@ class Copier:
     def _submit(self, fn: Callable, *args) -> Future:
         with self._helper_lock:
             if self._helper is None:
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkrun-copy")
+                self._helper = forksafe.started_executor(1, "checkrun-copy")
             return self._helper.submit(fn, *args)
 
     def share(self, parts: list[Callable[[], T]]) -> Callable[[], list[T]]:
@@ -163,7 +164,7 @@ class Copier:
         with self._helper_lock:
             helper, self._helper = self._helper, None
         if helper is not None:
-            helper.shutdown(wait=True)
+            forksafe.stop_executor(helper)
 
 
 def _plain_bytes(src: torch.Tensor, dst_flat: torch.Tensor) -> bool:

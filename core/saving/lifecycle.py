@@ -14,6 +14,8 @@ import threading
 import time
 import weakref
 
+from .. import forksafe  # noqa: F401 - its fork hook first: ours (joining retiring threads) then runs before it
+
 log = logging.getLogger("ckpt_core")
 _engines: "weakref.WeakSet" = weakref.WeakSet()
 _lock = threading.Lock()

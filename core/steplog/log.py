@@ -27,6 +27,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import FormatError
 from ..saving import inflight
+from .. import forksafe
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta
@@ -221,7 +222,8 @@ class StepLog:
         writes: queue.Queue = queue.Queue(maxsize=1)
         writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer",
                                   daemon=True)
-        writer.start()
+        with forksafe.churn():  # a background thread starting one: a fork waits (core/forksafe.py)
+            writer.start()
         pays = StepEncoder(self.config.compression)
         batch = _Batch(self.run, self._first, pays)
         seq = 0

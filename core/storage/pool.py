@@ -1,7 +1,8 @@
 """Step 4's threads: the I/O pool of one ``Store`` (``Store.map``).
 
-Threads start with the first ``map`` that needs them and end at ``release_idle`` (the engine
-going idle) or ``close``, so an idle engine holds none. Every method may be called from any thread,
+Threads start with the first ``map`` that needs them, all at once (``forksafe.started_executor``:
+a fork never races one), and end at ``release_idle`` (the engine going idle) or ``close``, so an
+idle engine holds none. Every method may be called from any thread,
 including the pool's own threads (a nested ``map`` runs inline).
 """
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Optional, TypeVar
+
+from .. import forksafe
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,7 +90,7 @@ class IOPool:
         with self._lock:
             self._maps += 1
             if self.executor is None:
-                self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="checkrun-io")
+                self.executor = forksafe.started_executor(self.threads, "checkrun-io")
             return self.executor
 
     def release_idle(self) -> None:
@@ -97,14 +100,14 @@ class IOPool:
                 return
             pool, self.executor = self.executor, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            forksafe.stop_executor(pool)
 
     def close(self) -> None:
         """Shut down after the running calls; a later ``map`` starts a new executor."""
         with self._lock:
             pool, self.executor = self.executor, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            forksafe.stop_executor(pool, cancel_futures=True)
 
 
 def _failed(f: Future) -> bool:

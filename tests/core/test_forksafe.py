@@ -1,0 +1,108 @@
+"""A fork never races checkrun's threads starting or ending (core/forksafe.py).
+
+CPython 3.11 can deadlock a child forked while another thread starts or ends; DataLoader workers
+fork every epoch while saves run in the background (a 2-rank ``accelerate launch`` hung in CI).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import ckpt_core
+from ckpt_core import forksafe
+from ckpt_core.storage.pool import IOPool
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs os.fork")
+
+
+def test_started_executor_has_every_thread_running_so_a_later_submit_starts_none() -> None:
+    pool = forksafe.started_executor(3, "checkrun-test")
+    try:
+        assert len(pool._threads) == 3 and all(t.is_alive() for t in pool._threads)
+        before = set(threading.enumerate())
+        gate = threading.Barrier(4)
+        futures = [pool.submit(gate.wait) for _ in range(3)]  # all three busy at once
+        gate.wait()
+        assert [f.result() for f in futures] is not None
+        assert set(threading.enumerate()) == before
+    finally:
+        forksafe.stop_executor(pool)
+    assert not any(t.is_alive() for t in pool._threads)
+
+
+def test_io_pool_threads_all_start_with_its_first_map() -> None:
+    pool = IOPool(4)
+    try:
+        assert pool.map(lambda x: x * 2, range(8)) == list(range(0, 16, 2))
+        assert len(pool.executor._threads) == 4
+    finally:
+        pool.close()
+
+
+def _fork_and_report(seen: dict) -> int:
+    """Fork; the child exits with 1 if it saw ``seen["released"]`` set, else 0. Returns that code."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if seen["released"] else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_fork_waits_until_a_thread_ends_its_churn_section() -> None:
+    seen = {"released": False}
+    holding, release, fork_started = threading.Event(), threading.Event(), threading.Event()
+
+    def background() -> None:
+        with forksafe.churn():
+            holding.set()
+            release.wait()
+            seen["released"] = True  # still inside the section: a fork that waited sees it
+
+    def mark() -> None:
+        fork_started.set()
+
+    t = threading.Thread(target=background)
+    t.start()
+    holding.wait()
+    # registered after forksafe's hook, so it runs before it (os.fork runs "before" hooks in reverse)
+    os.register_at_fork(before=lambda: mark() if threading.current_thread().name == "forker" else None)
+    result: list[int] = []
+    forker = threading.Thread(target=lambda: result.append(_fork_and_report(seen)), name="forker")
+    forker.start()
+    fork_started.wait()  # the fork has begun: its wait for the section holds it there
+    release.set()
+    forker.join()
+    t.join()
+    assert result == [1], "the child was forked while the background thread was still in its churn section"
+
+
+def test_a_fork_inside_a_churn_section_does_not_wait_for_itself() -> None:
+    with forksafe.churn():
+        assert _fork_and_report({"released": True}) == 1
+
+
+def test_a_synchronous_engine_saving_from_a_background_thread_leaves_no_thread_behind(tmp_path) -> None:
+    """The Accelerate index committer's pattern: a synchronous engine used from a helper thread
+    starts its workers inside a section and ends them inside one; afterwards none is left."""
+    engine = ckpt_core.CheckpointEngine(ckpt_core.EngineConfig().replace(**{"saving.asynchronous": False}))
+    before = {t.name for t in threading.enumerate()}
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            for i in range(3):
+                engine.save({"x": torch.arange(1000.0) + i}, str(tmp_path / f"c{i}.ckpt")).result()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=save)
+    t.start()
+    t.join()
+    engine.close()
+    assert not errors
+    left = {t.name for t in threading.enumerate()} - before
+    assert not any(name.startswith("checkrun") for name in left), left
+    assert torch.equal(ckpt_core.load(str(tmp_path / "c2.ckpt"))["x"], torch.arange(1000.0) + 2)
