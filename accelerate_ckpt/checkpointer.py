@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 import ckpt_core
+import torch
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight
@@ -38,6 +39,11 @@ _MISSING = object()
 
 class UnsupportedDistributedTypeError(CheckrunError, NotImplementedError):
     """The Accelerator runs a distributed type whose state checkrun cannot hold (FSDP, DeepSpeed, ...)."""
+
+
+class CheckpointExistsError(CheckrunError, ValueError):
+    """``save_state()`` with automatic naming found its ``checkpoint_{N}`` folder already there (a
+    rerun into the same project without ``load_state``): refused, as accelerate refuses it."""
 
 
 class AcceleratorCheckpointer:
@@ -158,6 +164,8 @@ class AcceleratorCheckpointer:
         acc = self.accelerator
         iteration = acc.project_configuration.iteration
         target = self._target(output_dir, iteration if step is None else step)
+        if step is None and target.base != target.folder and not self._resumed:
+            self._refuse_existing(target)
         composite.make_folder(target.folder, self.storage_options, self.config)
         rel_base, rel_index = target.part_names(self._token, self._seq, self.world)
         self._seq += 1
@@ -366,6 +374,23 @@ class AcceleratorCheckpointer:
             raise ValueError("no checkpoint directory: pass output_dir, set automatic_checkpoint_naming "
                              "with a project_dir, or configure checkpointing.accelerate.directory")
         return Target.folder_only(output_dir)
+
+    def _refuse_existing(self, target: Target) -> None:
+        """Before any load, automatic naming never replaces a folder already there (a rerun into the same
+        project: a checkpoint of an earlier run, checkrun's or accelerate's). After a ``load_state`` the
+        iteration continues from the checkpoint loaded, and a save replaces the later ones (a rewind).
+        Every rank looks before any creates its own, and all raise if one found it (a gather on the
+        training's process group, as accelerate's ``wait_for_everyone``)."""
+        fs, path = composite.folder_fs(target.folder, self.storage_options, self.config)
+        found = int(fs.exists(path))
+        if self.world > 1:
+            acc = self.accelerator
+            found = int(acc.gather(torch.tensor([found], device=acc.device)).sum().item())
+        if found:
+            raise CheckpointExistsError(
+                f"{target.folder} already exists: save_state() with automatic checkpoint naming does not replace "
+                f"it, as accelerate does not. Resume with load_state() first (it sets the iteration), set "
+                f"accelerator.project_configuration.iteration to the next free number, or use another project_dir")
 
     def _shown(self, output_dir: str | os.PathLike | None, target: Target) -> str:
         """The folder spelt as accelerate's ``save_state`` returns it (a relative path stays relative)."""

@@ -71,6 +71,55 @@ def test_fresh_process_resumes_with_load_state_and_no_argument(tmp_path: Path) -
     assert again["listing"] == [".checkrun", "checkpoint_1", "checkpoint_2"]
 
 
+@pytest.mark.slow
+def test_a_rerun_into_the_same_project_is_refused_on_every_rank_like_accelerate(tmp_path: Path) -> None:
+    """Rerunning the script without load_state(): accelerate raises ValueError at the first
+    save_state (checkpoint_0 exists); checkrun raised nothing and replaced the earlier run's
+    checkpoints. Now every rank raises before any writes, and the earlier checkpoints stay."""
+    first = _launch(tmp_path, "run", 2, "--saves", "2")
+    listing = sorted(os.listdir(tmp_path / "proj-run" / "checkpoints"))
+    before = {p: p.read_bytes() for p in (tmp_path / "proj-run" / "checkpoints").rglob("*") if p.is_file()}
+    out = tmp_path / "out-rerun"
+    out.mkdir()
+    with pytest.raises(AssertionError) as failed:  # the launch fails (not hangs): both ranks raised
+        accelerate_launch(accelerate_args(2), DROPIN, ["--project-dir", tmp_path / "proj-run", "--out", out,
+                                                       "--saves", "2"], launch_env(tmp_path))
+    message = str(failed.value)
+    assert "still ran after" not in message
+    assert message.count("CheckpointExistsError") >= 2 and "checkpoint_0 already exists" in message
+    assert sorted(os.listdir(tmp_path / "proj-run" / "checkpoints")) == listing
+    after = {p: p.read_bytes() for p in (tmp_path / "proj-run" / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before
+    assert first[0]["final_weights"] == first[1]["final_weights"]
+
+
+def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues(tmp_path: Path) -> None:
+    from accelerate_ckpt import CheckpointExistsError
+
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    native = acc.save_state()  # accelerate's own: checkpoint_0
+    acc.end_training()
+    written = {p.name: p.read_bytes() for p in Path(native).iterdir()}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, model, opt = _accelerator(tmp_path / "proj", seed=1)
+    with attach(acc) as ckpt:
+        with pytest.raises(CheckpointExistsError, match="checkpoint_0 already exists") as err:
+            acc.save_state()
+        assert isinstance(err.value, ValueError)  # what code written for accelerate catches
+        assert {p.name: p.read_bytes() for p in Path(native).iterdir()} == written  # untouched
+        acc.project_configuration.iteration = 1  # accelerate's documented way out
+        _train(acc, model, opt)
+        saved = _weights(acc, model)
+        assert Path(acc.save_state()).name == "checkpoint_1"
+        _train(acc, model, opt)
+        assert Path(acc.save_state()).name == "checkpoint_2"
+        acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_1"))  # a rewind: numbering continues
+        assert _same(_weights(acc, model), saved)
+        assert Path(acc.save_state()).name == "checkpoint_2"  # replaces the later one, as documented
+        ckpt.wait()
+
+
 # -- in-process helpers ------------------------------------------------------------------------------
 def _accelerator(project_dir: Path | None = None, seed: int = 0) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
     pc = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) \
