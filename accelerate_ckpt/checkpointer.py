@@ -160,6 +160,9 @@ class AcceleratorCheckpointer:
         if self.unsupported:
             return self._native_save(output_dir)
         started = time.perf_counter()
+        # at most saving.max_pending checkpoints without a verdict: as accelerate's total_limit, the
+        # folders beyond it are gone by the next save_state (after the commit, never before)
+        self._group.wait_below(self.config.saving.max_pending)
         self._before_call()
         acc = self.accelerator
         iteration = acc.project_configuration.iteration

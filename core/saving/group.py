@@ -154,6 +154,12 @@ class GroupCommitter:
             self._thread.start()
         self._queue.put(job)
 
+    def wait_below(self, limit: int) -> None:
+        """Block until fewer than ``limit`` jobs are without a verdict (``saving.max_pending`` applied
+        to whole checkpoints: their commit and retention lag the training by at most that many)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending < limit)
+
     def wait(self) -> None:
         """Block until every submitted job has its verdict."""
         with self._cond:

@@ -120,6 +120,23 @@ def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues
         ckpt.wait()
 
 
+def test_total_limit_has_removed_the_older_folders_when_the_next_save_state_returns(tmp_path: Path) -> None:
+    """accelerate's own test_checkpoint_deletion: 11 save_state() calls with total_limit=2, then
+    checkpoint_0 must be gone. The commits (and with them the removals) lagged the training by any
+    number of checkpoints; now by at most saving.max_pending (1): the folders left are the two
+    committed ones and the one being written."""
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2))
+    model = acc.prepare(nn.Linear(3, 2))
+    with attach(acc):
+        for _ in range(11):
+            _ = model.weight.data.add_(1.0)
+            acc.save_state()
+        listing = sorted(os.listdir(tmp_path / "checkpoints"))
+        assert listing == [".checkrun", "checkpoint_10", "checkpoint_8", "checkpoint_9"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".checkrun", "checkpoint_10", "checkpoint_9"]
+
+
 # -- in-process helpers ------------------------------------------------------------------------------
 def _accelerator(project_dir: Path | None = None, seed: int = 0) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
     pc = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True) \
