@@ -82,7 +82,9 @@ class AcceleratorCheckpointer:
         self._sync = not self.config.saving.asynchronous
         group, self.rank, self.world = make_group(self.options.collective_timeout_seconds)
         self._group = GroupCommitter(group, self.rank, self.world, synchronous=self._sync,
-                                     thread_name="accelerate-ckpt-commit")
+                                     thread_name="accelerate-ckpt-commit",
+                                     timeout_seconds=self.options.collective_timeout_seconds,
+                                     participation_seconds=self.options.participation_timeout_seconds)
         self._token = self._group.token()
         self._committer = None
         if self.rank == 0:  # rank 0 commits the indexes with a synchronous engine of its own
@@ -195,7 +197,7 @@ class AcceleratorCheckpointer:
             if self.rank == 0:
                 index = composite.make_index(target.name, rel_index, meta)
                 finish = lambda outcomes: self._committer.finish(target, index, outcomes, blocking, started)  # noqa: E731
-            job = Job(handle, finish, lambda: self._end(target.name, key))
+            job = Job(handle, finish, lambda: self._end(target.name, key), key=key)
         except BaseException:
             self._end(target.name, key)
             raise

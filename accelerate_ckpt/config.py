@@ -40,7 +40,10 @@ class AdapterOptions:
     on_unsupported: Literal["fallback", "error"] = "fallback"
     """FSDP / DeepSpeed / Megatron-LM / XLA: use accelerate's own save_state with a warning, or raise."""
     collective_timeout_seconds: float = 1800.0
-    """Timeout of the gloo group that tells rank 0 every rank's part is durable."""
+    """How long a rank waits for rank 0 (its verdict on a checkpoint, a load's broadcast)."""
+    participation_timeout_seconds: float = 60.0
+    """How long rank 0 waits for another rank's part of a checkpoint before committing it without
+    (that rank did not call ``save_state``: e.g. under ``if accelerator.is_main_process``)."""
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "AdapterOptions":
@@ -57,8 +60,10 @@ class AdapterOptions:
                               f"got {opts.on_unsupported!r}")
         if opts.directory is not None and not isinstance(opts.directory, str):
             raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.directory: expected a string")
-        if not isinstance(opts.collective_timeout_seconds, (int, float)) or opts.collective_timeout_seconds <= 0:
-            raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.collective_timeout_seconds: must be > 0")
+        for key in ("collective_timeout_seconds", "participation_timeout_seconds"):
+            value = getattr(opts, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.{key}: must be > 0")
         return opts
 
 

@@ -62,12 +62,17 @@ class CompositeCommitter:
         self._keep_last, self._protected = keep_last, protected
         self._memory: dict[str, Memory] = {}  # parts directory URL -> what its collections carry over
 
-    def finish(self, where: Placement, index: dict, outcomes: list[PartOutcome], blocking: float,
+    def finish(self, where: Placement, index: dict, outcomes: list[PartOutcome | None], blocking: float,
                started: float) -> Verdict:
-        """The verdict on one checkpoint: commit its index when every part is durable, else clean up."""
+        """The verdict on one checkpoint: commit its index when every part is durable, else clean up.
+        A None outcome: that rank did not save this checkpoint; the index then lists rank 0's part
+        alone (a part in the index stands for its rank), and the others' parts are removed."""
         index_url = where.index_url
-        failed = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
         parts = composite.part_urls(index_url, index)
+        if any(o is None for o in outcomes):
+            self._remove(where, [p for p, o in zip(parts[1:], outcomes[1:]) if o is not None])
+            index, outcomes, parts = {**index, "parts": index["parts"][:1], "world_size": 1}, outcomes[:1], parts[:1]
+        failed = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
         if failed:
             self._remove(where, parts)
             return Verdict(f"checkpoint {where.folder} not committed: " + "; ".join(failed))

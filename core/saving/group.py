@@ -1,16 +1,24 @@
-"""Step 5 across processes: one checkpoint = one commit, a helper thread per rank and a gloo group.
+"""Step 5 across processes: one checkpoint = one commit, a helper thread per rank.
 
-Every rank saves its part of a checkpoint through its own engine (asynchronously) and hands the
-handle to :class:`GroupCommitter` (the Accelerate adapter does; ``composite.CompositeCommitter`` is
-the ``finish`` that commits the index). On each rank a helper thread, in submission order:
+Every rank that saves a checkpoint saves its part through its own engine (asynchronously) and hands
+the handle to :class:`GroupCommitter` (the Accelerate adapter does; ``composite.CompositeCommitter``
+is the ``finish`` that commits the index). On each rank a helper thread, in submission order:
 
 1. waits until its part is durable (``SaveHandle.result()``): a ``PartOutcome``,
-2. all-gathers every rank's outcome on a dedicated gloo process group (created by all ranks in
-   :func:`make_group`, separate from the group training uses, so it never interleaves with DDP),
-3. on rank 0 only, calls the job's ``finish`` with all outcomes: it commits the checkpoint's index
-   manifest when every part is durable (that file is what ``latest`` finds), or cleans up,
-4. broadcasts rank 0's ``Verdict`` so every rank records the same error or figures,
-5. calls the job's ``on_done`` (every rank; e.g. the index leaves the in-flight registry).
+2. posts it in torch.distributed's key-value store (ranks > 0),
+3. on rank 0 only, collects the other ranks' outcomes and calls the job's ``finish``: it commits the
+   checkpoint's index manifest when every part is durable (that file is what ``latest`` finds), or
+   cleans up; then posts its ``Verdict`` for the other ranks, which wait for it,
+4. calls the job's ``on_done`` (e.g. the index leaves the in-flight registry).
+
+Not every rank has to save: a script that calls ``save_state()`` under ``if is_main_process`` (as
+diffusers' training scripts do) works as with accelerate. Rank 0 waits for another rank's part until
+``participation_seconds`` have passed, or until that rank has closed its committer; a rank that did
+not post its part by then is left out (the index lists rank 0's part alone; a part posted later is
+an orphan that retention removes). A rank without rank 0's verdict after ``timeout_seconds`` (a
+rank 0 that died, or never saved that checkpoint) records an error. The store is used, not
+collectives: a collective with a rank that never comes would wait forever, and take the training's
+next DDP step with it.
 
 With ``synchronous=True`` (``saving.asynchronous: false``) ``submit`` runs these steps on the calling
 thread and returns after the verdict: no helper thread. Otherwise the training thread only ever
@@ -21,8 +29,10 @@ thread (see :meth:`broadcast`) are allowed only while the helper is idle (after 
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -80,13 +90,19 @@ Finish = Callable[[list[PartOutcome]], Verdict]
 
 
 def make_group(timeout_seconds: float) -> tuple[Any, int, int]:
-    """``(group, rank, world)``; a new gloo group when torch.distributed runs with world > 1.
+    """``(group, rank, world)``; a new gloo group when torch.distributed runs with world > 1 (for the
+    training thread's broadcasts of loads; commits go through the key-value store).
 
     Collective: call on every rank, in the same order relative to other group creations."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None, 0, 1
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
     return group, dist.get_rank(), dist.get_world_size()
+
+
+#: Longest pause between two looks at the key-value store while waiting for a key (the pauses
+#: start at 1 ms and double; a store wait with a timeout would log a c10d warning at each timeout).
+STORE_POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -97,6 +113,8 @@ class Job:
     handle: "SaveHandle | FailedPart"
     finish: Finish | None
     on_done: Callable[[], None] | None = None
+    key: str = ""
+    """The checkpoint, the same on every rank (e.g. its index URL)."""
 
 
 class FailedPart:
@@ -115,9 +133,13 @@ class GroupCommitter:
     """The helper thread of one rank. Create on every rank with the same group."""
 
     def __init__(self, group: Any, rank: int, world: int, synchronous: bool = False,
-                 thread_name: str = "checkrun-group-commit") -> None:
+                 thread_name: str = "checkrun-group-commit", timeout_seconds: float = 1800.0,
+                 participation_seconds: float = 60.0) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.synchronous, self.thread_name = synchronous, thread_name
+        self.timeout_seconds, self.participation_seconds = timeout_seconds, participation_seconds
+        self._store: Any = None  # set by token()
+        self._rounds: dict[str, int] = {}  # saves per checkpoint key on this rank
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -130,7 +152,10 @@ class GroupCommitter:
     # -- training thread ----------------------------------------------------------------------
     def token(self) -> str:
         """A run token chosen by rank 0 and known to all ranks (collective; call before any submit)."""
-        return self.broadcast(uuid.uuid4().hex[:8])
+        token = self.broadcast(uuid.uuid4().hex[:8])
+        if self.world > 1:
+            self._store = dist.PrefixStore(f"checkrun-commit/{token}/", dist.distributed_c10d._get_default_store())
+        return token
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (collective; only while no job is pending)."""
@@ -146,6 +171,10 @@ class GroupCommitter:
             raise RuntimeError("GroupCommitter is closed")
         with self._cond:
             self._pending += 1
+        rounds = self._rounds[job.key] = self._rounds.get(job.key, 0) + 1
+        job.key = f"{job.key}#{rounds}"  # saving the same checkpoint again is another round
+        if self._store is not None and self.rank != 0:  # rank 0 then waits for this part however long it takes
+            self._store.set(f"called/{job.key}/{self.rank}", b"1")
         if self.synchronous:
             self._record(job, self._process(job))
             return
@@ -192,6 +221,11 @@ class GroupCommitter:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self._store is not None:  # rank 0 stops waiting for parts of ours that will not come
+            try:
+                self._store.set(f"closed/{self.rank}", b"1")
+            except Exception as exc:  # noqa: BLE001 - rank 0 then waits out participation_seconds
+                log.debug("checkrun: cannot post the end of rank %d: %s", self.rank, exc)
 
     # -- helper thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -219,17 +253,24 @@ class GroupCommitter:
         if self._broken is not None:
             return Verdict(f"checkpoint not committed: the commit group failed earlier: {self._broken}")
         try:
-            outcomes = self._all_gather(mine)
-            verdict = self._finish(job, outcomes) if self.rank == 0 else None
-            return self._broadcast_verdict(verdict)
-        except Exception as exc:  # noqa: BLE001 - a peer died or timed out: no later commit is safe
+            if self.world == 1:
+                return self._finish(job, [mine])
+            if self.rank != 0:
+                self._store.set(f"part/{job.key}/{self.rank}", pickle.dumps(mine))
+                return self._verdict(job.key)
+            outcomes = [mine] + [self._part(job.key, r) for r in range(1, self.world)]
+            verdict = self._finish(job, outcomes)
+            for r in range(1, self.world):
+                self._store.set(f"verdict/{job.key}/{r}", pickle.dumps(verdict))
+            return verdict
+        except Exception as exc:  # noqa: BLE001 - the store is gone (rank 0 died): no later commit is safe
             self._broken = f"{type(exc).__name__}: {exc}"
-            log.error("checkrun: commit group collective failed on rank %d: %s", self.rank, exc)
-            return Verdict(f"checkpoint not committed: commit group collective failed: {exc}")
+            log.error("checkrun: commit group failed on rank %d: %s", self.rank, exc)
+            return Verdict(f"checkpoint not committed: commit group failed: {exc}")
 
     @staticmethod
-    def _finish(job: Job, outcomes: list[PartOutcome]) -> Verdict:
-        """Rank 0's verdict; never raises, so the broadcast every other rank waits for always happens."""
+    def _finish(job: Job, outcomes: list["PartOutcome | None"]) -> Verdict:
+        """Rank 0's verdict; never raises, so every rank waiting for it gets one."""
         if job.finish is None:
             return Verdict()
         try:
@@ -238,19 +279,41 @@ class GroupCommitter:
             log.exception("checkrun: committing a checkpoint failed")
             return Verdict(f"checkpoint not committed: {type(exc).__name__}: {exc}")
 
-    def _all_gather(self, obj: PartOutcome) -> list[PartOutcome]:
-        if self.world == 1:
-            return [obj]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _part(self, key: str, rank: int) -> PartOutcome | None:
+        """Rank 0: ``rank``'s outcome for ``key``, or None if that rank did not start saving it within
+        ``participation_seconds``, or closed first (it did not save this checkpoint). A rank that
+        started is waited for up to ``timeout_seconds``."""
+        called, wanted = f"called/{key}/{rank}", f"part/{key}/{rank}"
+        if self._await(called, self.participation_seconds, closed=f"closed/{rank}"):
+            if not self._await(wanted, self.timeout_seconds, closed=f"closed/{rank}"):
+                raise TimeoutError(f"rank {rank} started saving {key} but posted no outcome "
+                                   f"within {self.timeout_seconds} s")
+            out = pickle.loads(self._store.get(wanted))
+            for k in (called, wanted):
+                self._store.delete_key(k)
+            return out
+        log.info("checkrun: rank %d did not save %s: committed without its part", rank, key.rpartition("#")[0])
+        return None
 
-    def _broadcast_verdict(self, verdict: Verdict | None) -> Verdict:
-        if self.world == 1:
-            return verdict or Verdict()
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0] or Verdict()
+    def _verdict(self, key: str) -> Verdict:
+        """Ranks > 0: rank 0's verdict on ``key`` (an error if none comes within ``timeout_seconds``)."""
+        wanted = f"verdict/{key}/{self.rank}"
+        if not self._await(wanted, self.timeout_seconds, closed="closed/0"):
+            return Verdict(f"checkpoint {key.rpartition('#')[0]} not committed: no verdict from rank 0 "
+                           f"(it did not save this checkpoint, or ended)")
+        verdict = pickle.loads(self._store.get(wanted))
+        self._store.delete_key(wanted)
+        return verdict
+
+    def _await(self, wanted: str, seconds: float, closed: str) -> bool:
+        """Whether ``wanted`` is posted within ``seconds`` (False early once ``closed`` is posted)."""
+        deadline, pause = time.monotonic() + seconds, 0.001
+        while not self._store.check([wanted]):
+            if time.monotonic() >= deadline or self._store.check([closed]):
+                return self._store.check([wanted])
+            time.sleep(pause)  # polling a remote store from the helper thread, never the training one
+            pause = min(2 * pause, STORE_POLL_SECONDS)
+        return True
 
 
 def _part_outcome(handle: "SaveHandle | FailedPart") -> PartOutcome:

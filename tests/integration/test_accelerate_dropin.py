@@ -93,6 +93,28 @@ def test_a_rerun_into_the_same_project_is_refused_on_every_rank_like_accelerate(
     assert first[0]["final_weights"] == first[1]["final_weights"]
 
 
+@pytest.mark.slow
+def test_save_state_on_the_main_process_only_commits_and_resumes(tmp_path: Path) -> None:
+    """diffusers' scripts call save_state() under `if accelerator.is_main_process`. Rank 0 waited
+    for rank 1's part in a collective forever, and its next save_state blocked the DDP step that
+    rank 1 waited in: both hung. Now rank 0 commits its part alone once rank 1 has not started
+    saving within participation_timeout_seconds, and a 2-process load_state resumes it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = HERE / "main_only.py"
+    accelerate_launch(accelerate_args(2), script, ["save", "--out", out], launch_env(tmp_path))
+    saved = torch.load(out / "report.pt")
+    assert sorted(saved) == ["step1", "step3", "step5"]
+    for name in saved:
+        index = ckpt_core.load(str(out / name / "checkrun.ckpt"))
+        assert len(index["parts"]) == 1 and index["world_size"] == 1  # rank 0's part: rank 1 never saved
+    accelerate_launch(accelerate_args(2), script, ["resume", "--out", out], launch_env(tmp_path))
+    for rank in range(2):
+        resumed = torch.load(out / f"resumed_rank{rank}.pt")
+        assert list(resumed) == list(saved["step5"])
+        assert all(torch.equal(resumed[k], saved["step5"][k]) for k in resumed), f"rank {rank}"
+
+
 def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues(tmp_path: Path) -> None:
     from accelerate_ckpt import CheckpointExistsError
 
