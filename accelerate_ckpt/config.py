@@ -41,7 +41,7 @@ class AdapterOptions:
     """FSDP / DeepSpeed / Megatron-LM / XLA: use accelerate's own save_state with a warning, or raise."""
     collective_timeout_seconds: float = 1800.0
     """How long a rank waits for rank 0 (its verdict on a checkpoint, a load's broadcast)."""
-    participation_timeout_seconds: float = 60.0
+    participation_timeout_seconds: float = 10.0
     """How long rank 0 waits for another rank's part of a checkpoint before committing it without
     (that rank did not call ``save_state``: e.g. under ``if accelerator.is_main_process``)."""
 

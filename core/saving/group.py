@@ -134,7 +134,7 @@ class GroupCommitter:
 
     def __init__(self, group: Any, rank: int, world: int, synchronous: bool = False,
                  thread_name: str = "checkrun-group-commit", timeout_seconds: float = 1800.0,
-                 participation_seconds: float = 60.0) -> None:
+                 participation_seconds: float = 10.0) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.synchronous, self.thread_name = synchronous, thread_name
         self.timeout_seconds, self.participation_seconds = timeout_seconds, participation_seconds
