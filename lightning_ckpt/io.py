@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _PATH
 
 from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
                        EngineConfig, NotACheckpointError, SaveHandle, SaveInfo)
+from ckpt_core.saving import inflight
 
 from .config import build_config, lossless_config
 from .loading import is_checkrun_file, torch_load
@@ -239,6 +240,7 @@ class CheckrunCheckpointIO(CheckpointIO):
                 errors.append(exc)
         for engine in self._open_engines():
             errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
+        inflight.wait_job()  # DDP: every rank waits for global rank 0's saves (the next fit may look for them)
         self._reset_runtime(keep_callbacks=True)
         if not errors:
             return

@@ -7,12 +7,28 @@ check of a path must see a save to it that any engine of this process has not co
 Keys are store URLs (``Store.url(name)``), the same string a ``SaveHandle.path`` holds. Called from
 any thread. A forked child (DataLoader workers) starts with an empty registry: it inherits no
 engine obligations (``lifecycle`` clears it after fork).
+
+Across processes: under torch.distributed (world > 1) a save is also counted in the job's key-value
+store (per URL and in total), ``wait`` waits for the other processes' saves of that URL too, and
+``wait_job`` for all of them. Lightning's DDP saves on rank 0 only and then every rank loads
+(``trainer.save_checkpoint(p)`` then ``validate(ckpt_path=p)``): rank 1 read before rank 0's save
+committed. Lightning's ``save_checkpoint`` ends in a barrier, so the count is there before any
+other rank looks. And at the end of ``fit`` rank 1 went on while rank 0 still wrote: a second
+``fit(ckpt_path="last")`` on rank 1 found no ``last.ckpt`` and trained from step 0, out of step with
+rank 0 (the plugin's teardown now calls ``wait_job`` on every rank).
 """
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
+import time
+from typing import Any
+
+log = logging.getLogger("ckpt_core")
+#: Longest pause between two looks at another process's count (starting at 1 ms, doubling).
+SHARED_POLL_SECONDS = 0.05
 
 _cond = threading.Condition()
 _paths: collections.Counter = collections.Counter()
@@ -22,6 +38,7 @@ def begin(url: str) -> None:
     """Record a save to ``url`` (called by the engine before ``save`` returns)."""
     with _cond:
         _paths[url] += 1
+    _shared_add(url, 1)
 
 
 def end(url: str) -> None:
@@ -31,6 +48,7 @@ def end(url: str) -> None:
         if _paths[url] <= 0:
             del _paths[url]
         _cond.notify_all()
+    _shared_add(url, -1)
 
 
 def pending(url: str) -> bool:
@@ -46,9 +64,66 @@ def pending_under(prefix: str) -> list[str]:
 
 
 def wait(url: str, timeout: float | None = None) -> bool:
-    """Block until no save to ``url`` is in flight; False on timeout."""
+    """Block until no save to ``url`` is in flight in this process or, under torch.distributed, in
+    another process of the job; False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     with _cond:
-        return _cond.wait_for(lambda: url not in _paths, timeout)
+        if not _cond.wait_for(lambda: url not in _paths, timeout):
+            return False
+    pause = 0.001
+    while _shared_add(url, 0) > 0:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)  # another process's save: nothing to be woken by here
+        pause = min(2 * pause, SHARED_POLL_SECONDS)
+    return True
+
+
+def _shared_store() -> Any:
+    """The job's key-value store under torch.distributed with world > 1 (else None)."""
+    if _forked["child"]:
+        return None
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no usable store: this process only
+        return None
+
+
+def wait_job(timeout: float | None = None) -> bool:
+    """Block until no save is in flight in this process or, under torch.distributed, in any process
+    of the job (e.g. rank 0's saves, at every rank's end of ``fit``); False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _cond:
+        if not _cond.wait_for(lambda: not _paths, timeout):
+            return False
+    pause = 0.001
+    while _shared_add(None, 0) > 0:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, SHARED_POLL_SECONDS)
+    return True
+
+
+def _shared_add(url: str | None, delta: int) -> int:
+    """Add ``delta`` to the job-wide count of saves to ``url`` in flight (``url`` None: of all saves;
+    a URL's change is added to the total too); the count (0 without a store)."""
+    store = _shared_store()
+    if store is None:
+        return 0
+    try:
+        if url is None or delta:
+            total = int(store.add("checkrun-inflight-total", delta))
+            if url is None:
+                return total
+        return int(store.add(f"checkrun-inflight/{url}", delta))
+    except Exception as exc:  # noqa: BLE001 - the store's host ended: no other process to wait for
+        log.debug("checkrun: cannot count the save of %s across processes: %s", url, exc)
+        return 0
 
 
 def wait_under(prefix: str, timeout: float | None = None) -> bool:
@@ -57,11 +132,15 @@ def wait_under(prefix: str, timeout: float | None = None) -> bool:
         return _cond.wait_for(lambda: not any(u.startswith(prefix) for u in _paths), timeout)
 
 
+_forked = {"child": False}
+
+
 def _reset_in_child() -> None:
     # The parent's saves belong to the parent: a child never waits for them (and its copy of the
-    # condition's lock may have been held by a parent thread at fork time).
+    # condition's lock may have been held by a parent thread at fork time), nor counts any.
     global _cond, _paths
     _cond, _paths = threading.Condition(), collections.Counter()
+    _forked["child"] = True
 
 
 if hasattr(os, "register_at_fork"):

@@ -44,6 +44,19 @@ def _ddp_fit(root: str, max_steps: int, ckpt_path: str | None) -> dict:
             "ckpt_path": str(t.ckpt_path), "weights": {k: v.tolist() for k, v in t.lightning_module.state_dict().items()}}
 
 
+def _ddp_save_then_validate(root: str) -> dict:
+    """``trainer.save_checkpoint(p)`` then ``validate(ckpt_path=p)`` on every rank: rank 0 saves
+    (asynchronously, ~30 MB so that the write is still going), the barrier after the save lets rank 1
+    on at once, and rank 1's load must wait for rank 0's commit (it raised FileNotFoundError)."""
+    t = trainer(root, make_io(), strategy="ddp", devices=2, max_steps=1)
+    model = TinyModel(hidden=400_000)
+    t.fit(model)
+    path = join(root, "ckpts", "manual.ckpt")
+    t.save_checkpoint(path)
+    t.validate(model, ckpt_path=path, verbose=False)
+    return {"validated": str(t.ckpt_path) == path}
+
+
 def main() -> None:
     """Entry point of the DDP run (both ranks): per root, fit 4 steps, then resume from ``last`` to 6."""
     parser = argparse.ArgumentParser()
@@ -54,7 +67,8 @@ def main() -> None:
     for root in args.roots:  # one launch for every backend: starting 2 processes costs most of the time
         first = _ddp_fit(root, 4, None)
         second = _ddp_fit(root, 6, "last")
-        results[root], rank = {"first": first, "second": second}, first["rank"]
+        third = _ddp_save_then_validate(root)
+        results[root], rank = {"first": first, "second": second, "third": third}, first["rank"]
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -77,7 +91,9 @@ def test_ddp_two_processes_local_and_s3(tmp_path, s3_root, s3_server, s3_storage
         for r in runs:  # every rank loaded the checkpoint it resumed from
             assert (r["second"]["ckpt_path"], r["second"]["start"], r["second"]["global_step"]) == (last, 4, 6)
         assert runs[0]["second"]["weights"] == runs[1]["second"]["weights"]
-        assert ls(join(root, "ckpts")) == [".checkrun", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]  # 4 batches per rank and epoch
+        assert [r["third"]["validated"] for r in runs] == [True, True]
+        assert ls(join(root, "ckpts")) == [".checkrun", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt",
+                                           "manual.ckpt"]  # 4 batches per rank and epoch
 
 
 def test_ddp_spawn_pickles_plugin_and_returns_weights(tmp_path) -> None:
