@@ -81,8 +81,6 @@ def wait(url: str, timeout: float | None = None) -> bool:
 
 def _shared_store() -> Any:
     """The job's key-value store under torch.distributed with world > 1 (else None)."""
-    if _forked["child"]:
-        return None
     try:
         import torch.distributed as dist
 
@@ -132,15 +130,12 @@ def wait_under(prefix: str, timeout: float | None = None) -> bool:
         return _cond.wait_for(lambda: not any(u.startswith(prefix) for u in _paths), timeout)
 
 
-_forked = {"child": False}
-
-
 def _reset_in_child() -> None:
     # The parent's saves belong to the parent: a child never waits for them (and its copy of the
-    # condition's lock may have been held by a parent thread at fork time), nor counts any.
+    # condition's lock may have been held by a parent thread at fork time). A child that starts a
+    # process group of its own (ddp_fork ranks) counts its own saves there.
     global _cond, _paths
     _cond, _paths = threading.Condition(), collections.Counter()
-    _forked["child"] = True
 
 
 if hasattr(os, "register_at_fork"):

@@ -113,3 +113,9 @@ def test_two_ranks_on_s3(s3_root, s3_storage_options) -> None:
     r0, _ = run_ranks(workers.s3_save, 2, path, s3_storage_options)
     assert r0["info"] > 0
     workers.check_state(cdcp.load_state_dict(path, storage_options=s3_storage_options), workers.full_tensors())
+
+
+def test_every_rank_loads_what_rank_0_is_still_saving(tmp_path) -> None:
+    """Plain DDP habit: rank 0 saves, dist.barrier(), every rank loads (Lightning's DDP does the same
+    with save_checkpoint then validate(ckpt_path=...)): rank 1 waits for rank 0's commit."""
+    assert run_ranks(workers.rank0_saves_every_rank_loads, 2, str(tmp_path)) == [{"same": True}, {"same": True}]

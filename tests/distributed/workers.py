@@ -194,3 +194,33 @@ def s3_save(rank: int, world: int, path: str, storage_options: dict) -> dict:
     cdcp.load(target, path, storage_options=storage_options)
     check_state(target, full_tensors())
     return {"info": None if info is None else info.written_bytes}
+
+
+def rank0_saves_every_rank_loads(rank: int, world: int, root: str) -> dict:
+    """Rank 0 saves asynchronously with its storage held at a gate; after a barrier every rank loads
+    the path. Rank 1 posts that it is about to load, and only then does rank 0 open its gate: rank 1's
+    load must wait for rank 0's commit (it raised 'not found' before saves were counted job-wide)."""
+    import threading
+
+    import ckpt_core
+    from ckpt_core.testing.faults import FaultFS
+
+    store = dist.distributed_c10d._get_default_store()
+    state = {"w": torch.arange(1000, dtype=torch.float32) + 7, "step": 3}
+    path = f"gatefile://{root}/c.ckpt"
+    engine = ckpt_core.CheckpointEngine()
+    if rank == 0:
+        FaultFS.reset()
+        FaultFS.gate = threading.Event()
+        engine.save(state, path)
+    dist.barrier()
+    if rank == 0:
+        store.wait(["rank1-loads"])
+        FaultFS.gate.set()
+    else:
+        store.set("rank1-loads", b"1")
+    got = engine.load(path)
+    engine.close()
+    if rank == 0:
+        FaultFS.reset()
+    return {"same": torch.equal(got["w"], state["w"]) and got["step"] == 3}
