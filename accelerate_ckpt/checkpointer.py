@@ -190,15 +190,18 @@ class AcceleratorCheckpointer:
             meta["global_step"] = int(step)
         key = composite.store_url(target.index_url, self.storage_options, self.config)
         self._begin(target.name, key)
+        part = layout.join(target.base, rel_base[self.rank])
+        round_key = self._group.announce(key)
         try:
-            handle = self._engine_save(tree, layout.join(target.base, rel_base[self.rank]))
+            handle = self._engine_save(tree, part)
             blocking = time.perf_counter() - started
             finish = None
             if self.rank == 0:
                 index = composite.make_index(target.name, rel_index, meta)
                 finish = lambda outcomes: self._committer.finish(target, index, outcomes, blocking, started)  # noqa: E731
-            job = Job(handle, finish, lambda: self._end(target.name, key), key=key)
-        except BaseException:
+            job = Job(handle, finish, lambda: self._end(target.name, key), key=round_key)
+        except BaseException as exc:
+            self._group.abandon(round_key, part, exc)
             self._end(target.name, key)
             raise
         acc.project_configuration.iteration = iteration + 1

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 from ckpt_core import CheckpointEngine, CorruptCheckpointError, EngineConfig, NotACheckpointError
 from ckpt_core.format.manifest import is_manifest_head
+from ckpt_core.storage.options import open_options
 
 from .config import build_config
 from .paths import normalize_path
@@ -37,7 +38,8 @@ def is_checkrun_file(path: _PATH, storage_options: Optional[dict] = None) -> boo
 
     False for a missing file or a directory: the caller's own loader then reports it as it always did.
     """
-    fs, fspath = fsspec.core.url_to_fs(normalize_path(path), **(storage_options or {}))
+    url = normalize_path(path)
+    fs, fspath = fsspec.core.url_to_fs(url, **open_options(url, storage_options))
     try:
         head = fs.cat_file(fspath, start=0, end=_HEAD_BYTES)
     except (OSError, ValueError):  # missing, a directory, unreadable: not ours to report
@@ -51,7 +53,8 @@ def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_onl
 
     ``weights_only=None`` means True (torch's default since 2.6): nothing is unpickled unless asked for.
     """
-    fs, fspath = fsspec.core.url_to_fs(normalize_path(path), **(storage_options or {}))
+    url = normalize_path(path)
+    fs, fspath = fsspec.core.url_to_fs(url, **open_options(url, storage_options))
     with fs.open(fspath, "rb") as f:
         return torch.load(f, map_location=map_location, weights_only=True if weights_only is None else weights_only)
 

@@ -87,8 +87,10 @@ class Context:
         """(filesystem, path) of ``url`` with this run's storage options."""
         from fsspec.core import url_to_fs
 
+        from ..storage.options import open_options
+
         try:
-            return url_to_fs(os.fspath(url), **self.storage_options)
+            return url_to_fs(os.fspath(url), **open_options(os.fspath(url), self.storage_options))
         except ImportError as exc:  # e.g. s3fs not installed
             raise CliError(f"{url}: cannot open this location: {exc}") from None
         except (ValueError, TypeError) as exc:  # unknown protocol, options the filesystem rejects

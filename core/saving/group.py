@@ -165,16 +165,29 @@ class GroupCommitter:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def announce(self, key: str) -> str:
+        """This rank starts saving checkpoint ``key`` (before its snapshot, which may wait for staging
+        memory): from now on rank 0 waits for its part however long that takes. Returns the key of
+        this round (saving the same checkpoint again is another round), for the ``Job``."""
+        rounds = self._rounds[key] = self._rounds.get(key, 0) + 1
+        key = f"{key}#{rounds}"
+        if self._store is not None and self.rank != 0:
+            self._store.set(f"called/{key}/{self.rank}", b"1")
+        return key
+
+    def abandon(self, key: str, path: str, error: BaseException) -> None:
+        """This rank announced ``key`` but raised before submitting its part: rank 0 gets it as failed."""
+        if self._store is not None and self.rank != 0:
+            outcome = PartOutcome(path, f"rank {self.rank} did not save its part: {type(error).__name__}: {error}")
+            self._store.set(f"part/{key}/{self.rank}", pickle.dumps(outcome))
+
     def submit(self, job: Job) -> None:
-        """Queue a part for the group commit; returns at once (synchronous: after the verdict)."""
+        """Queue a part (``job.key`` from :meth:`announce`) for the group commit; returns at once
+        (synchronous: after the verdict)."""
         if self._closed:
             raise RuntimeError("GroupCommitter is closed")
         with self._cond:
             self._pending += 1
-        rounds = self._rounds[job.key] = self._rounds.get(job.key, 0) + 1
-        job.key = f"{job.key}#{rounds}"  # saving the same checkpoint again is another round
-        if self._store is not None and self.rank != 0:  # rank 0 then waits for this part however long it takes
-            self._store.set(f"called/{job.key}/{self.rank}", b"1")
         if self.synchronous:
             self._record(job, self._process(job))
             return

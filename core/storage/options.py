@@ -8,10 +8,15 @@ docs/storage.md: the override wins key by key, and where both sides hold a mappi
 key (``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs``) those are merged the same way,
 recursively. So a call that gives ``{"client_kwargs": {"region_name": "eu-west-1"}}`` keeps the
 config's ``client_kwargs.endpoint_url``; a call that gives ``{"key": ...}`` replaces only the key.
+
+``open_options`` adds the one default checkrun puts under them: botocore's own retries off on S3
+(its backoff draws from Python's global ``random``, the stream a training script seeds and
+checkpoints; checkrun's retries and s3fs's draw nothing from it).
 """
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -27,6 +32,27 @@ def merge_options(base: Optional[Mapping], override: Optional[Mapping]) -> dict:
             out[key] = merge_options(out[key], value)
         else:
             out[key] = _copy(value)
+    return out
+
+
+_S3_SCHEMES = ("s3://", "s3a://")
+NO_BOTOCORE_RETRIES = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}
+"""What ``open_options`` adds for S3 when the options give no ``config_kwargs.retries``."""
+
+
+def open_options(url: str, options: Optional[Mapping]) -> dict:
+    """The fsspec options checkrun opens ``url`` with: ``options``, and for an ``s3://`` URL whose
+    options set no ``config_kwargs.retries``, botocore's own retries off (``NO_BOTOCORE_RETRIES``).
+
+    botocore jitters each retry with ``random.random()``, Python's global generator: a throttled
+    upload in the background would shift the random stream of the training thread, which
+    accelerate checkpoints, so a resumed run would no longer repeat the run it resumes. Without
+    them, transient errors are retried by checkrun (``storage.retry``, its own generator) and by
+    s3fs (timeouts, dropped connections, SlowDown; no jitter). Options that set
+    ``config_kwargs.retries`` are kept as they are."""
+    out = merge_options(options, None)
+    if os.fspath(url).startswith(_S3_SCHEMES) and "retries" not in (out.get("config_kwargs") or {}):
+        out = merge_options(out, NO_BOTOCORE_RETRIES)
     return out
 
 

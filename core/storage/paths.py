@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
 from ..errors import UnsafePathError
-from .options import merge_options
+from .options import merge_options, open_options
 
 META_DIR = ".checkrun"
 BLOB_DIR = ".checkrun/blobs"
@@ -72,7 +72,7 @@ def resolve(text: str, storage_options: Optional[dict],
             config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
     """(filesystem, path as it spells it, display prefix) of a path or URL; ``storage_options``
     merged over ``config.storage_options`` (``options.merge_options``)."""
-    fs, fspath = url_to_fs(text, **merge_options(config.storage_options, storage_options))
+    fs, fspath = url_to_fs(text, **open_options(text, merge_options(config.storage_options, storage_options)))
     # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
     # for plain local files: those are shown as absolute paths.
     scheme = text[: text.index("://")] if "://" in text else ""

@@ -25,6 +25,9 @@ _LOG = logging.getLogger("ckpt_core.storage.store")
 _sleep: Callable[[float], None] = time.sleep
 """Module-level so tests can patch it; looked up at call time."""
 
+_jitter = random.Random()
+"""The backoff's own generator: drawing from the global one would shift the training's stream."""
+
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 _TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
@@ -123,7 +126,7 @@ def backoff_delay(attempt: int, config: RetryConfig) -> float:
     out the retries of the many pool threads that hit the same throttled endpoint together.
     """
     cap = min(config.max_backoff_seconds, config.initial_backoff_seconds * (2 ** (attempt - 1)))
-    return cap / 2 + random.uniform(0, cap / 2)
+    return cap / 2 + _jitter.uniform(0, cap / 2)
 
 
 def call_with_retry(fn: Callable[[], T], *, config: RetryConfig, what: str,

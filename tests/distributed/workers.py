@@ -224,3 +224,71 @@ def rank0_saves_every_rank_loads(rank: int, world: int, root: str) -> dict:
     if rank == 0:
         FaultFS.reset()
     return {"same": torch.equal(got["w"], state["w"]) and got["step"] == 3}
+
+
+class _Part:
+    """A part handle whose durability the test controls: ``result()`` runs ``before`` first."""
+
+    def __init__(self, path: str, before) -> None:
+        self.path, self._before = path, before
+
+    def result(self):
+        import types
+
+        self._before()
+        return types.SimpleNamespace(written_bytes=1, tensor_bytes=1, stored_bytes=1, background_seconds=0.0)
+
+
+def late_part_is_waited_for(rank: int, world: int) -> dict:
+    """GroupCommitter with participation_seconds=0: rank 1 announces the checkpoint, then holds its
+    part back (as a snapshot waiting for staging memory does) until rank 0, its own part durable,
+    has looked whether rank 1 takes part. Rank 0 must wait for that part, not commit
+    without it (the mark was posted only once the snapshot was taken)."""
+    from ckpt_core.saving.group import GroupCommitter, Job, Verdict
+
+    store = dist.distributed_c10d._get_default_store()
+    group = GroupCommitter(None, rank, world, participation_seconds=0.0, timeout_seconds=60)
+    group.token()
+    seen: list = []
+    key = group.announce("memory://run/checkpoint_0/index")
+    if rank == 0:
+        looks = group._await
+
+        def looked(wanted: str, *args, **kwargs) -> bool:  # rank 1 submits only once rank 0 has looked
+            found = looks(wanted, *args, **kwargs)
+            if wanted.startswith("called/"):
+                store.set("test/r0-looked", b"1")
+            return found
+        group._await = looked
+
+        def finish(outcomes) -> Verdict:
+            seen.append([o.path if o is not None else None for o in outcomes])
+            return Verdict()
+        group.submit(Job(_Part("part0", lambda: store.wait(["test/r1-announced"])), finish, key=key))
+    else:
+        store.set("test/r1-announced", b"1")
+        store.wait(["test/r0-looked"])
+        group.submit(Job(_Part("part1", lambda: None), None, key=key))
+    group.close()
+    return {"parts": seen, "errors": group.take_errors()}
+
+
+def abandoned_part_fails_the_checkpoint(rank: int, world: int) -> dict:
+    """Rank 1 announces a checkpoint, then its save raises (``abandon``): rank 0 does not wait out
+    the timeout for a part that will not come; the checkpoint fails with rank 1's error."""
+    from ckpt_core.saving.group import GroupCommitter, Job, Verdict
+
+    group = GroupCommitter(None, rank, world, timeout_seconds=60)
+    group.token()
+    key = group.announce("memory://run/checkpoint_0/index")
+    if rank == 0:
+        def finish(outcomes) -> Verdict:
+            failed = [o.error for o in outcomes if o is not None and o.error]
+            return Verdict("; ".join(failed) or None)
+        group.submit(Job(_Part("part0", lambda: None), finish, key=key))
+        group.wait()
+    else:
+        group.abandon(key, "part1", OSError("disk full"))
+    errors = group.take_errors()
+    group.close()
+    return {"errors": errors}

@@ -31,19 +31,24 @@ def _two_runs(tmp: Path, launch_args, script_extra, env, via="accelerate"):
     out1, out2 = tmp / "out1", tmp / "out2"
     out1.mkdir(), out2.mkdir()
     common = ["--project-dir", tmp / "project", "--epochs", "4", *script_extra]
-    accelerate_launch(launch_args, TRAIN, [*common, "--out", out1, "--save-epochs", "1,2"], env, via)
-    accelerate_launch(launch_args, TRAIN, [*common, "--out", out2, "--resume"], env, via)
+    for out, args in ((out1, ["--save-epochs", "1,2"]), (out2, ["--resume"])):
+        done = accelerate_launch(launch_args, TRAIN, [*common, "--out", out, *args], env, via)
+        (out / "launch.log").write_text(f"{done.stdout}\n--- stderr\n{done.stderr}")
     return out1, out2
 
 
 def _assert_resumed_exactly(out1: Path, out2: Path, ranks: int) -> tuple[dict, dict]:
-    for rank in range(ranks):
-        ref, resumed = load_dump(out1, rank), load_dump(out2, rank)
-        assert ref["progress"]["epoch"] == 4 and ref["step"] > 0 and ref["iteration"] == 2
-        assert_same(ref, resumed, f"rank{rank}")
     r1 = json.loads((out1 / "report.json").read_text())
     r2 = json.loads((out2 / "report.json").read_text())
     assert r1["num_processes"] == ranks and r2["loaded"] == r1["saved"][-1]
+    for rank in range(ranks):
+        ref, resumed = load_dump(out1, rank), load_dump(out2, rank)
+        assert ref["progress"]["epoch"] == 4 and ref["step"] > 0 and ref["iteration"] == 2
+        try:
+            assert_same(ref, resumed, f"rank{rank}")
+        except AssertionError as exc:  # what both runs logged (retries, warnings) says why
+            logs = "\n".join(f"--- {o.name}\n{(o / 'launch.log').read_text()[-6000:]}" for o in (out1, out2))
+            raise AssertionError(f"{exc}\n{logs}") from None
     return r1, r2
 
 

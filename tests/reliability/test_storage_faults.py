@@ -13,16 +13,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pickle
+import random
 import threading
 import time
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
 from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckpointNotFoundError, StorageError
 from ckpt_core.saving.staging import MemoryBudget
+from ckpt_core.storage.options import NO_BOTOCORE_RETRIES, open_options
 from ckpt_core.storage.store import Store
 
 from ckpt_core.testing import (BlockAll, DiskFull, FaultFS, Gate, Permanent, Policy, S3Faults, Transient,
@@ -133,6 +137,48 @@ def test_transient_s3_errors_commit_through_retries(s3_root, s3_storage_options,
     text = "reduce your request rate" if status == 503 else "internal error"
     warnings = retry_warnings(caplog)
     assert len(warnings) == injected and all(text in w and "s3://" in w for w in warnings)
+
+
+def _global_streams() -> tuple:
+    """Python's, numpy's and torch's global random states (what accelerate checkpoints)."""
+    return random.getstate(), pickle.dumps(np.random.get_state()), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_retries_leave_the_training_random_streams_alone(where, tmp_path, sleeps, request):
+    """A retried write in the background draws nothing from the global generators: the training
+    thread's random stream (seeded and checkpointed by the script) stays the one it would be."""
+    if where == "local":
+        root, opts, faults = f"faultfile://{tmp_path}/run", {}, Transient(0.4, seed=5)
+        FaultFS.policy = faults
+    else:  # botocore's default retries: checkrun opens S3 with them off (options.open_options)
+        root, opts = request.getfixturevalue("s3_root"), request.getfixturevalue("s3_storage_options")
+        faults = S3Faults(fsspec.filesystem("s3", **open_options(root, opts)), 0.5, status=503, seed=5)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    before = _global_streams()
+    try:
+        with CheckpointEngine(config(**{"storage.storage_options": opts})) as engine:
+            for i in range(3):
+                engine.save(make_state(i), f"{root}/c{i}.ckpt")
+            engine.wait()
+            assert_same(engine.load(f"{root}/c2.ckpt"), make_state(2))
+    finally:
+        if where == "s3":
+            faults.remove()
+    assert sum(faults.injected.values()) >= 2 and len(sleeps) == sum(faults.injected.values())
+    after = _global_streams()
+    assert after[0] == before[0] and after[1] == before[1] and torch.equal(after[2], before[2])
+
+
+def test_s3_options_turn_botocore_retries_off_unless_given():
+    endpoint = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    assert open_options("s3://b/run", endpoint) == {**endpoint, **NO_BOTOCORE_RETRIES}
+    assert open_options("s3a://b/run", None) == NO_BOTOCORE_RETRIES
+    own = {"config_kwargs": {"retries": {"max_attempts": 3}, "connect_timeout": 5}}
+    assert open_options("s3://b/run", own) == own
+    assert open_options("s3://b/run", {"config_kwargs": {"connect_timeout": 5}}) == {
+        "config_kwargs": {"connect_timeout": 5, "retries": {"total_max_attempts": 1}}}
+    assert open_options("/tmp/run", endpoint) == endpoint and open_options("memory://run", None) == {}
 
 
 # ------------------------------------------------------------------------- permanent, disk full

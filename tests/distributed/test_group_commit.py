@@ -1,0 +1,15 @@
+"""The Accelerate adapter's group commit (core/saving/group.py) with two real gloo processes."""
+from __future__ import annotations
+
+from tests.distributed import workers
+from tests.distributed.harness import run_ranks
+
+
+def test_a_rank_that_announced_its_part_is_waited_for() -> None:
+    r0, r1 = run_ranks(workers.late_part_is_waited_for, 2)
+    assert r0 == {"parts": [["part0", "part1"]], "errors": []} and r1 == {"parts": [], "errors": []}
+
+
+def test_a_rank_whose_save_raised_after_announcing_fails_the_checkpoint() -> None:
+    r0, r1 = run_ranks(workers.abandoned_part_fails_the_checkpoint, 2)
+    assert r0 == {"errors": ["rank 1 did not save its part: OSError: disk full"]} and r1 == {"errors": []}
