@@ -188,7 +188,7 @@ def _subfolders(store: Store) -> list[str]:
 
 
 def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | None:
-    sub = Store(store.fs, join(store.root, name), store.config, store.url_prefix)
+    sub = store.at(join(store.root, name))
     url = sub.url(INDEX_NAME)
     try:
         manifest = read_manifest(sub, INDEX_NAME, config)

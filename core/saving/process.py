@@ -229,7 +229,7 @@ def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple
     from .commit import write_and_commit
 
     (fs, root, prefix, key), name, snap = args
-    store = store_for(stores, dirs, key, lambda: Store(fs, root, config.storage, prefix))
+    store = store_for(stores, dirs, key, lambda: Store(fs, root, config.storage, prefix, key[2]))
     state = dirs.setdefault(key, DirState())
     try:
         if not owner_alive():  # checked again right before the commit (fence.commit_guard)

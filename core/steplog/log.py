@@ -42,7 +42,7 @@ _ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
 
 def log_store(store: Store) -> Store:
     """The store of ``<dir>/.checkrun/steplog`` for the checkpoint directory ``store``."""
-    return Store(store.fs, store.root.rstrip("/") + "/" + STEPLOG_DIR, store.config, store.url_prefix)
+    return store.at(store.root.rstrip("/") + "/" + STEPLOG_DIR)
 
 
 def active_log(optimizer: Any) -> "StepLog | None":

@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
 from ..errors import UnsafePathError
-from .options import merge_options, open_options
+from .options import merge_options, open_options, options_key
 
 META_DIR = ".checkrun"
 BLOB_DIR = ".checkrun/blobs"
@@ -69,16 +69,21 @@ def in_process_only(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def resolve(text: str, storage_options: Optional[dict],
-            config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str]:
-    """(filesystem, path as it spells it, display prefix) of a path or URL; ``storage_options``
-    merged over ``config.storage_options`` (``options.merge_options``)."""
-    fs, fspath = url_to_fs(text, **open_options(text, merge_options(config.storage_options, storage_options)))
+            config: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str, str, str]:
+    """(filesystem, path as it spells it, display prefix, canonical key of the options) of a path or
+    URL; ``storage_options`` merged over ``config.storage_options`` (``options.merge_options``).
+
+    The key is taken from the options given, not from ``fs.storage_options`` later: a filesystem may
+    change those in place (botocore adds ``retries.mode`` when s3fs connects)."""
+    opened = open_options(text, merge_options(config.storage_options, storage_options))
+    key = options_key(opened)
+    fs, fspath = url_to_fs(text, **opened)
     # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
     # for plain local files: those are shown as absolute paths.
     scheme = text[: text.index("://")] if "://" in text else ""
     if is_local_fs(fs) and scheme in ("", "file", "local"):
-        return fs, fspath, ""
-    return fs, fspath, f"{scheme or protocols(fs)[0]}://"
+        return fs, fspath, "", key
+    return fs, fspath, f"{scheme or protocols(fs)[0]}://", key
 
 
 def join(root: str, *parts: str) -> str:

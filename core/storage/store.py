@@ -54,8 +54,10 @@ class Store:
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, config: StorageConfig,
-                 url_prefix: str = "") -> None:
+                 url_prefix: str = "", options: str | None = None) -> None:
         self.fs = fs
+        # canonical key of the options fs was opened with (paths.resolve); default: its options now
+        self.options = options if options is not None else options_key(getattr(fs, "storage_options", None))
         self.root = root.rstrip("/") or "/"
         self.config = config
         self.url_prefix = url_prefix
@@ -79,18 +81,18 @@ class Store:
         ``storage_options`` are merged over ``config.storage_options`` (``options.merge_options``).
         """
         text = os.fspath(path)
-        fs, fspath, prefix = resolve(text, storage_options, config)
+        fs, fspath, prefix, options = resolve(text, storage_options, config)
         parent, _, name = fspath.rstrip("/").rpartition("/")
         if not parent and not fspath.startswith("/"):
             raise UnsafePathError(f"{text!r} does not name a file inside a directory")
-        return cls(fs, parent or "/", config, prefix), check_name(name)
+        return cls(fs, parent or "/", config, prefix, options), check_name(name)
 
     @classmethod
     def for_directory(cls, directory: str | os.PathLike, storage_options: Optional[dict],
                       config: StorageConfig) -> "Store":
         """The store of a checkpoint directory (path or URL)."""
-        fs, fspath, prefix = resolve(os.fspath(directory), storage_options, config)
-        return cls(fs, fspath, config, prefix)
+        fs, fspath, prefix, options = resolve(os.fspath(directory), storage_options, config)
+        return cls(fs, fspath, config, prefix, options)
 
     @property
     def cache_key(self) -> tuple[str, str, str]:
@@ -98,8 +100,7 @@ class Store:
         canonical storage options of the filesystem). Caches of stores use it, so a store built
         with other options (rotated credentials, another endpoint) is never taken for this one."""
         cls = type(self.fs)
-        return (self.url(""), f"{cls.__module__}.{cls.__qualname__}",
-                options_key(getattr(self.fs, "storage_options", None)))
+        return (self.url(""), f"{cls.__module__}.{cls.__qualname__}", self.options)
 
     @property
     def shared_between_processes(self) -> bool:
@@ -119,7 +120,11 @@ class Store:
 
     def subdirectory(self, name: str) -> "Store":
         """The store of the directory ``name`` inside this one (same filesystem and options)."""
-        return Store(self.fs, join(self.root, check_name(name)), self.config, self.url_prefix)
+        return self.at(join(self.root, check_name(name)))
+
+    def at(self, root: str) -> "Store":
+        """The store of the directory ``root`` (as the filesystem spells it), same filesystem and options."""
+        return Store(self.fs, root, self.config, self.url_prefix, self.options)
 
     def is_directory(self) -> bool:
         """Whether this store's root exists as a directory (a prefix with objects on S3)."""

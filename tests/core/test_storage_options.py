@@ -188,3 +188,23 @@ def test_s3_writer_process_second_save_reaches_endpoint_b(s3_server, second_s3_s
         admins[endpoint].invalidate_cache()
         files = {p.rsplit("/", 1)[1] for p in admins[endpoint].ls(f"{bucket}/run", detail=False)}
         assert files == {".checkrun", name}, endpoint
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("retries", [None, {"max_attempts": 2}], ids=["default", "botocore-retries"])
+def test_s3_saves_stay_incremental_when_botocore_rewrites_the_options(s3_root, s3_storage_options, retries) -> None:
+    """botocore adds ``mode`` to the ``config_kwargs.retries`` dict it is given when s3fs connects, so
+    the filesystem's ``storage_options`` change after the first request. The engine's memory of a
+    directory (row streams, verified blobs) is keyed by the options as given: the second save of a
+    table with 3 changed rows is a row delta, not a full save (it was full with any retries setting,
+    and with checkrun's default, which sets one)."""
+    state = {"emb": torch.randn(4096, 16, generator=torch.Generator().manual_seed(6)), "step": 0}
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        for i in range(3):
+            opts = dict(s3_storage_options)  # fresh dicts on every call, as a config file gives them
+            if retries is not None:
+                opts["config_kwargs"] = {"retries": dict(retries)}
+            state["emb"][i * 3:i * 3 + 3] += 1.0
+            info = engine.save(state, f"{s3_root}/{i}.ckpt", storage_options=opts).result()
+            assert info.chain_depth == min(i, 1), i
+        assert _same(engine.load(f"{s3_root}/2.ckpt", storage_options=opts), state)
