@@ -389,8 +389,7 @@ class AcceleratorCheckpointer:
         iteration continues from the checkpoint loaded, and a save replaces the later ones (a rewind).
         Every rank looks before any creates its own, and all raise if one found it (a gather on the
         training's process group, as accelerate's ``wait_for_everyone``)."""
-        fs, path = composite.folder_fs(target.folder, self.storage_options, self.config)
-        found = int(fs.exists(path))
+        found = int(composite.folder_exists(target.folder, self.storage_options, self.config))
         if self.world > 1:
             acc = self.accelerator
             found = int(acc.gather(torch.tensor([found], device=acc.device)).sum().item())

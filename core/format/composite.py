@@ -126,26 +126,26 @@ class Composite:
         return self.manifest.created if self.manifest is not None else 0.0
 
 
-def folder_fs(url: str, storage_options: dict | None, config: EngineConfig) -> tuple[Any, str]:
-    """``(fsspec filesystem, path)`` of a folder, with the config's storage options merged in."""
-    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
-    return store.fs, store.root
-
-
 def make_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
     """Create a checkpoint folder (and its parents); object stores have no folders: a no-op there."""
-    fs, path = folder_fs(url, storage_options, config)
-    fs.makedirs(path, exist_ok=True)
+    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
+    store.retry(lambda: store.fs.makedirs(store.root, exist_ok=True), f"create folder {store.url('')}")
+
+
+def folder_exists(url: str, storage_options: dict | None, config: EngineConfig) -> bool:
+    """Whether a folder (an object store: a prefix with objects) or file is at ``url``."""
+    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
+    return bool(store.retry(lambda: store.fs.exists(store.root), f"look for {store.url('')}"))
 
 
 def remove_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
     """Delete a checkpoint folder with everything in it (what Accelerate's ``total_limit`` does)."""
-    fs, path = folder_fs(url, storage_options, config)
+    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
     try:
-        fs.rm(path, recursive=True)
+        store.retry(lambda: store.fs.rm(store.root, recursive=True), f"remove folder {store.url('')}")
     except FileNotFoundError:
         pass
-    fs.invalidate_cache(path)
+    store.fs.invalidate_cache(store.root)
 
 
 def store_url(path: str, storage_options: dict | None, config: EngineConfig) -> str:

