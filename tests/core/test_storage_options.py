@@ -197,7 +197,7 @@ def test_s3_saves_stay_incremental_when_botocore_rewrites_the_options(s3_root, s
     the filesystem's ``storage_options`` change after the first request. The engine's memory of a
     directory (row streams, verified blobs) is keyed by the options as given: the second save of a
     table with 3 changed rows is a row delta, not a full save (it was full with any retries setting,
-    and with checkrun's default, which sets one)."""
+    checkrun's default included: the first connection changed the key)."""
     state = {"emb": torch.randn(4096, 16, generator=torch.Generator().manual_seed(6)), "step": 0}
     with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
         for i in range(3):
