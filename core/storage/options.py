@@ -49,10 +49,21 @@ def open_options(url: str, options: Optional[Mapping]) -> dict:
     accelerate checkpoints, so a resumed run would no longer repeat the run it resumes. Without
     them, transient errors are retried by checkrun (``storage.retry``, its own generator) and by
     s3fs (timeouts, dropped connections, SlowDown; no jitter). Options that set
-    ``config_kwargs.retries`` are kept as they are."""
+    ``config_kwargs.retries``, given or in fsspec's configuration, are kept as they are; the
+    ``config_kwargs`` of fsspec's configuration are kept under the default."""
     out = merge_options(options, None)
-    if os.fspath(url).startswith(_S3_SCHEMES) and "retries" not in (out.get("config_kwargs") or {}):
-        out = merge_options(out, NO_BOTOCORE_RETRIES)
+    if not os.fspath(url).startswith(_S3_SCHEMES):
+        return out
+    # fsspec puts its configuration (config files, FSSPEC_S3_* variables) under the options with a
+    # shallow update: a config_kwargs given here would hide a configured one, so it carries it along
+    import fsspec.config
+
+    configured: dict = {}
+    for protocol in ("s3", "s3a"):  # s3fs's protocols, in the order fsspec applies them
+        configured.update((fsspec.config.conf.get(protocol) or {}).get("config_kwargs") or {})
+    given = merge_options(configured, out.get("config_kwargs"))
+    if "retries" not in given:
+        out["config_kwargs"] = merge_options(given, NO_BOTOCORE_RETRIES["config_kwargs"])
     return out
 
 

@@ -207,6 +207,18 @@ def test_s3_options_turn_botocore_retries_off_unless_given():
     assert open_options("/tmp/run", endpoint) == endpoint and open_options("memory://run", None) == {}
 
 
+def test_s3_default_keeps_the_config_kwargs_of_fsspecs_configuration(monkeypatch):
+    """fsspec applies its configuration (``~/.config/fsspec``, ``FSSPEC_S3_*``) with a shallow update:
+    the default must carry a configured ``config_kwargs`` (e.g. path-style addressing for MinIO)."""
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"s3": {"addressing_style": "path"}}})
+    assert open_options("s3://b/run", None) == {
+        "config_kwargs": {"s3": {"addressing_style": "path"}, "retries": {"total_max_attempts": 1}}}
+    assert open_options("s3://b/run", {"config_kwargs": {"connect_timeout": 5}}) == {"config_kwargs": {
+        "s3": {"addressing_style": "path"}, "connect_timeout": 5, "retries": {"total_max_attempts": 1}}}
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 3}}})
+    assert open_options("s3://b/run", None) == {}  # configured retries: fsspec applies them as usual
+
+
 # ------------------------------------------------------------------------- permanent, disk full
 def _assert_failed_cleanly(engine, root_dir, handle, good_state, message: str) -> None:
     with pytest.raises(BackgroundSaveError, match=message) as info:
