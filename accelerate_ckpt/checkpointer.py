@@ -174,29 +174,22 @@ class AcceleratorCheckpointer:
         composite.make_folder(target.folder, self.storage_options, self.config)
         rel_base, rel_index = target.part_names(self._token, self._seq, self.world)
         self._seq += 1
-        weights = state.model_weights(acc, self._unwrapped)
-        for hook in acc._save_model_state_pre_hook.values():
-            hook(acc._models, weights, target.folder)
-        tree = {"rank": state.gather_rank(acc)}
-        if self.rank == 0:
-            tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)
-        if self._steplog is not None:  # before the save: its marker goes into the log started here
-            kept = self._steplog.before_save(layout.parent(layout.join(target.base, rel_base[0])))
-            if self.rank == 0:
-                tree["replicated"][TREE_KEY] = kept
-        meta = {"step": int(acc.step), "iteration": iteration + 1,
-                "distributed_type": state.distributed_type_name(acc)}
-        if step is not None:
-            meta["global_step"] = int(step)
         key = composite.store_url(target.index_url, self.storage_options, self.config)
-        self._begin(target.name, key)
         part = layout.join(target.base, rel_base[self.rank])
+        self._begin(target.name, key)
+        # announced before anything of this rank's part runs (hooks, snapshot): rank 0 then waits for
+        # it, and learns of its failure (abandon) instead of committing without it
         round_key = self._group.announce(key)
         try:
+            tree = self._tree(target, layout.join(target.base, rel_base[0]), iteration)
             handle = self._engine_save(tree, part)
             blocking = time.perf_counter() - started
             finish = None
             if self.rank == 0:
+                meta = {"step": int(acc.step), "iteration": iteration + 1,
+                        "distributed_type": state.distributed_type_name(acc)}
+                if step is not None:
+                    meta["global_step"] = int(step)
                 index = composite.make_index(target.name, rel_index, meta)
                 finish = lambda outcomes: self._committer.finish(target, index, outcomes, blocking, started)  # noqa: E731
             job = Job(handle, finish, lambda: self._end(target.name, key), key=round_key)
@@ -210,6 +203,21 @@ class AcceleratorCheckpointer:
         if self._sync:
             self._before_call()
         return self._shown(output_dir, target)
+
+    def _tree(self, target: Target, first_part: str, iteration: int) -> dict:
+        """This rank's part: its own state, rank 0's also the replicated state (after the save hooks)."""
+        acc = self.accelerator
+        weights = state.model_weights(acc, self._unwrapped)
+        for hook in acc._save_model_state_pre_hook.values():
+            hook(acc._models, weights, target.folder)
+        tree = {"rank": state.gather_rank(acc)}
+        if self.rank == 0:
+            tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)
+        if self._steplog is not None:  # before the save: its marker goes into the log started here
+            kept = self._steplog.before_save(layout.parent(first_part))
+            if self.rank == 0:
+                tree["replicated"][TREE_KEY] = kept
+        return tree
 
     def wait(self) -> None:
         """Block until every pending checkpoint is committed (or failed) on all ranks; raise its error."""

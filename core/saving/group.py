@@ -176,10 +176,17 @@ class GroupCommitter:
         return key
 
     def abandon(self, key: str, path: str, error: BaseException) -> None:
-        """This rank announced ``key`` but raised before submitting its part: rank 0 gets it as failed."""
-        if self._store is not None and self.rank != 0:
-            outcome = PartOutcome(path, f"rank {self.rank} did not save its part: {type(error).__name__}: {error}")
-            self._store.set(f"part/{key}/{self.rank}", pickle.dumps(outcome))
+        """This rank announced ``key`` but raised before submitting its part: rank 0 gets it as a failed
+        part; a rank 0 that raised posts the failure as its verdict (the others' helpers stop waiting)."""
+        if self._store is None:
+            return
+        text = f"rank {self.rank} did not save its part: {type(error).__name__}: {error}"
+        if self.rank != 0:
+            self._store.set(f"part/{key}/{self.rank}", pickle.dumps(PartOutcome(path, text)))
+            return
+        verdict = pickle.dumps(Verdict(f"checkpoint {key.rpartition('#')[0]} not committed: {text}"))
+        for r in range(1, self.world):
+            self._store.set(f"verdict/{key}/{r}", verdict)
 
     def submit(self, job: Job) -> None:
         """Queue a part (``job.key`` from :meth:`announce`) for the group commit; returns at once

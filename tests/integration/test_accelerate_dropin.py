@@ -115,6 +115,24 @@ def test_save_state_on_the_main_process_only_commits_and_resumes(tmp_path: Path)
         assert all(torch.equal(resumed[k], saved["step5"][k]) for k in resumed), f"rank {rank}"
 
 
+@pytest.mark.slow
+def test_a_rank_whose_save_state_raises_fails_the_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    """A save hook raises inside save_state() on one rank. Rank 1's: rank 0 must not commit that
+    checkpoint without rank 1's part once participation_timeout_seconds (2 s) have passed; it fails on
+    rank 0 too. Rank 0's: rank 1's helper must not wait for a verdict until collective_timeout_seconds
+    (30 s here, it then says "no verdict"); it gets rank 0's failure."""
+    out = tmp_path / "out"
+    out.mkdir()
+    accelerate_launch(accelerate_args(2), HERE / "main_only.py", ["hookfail", "--out", out], launch_env(tmp_path))
+    r0, r1 = (json.loads((out / f"hookfail_rank{r}.json").read_text()) for r in range(2))
+    assert r0["raised"] == ["bad0: hook failed on rank 0"] and r1["raised"] == ["bad1: hook failed on rank 1"]
+    (w0,), (w1,) = r0["wait"], r1["wait"]
+    assert w0.startswith("bad1: ") and "rank 1 did not save its part: RuntimeError: hook failed on rank 1" in w0
+    assert w1.startswith("bad0: ") and "rank 0 did not save its part: RuntimeError: hook failed on rank 0" in w1
+    assert not (out / "bad1" / "checkrun.ckpt").exists() and not (out / "bad0" / "checkrun.ckpt").exists()
+    assert len(ckpt_core.load(str(out / "good" / "checkrun.ckpt"))["parts"]) == 2
+
+
 def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues(tmp_path: Path) -> None:
     from accelerate_ckpt import CheckpointExistsError
 

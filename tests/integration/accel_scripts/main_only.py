@@ -3,11 +3,14 @@ tests/integration/test_accelerate_dropin.py with 2 processes.
 
 ``save``: DDP training where only ``accelerator.is_main_process`` calls ``save_state(folder)``; rank 0
 writes ``report.pt`` with the weights at each save. ``resume``: every rank loads the last folder and
-writes ``resumed_rank{R}.pt``.
+writes ``resumed_rank{R}.pt``. ``hookfail``: every rank saves ``good``, ``bad1`` (its save hook raises
+on rank 1) and ``bad0`` (raises on rank 0), and waits after each; each rank writes
+``hookfail_rank{R}.json`` (what raised, what ``wait()`` raised).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -16,11 +19,12 @@ from accelerate import Accelerator
 from torch import nn
 
 from accelerate_ckpt import attach
+from ckpt_core import BackgroundSaveError
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "resume"])
+    p.add_argument("phase", choices=["save", "resume", "hookfail"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     accelerator = Accelerator(cpu=True)
@@ -28,9 +32,26 @@ def main() -> int:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    attach(accelerator, {"accelerate": {"participation_timeout_seconds": 2}})
+    ckpt = attach(accelerator, {"accelerate": {"participation_timeout_seconds": 2, "collective_timeout_seconds": 30}})
     weights = lambda: {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}  # noqa: E731
-    if args.phase == "resume":
+    if args.phase == "hookfail":
+        def hook(models, weights, folder) -> None:
+            if folder.endswith(f"bad{accelerator.process_index}"):
+                raise RuntimeError(f"hook failed on rank {accelerator.process_index}")
+        accelerator.register_save_state_pre_hook(hook)
+        report = {"raised": [], "wait": []}
+        for name in ("good", "bad1", "bad0"):
+            try:
+                accelerator.save_state(os.path.join(args.out, name))
+            except RuntimeError as exc:
+                report["raised"].append(f"{name}: {exc}")
+            try:
+                ckpt.wait()
+            except BackgroundSaveError as exc:
+                report["wait"].append(f"{name}: {exc}")
+        with open(os.path.join(args.out, f"hookfail_rank{accelerator.process_index}.json"), "w") as f:
+            json.dump(report, f)
+    elif args.phase == "resume":
         accelerator.load_state(os.path.join(args.out, "step5"))
         torch.save(weights(), os.path.join(args.out, f"resumed_rank{accelerator.process_index}.pt"))
     else:
