@@ -52,8 +52,8 @@ def open_options(url: str, options: Optional[Mapping]) -> dict:
     ``config_kwargs.retries``, given or in fsspec's configuration, are kept as they are; the
     ``config_kwargs`` of fsspec's configuration are kept under the default."""
     out = merge_options(options, None)
-    if not os.fspath(url).startswith(_S3_SCHEMES):
-        return out
+    if not os.fspath(url).startswith(_S3_SCHEMES) or not isinstance(out.get("config_kwargs") or {}, Mapping):
+        return out  # not S3, or config_kwargs s3fs itself will reject
     # fsspec puts its configuration (config files, FSSPEC_S3_* variables) under the options with a
     # shallow update: a config_kwargs given here would hide a configured one, so it carries it along
     import fsspec.config

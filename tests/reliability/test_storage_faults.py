@@ -205,6 +205,7 @@ def test_s3_options_turn_botocore_retries_off_unless_given():
     assert open_options("s3://b/run", {"config_kwargs": {"connect_timeout": 5}}) == {
         "config_kwargs": {"connect_timeout": 5, "retries": {"total_max_attempts": 1}}}
     assert open_options("/tmp/run", endpoint) == endpoint and open_options("memory://run", None) == {}
+    assert open_options("s3://b/run", {"config_kwargs": "x"}) == {"config_kwargs": "x"}  # s3fs's to reject
 
 
 def test_s3_default_keeps_the_config_kwargs_of_fsspecs_configuration(monkeypatch):
