@@ -32,13 +32,20 @@ SHARED_POLL_SECONDS = 0.05
 
 _cond = threading.Condition()
 _paths: collections.Counter = collections.Counter()
+_counted: dict[str, collections.deque] = {}
+"""URL -> the key-value store each of its saves in flight was counted in (None: none), oldest
+first: ``end`` takes the count back where ``begin`` put it, even if the process group changed
+in between (destroyed, or another one initialized), instead of driving a new job's count below
+zero, which would hide that job's next save from its loads."""
 
 
 def begin(url: str) -> None:
     """Record a save to ``url`` (called by the engine before ``save`` returns)."""
+    store = _shared_store()
     with _cond:
         _paths[url] += 1
-    _shared_add(url, 1)
+        _counted.setdefault(url, collections.deque()).append(store)
+    _shared_add(store, url, 1)
 
 
 def end(url: str) -> None:
@@ -47,8 +54,12 @@ def end(url: str) -> None:
         _paths[url] -= 1
         if _paths[url] <= 0:
             del _paths[url]
+        stores = _counted.get(url)
+        store = stores.popleft() if stores else None
+        if not stores:
+            _counted.pop(url, None)
         _cond.notify_all()
-    _shared_add(url, -1)
+    _shared_add(store, url, -1)
 
 
 def pending(url: str) -> bool:
@@ -71,7 +82,7 @@ def wait(url: str, timeout: float | None = None) -> bool:
         if not _cond.wait_for(lambda: url not in _paths, timeout):
             return False
     pause = 0.001
-    while _shared_add(url, 0) > 0:
+    while _shared_add(_shared_store(), url, 0) > 0:
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(pause)  # another process's save: nothing to be woken by here
@@ -99,7 +110,7 @@ def wait_job(timeout: float | None = None) -> bool:
         if not _cond.wait_for(lambda: not _paths, timeout):
             return False
     pause = 0.001
-    while _shared_add(None, 0) > 0:
+    while _shared_add(_shared_store(), None, 0) > 0:
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(pause)
@@ -107,10 +118,9 @@ def wait_job(timeout: float | None = None) -> bool:
     return True
 
 
-def _shared_add(url: str | None, delta: int) -> int:
-    """Add ``delta`` to the job-wide count of saves to ``url`` in flight (``url`` None: of all saves;
-    a URL's change is added to the total too); the count (0 without a store)."""
-    store = _shared_store()
+def _shared_add(store: Any, url: str | None, delta: int) -> int:
+    """Add ``delta`` to the job-wide count in ``store`` of saves to ``url`` in flight (``url`` None:
+    of all saves; a URL's change is added to the total too); the count (0 without a store)."""
     if store is None:
         return 0
     try:
@@ -134,8 +144,8 @@ def _reset_in_child() -> None:
     # The parent's saves belong to the parent: a child never waits for them (and its copy of the
     # condition's lock may have been held by a parent thread at fork time). A child that starts a
     # process group of its own (ddp_fork ranks) counts its own saves there.
-    global _cond, _paths
-    _cond, _paths = threading.Condition(), collections.Counter()
+    global _cond, _paths, _counted
+    _cond, _paths, _counted = threading.Condition(), collections.Counter(), {}
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,4 +1,5 @@
-"""The Accelerate adapter's group commit (core/saving/group.py) with two real gloo processes."""
+"""Coordination between ranks with two real gloo processes: the Accelerate adapter's group commit
+(core/saving/group.py) and the job-wide count of saves in flight (core/saving/inflight.py)."""
 from __future__ import annotations
 
 from tests.distributed import workers
@@ -13,3 +14,8 @@ def test_a_rank_that_announced_its_part_is_waited_for() -> None:
 def test_a_rank_whose_save_raised_after_announcing_fails_the_checkpoint() -> None:
     r0, r1 = run_ranks(workers.abandoned_part_fails_the_checkpoint, 2)
     assert r0 == {"errors": ["rank 1 did not save its part: OSError: disk full"]} and r1 == {"errors": []}
+
+
+def test_a_save_in_flight_is_counted_in_the_process_group_it_began_in() -> None:
+    r0, r1 = run_ranks(workers.inflight_count_follows_its_process_group, 2)
+    assert r0 == r1 == {"during": [1, 1], "after": 0}

@@ -6,6 +6,7 @@ it can see locally and returns JSON data for the test's cross-rank checks.
 from __future__ import annotations
 
 import errno
+from datetime import timedelta
 
 import fsspec
 import torch
@@ -292,3 +293,35 @@ def abandoned_part_fails_the_checkpoint(rank: int, world: int) -> dict:
     errors = group.take_errors()
     group.close()
     return {"errors": errors}
+
+
+def inflight_count_follows_its_process_group(rank: int, world: int) -> dict:
+    """Rank 0 begins a save under one process group, which is then destroyed and another one
+    initialized (a second job in the same processes); the save ends under the new group. Its count
+    must be taken back where it was made: taken from the new group's count, it hid that group's
+    next save from the other ranks' loads (a count of 0 while a save was in flight)."""
+    from tests.distributed.harness import free_port
+
+    from ckpt_core.saving import inflight
+
+    url = "memory://run/c.ckpt"
+    old = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        inflight.begin(url)
+        old.set("test/port", str(free_port()))
+    port = int(old.get("test/port"))
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    new = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        inflight.end(url)  # the save of the first job ends now
+        inflight.begin(url)  # a save of the second job
+    dist.barrier()
+    during = (int(new.add(f"checkrun-inflight/{url}", 0)), int(new.add("checkrun-inflight-total", 0)))
+    dist.barrier()
+    if rank == 0:
+        inflight.end(url)
+    dist.barrier()
+    return {"during": list(during), "after": int(new.add(f"checkrun-inflight/{url}", 0))}
