@@ -118,7 +118,7 @@ def test_save_state_on_the_main_process_only_commits_and_resumes(tmp_path: Path)
 @pytest.mark.slow
 def test_a_rank_whose_save_state_raises_fails_the_checkpoint_on_every_rank(tmp_path: Path) -> None:
     """A save hook raises inside save_state() on one rank. Rank 1's: rank 0 must not commit that
-    checkpoint without rank 1's part once participation_timeout_seconds (2 s) have passed; it fails on
+    checkpoint without rank 1's part once participation_timeout_seconds (10 s) have passed; it fails on
     rank 0 too. Rank 0's: rank 1's helper must not wait for a verdict until collective_timeout_seconds
     (30 s here, it then says "no verdict"); it gets rank 0's failure."""
     out = tmp_path / "out"

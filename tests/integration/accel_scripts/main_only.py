@@ -32,7 +32,11 @@ def main() -> int:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    ckpt = attach(accelerator, {"accelerate": {"participation_timeout_seconds": 2, "collective_timeout_seconds": 30}})
+    # main-only saves wait out the window (rank 1 never saves): short; hookfail: ranks that all save,
+    # whose announcements must not depend on the window (a loaded machine could be 2 s late)
+    window = 10 if args.phase == "hookfail" else 2
+    ckpt = attach(accelerator, {"accelerate": {"participation_timeout_seconds": window,
+                                               "collective_timeout_seconds": 30}})
     weights = lambda: {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}  # noqa: E731
     if args.phase == "hookfail":
         def hook(models, weights, folder) -> None:
