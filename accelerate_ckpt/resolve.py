@@ -3,7 +3,8 @@
 ``path`` may be what accelerate itself takes (a checkpoint folder such as
 ``{project_dir}/checkpoints/checkpoint_3``, absolute or relative), an index file (``...ckpt``: the
 folder's ``checkrun.ckpt`` or an earlier release's ``ROOT/checkpoint_3.ckpt``), or a directory of
-checkpoints (its newest committed one). A save in flight anywhere in this process counts: the
+checkpoints (its newest committed one whose parts are readable and whose blobs all exist; older
+ones are tried when not). A save in flight anywhere in this process counts: the
 folder it writes resolves to its index (whose load then waits for the commit), and a directory is
 listed only once no save under it is in flight.
 """
@@ -13,9 +14,10 @@ import logging
 import os
 
 import ckpt_core
-from ckpt_core import CheckpointEngine, CheckpointNotFoundError
+from ckpt_core import CheckpointEngine, CheckpointNotFoundError, CheckrunError
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight
+from ckpt_core.storage.store import Store
 
 from . import layout
 from .layout import INDEX_NAME, join
@@ -52,7 +54,35 @@ def newest(engine: CheckpointEngine, root: str, storage_options: dict | None) ->
     if not good:
         raise CheckpointNotFoundError(f"no committed checkpoint in {root} (looked for folders holding "
                                       f"{INDEX_NAME} and for earlier releases' index files)")
-    return good[-1].url
+    sizes: dict[str, dict[str, int]] = {}
+    for e in reversed(good):
+        problem = _part_problem(engine, e.url, e.index, storage_options, sizes)
+        if problem is None:
+            return e.url
+        log.warning("accelerate_ckpt: skipping checkpoint %s: %s", e.url, problem)
+    raise CheckpointNotFoundError(f"no loadable checkpoint in {root}: every committed one has a part "
+                                  "that is missing or unreadable, or misses blobs (warnings above)")
+
+
+def _part_problem(engine: CheckpointEngine, url: str, index: dict | None, storage_options: dict | None,
+                  sizes: dict[str, dict[str, int]]) -> str | None:
+    """Why the checkpoint of index ``url`` cannot load, or None: each part must be a valid manifest
+    whose blobs all exist with their size (as ``CheckpointEngine.latest(verify=False)`` checks a
+    plain checkpoint; checksums are checked by the load). ``sizes``: blob sizes per blob store,
+    listed once per call of ``newest``."""
+    try:
+        for part in composite.part_urls(url, composite.check_index(index, url)):
+            manifest = engine.read_manifest(part, storage_options=storage_options)
+            store = Store.for_directory(composite.parent(part), storage_options, engine.config.storage)
+            have = sizes.get(store.cache_key)
+            if have is None:
+                have = sizes[store.cache_key] = {b.key: b.size for b in store.list_blobs()}
+            for b in manifest.blobs():
+                if have.get(b.key) != b.size:
+                    return f"missing or truncated blob {store.blob_path(b.key)} (part {part})"
+    except CheckrunError as exc:
+        return str(exc)
+    return None
 
 
 def _exists(engine: CheckpointEngine, index: str, storage_options: dict | None) -> bool:

@@ -124,7 +124,7 @@ class CheckpointEngine:
         self._check_open()
         store, name = self._store(path, storage_options)
         self._wait_path(store.url(name))
-        manifest = self._read_manifest(store, name)
+        since, manifest = time.time(), self._read_manifest(store, name)  # since: blobs read as of then
         incremental, dense = self.config.incremental, dense_keys(manifest.meta)
         mode = self.config.load.reference
         later: list[int] | None = [] if mode == "background" or (mode == "auto" and store.is_local) else None
@@ -137,9 +137,9 @@ class CheckpointEngine:
                                             weights_only=weights_only, config=self.config, keep_copy=keep_copy,
                                             alloc_copy=self._pool.copy_allocator(), into=into, deferred=later)
         if self._process is not None:
-            self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded])
+            self._process.adopt(store, list(manifest.blobs()), [lt.record for lt in loaded], since)
         dirstate = self._dirstate(store)
-        adopt_loaded(dirstate, manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host)
+        adopt_loaded(dirstate, manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host, since)
         if later:  # load.reference: the copies the next row-delta save compares against, made now in the background
             drop_streams(dirstate, (manifest.tensors[i].key for i in later), self._pool.free_host)
             dirstate.rebuilds.append(ReferenceBuild(store, manifest, store.url(name), later, self._pool.new_host,
@@ -370,7 +370,7 @@ class CheckpointEngine:
                 for buf in build.buffers:
                     self._pool.free_host(buf)
                 for key in build.blob_keys:
-                    dirstate.verified.pop(key, None)
+                    dirstate.distrust(key)
 
     @staticmethod
     def _wait_path(url: str) -> None:

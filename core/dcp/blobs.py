@@ -76,16 +76,17 @@ class BlobIndex:
             if replace:
                 state.index = new
                 for key in [k for k in list(state.verified) if k not in new]:
-                    state.verified.pop(key, None)
+                    state.distrust(key)
             else:
                 state.index.update(new)
             if stats:
                 state.stats.update(stats)
 
-    def adopt_verified(self, store: Store, refs: Iterable[BlobRef]) -> None:
-        """Blobs a load read and verified: the next save reuses them without reading them again."""
+    def adopt_verified(self, store: Store, refs: Iterable[BlobRef], since: float) -> None:
+        """Blobs a load that started at ``since`` read and verified: the next save reuses them
+        without reading them again (unless modified since)."""
         with self._lock:
-            self._state(store).adopt_verified(list(refs))
+            self._state(store).adopt_verified(list(refs), since)
 
     def _state(self, store: Store) -> DirState:
         return self._dirs.setdefault(store.cache_key, DirState())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         """(every rank) Fetch, verify and decode what ``plan`` asks for; returns a completed future."""
         store, name = self._resolve()
         assert self.manifest is not None
-        where = store.url(name)
+        where, since = store.url(name), time.time()
         tensors = {t.key: t for t in self.manifest.tensors}
         objects = {o.key: o for o in self.manifest.objects}
         by_record: dict[str, list[ReadItem]] = {}
@@ -124,7 +125,7 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         if batch:
             fetched += self._read_batch(store, batch, planner, where)
         KNOWN.remember(store, self.manifest.blobs(), replace=False)
-        KNOWN.adopt_verified(store, fetched)  # read and checked: a save reuses them without reading again
+        KNOWN.adopt_verified(store, fetched, since)  # read and checked: a save reuses them without reading again
         fut: Future = Future()
         fut.set_result(None)
         return fut

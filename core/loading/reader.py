@@ -17,7 +17,7 @@ import torch
 
 from ..codecs import Pipeline
 from ..config import EngineConfig
-from ..errors import CheckrunError, FormatError, ResourceLimitError
+from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
 from ..format.objects import deserialize_object
@@ -182,8 +182,13 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         object_location = object_map_location(map_location)
     except CheckrunError as exc:
         raise type(exc)(f"{where}: {exc}") from None
-    loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy, plan.direct,
-                          deferred)
+    try:
+        loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy,
+                              plan.direct, deferred)
+    except CorruptCheckpointError as exc:  # a missing or damaged blob: name the checkpoint too
+        if where in str(exc):
+            raise
+        raise type(exc)(f"{where}: {exc}") from exc
     placer = Placer(map_location)
     try:
         tensors = [lt.flat.view(lt.record.shape) if i in plan.direct else
@@ -195,7 +200,10 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
     finish_into(plan, tensors)
     objects = []
     for rec in manifest.objects:
-        data = fetch_blob(store, rec.blob)
+        try:
+            data = fetch_blob(store, rec.blob)
+        except CorruptCheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from exc
         try:
             objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
                                               allowed_globals=config.load.allowed_globals,

@@ -9,10 +9,17 @@ referenced it, since encodings are deterministic.
 
 Cost: one read of each reused blob per engine (per ``DirState``, so per directory and process):
 the first save that reuses a blob reads it, later saves trust the cached result
-(``DirState.verified``). Blobs the engine wrote itself count as unchecked until that first reuse;
-blobs a load read and verified count as checked. Reads are bounded by ``load.max_blob_bytes``.
+(``DirState.verified``) as long as the stored file is the one that was read: every save looks at
+each blob it reuses anyway (a stat/HEAD, to see that it exists before its commit), and a blob whose
+size, times, inode or ETag changed since it was checked (rewritten in place, truncated, replaced:
+``BlobInfo.version``) is read again (``notice``). Blobs the engine wrote itself count as unchecked
+until that first reuse; blobs a load read and verified count as checked, with the version the next
+save sees. Reads are bounded by ``load.max_blob_bytes``.
 """
 from __future__ import annotations
+
+import logging
+from typing import Iterable
 
 import torch
 import xxhash
@@ -20,8 +27,11 @@ import xxhash
 from ..codecs import Pipeline
 from ..errors import CorruptCheckpointError
 from ..format.manifest import BlobRef
+from ..storage.paths import BlobInfo
 from ..storage.store import Store
 from .streams import DirState
+
+log = logging.getLogger("ckpt_core")
 
 
 class StoredBlob:
@@ -31,16 +41,21 @@ class StoredBlob:
         self.store, self.key, self.max_bytes = store, key, max_bytes
         self._read = False
         self._data: bytes | None = None
+        self.version: tuple | None = None
+        """The stored file's ``BlobInfo.version``, taken before its bytes were read (a change
+        after the read shows as another version at the next look)."""
 
     def data(self) -> bytes | None:
         """The stored bytes, or None if the blob is missing or larger than ``max_bytes``
         (either way it has to be written)."""
         if not self._read:
             self._read = True
+            info = self.store.blob_info(self.key)
             try:
-                self._data = self.store.get_blob(self.key, self.max_bytes)
+                self._data = None if info is None else self.store.get_blob(self.key, self.max_bytes)
             except CorruptCheckpointError:
                 self._data = None
+            self.version = None if info is None else info.version
         return self._data
 
     def matches(self, ref: BlobRef) -> bool:
@@ -60,9 +75,41 @@ def trusted(dirstate: DirState, ref: BlobRef, stored: StoredBlob) -> bool:
     if dirstate.verified.get(ref.key) == ref:
         return True
     if stored.matches(ref):
-        dirstate.verified[ref.key] = ref
+        _checked(dirstate, ref, stored)
         return True
     return False
+
+
+def _checked(dirstate: DirState, ref: BlobRef, stored: StoredBlob) -> None:
+    dirstate.verified[ref.key] = ref
+    if stored.version is not None:
+        dirstate.seen[ref.key] = stored.version
+
+
+CLOCK_MARGIN = 2.0
+"""Seconds before a load's start from which a blob's modification time counts as "modified since
+the load read it": covers coarse file timestamps and an object store's clock a little behind ours
+(a blob written just before the load is read once more, in the background, by the next save)."""
+
+
+def notice(dirstate: DirState, infos: Iterable[BlobInfo | None]) -> None:
+    """What a save's look at blobs it reuses found (``Store.blob_info``; None: missing): a checked
+    blob whose stored file has another version than when it was checked, or (checked by a load)
+    was modified after the load started, counts as unchecked again, so the save reads it before
+    trusting it; otherwise its version now is the one later looks compare with."""
+    for info in infos:
+        if info is None or info.key not in dirstate.verified:
+            continue
+        seen = dirstate.seen.get(info.key)
+        if isinstance(seen, float):
+            changed = info.mtime >= seen - CLOCK_MARGIN
+        else:
+            changed = seen is not None and seen != info.version
+        if changed:
+            log.info("checkrun: blob %s changed since it was checked; reading it again", info.key)
+            dirstate.distrust(info.key)
+        else:
+            dirstate.seen[info.key] = info.version
 
 
 def adoptable(dirstate: DirState, fresh: BlobRef, data: bytes | memoryview, array2d: torch.Tensor,
@@ -79,7 +126,7 @@ def adoptable(dirstate: DirState, fresh: BlobRef, data: bytes | memoryview, arra
     if raw is None or not same_content(raw, data, array2d, pipeline):
         return None
     ref = stored.ref()
-    dirstate.verified[ref.key] = ref
+    _checked(dirstate, ref, stored)
     return ref
 
 

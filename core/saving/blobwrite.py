@@ -18,7 +18,7 @@ import xxhash
 from ..codecs import EncodeStats, Pipeline, index_pipeline
 from ..format.manifest import BlobRef, ChunkRef
 from ..storage.store import Store
-from .blobcheck import StoredBlob, adoptable, trusted
+from .blobcheck import StoredBlob, adoptable, notice, trusted
 from .lease import SaveLease
 from .streams import DirState
 
@@ -101,7 +101,9 @@ class BlobWriter:
         exists = True  # an ordinary save checks existence of all reused blobs at once before its commit
         if self.look_first:
             self.lease.cover([key])  # before looking: once named, a blob found stays
-            exists = self.store.has_blob(key)
+            info = self.store.blob_info(key)
+            notice(self.dir, [info])
+            exists = info is not None
         known = None if force or not exists else self.known.get(key)
         if known is not None and trusted(self.dir, known, stored):
             stats = self.stats_of(key)
@@ -120,7 +122,7 @@ class BlobWriter:
         self.lease.cover([ref.key])
         self.store.put_blob(ref.key, data)
         # Written, not read back: the first save that reuses it checks it.
-        self.dir.verified.pop(ref.key, None)
+        self.dir.distrust(ref.key)
         self.written[ref.key] = ref
 
     def put_pack(self, parts: list[torch.Tensor], pipeline: Pipeline) -> ChunkResult:
@@ -148,7 +150,9 @@ class BlobWriter:
         # compare its bytes once per engine (the object's own bytes are its only valid encoding).
         stored = StoredBlob(self.store, key, self.max_blob_bytes)
         self.lease.cover([key])  # before looking: once named, a blob found stays
-        if self.store.blob_info(key) is not None and trusted(self.dir, ref, stored):
+        info = self.store.blob_info(key)
+        notice(self.dir, [info])
+        if info is not None and trusted(self.dir, ref, stored):
             return ref, 0
         self.write_blob(ref, payload)
         return ref, len(payload)

@@ -158,10 +158,10 @@ class WriterProcess:
             raise value
         return value
 
-    def adopt(self, store: Store, blobs: list, records: list) -> None:
-        """Blobs and records of a loaded checkpoint: the next save there reuses them."""
+    def adopt(self, store: Store, blobs: list, records: list, since: float) -> None:
+        """Blobs and records of a checkpoint loaded from ``since`` on: the next save there reuses them."""
         if blobs:
-            self._notify(("adopt", store.cache_key, blobs, records))
+            self._notify(("adopt", store.cache_key, blobs, records, since))
 
     def forget(self, store: Store, keys: list[str]) -> None:
         """Blobs garbage collection deleted."""
@@ -287,9 +287,9 @@ def serve(fd: int) -> None:
                 for name in args[0]:
                     maps.pop(name, None)
             elif kind == "adopt":
-                key, blobs, records = args
+                key, blobs, records, since = args
                 state = dirs.setdefault(key, DirState())
-                state.adopt_verified(blobs)  # the load checked every one of them
+                state.adopt_verified(blobs, since)  # the load checked every one of them
                 state.records.update((r.key, r) for r in records)
             elif kind == "forget":
                 key, keys = args

@@ -268,6 +268,11 @@ class DirState:
     """Blob key -> the reference its stored bytes were read and found to match, by a save's check
     or by a load. Only these are reused without reading them (see ``blobcheck``); a blob this
     engine wrote counts as unchecked until its first reuse reads it back."""
+    seen: dict[str, tuple | float] = field(default_factory=dict)
+    """Blob key -> ``BlobInfo.version`` of a verified blob's stored file when it was checked, or
+    (checked by a load, which does not look at versions) the time the load started: a save that
+    finds another version, or a file modified since, counts the blob as unchecked again
+    (``blobcheck.notice``)."""
     row_norms: dict = field(default_factory=dict)
     """Lossy row stream key -> (the record it describes, float64 sum of squares of each row): the
     reference norm of the tensor as restored, updated row by row by delta saves."""
@@ -286,17 +291,24 @@ class DirState:
     rebuilds: list = field(default_factory=list)
     """``loading.references.ReferenceBuild`` of loads here, oldest first: adopted by the next save."""
 
-    def adopt_verified(self, blobs: list[BlobRef]) -> None:
-        """Blobs a load read and verified: reused by the next save without reading them again."""
+    def adopt_verified(self, blobs: list[BlobRef], since: float) -> None:
+        """Blobs a load that started at ``since`` (epoch seconds) read and verified: reused by the
+        next save without reading them again unless their stored file was modified since then."""
         for b in blobs:
             self.index[b.key] = b
             self.verified[b.key] = b
+            self.seen[b.key] = since
+
+    def distrust(self, key: str) -> None:
+        """The blob's stored bytes must be read again before a save reuses it."""
+        self.verified.pop(key, None)
+        self.seen.pop(key, None)
 
     def forget(self, keys: list[str]) -> None:
         """Blobs that garbage collection deleted."""
         for key in keys:
             self.index.pop(key, None)
-            self.verified.pop(key, None)
+            self.distrust(key)
 
     def invalidate(self) -> None:
         """After a failed save the buffers no longer match what is committed: next save is full."""
@@ -348,13 +360,14 @@ def wants_stream(rec: TensorRecord, flat: torch.Tensor, cfg: IncrementalConfig,
 
 def adopt_loaded(state: DirState, blobs: Iterable[BlobRef], loaded: Iterable[Loaded],
                  host_copy: Callable[[torch.Tensor], torch.Tensor],
-                 free: Callable[[torch.Tensor], None] | None = None) -> None:
+                 free: Callable[[torch.Tensor], None] | None = None, since: float = 0.0) -> None:
     """Remember a loaded checkpoint in its directory's ``state`` so the next save there is incremental:
-    its ``blobs`` count as verified (the load checked every one), its records as the last ones, and
+    its ``blobs`` count as verified (the load, started at ``since``, checked every one), its records
+    as the last ones, and
     each tensor loaded with a copy (``wants_stream``) becomes a row stream whose buffer is
     ``host_copy(copy)`` (training thread, inside ``load``). The buffer of a row stream this replaces
     goes to ``free`` (the pool's ``free_host``) once no save to the directory is in flight."""
-    state.adopt_verified(list(blobs))
+    state.adopt_verified(list(blobs), since)
     # Saves to one directory finish in order: once the last is done, no save uses a stream's buffer.
     idle = state.last is None or state.last.done()
     for lt in loaded:

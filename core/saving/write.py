@@ -8,8 +8,9 @@ outcome needs another plan, the writer asks the ``Planner``.
 
 Content addresses are computed from the raw staged bytes *before* encoding, so an unchanged chunk
 costs one xxh3 pass (GB/s, GIL released) and no encoding or I/O at all, once its stored blob was
-checked: every blob a save reuses is read back once per engine before it is trusted (``blobcheck``;
-the cost is one read of each reused blob per engine), and a bad one is written again.
+checked: every blob a save reuses is read back once per engine before it is trusted, and again
+once its stored file changed (``blobcheck``; the cost is one read of each reused blob per engine,
+and the look each save takes anyway), and a bad one is written again.
 
 Every save holds a lease (``save_lease``) on the blobs it writes or reuses: a blob is written only
 once the lease names it, and before the commit the lease names every blob of the manifest and the
@@ -31,7 +32,7 @@ from ..errors import LossyRefusedError
 from ..format.dtypes import row_shape
 from ..format.manifest import ChunkRef, DeltaRef, Manifest, ObjectRecord, TensorRecord, dtype_name
 from ..storage.store import Store
-from .blobcheck import check_reused
+from .blobcheck import check_reused, notice
 from .blobwrite import BlobWriter, ChunkResult
 from .capture import Snapshot, StagedTensor
 from .lease import SaveLease
@@ -234,6 +235,7 @@ class SnapshotWriter:
         reused = [b for b in refs if everything or self.written.get(b.key) != b]
         keys = sorted({b.key for b in reused})
         infos = self.store.map(self.store.blob_info, keys)
+        notice(self.dir, infos)  # a checked blob whose stored file changed is read again below
         missing = {k for k, info in zip(keys, infos) if info is None}
         present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
         matches = check_reused(self.store, self.dir, present, self.max_blob_bytes)

@@ -31,10 +31,12 @@ _IN_PROCESS_PROTOCOLS = frozenset({"memory"})
 
 @dataclass(frozen=True)
 class BlobInfo:
-    """A blob in the store: its key, size in bytes and modification time (epoch seconds)."""
+    """A blob in the store: its key, size in bytes and modification time (epoch seconds), and
+    ``version``: what changes when its stored file is written again (``version``)."""
     key: str
     size: int
     mtime: float
+    version: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,18 @@ def mtime(info: dict) -> float:
             if stamp is not None:
                 return stamp
     return time.time()
+
+
+_VERSION_KEYS = ("mtime", "created", "ino", "LastModified", "ETag", "VersionId", "last_modified",
+                 "updated", "modified", "generation", "etag", "md5Hash", "crc32c")
+
+
+def version(info: dict) -> tuple:
+    """What changes when a stored file is written again, from an fsspec info dict: its size and
+    whatever the filesystem reports of times, inode, entity tag or generation (compared, never
+    interpreted: a local file rewritten in place changes its mtime and ctime, a replaced one its
+    inode, an object its ETag and LastModified)."""
+    return (info.get("size"),) + tuple(f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) is not None)
 
 
 def display_root(fs: fsspec.AbstractFileSystem, root: str, url_prefix: str) -> str:

@@ -32,7 +32,7 @@ from ..format.dtypes import is_blob_key
 from . import commit as _commit
 from .options import options_key
 from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root,
-                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve)
+                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry
 
@@ -202,7 +202,8 @@ class Store:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
     def blob_info(self, key: str) -> Optional[BlobInfo]:
-        """Size and modification time of a blob, or None if it does not exist (one HEAD/stat)."""
+        """Size, modification time and version of a blob, or None if it does not exist (one
+        HEAD/stat)."""
         path = self.blob_path(key)
 
         def stat() -> Optional[BlobInfo]:
@@ -213,7 +214,7 @@ class Store:
                 return None
             if info.get("type") != "file":
                 return None
-            return BlobInfo(key, int(info.get("size") or 0), mtime(info))
+            return BlobInfo(key, int(info.get("size") or 0), mtime(info), version(info))
 
         return self.retry(stat, f"check blob {self._display(path)}")
 

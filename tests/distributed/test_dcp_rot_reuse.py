@@ -21,7 +21,7 @@ from ckpt_core import dcp as cdcp
 from ckpt_core.storage.store import Store
 from tests.distributed import workers
 from tests.distributed.harness import run_ranks
-from tests.reliability.test_rot_reuse import _Reads
+from tests.reliability.test_rot_reuse import _Reads, age_blobs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -119,6 +119,18 @@ def test_same_process_rewrites_a_rotted_blob_it_would_reuse(root, how, fresh_pro
     assert_good(root, "c2.dcp", {**state, "model": {**state["model"], "q": restored_q}})
 
 
+def test_same_process_rewrites_a_blob_that_rotted_after_its_check(root, fresh_process):
+    """The process read every blob back at its first reuse (c2); one rots after that."""
+    state = _state()
+    for name in ("c1", "c2", "c3"):
+        cdcp.save(state, f"{root}/{name}.dcp", config=CONFIG)
+    want = cdcp.load_state_dict(f"{root}/c1.dcp")
+    damage_some(root, "c3.dcp", "flip")
+    info = cdcp.save(state, f"{root}/c4.dcp", config=CONFIG)
+    assert info.written_bytes > 0
+    assert_good(root, "c4.dcp", want)
+
+
 @pytest.mark.parametrize("what", list(WHAT))
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -146,6 +158,7 @@ def test_written_by_dcp_load_still_checked_once_not_again(tmp_path, monkeypatch,
     unique = len({k for keys in blobs_of(f"{root}/c1.dcp").values() for k in keys})
     assert reads.during(lambda: cdcp.save(state, f"{root}/c2.dcp", config=CONFIG)) == unique
     assert reads.during(lambda: cdcp.save(state, f"{root}/c3.dcp", config=CONFIG)) == 0
+    age_blobs(root)
     fresh_process()
     cdcp.load_state_dict(f"{root}/c3.dcp")  # checks every blob it reads
     assert reads.during(lambda: cdcp.save(state, f"{root}/c4.dcp", config=CONFIG)) == 0

@@ -203,6 +203,40 @@ def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_s
         assert _names(memory_root) == ["checkpoint_2", "checkpoint_3"]
 
 
+@pytest.mark.parametrize("damage", ["tampered part", "missing part", "missing blob"])
+def test_load_state_resumes_the_newest_checkpoint_whose_parts_can_load(tmp_path: Path, make_setup, damage,
+                                                                       caplog) -> None:
+    """``load_state()`` (the newest checkpoint) skips one whose part is damaged or gone or misses a
+    blob, with a warning naming it, and resumes the one before, as ``latest()`` does for plain
+    checkpoints; naming the damaged folder fails with an error naming the file."""
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach():
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+        want = _snapshot(acc, model, opt, sched, counter)
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+    root = tmp_path / "checkpoints"
+    part = next((root / ".checkrun" / "parts").glob("checkpoint_1.*.rank0.ckpt"))
+    if damage == "tampered part":
+        part.write_bytes(part.read_bytes().replace(b'"step"', b'"stap"', 1))
+    elif damage == "missing part":
+        part.unlink()
+    else:  # a blob only the newer checkpoint has (the model changed)
+        older = ckpt_core.CheckpointEngine().read_manifest(str(next(part.parent.glob("checkpoint_0.*.ckpt"))))
+        newer = ckpt_core.CheckpointEngine().read_manifest(str(part))
+        key = sorted({b.key for b in newer.blobs()} - {b.key for b in older.blobs()})[0]
+        (part.parent / ".checkrun" / "blobs" / key[:2] / key[2:]).unlink()
+    acc2, *objs = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc2).attach() as ckpt:
+        assert ckpt.latest() == str(root / "checkpoint_0")
+        assert acc2.load_state() == str(root / "checkpoint_0")
+        assert_same(_snapshot(acc2, *objs), {**want, "torch_rng": _snapshot(acc2, *objs)["torch_rng"]})
+        assert "skipping checkpoint" in caplog.text and "checkpoint_1" in caplog.text
+        with pytest.raises(ckpt_core.CheckrunError, match="checkpoint_1"):
+            acc2.load_state(str(root / "checkpoint_1"))
+
+
 def test_orphaned_parts_of_a_crashed_save_are_removed_after_the_grace(tmp_path: Path, make_setup) -> None:
     root = tmp_path / "ckpts"
     parts = root / composite.PARTS_DIR

@@ -9,6 +9,8 @@ older deltas a row-delta save keeps. Blobs are damaged in place under ``.checkru
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,11 +42,11 @@ def make_state() -> dict:
 
 
 class Blobs:
-    """The blob files of a checkpoint directory (local or memory://), read and damaged in place."""
+    """The blob files of a checkpoint directory (local, memory:// or s3://), read and damaged in place."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.store = Store.for_directory(root, None, EngineConfig().storage)
+    def __init__(self, root: str, storage_options: dict | None = None) -> None:
+        self.root, self.options = root, storage_options
+        self.store = Store.for_directory(root, storage_options, EngineConfig().storage)
 
     def path(self, key: str) -> str:
         return self.store.blob_path(key)
@@ -65,7 +67,7 @@ class Blobs:
     def of(self, engine: CheckpointEngine, name: str, tensor: str | None = None, kind: str = "base") -> list:
         """Blob keys of checkpoint ``name``: of one tensor's base chunks, delta chunks or delta
         indices, or (``tensor`` None) of its objects."""
-        m = engine.read_manifest(f"{self.root}/{name}")
+        m = engine.read_manifest(f"{self.root}/{name}", storage_options=self.options)
         if tensor is None:
             return [o.blob.key for o in m.objects]
         rec = next(r for r in m.tensors if r.key == tensor)
@@ -159,6 +161,68 @@ def test_row_delta_save_checks_the_blobs_it_keeps(root, kind, policy):
         assert_good(engine, root, "c3.ckpt", {"emb": emb})
 
 
+@pytest.mark.parametrize("background", ["thread", "process"])
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_blob_that_rots_after_the_engine_checked_it_is_not_reused(root, how, background):
+    """A long-running trainer: the engine read every blob back at its first reuse (c2), then a
+    blob rots. Later saves must see it (the stored file changed since the check) and write it
+    again, not reference it from every further checkpoint until none of them loads."""
+    if background == "process" and root.startswith("memory://"):
+        pytest.skip("memory:// is in-process only")
+    state, blobs = make_state(), Blobs(root)
+    with CheckpointEngine(config(background)) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+        engine.save(state, f"{root}/c2.ckpt").result()  # reads back (checks) what c1 wrote
+        engine.save(state, f"{root}/c3.ckpt").result()  # trusts the checks
+        damage_every_kind(blobs, engine, "c3.ckpt", how)
+        engine.save(state, f"{root}/c4.ckpt").result()
+        assert_good(engine, root, "c4.ckpt", state)
+        engine.save(state, f"{root}/c5.ckpt").result()
+        assert_good(engine, root, "c5.ckpt", state)
+        assert engine.verify(f"{root}/c1.ckpt").ok  # repaired: the encoding is deterministic
+
+
+def test_a_blob_that_rots_on_s3_after_the_engine_checked_it_is_not_reused(s3_root, s3_storage_options):
+    """The same on S3: the look each save takes (HEAD) shows another ETag and LastModified."""
+    state, blobs = make_state(), Blobs(s3_root, s3_storage_options)
+    with CheckpointEngine(config()) as engine:
+        for name in ("c1", "c2", "c3"):
+            engine.save(state, f"{s3_root}/{name}.ckpt", storage_options=s3_storage_options).result()
+        damage_every_kind(blobs, engine, "c3.ckpt", "flip")
+        engine.save(state, f"{s3_root}/c4.ckpt", storage_options=s3_storage_options).result()
+        assert engine.verify(f"{s3_root}/c4.ckpt", storage_options=s3_storage_options).ok
+        assert digest(engine.load(f"{s3_root}/c4.ckpt", storage_options=s3_storage_options)) == digest(state)
+
+
+def test_a_blob_that_rots_after_a_load_checked_it_is_not_reused(root):
+    """A resumed run: the load read and checked every blob, the first save took their versions,
+    then a blob rots before a later save."""
+    state, blobs = make_state(), Blobs(root)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{root}/c1.ckpt").result()
+    with CheckpointEngine(config()) as engine:
+        engine.load(f"{root}/c1.ckpt")
+        engine.save(state, f"{root}/c2.ckpt").result()
+        damage_every_kind(blobs, engine, "c2.ckpt", "flip")
+        engine.save(state, f"{root}/c3.ckpt").result()
+        assert_good(engine, root, "c3.ckpt", state)
+
+
+def test_a_kept_delta_base_that_rots_after_its_check_is_written_again(root):
+    """Row-delta saves keep the base without passing it through the encoder; one that rots after
+    the save that checked it must not be kept by the next."""
+    blobs = Blobs(root)
+    emb = torch.randn(1024, 16, generator=torch.Generator().manual_seed(1))
+    with CheckpointEngine(config()) as engine:
+        for i in range(3):  # c1 checks the base c0 wrote, c2 trusts it
+            emb[10 * i:10 * i + 3] += 1.0
+            engine.save({"emb": emb}, f"{root}/c{i}.ckpt").result()
+        blobs.damage(blobs.of(engine, "c2.ckpt", "emb", "base")[0], "flip")
+        emb[600:603] -= 1.0
+        engine.save({"emb": emb}, f"{root}/c3.ckpt").result()
+        assert_good(engine, root, "c3.ckpt", {"emb": emb})
+
+
 class _Reads:
     """Counts the blob reads of the save path that found a blob (``Store.get_blob``)."""
 
@@ -188,9 +252,20 @@ def test_each_reused_blob_is_read_once_per_engine(tmp_path, monkeypatch):
         # Blobs it wrote itself count as unchecked until read back once, then never again.
         assert reads.during(lambda: engine.save(state, f"{root}/c2.ckpt").result()) == unique
         assert reads.during(lambda: engine.save(state, f"{root}/c3.ckpt").result()) == 0
+    age_blobs(root)
     with CheckpointEngine(config()) as engine:
         engine.load(f"{root}/c3.ckpt")  # a load checks every blob: no second read by the save
         assert reads.during(lambda: engine.save(state, f"{root}/c4.ckpt").result()) == 0
+
+
+def age_blobs(root: str, seconds: float = 3600.0) -> None:
+    """Date the blob files of a local ``root`` back, as in a run resumed an hour after its save (a
+    load trusts what it checked unless the file was modified less than ``CLOCK_MARGIN`` before it
+    started)."""
+    for path in (Path(root) / ".checkrun" / "blobs").rglob("*"):
+        if path.is_file():
+            past = path.stat().st_mtime - seconds
+            os.utime(path, (past, past))
 
 
 def test_a_valid_blob_of_another_encoding_is_adopted_not_overwritten(tmp_path):
