@@ -8,7 +8,6 @@ in the same order (they are collective like accelerate's own ``save_state``).
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -16,14 +15,13 @@ import pathlib
 import threading
 import time
 import warnings
-import weakref
 from typing import Any
 
 import ckpt_core
 import torch
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
 from ckpt_core.format import composite
-from ckpt_core.saving import inflight
+from ckpt_core.saving import inflight, lifecycle
 from ckpt_core.saving.composite import CompositeCommitter
 from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 
@@ -93,8 +91,7 @@ class AcceleratorCheckpointer:
                                                  self._keep_last, self._protected)
         if self.config.step_log.enabled:  # docs/accelerate.md "Per-step recovery"
             self._steplog = AccelerateStepLog(accelerator, self._engine, self.rank, storage_options)
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._close_at_exit())
+        lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
 
     # -- attach / detach ------------------------------------------------------------------------
     def attach(self) -> "AcceleratorCheckpointer":

@@ -1,4 +1,5 @@
-"""Process-level safety nets: flush forgotten engines at exit, give pending saves a SIGTERM grace.
+"""Process-level safety nets: flush forgotten engines (and first the adapters and step logs that
+drive them) at exit, give pending saves a SIGTERM grace.
 
 Called from the training (main) thread; the SIGTERM handler is installed once per process, only
 from the main thread, and chains to whatever handler was there before.
@@ -18,6 +19,8 @@ from .. import forksafe  # noqa: F401 - its fork hook first: ours (joining retir
 
 log = logging.getLogger("ckpt_core")
 _engines: "weakref.WeakSet" = weakref.WeakSet()
+_owners: list = []
+"""``weakref.WeakMethod``s of the exit closers of objects that drive engines (``register_owner``)."""
 _lock = threading.Lock()
 _atexit_done = False
 _sigterm = {"installed": False, "grace": None, "previous": None}
@@ -38,15 +41,29 @@ def lower_thread_priority(nice: int) -> None:
 
 def register(engine) -> None:
     """Track an engine so that ``atexit`` can flush it if the user never closes it."""
-    global _atexit_done
     with _lock:
         _engines.add(engine)
-        if not _atexit_done:
-            # threading's exit hooks run before atexit's and before concurrent.futures refuses new
-            # work; registered after it, ours runs first (they run in reverse order).
-            hook = getattr(threading, "_register_atexit", None)
-            (hook or atexit.register)(_flush_all)
-            _atexit_done = True
+        _hook_exit()
+
+
+def register_owner(close_at_exit) -> None:
+    """Call ``close_at_exit`` (a bound method; it must not raise) at interpreter exit if its object
+    is still alive, before any engine is flushed: an object that drives engines (an adapter's
+    checkpointer committing an index, a step log) still needs them to finish its pending work. Owners
+    are closed newest first; the method is held weakly."""
+    with _lock:
+        _owners.append(weakref.WeakMethod(close_at_exit))
+        _hook_exit()
+
+
+def _hook_exit() -> None:
+    global _atexit_done
+    if not _atexit_done:
+        # threading's exit hooks run before atexit's and before concurrent.futures refuses new
+        # work; registered after it, ours runs first (they run in reverse order).
+        hook = getattr(threading, "_register_atexit", None)
+        (hook or atexit.register)(_flush_all)
+        _atexit_done = True
 
 
 def unregister(engine) -> None:
@@ -58,8 +75,8 @@ def _forget_in_child() -> None:
     # A forked child (DataLoader worker, any multiprocessing fork) inherits the parent's engines
     # but none of their threads: flushing them at the child's exit would wait forever for saves
     # only the parent can finish. The parent keeps its obligations; the child has none.
-    global _engines, _lock, _retiring
-    _engines, _lock, _retiring = weakref.WeakSet(), threading.Lock(), weakref.WeakSet()
+    global _engines, _owners, _lock, _retiring
+    _engines, _owners, _lock, _retiring = weakref.WeakSet(), [], threading.Lock(), weakref.WeakSet()
 
 
 _retiring: "weakref.WeakSet" = weakref.WeakSet()
@@ -89,6 +106,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def _flush_all() -> None:
+    with _lock:
+        owners = [m() for m in reversed(_owners)]
+        _owners.clear()
+    for close in owners:
+        if close is not None:
+            close()
     for engine in list(_engines):
         try:
             engine.close()

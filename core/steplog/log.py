@@ -11,7 +11,6 @@ surface once, at the next hook, ``flush`` or ``close``.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -28,6 +27,7 @@ from ..config import EngineConfig
 from ..errors import FormatError
 from ..saving import inflight
 from .. import forksafe
+from ..saving import lifecycle
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta
@@ -86,7 +86,7 @@ class StepLog:
         self._last_state: dict | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook)]
         _ACTIVE[optimizer] = self
-        atexit.register(_close_at_exit, weakref.ref(self))
+        lifecycle.register_owner(self._close_at_exit)
 
     # -- training thread ----------------------------------------------------------------------
     def flush(self) -> None:
@@ -100,6 +100,12 @@ class StepLog:
             if not self._thread.is_alive():
                 break
         self._check()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - at exit: report, never raise
+            log.error("checkrun: closing the step log at exit: %s", exc)
 
     def close(self) -> None:
         """Flush, stop logging and end the encoder thread. Idempotent."""
@@ -357,10 +363,3 @@ class _Batch:
         self.hi += 1
 
 
-def _close_at_exit(ref: "weakref.ref[StepLog]") -> None:
-    slog = ref()
-    if slog is not None:
-        try:
-            slog.close()
-        except Exception as exc:  # noqa: BLE001 - at exit: report, never raise
-            log.error("checkrun: closing the step log at exit: %s", exc)

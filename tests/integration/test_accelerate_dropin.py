@@ -326,6 +326,50 @@ def test_earlier_releases_layout_still_loads(tmp_path: Path) -> None:
 
 
 # -- point 7: saving.asynchronous false means committed when save_state returns -------------------------
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_script_that_ends_right_after_save_state_leaves_the_checkpoint_committed(tmp_path: Path,
+                                                                                  processes: int) -> None:
+    """The script ends while its part is still being written: the interpreter's exit finishes the
+    checkpoint (every rank's part, then rank 0's index) before the engines are flushed. Before, the
+    exit flush could close the engine that commits the index first: the checkpoint was lost
+    ("pending checkpoint failed at interpreter exit ... this CheckpointEngine is closed") and the
+    process still exited 0."""
+    folder = tmp_path / "checkpoint"
+    accelerate_launch(accelerate_args(processes), HERE / "exit_after_save.py", [folder, tmp_path],
+                      launch_env(tmp_path))
+    with ckpt_core.CheckpointEngine() as fresh:
+        index = fresh.load(str(folder / composite.INDEX_NAME))
+        parts = composite.part_urls(str(folder / composite.INDEX_NAME), index)
+        assert len(parts) == processes
+        saved = fresh.load(parts[0])["replicated"]["models"][0]
+    assert _same(dict(saved), torch.load(tmp_path / "weights.pt"))
+
+
+def test_exit_closes_what_drives_engines_before_the_engines(tmp_path: Path, monkeypatch) -> None:
+    """``lifecycle.register_owner``: at exit an adapter's checkpointer (which commits through an
+    engine of its own) is closed while every engine is still open; engines are flushed after."""
+    import weakref
+
+    from ckpt_core.saving import lifecycle
+    monkeypatch.setattr(lifecycle, "_owners", [])  # only this test's, not other tests' live objects
+    monkeypatch.setattr(lifecycle, "_engines", weakref.WeakSet())
+
+    class Owner:
+        def __init__(self, engine) -> None:
+            self.engine, self.saw_open = engine, None
+            lifecycle.register_owner(self._close_at_exit)
+
+        def _close_at_exit(self) -> None:
+            self.saw_open = not self.engine._closed
+            self.engine.save({"x": torch.ones(2)}, str(tmp_path / "owner.ckpt")).result()
+
+    engine = ckpt_core.CheckpointEngine()
+    owner = Owner(engine)
+    lifecycle._flush_all()
+    assert owner.saw_open is True and engine._closed
+    assert ckpt_core.load(str(tmp_path / "owner.ckpt"))["x"].tolist() == [1.0, 1.0]
+
+
 def test_synchronous_save_state_returns_after_the_commit(tmp_path: Path) -> None:
     acc, model, opt = _accelerator(tmp_path / "proj")
     ckpt = attach(acc, {"saving": {"asynchronous": False}})
