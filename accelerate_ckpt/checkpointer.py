@@ -8,6 +8,7 @@ in the same order (they are collective like accelerate's own ``save_state``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -42,6 +43,28 @@ class UnsupportedDistributedTypeError(CheckrunError, NotImplementedError):
 class CheckpointExistsError(CheckrunError, ValueError):
     """``save_state()`` with automatic naming found its ``checkpoint_{N}`` folder already there (a
     rerun into the same project without ``load_state``): refused, as accelerate refuses it."""
+
+
+class _Routed:
+    """A checkpointer's method installed on an Accelerator instance by ``attach``. Accelerators can
+    be pickled (accelerate tests it; spawned workers and ``copy.deepcopy`` do it): a copy gets the
+    class's own method instead, so it is a plain Accelerator, and the checkpointer (threads, locks,
+    engines) stays with the original."""
+
+    def __init__(self, method: Any, accelerator: Any, name: str) -> None:
+        self.method, self.accelerator, self.name = method, accelerator, name
+        functools.update_wrapper(self, method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _own_method, (self.accelerator, self.name)
+
+
+def _own_method(accelerator: Any, name: str) -> Any:
+    """The Accelerator class's own method ``name``, bound to ``accelerator``."""
+    return getattr(type(accelerator), name).__get__(accelerator)
 
 
 class AcceleratorCheckpointer:
@@ -107,9 +130,8 @@ class AcceleratorCheckpointer:
         acc = self.accelerator
         if not self._originals:
             self._originals = {n: acc.__dict__.get(n, _MISSING) for n in _PATCHED}
-        acc.save_state = self._save_state
-        acc.load_state = self._load_state
-        acc.end_training = self._end_training
+        for name, method in zip(_PATCHED, (self._save_state, self._load_state, self._end_training)):
+            setattr(acc, name, _Routed(method, acc, name))
         if self._steplog is not None and acc._optimizers:
             self._steplog.targets()  # checks the prepared objects now, and counts steps from here
         return self

@@ -178,6 +178,22 @@ def _parts(directory: str) -> list[str]:
         return sorted(e.name.split(".")[0] for e in engine.list(f"{directory}/{composite.PARTS_DIR}"))
 
 
+def test_an_attached_accelerator_pickles_and_its_copy_is_plain(tmp_path: Path, make_setup) -> None:
+    """accelerate supports pickling an Accelerator (its test_can_pickle_dataloader); attach() must
+    not break that. The copy does not drive the checkpointer: it has the class's own methods."""
+    import pickle
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach() as ckpt:
+        copy_ = pickle.loads(pickle.dumps(acc))
+        assert type(copy_).save_state.__get__(copy_) == copy_.save_state
+        assert copy_.load_state == type(copy_).load_state.__get__(copy_)
+        assert ckpt.attached and acc.save_state.__doc__ == ckpt._save_state.__doc__
+        _train(acc, model, opt, sched, counter)
+        assert acc.save_state() == tmp_path / "checkpoints" / "checkpoint_0"
+    assert ckpt_core.CheckpointEngine().read_manifest(str(tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt"))
+
+
 def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_setup) -> None:
     acc, model, opt, sched, counter = make_setup()
     ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 2}}, directory=memory_root).attach()
