@@ -191,6 +191,9 @@ class CheckrunCheckpointIO(CheckpointIO):
             if self._steplog is not None and checkpoint_kind(url) == "regular":
                 self._steplog.after_load(self.engine, calling_strategy(), url)
             return loaded
+        except CheckpointNotFoundError as exc:  # Lightning's own wording (code matches on it), then ours
+            detail = "" if str(exc).startswith(f"no checkpoint at {url}") and str(exc).endswith(url) else f" ({exc})"
+            raise type(exc)(f"Checkpoint file not found: {url}{detail}") from None
         except (NotACheckpointError, CorruptCheckpointError):
             # A torch file over the manifest size limit is refused as an oversized manifest.
             if not self.fallback_to_torch or is_checkrun_file(url, self.config.storage.storage_options):

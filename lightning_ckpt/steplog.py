@@ -222,6 +222,11 @@ class _Replay(Callback):
     def arm(self, owner: LightningStepLog, engine: CheckpointEngine, url: str) -> None:
         self._armed = (owner, engine, url)
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``/pickle of ``trainer.callbacks``, as callbacks may do at fit start)
+        is not armed: the engine, which holds threads, stays with the trainer that loaded."""
+        return {**self.__dict__, "_armed": None}
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         armed, self._armed = self._armed, None
         if armed is not None:

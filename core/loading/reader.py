@@ -26,6 +26,7 @@ from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
 from ..storage.store import Store
+from ..storage.paths import BLOB_DIR, join
 from ..format.skeleton import unflatten, validate_skeleton
 
 log = logging.getLogger("ckpt_core")
@@ -188,7 +189,7 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
     except CorruptCheckpointError as exc:  # a missing or damaged blob: name the checkpoint too
         if where in str(exc):
             raise
-        raise type(exc)(f"{where}: {exc}") from exc
+        raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
     placer = Placer(map_location)
     try:
         tensors = [lt.flat.view(lt.record.shape) if i in plan.direct else
@@ -203,7 +204,7 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         try:
             data = fetch_blob(store, rec.blob)
         except CorruptCheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from exc
+            raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
         try:
             objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
                                               allowed_globals=config.load.allowed_globals,
@@ -285,3 +286,13 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     return report
 
 
+def _copied_hint(store: Store) -> str:
+    """For a load that misses blobs: a hint when the directory has no blobs at all (a manifest
+    copied or downloaded alone: ``torch.hub``, ``cp last.ckpt elsewhere``)."""
+    try:
+        alone = not store.fs.isdir(join(store.root, BLOB_DIR))
+    except Exception:  # noqa: BLE001 - only a hint: the error it adds to stands
+        return ""
+    return (f" (there is no {BLOB_DIR} folder beside the manifest: a checkrun .ckpt file holds no tensors, the "
+            "folder does; copy the whole directory, or make a self-contained file with `checkrun export`)"
+            if alone else "")

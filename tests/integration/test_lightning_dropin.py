@@ -314,6 +314,15 @@ def test_no_thread_left_after_fabric_saves(tmp_path, asynchronous: bool) -> None
 
 
 # ------------------------------------------------------------------------------------------------ point 9
+@pytest.mark.parametrize("fn", ["fit", "validate"])
+def test_a_missing_ckpt_path_fails_with_lightnings_message(tmp_path, fn: str) -> None:
+    """Code written against Lightning matches on its ``FileNotFoundError`` text."""
+    missing = str(tmp_path / "non_existing.ckpt")
+    t = trainer(str(tmp_path), make_io(), max_steps=1)
+    with pytest.raises(FileNotFoundError, match=f"^Checkpoint file not found: {re.escape(missing)}$"):
+        getattr(t, fn)(TinyModel(), ckpt_path=missing)
+
+
 def test_lightning_ckpt_load_from_checkpoint_accepts_torch_files(tmp_path) -> None:
     model, dm = TinyModel(hidden=5), TinyDataModule(note="torch")
     t = plain_trainer(max_steps=2, default_root_dir=str(tmp_path))

@@ -111,7 +111,7 @@ class _Crash(Exception):
     pass
 
 
-def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_kwargs=None, **mc_kwargs):
+def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_kwargs=None, extra=(), **mc_kwargs):
     """A fit with the step log; ``crash_at``: flush the log at that step, then raise (no save at the
     end, as after a kill). Returns the trainer and the module."""
     from lightning.pytorch import Callback
@@ -129,7 +129,7 @@ def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_
 
     module = Lit("adam")
     mc = ModelCheckpoint(dirpath=directory, **{"save_last": True, **mc_kwargs})
-    trainer = _trainer(plugins=[io], callbacks=[Crash(), mc], max_steps=max_steps, **(trainer_kwargs or {}))
+    trainer = _trainer(plugins=[io], callbacks=[Crash(), mc, *extra], max_steps=max_steps, **(trainer_kwargs or {}))
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
     except _Crash:
@@ -195,3 +195,30 @@ def test_a_checkpoint_saved_without_the_log_resumes_at_itself_with_a_warning(tmp
     with pytest.warns(RuntimeWarning, match="no step log after .*last.ckpt"):
         resumed, _ = _fit(directory, 6, ckpt_path="last", every_n_train_steps=4)
     assert resumed.global_step == 6 and resumed.strategy.checkpoint_io._steplog.replayed_steps == 0
+
+
+
+def test_callbacks_of_a_resuming_trainer_can_be_copied_and_pickled(tmp_path):
+    """Callbacks may deep-copy ``trainer.callbacks`` at fit start (Lightning's own tests do): the
+    replay callback the plugin inserts for a resume must copy and pickle (a copy is not armed), and
+    the resume still replays."""
+    import copy
+    import pickle
+
+    from lightning.pytorch import Callback
+
+    class CopyCallbacks(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            copy.deepcopy(trainer.callbacks)
+            pickle.dumps(ours(trainer))  # the test's own callbacks are local classes
+
+    def ours(trainer) -> list:
+        return [c for c in trainer.callbacks if type(c).__module__.startswith("lightning_ckpt")]
+
+    directory = str(tmp_path / "ckpts")
+    first, module = _fit(directory, 100, crash_at=10, every_n_train_steps=8)  # last.ckpt at 8; 9, 10 logged
+    at_10 = _live(first, module)
+    second, module = _fit(directory, 10, ckpt_path="last", every_n_train_steps=8, extra=[CopyCallbacks()])
+    assert second.global_step == 10
+    assert_bit_equal(_live(second, module), at_10)
+    assert ours(second) and pickle.loads(pickle.dumps(ours(second)))

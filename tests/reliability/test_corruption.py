@@ -177,3 +177,21 @@ def test_damage_is_detected_on_every_backend(any_root):
             assert not engine.verify(f"{url}/{name}").ok
             with pytest.raises(CheckrunError):
                 engine.load(f"{url}/{name}")
+
+
+def test_a_manifest_copied_without_its_folder_fails_saying_so(tmp_path):
+    """``cp run/last.ckpt elsewhere/`` (or a download of the file alone): the load names the
+    checkpoint, the missing blob, and that the data lives in the ``.checkrun`` folder."""
+    import shutil
+
+    from ckpt_core import CheckpointEngine, CorruptCheckpointError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.ones(3)}, str(tmp_path / "run" / "last.ckpt")).result()
+        shutil.copy(tmp_path / "run" / "last.ckpt", tmp_path / "elsewhere" / "last.ckpt")
+        with pytest.raises(CorruptCheckpointError, match=r"elsewhere/last.ckpt: missing blob .*there is no "
+                           r"\.checkrun/blobs folder beside the manifest.*checkrun export"):
+            engine.load(str(tmp_path / "elsewhere" / "last.ckpt"))
+        assert engine.load(str(tmp_path / "run" / "last.ckpt"))["w"].tolist() == [1.0, 1.0, 1.0]
