@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import threading
 import time
 import warnings
@@ -261,6 +262,8 @@ class AcceleratorCheckpointer:
         if self._steplog is not None:  # rank 0 commits its log before any rank replays it
             self._steplog.before_load()
         url = self._raise_or(self._group.broadcast(self._resolve(path) if self.rank == 0 else None))
+        if isinstance(url, paths.NativeFolder):
+            return self._load_native(url.path, model_kwargs)
         index = layout.read_index(self._engine, url, self.storage_options)
         urls = layout.part_urls(url, index)
         acc = self.accelerator
@@ -291,6 +294,8 @@ class AcceleratorCheckpointer:
             raise UnsupportedDistributedTypeError(f"accelerate_ckpt: {self.unsupported}")
         self.wait()
         found = self._group.broadcast(self._resolve(directory) if self.rank == 0 else None)
+        if isinstance(found, paths.NativeFolder):
+            return found.path
         return None if isinstance(found, CheckpointNotFoundError) else layout.folder_of(self._raise_or(found))
 
     # -- close -----------------------------------------------------------------------------------
@@ -412,8 +417,9 @@ class AcceleratorCheckpointer:
 
     def _refuse_existing(self, target: Target) -> None:
         """Before any load, automatic naming never replaces a folder already there (a rerun into the same
-        project: a checkpoint of an earlier run, checkrun's or accelerate's). After a ``load_state`` the
-        iteration continues from the checkpoint loaded, and a save replaces the later ones (a rewind).
+        project: a checkpoint of an earlier run, checkrun's or accelerate's). After a checkrun
+        ``load_state`` the iteration continues from the checkpoint loaded (unless this process's
+        iteration is already further), and a save replaces a later one of that name (a rewind).
         Every rank looks before any creates its own, and all raise if one found it (a gather on the
         training's process group, as accelerate's ``wait_for_everyone``)."""
         found = int(composite.folder_exists(target.folder, self.storage_options, self.config))
@@ -433,11 +439,15 @@ class AcceleratorCheckpointer:
             return os.fspath(output_dir)
         return layout.join(root, target.name) if "://" in root else os.path.join(root, target.name)
 
-    def _resolve(self, path: str | os.PathLike | None) -> str | BaseException:
-        """Rank 0: the index to load (an exception object is broadcast and raised on every rank)."""
+    def _resolve(self, path: str | os.PathLike | None) -> str | paths.NativeFolder | BaseException:
+        """Rank 0: the index to load, or a folder accelerate itself wrote (``fallback_to_accelerate``);
+        an exception object is broadcast and raised on every rank."""
+        root = self._default_root() or self._last_root
         try:
-            return paths.index_for(self._engine, path, self._default_root() or self._last_root,
-                                   self.storage_options)
+            return paths.index_for(self._engine, path, root, self.storage_options)
+        except CheckpointNotFoundError as exc:
+            native = paths.native_folder(path, root) if self.options.fallback_to_accelerate else None
+            return exc if native is None else native
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the broadcast
             return exc
 
@@ -462,6 +472,18 @@ class AcceleratorCheckpointer:
             raise UnsupportedDistributedTypeError(f"accelerate_ckpt: {self.unsupported}; accelerate's own "
                                                   f"save_state cannot write to {root}")
         return str(type(self.accelerator).save_state(self.accelerator, root))
+
+    def _load_native(self, folder: str, model_kwargs: dict) -> str:
+        """Every rank: a folder accelerate's own ``save_state`` wrote, loaded by accelerate's own
+        ``load_state``; automatic naming then continues after it, as after a checkrun load."""
+        log.info("accelerate_ckpt: %s was written by accelerate's own save_state; loading it with "
+                 "accelerate's load_state", folder)
+        type(self.accelerator).load_state(self.accelerator, folder, **model_kwargs)
+        number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(folder.rstrip("/")))
+        if number is not None and self.accelerator.project_configuration.automatic_checkpoint_naming:
+            pc = self.accelerator.project_configuration
+            pc.iteration = max(int(number.group(1)) + 1, int(pc.iteration))
+        return folder
 
     def _native_load(self, path: Any, model_kwargs: dict) -> str:
         path = None if path == "latest" else path

@@ -44,6 +44,12 @@ class AdapterOptions:
     participation_timeout_seconds: float = 10.0
     """How long rank 0 waits for another rank's part of a checkpoint before committing it without
     (that rank did not call ``save_state``: e.g. under ``if accelerator.is_main_process``)."""
+    fallback_to_accelerate: bool = True
+    """``load_state`` of a local folder that accelerate's own ``save_state`` wrote (``model.safetensors``,
+    ``optimizer.bin``, ``random_states_0.pkl``...; a project from before checkrun was attached), or,
+    with no checkrun checkpoint, of the newest such folder: load it with accelerate's own
+    ``load_state`` (which unpickles ``register_for_checkpointing`` objects, as it always does). False:
+    raise ``CheckpointNotFoundError`` instead."""
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "AdapterOptions":
@@ -58,6 +64,8 @@ class AdapterOptions:
         if opts.on_unsupported not in ("fallback", "error"):
             raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.on_unsupported: must be 'fallback' or 'error', "
                               f"got {opts.on_unsupported!r}")
+        if not isinstance(opts.fallback_to_accelerate, bool):
+            raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.fallback_to_accelerate: expected true or false")
         if opts.directory is not None and not isinstance(opts.directory, str):
             raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.directory: expected a string")
         for key in ("collective_timeout_seconds", "participation_timeout_seconds"):

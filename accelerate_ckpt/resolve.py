@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from dataclasses import dataclass
 
 import ckpt_core
 from ckpt_core import CheckpointEngine, CheckpointNotFoundError, CheckrunError
@@ -91,3 +93,42 @@ def _exists(engine: CheckpointEngine, index: str, storage_options: dict | None) 
     except CheckpointNotFoundError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class NativeFolder:
+    """A checkpoint folder accelerate's own ``save_state`` wrote (what ``load_state`` then loads with
+    accelerate's own loader, ``fallback_to_accelerate``)."""
+    path: str
+
+
+_NATIVE_PREFIXES = ("model", "pytorch_model", "optimizer", "scheduler", "sampler", "scaler", "random_states_",
+                    "custom_checkpoint_", "dl_state_dict")
+_NATIVE_SUFFIXES = (".safetensors", ".bin", ".pkl", ".pt")
+
+
+def native_folder(path: str | os.PathLike | None, default_root: str | None) -> NativeFolder | None:
+    """For a ``load_state(path)`` that found no checkrun checkpoint: the local folder accelerate wrote
+    that accelerate itself would load (``path`` itself; for None/"latest", or a directory of folders,
+    its ``checkpoint_N`` with the highest N, as accelerate picks), or None."""
+    text = default_root if path is None or path == "latest" else layout.normalize(path)
+    if text is None or ("://" in text and not text.startswith("file://")):
+        return None
+    text = text.removeprefix("file://")
+    if _is_native(text):
+        return NativeFolder(text)
+    try:
+        numbered = [(int(m.group(1)), name) for name in os.listdir(text)
+                    if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and _is_native(os.path.join(text, name))]
+    except OSError:
+        return None
+    return NativeFolder(os.path.join(text, max(numbered)[1])) if numbered else None
+
+
+def _is_native(folder: str) -> bool:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return INDEX_NAME not in names and any(n.startswith(_NATIVE_PREFIXES) and n.endswith(_NATIVE_SUFFIXES)
+                                           for n in names)

@@ -97,7 +97,8 @@ def apply_replicated(accelerator: Any, tree: dict, models: list, model_kwargs: d
     for obj, st in zip(accelerator._custom_objects, tree["custom"]):
         obj.load_state_dict(st)
     accelerator.step = int(tree["step"])
-    accelerator.project_configuration.iteration = int(tree["iteration"])
+    pc = accelerator.project_configuration  # never back: an iteration set or reached in this process stays
+    pc.iteration = max(int(tree["iteration"]), int(pc.iteration))
 
 
 def apply_rank(accelerator: Any, tree: dict) -> None:

@@ -156,7 +156,7 @@ def test_attach_roundtrip_hooks_and_detach(tmp_path: Path, make_setup) -> None:
     assert (first, second) == (Path(root, "checkpoint_0"), Path(root, "checkpoint_1"))  # accelerate's folders
     assert acc.load_state(first) == str(first)
     got = _snapshot(acc, model, opt, sched, counter)
-    assert_same(expected, got)
+    assert_same({**expected, "iteration": 2}, got)  # the iteration never goes back: no save replaces checkpoint_1
     assert acc.load_state() == str(second) and acc.save_iteration == 2 and counter.n == 4
     # hooks get the checkpoint's folder, as with accelerate's own save_state/load_state
     assert seen == [("save", 1, str(first)), ("save", 1, str(second)), ("load", 1, str(first)),
@@ -200,23 +200,23 @@ def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_s
     for _ in range(2):
         _train(acc, model, opt, sched, counter, 1)
         acc.save_state()
-    acc.load_state(f"{memory_root}/checkpoint_0")  # resume from the older one: iteration -> 1
+    acc.load_state(f"{memory_root}/checkpoint_0")  # resume from the older one (the iteration stays 2)
     for _ in range(2):
         _train(acc, model, opt, sched, counter, 1)
-        acc.save_state()  # checkpoint_1 (replaces the old one), then checkpoint_2
+        acc.save_state()  # checkpoint_2, then checkpoint_3
     ckpt.wait()
-    assert _names(memory_root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]  # 0: protected
-    # the replaced checkpoint_1's part is gone
-    assert _parts(memory_root) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert _names(memory_root) == ["checkpoint_0", "checkpoint_2", "checkpoint_3"]  # 0: protected
+    assert _parts(memory_root) == ["checkpoint_0", "checkpoint_2", "checkpoint_3"]
     ckpt.close()
     # a later process did not resume from checkpoint_0: its retention removes it like any other
     acc2, *rest = make_setup()
     with AcceleratorCheckpointer(acc2, {"retention": {"keep_last": 2}}, directory=memory_root) as again:
-        acc2.load_state()
+        acc2.load_state(f"{memory_root}/checkpoint_2")  # a fresh process rewinds: replaces checkpoint_3
         assert acc2.save_iteration == 3
         acc2.save_state()
         again.wait()
         assert _names(memory_root) == ["checkpoint_2", "checkpoint_3"]
+        assert _parts(memory_root) == ["checkpoint_2", "checkpoint_3"]  # the replaced one's part is gone
 
 
 @pytest.mark.parametrize("damage", ["tampered part", "missing part", "missing blob"])

@@ -154,10 +154,70 @@ def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues
         assert Path(acc.save_state()).name == "checkpoint_1"
         _train(acc, model, opt)
         assert Path(acc.save_state()).name == "checkpoint_2"
-        acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_1"))  # a rewind: numbering continues
+        acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_1"))
         assert _same(_weights(acc, model), saved)
-        assert Path(acc.save_state()).name == "checkpoint_2"  # replaces the later one, as documented
+        assert Path(acc.save_state()).name == "checkpoint_3"  # the iteration never goes back, as accelerate's
         ckpt.wait()
+
+
+def test_checkpoints_accelerate_wrote_before_attaching_still_load(tmp_path: Path) -> None:
+    """The one attach() line added to a project whose checkpoints accelerate itself wrote: load_state()
+    (and latest()) find the newest of them and accelerate's own loader restores it; naming continues
+    after it, and checkrun's later checkpoints win. ``fallback_to_accelerate: false`` refuses."""
+    from accelerate_ckpt import CheckpointExistsError
+
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    natives = []
+    for _ in range(2):
+        _train(acc, model, opt)
+        natives.append((str(acc.save_state()), _weights(acc, model)))  # accelerate's own save_state
+    acc.end_training()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, model, opt = _accelerator(tmp_path / "proj", seed=1)
+    with attach(acc) as ckpt:
+        assert ckpt.latest() == natives[1][0]
+        assert acc.load_state(natives[0][0]) == natives[0][0]
+        assert _same(_weights(acc, model), natives[0][1])
+        with pytest.raises(CheckpointExistsError, match="checkpoint_1 already exists"):
+            acc.save_state()  # never over a folder accelerate wrote (accelerate raises there too)
+        assert acc.load_state() == natives[1][0]
+        assert _same(_weights(acc, model), natives[1][1])
+        _train(acc, model, opt)
+        mine = _weights(acc, model)
+        assert Path(acc.save_state()).name == "checkpoint_2"  # naming continues after the one loaded
+        _train(acc, model, opt)
+        assert acc.load_state() == str(tmp_path / "proj" / "checkpoints" / "checkpoint_2")  # checkrun's, newest
+        assert _same(_weights(acc, model), mine)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, model, opt = _accelerator(tmp_path / "proj2")
+    acc.save_state()
+    with attach(acc, {"accelerate": {"fallback_to_accelerate": False}}) as ckpt:
+        assert ckpt.latest() is None
+        with pytest.raises(ckpt_core.CheckpointNotFoundError):
+            acc.load_state()
+
+
+def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
+    """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
+    checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    with attach(acc):
+        for _ in range(3):
+            _train(acc, model, opt)
+            acc.save_state()
+        kept = _weights(acc, model)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, model, opt = _accelerator(tmp_path / "proj", seed=1)
+    acc.project_configuration.iteration = 3
+    with attach(acc):
+        acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_1"))
+        _train(acc, model, opt)
+        assert Path(acc.save_state()).name == "checkpoint_3"
+        assert acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_2"))
+        assert _same(_weights(acc, model), kept)
 
 
 def test_total_limit_has_removed_the_older_folders_when_the_next_save_state_returns(tmp_path: Path) -> None:
