@@ -188,14 +188,16 @@ class _Decoder:
                 _fail(path, f"object ref {_short(v)} out of range (have {self.n_objects})")
             return None if self.objects is None else self.objects[v]
         grad = False
-        if tag == T_PARAM:
+        if tag == T_PARAM or type(v) is list:
             if type(v) is not list or len(v) != 2 or type(v[1]) is not bool:
-                _fail(path, f"{T_PARAM} needs [index, requires_grad], got {_short(v)}")
+                _fail(path, f"{tag} needs [index, requires_grad], got {_short(v)}")
             v, grad = v
         if type(v) is not int or not 0 <= v < self.n_tensors:
             _fail(path, f"tensor ref {_short(v)} out of range (have {self.n_tensors})")
-        if self.tensors is None or tag == T_TENSOR:
-            return None if self.tensors is None else self.tensors[v]
+        if self.tensors is None:
+            return None
+        if tag == T_TENSOR:
+            return self._grad_tensor(v, path) if grad else self.tensors[v]
         param = self._params.get((v, grad))
         if param is None:
             try:
@@ -204,6 +206,19 @@ class _Decoder:
                 _fail(path, f"cannot rebuild nn.Parameter: {exc}")
             self._params[(v, grad)] = param  # tied parameters stay one object
         return param
+
+    def _grad_tensor(self, v: int, path: str | None) -> torch.Tensor:
+        """Tensor ``v`` as a leaf that requires grad (one object for every ref to it)."""
+        tensor = self._params.get((v, "tensor"))
+        if tensor is None:
+            tensor = self.tensors[v]
+            if not (tensor.requires_grad and tensor.is_leaf):
+                try:
+                    tensor = tensor.detach().requires_grad_(True)
+                except RuntimeError as exc:  # e.g. an integer tensor
+                    _fail(path, f"cannot make tensor {v} require grad: {exc}")
+            self._params[(v, "tensor")] = tensor
+        return tensor
 
 
 def _check_counts(n_tensors: int, n_objects: int, max_depth: int) -> None:

@@ -11,6 +11,7 @@ every JSON object is a tag (so user keys such as "$t" are never ambiguous)::
     {"$d": [k1, v1, k2, v2]}    dict (keys are encoded values: "a", 3, {"$tuple": [1, 2]})
     {"$od": [k1, v1], "$meta": m}  OrderedDict; "$meta" (optional) is its _metadata
     {"$t": 3}  tensor 3          {"$p": [3, true]}  nn.Parameter(tensor 3, requires_grad)
+    {"$t": [3, true]}  tensor 3 with requires_grad (a leaf, as torch.load rebuilds it)
     {"$o": 0}  object 0          {"$tuple": [...]}  {"$f": "nan"|"inf"|"-inf"|"nan:<bits>"}
     {"$i": "-0x1f"}  big int     {"$b": "<base64>"}  {"$c": [re, im]}  complex
     {"$dtype": "float32"}        {"$size": [2, 3]}   {"$device": "cuda:0"}
@@ -279,6 +280,8 @@ class _Encoder:
             self.tensors.append(TensorLeaf(self._unique(path), tensor))
         if type(tensor) is torch.nn.Parameter:
             return {T_PARAM: [index, bool(tensor.requires_grad)]}
+        if tensor.requires_grad:  # a plain tensor that requires grad (a learnable scalar) keeps the flag
+            return {T_TENSOR: [index, True]}
         return {T_TENSOR: index}
 
     def _object_ref(self, obj: Any, path: str | None) -> int:

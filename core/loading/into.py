@@ -72,7 +72,8 @@ def leaf_matches(manifest: Manifest, leaves: list[int], into: Any) -> dict[int, 
     while stack:
         node, target = stack.pop()
         if type(node) is dict and (_TENSOR in node or _PARAM in node):
-            pos = node[_TENSOR] if _TENSOR in node else node[_PARAM][0]
+            ref = node[_TENSOR] if _TENSOR in node else node[_PARAM]
+            pos = ref[0] if type(ref) is list else ref
             if _fits(target, manifest.tensors[leaves[pos]]):
                 out[pos] = target
         elif type(node) in (list, dict):

@@ -197,6 +197,20 @@ def test_parameters_rebuilt_and_tied_weights_stay_tied() -> None:
     assert out["a"] is out["b"][0] is shared
 
 
+def test_plain_tensors_keep_requires_grad_like_torch_load() -> None:
+    """A learnable tensor that is not a Parameter (SAC's log_alpha in a Fabric state): torch.save
+    keeps its requires_grad, and so must checkrun; refs to it stay one object."""
+    log_alpha = torch.zeros(1, requires_grad=True)
+    state = {"log_alpha": log_alpha, "again": [log_alpha], "derived": log_alpha * 2, "plain": torch.ones(2)}
+    flat, out = roundtrip(state)
+    assert flat.skeleton["$d"][1] == {"$t": [0, True]} and flat.skeleton["$d"][7] == {"$t": 2}
+    assert out["log_alpha"].requires_grad and out["log_alpha"].is_leaf and out["again"][0] is out["log_alpha"]
+    assert out["derived"].requires_grad and out["derived"].is_leaf  # as torch.load rebuilds a non-leaf
+    assert not out["plain"].requires_grad
+    with pytest.raises(FormatError, match="require grad"):
+        unflatten({"$t": [0, True]}, [torch.zeros(2, dtype=torch.int64)], [])
+
+
 def test_optimizer_state_keys_and_collisions() -> None:
     # Shaped like Adam's state_dict (a real step() costs seconds of first-use setup).
     adam = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
@@ -277,7 +291,8 @@ HOSTILE = [
     # unknown or malformed tags, refs out of range or of the wrong type
     {"$x": 1}, {"a": 1}, {}, {"$meta": 1}, {"$t": 0, "$o": 0}, {"$od": [], "$meta": 1, "x": 2},
     {"$t": 5}, {"$t": -1}, {"$t": True}, {"$t": 1.0}, {"$t": "0"}, {"$o": 0}, [1, [2, {"$t": 0.5}]],
-    {"$p": [0]}, {"$p": [0, 1]}, {"$p": [9, True]},
+    {"$p": [0]}, {"$p": [0, 1]}, {"$p": [9, True]}, {"$t": [0]}, {"$t": [0, 1]}, {"$t": [9, True]},
+    {"$t": [0, True, 1]}, {"$t": [True, True]},
     # dicts: odd lists, unhashable / non-plain / duplicate keys
     {"$d": [1]}, {"$d": "ab"}, {"$d": [[1], 2]}, {"$d": [{"$t": 0}, 1]}, {"$d": [{"$d": []}, 1]},
     {"$d": ["a", 1, "a", 2]}, {"$d": [1, 1, True, 2]}, {"$d": [{"$size": "x"}, 1]}, {"$od": {"a": 1}},
