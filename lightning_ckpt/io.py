@@ -93,7 +93,9 @@ class CheckrunCheckpointIO(CheckpointIO):
         """Number of ``save_checkpoint`` calls this process handled (Lightning calls it on rank 0 only)."""
 
     def _reset_runtime(self, keep_callbacks: bool = False) -> None:
-        """Everything that holds threads or per-run bookkeeping (dropped on pickling and at teardown)."""
+        """Everything that holds threads or per-run bookkeeping (dropped on pickling, at teardown and in
+        a forked child)."""
+        self._pid = os.getpid()
         self._engine: Optional[CheckpointEngine] = None
         self._lossless: Optional[CheckpointEngine] = None
         if not keep_callbacks:
@@ -107,6 +109,7 @@ class CheckrunCheckpointIO(CheckpointIO):
     @property
     def engine(self) -> CheckpointEngine:
         """The engine for regular checkpoints (created on first use, closed at ``teardown``)."""
+        self._after_fork()
         if self._engine is None:
             self._engine = self._new_engine(self.config)
         return self._engine
@@ -114,12 +117,21 @@ class CheckrunCheckpointIO(CheckpointIO):
     @property
     def lossless_engine(self) -> CheckpointEngine:
         """The engine for Lightning's temporary and HPC checkpoints (the main one if already lossless)."""
+        self._after_fork()
         cfg = lossless_config(self.config)
         if cfg is self.config:
             return self.engine
         if self._lossless is None:
             self._lossless = self._new_engine(cfg)
         return self._lossless
+
+    def _after_fork(self) -> None:
+        """In a process forked from the one that made the engines (ddp_fork/ddp_notebook ranks, forked
+        by Lightning from the process that saved or loaded before the launch): start afresh, as a
+        ddp_spawn rank's unpickled copy does. The parent's saves stay the parent's; a load in the
+        child waits for them (``inflight``)."""
+        if self._pid != os.getpid():
+            self._reset_runtime(keep_callbacks=True)
 
     def _new_engine(self, cfg: EngineConfig) -> CheckpointEngine:
         engine = CheckpointEngine(cfg)
@@ -319,7 +331,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         return [e for e in (self._engine, self._lossless) if e is not None]
 
     def __getstate__(self) -> dict:
-        """Picklable for ddp_spawn: engines, handles and callbacks stay in this process."""
+        """Picklable for ddp_spawn: engines, handles and callbacks stay in this process. Pickling
+        waits until no save is in flight in this process: the copy goes to processes (spawned ranks)
+        that may load at once what this process (this plugin, or another Trainer's) is still saving,
+        and cannot see its saves."""
+        if self._pid == os.getpid():
+            inflight.wait_here()
         state = self.__dict__.copy()
         state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _save_steps={},
                      _removed_dirs=set(), _steplog=LightningStepLog() if self._steplog is not None else None)

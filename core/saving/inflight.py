@@ -5,8 +5,12 @@ Trainer's ``ckpt_path=``, ``load_from_checkpoint``, another Accelerator). A load
 check of a path must see a save to it that any engine of this process has not committed yet.
 
 Keys are store URLs (``Store.url(name)``), the same string a ``SaveHandle.path`` holds. Called from
-any thread. A forked child (DataLoader workers) starts with an empty registry: it inherits no
-engine obligations (``lifecycle`` clears it after fork).
+any thread. A forked child (DataLoader workers, Lightning's ddp_fork ranks) starts with an empty
+registry: it inherits no engine obligations. But it may load what the parent is still saving
+(``trainer.save_checkpoint(p)`` then ``validate(ckpt_path=p)`` with ddp_fork forks the ranks at
+once): each save in flight holds a pipe whose write end only the parent keeps (a child closes its
+copy at fork); a child's ``wait`` of a URL the parent was saving at fork time reads the pipe, which
+ends when the parent's save ends (or the parent dies).
 
 Across processes: under torch.distributed (world > 1) a save is also counted in the job's key-value
 store (per URL and in total), ``wait`` waits for the other processes' saves of that URL too, and
@@ -22,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -32,6 +37,10 @@ SHARED_POLL_SECONDS = 0.05
 
 _cond = threading.Condition()
 _paths: collections.Counter = collections.Counter()
+_pipes: dict[str, collections.deque] = {}
+"""URL -> (read fd, write fd) of each of its saves in flight, oldest first (see the module docstring)."""
+_parents: dict[str, list[int]] = {}
+"""In a forked child: URL -> read fds of the saves the parent had in flight at fork time."""
 _counted: dict[str, collections.deque] = {}
 """URL -> the key-value store each of its saves in flight was counted in (None: none), oldest
 first: ``end`` takes the count back where ``begin`` put it, even if the process group changed
@@ -39,17 +48,38 @@ in between (destroyed, or another one initialized), instead of driving a new job
 zero, which would hide that job's next save from its loads."""
 
 
+def _key(url: str) -> str:
+    """The registry's key of ``url``: one file spelt several ways (``run/./a.ckpt``,
+    ``run/sub/../a.ckpt``, a symlinked directory) is one key; local paths are resolved, URLs of
+    other filesystems are kept as given (an object store's ``a/./b`` is another object)."""
+    if "://" in url and not url.startswith("file://"):
+        return url
+    trailing = "/" if url.endswith("/") else ""
+    return os.path.realpath(url.removeprefix("file://")) + trailing
+
+
 def begin(url: str) -> None:
     """Record a save to ``url`` (called by the engine before ``save`` returns)."""
+    url = _key(url)
     store = _shared_store()
     with _cond:
         _paths[url] += 1
         _counted.setdefault(url, collections.deque()).append(store)
+        _pipes.setdefault(url, collections.deque()).append(_pipe())
     _shared_add(store, url, 1)
+
+
+def _pipe() -> tuple[int, int] | None:
+    try:
+        return os.pipe()  # not inherited across exec
+    except OSError as exc:  # out of descriptors: a forked child then does not wait for this save
+        log.debug("checkrun: no pipe for a save in flight: %s", exc)
+        return None
 
 
 def end(url: str) -> None:
     """The save to ``url`` committed or failed: wake whoever waits for it."""
+    url = _key(url)
     with _cond:
         _paths[url] -= 1
         if _paths[url] <= 0:
@@ -58,18 +88,26 @@ def end(url: str) -> None:
         store = stores.popleft() if stores else None
         if not stores:
             _counted.pop(url, None)
+        pipes = _pipes.get(url)
+        pipe = pipes.popleft() if pipes else None
+        if not pipes:
+            _pipes.pop(url, None)
+        for fd in pipe or ():
+            os.close(fd)  # the write end's close is what a forked child's wait reads
         _cond.notify_all()
     _shared_add(store, url, -1)
 
 
 def pending(url: str) -> bool:
     """True while a save to ``url`` is in flight in this process."""
+    url = _key(url)
     with _cond:
         return _paths[url] > 0 if url in _paths else False
 
 
 def pending_under(prefix: str) -> list[str]:
-    """URLs with a save in flight whose URL starts with ``prefix`` (a directory's URL)."""
+    """URLs (resolved, see ``_key``) with a save in flight under ``prefix`` (a directory's URL)."""
+    prefix = _key(prefix)
     with _cond:
         return [u for u in _paths if u.startswith(prefix)]
 
@@ -77,10 +115,13 @@ def pending_under(prefix: str) -> list[str]:
 def wait(url: str, timeout: float | None = None) -> bool:
     """Block until no save to ``url`` is in flight in this process or, under torch.distributed, in
     another process of the job; False on timeout."""
+    url = _key(url)
     deadline = None if timeout is None else time.monotonic() + timeout
     with _cond:
         if not _cond.wait_for(lambda: url not in _paths, timeout):
             return False
+    if not _wait_parent([url], deadline):
+        return False
     pause = 0.001
     while _shared_add(_shared_store(), url, 0) > 0:
         if deadline is not None and time.monotonic() >= deadline:
@@ -88,6 +129,12 @@ def wait(url: str, timeout: float | None = None) -> bool:
         time.sleep(pause)  # another process's save: nothing to be woken by here
         pause = min(2 * pause, SHARED_POLL_SECONDS)
     return True
+
+
+def wait_here(timeout: float | None = None) -> bool:
+    """Block until no save is in flight in this process (any URL); False on timeout."""
+    with _cond:
+        return _cond.wait_for(lambda: not _paths, timeout)
 
 
 def _shared_store() -> Any:
@@ -135,21 +182,62 @@ def _shared_add(store: Any, url: str | None, delta: int) -> int:
 
 
 def wait_under(prefix: str, timeout: float | None = None) -> bool:
-    """Block until no save to a URL under ``prefix`` is in flight; False on timeout."""
+    """Block until no save to a URL under ``prefix`` is in flight (in a forked child: nor one the
+    parent had in flight at fork time); False on timeout."""
+    prefix = _key(prefix)
+    deadline = None if timeout is None else time.monotonic() + timeout
     with _cond:
-        return _cond.wait_for(lambda: not any(u.startswith(prefix) for u in _paths), timeout)
+        if not _cond.wait_for(lambda: not any(u.startswith(prefix) for u in _paths), timeout):
+            return False
+    return _wait_parent([u for u in list(_parents) if u.startswith(prefix)], deadline)
+
+
+def _wait_parent(urls: list[str], deadline: float | None) -> bool:
+    """In a forked child: wait for the parent's saves to ``urls`` that were in flight at fork time."""
+    for url in urls:
+        for fd in list(_parents.get(url, ())):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return False
+            with _cond:  # ended (EOF) or the parent died: never wait for it again
+                if fd in _parents.get(url, ()):
+                    _parents[url].remove(fd)
+                    os.close(fd)
+    return True
+
+
+_forking = {"held": False}
+
+
+def _before_fork() -> None:
+    # No begin/end half done: every save's pipe is registered, or not yet made. Bounded: the lock is
+    # only held for a few dict operations, but a fork must never hang on it.
+    _forking["held"] = _cond.acquire(timeout=5.0)
+
+
+def _after_fork_in_parent() -> None:
+    if _forking["held"]:
+        _forking["held"] = False
+        _cond.release()
 
 
 def _reset_in_child() -> None:
-    # The parent's saves belong to the parent: a child never waits for them (and its copy of the
-    # condition's lock may have been held by a parent thread at fork time). A child that starts a
-    # process group of its own (ddp_fork ranks) counts its own saves there.
-    global _cond, _paths, _counted
-    _cond, _paths, _counted = threading.Condition(), collections.Counter(), {}
+    # The parent's saves belong to the parent: a child never finishes them, only waits for them to
+    # end (its copies of their write ends are closed, so only the parent's close ends a pipe). A child
+    # that starts a process group of its own (ddp_fork ranks) counts its own saves there.
+    global _cond, _paths, _counted, _pipes, _parents
+    _forking["held"] = False
+    parents: dict[str, list[int]] = {url: list(fds) for url, fds in _parents.items()}
+    for url, pipes in _pipes.items():
+        for pipe in pipes:
+            if pipe is not None:
+                os.close(pipe[1])
+                parents.setdefault(url, []).append(pipe[0])
+    _cond, _paths, _counted, _pipes, _parents = threading.Condition(), collections.Counter(), {}, {}, parents
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_reset_in_child)
 
 
 def _url(path: "str | os.PathLike", storage_options: dict | None) -> str:

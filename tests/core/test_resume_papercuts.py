@@ -68,3 +68,24 @@ def _open_when_waited_for(gate: threading.Event) -> None:
                 break
         threading.Event().wait(0.0005)
     gate.set()
+
+
+@pytest.mark.parametrize("spelling", ["dot", "dotdot", "symlink", "double slash"])
+def test_a_save_in_flight_is_seen_under_every_spelling_of_its_path(tmp_path, spelling) -> None:
+    """``run/./a.ckpt``, ``run/sub/../a.ckpt``, a symlinked directory: one file, one save in flight
+    (before, a load under another spelling did not wait and found no checkpoint)."""
+    import os
+
+    (tmp_path / "run" / "sub").mkdir(parents=True)
+    os.symlink(tmp_path / "run", tmp_path / "link")
+    saved = str(tmp_path / "run" / "a.ckpt")
+    other = {"dot": f"{tmp_path}/run/./a.ckpt", "dotdot": f"{tmp_path}/run/sub/../a.ckpt",
+             "symlink": f"{tmp_path}/link/a.ckpt", "double slash": f"{tmp_path}/run//a.ckpt"}[spelling]
+    inflight.begin(saved)
+    try:
+        assert inflight.pending(other) and not inflight.wait(other, timeout=0)
+        assert not inflight.wait_under(os.path.dirname(other) + "/", timeout=0)
+        assert ckpt_core.save_in_flight(other)
+    finally:
+        inflight.end(saved)
+    assert not inflight.pending(other) and inflight.wait(other, timeout=0)

@@ -104,3 +104,82 @@ def test_dataloader_workers_exit_cleanly_during_a_save(tmp_path, gate, monkeypat
     assert terminated == [], f"{len(terminated)} of {len(shut_down)} DataLoader workers hung at exit"
     assert sorted(p.name for p in (tmp_path / "ckpts").glob("*.ckpt")) == [
         "epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+
+
+def _child_loads(url: str, path: str, out) -> None:
+    out.put(("waits", not ckpt_core.wait_for_save(url, timeout=0)))  # the parent's save is in flight
+    ckpt_core.wait_for_save(url)  # (an engine's load of ``url`` waits the same way)
+    try:
+        with ckpt_core.CheckpointEngine() as engine:
+            out.put(("loaded", engine.load(path)["w"].sum().item()))
+    except ckpt_core.CheckrunError as exc:
+        out.put(("failed", str(exc)))
+
+
+def test_a_forked_child_that_loads_waits_for_the_parents_save(tmp_path, gate) -> None:
+    """Lightning's ddp_fork/ddp_notebook ranks are forked by the process that may have just saved
+    (``trainer.save_checkpoint(p)`` then ``validate(ckpt_path=p)``): a child's load of a path the
+    parent was saving at fork time waits for that save (before: CheckpointNotFoundError)."""
+    url, path = f"gatefile://{tmp_path}/a.ckpt", f"{tmp_path}/a.ckpt"  # the child reads past the gate
+    engine = ckpt_core.CheckpointEngine()
+    try:
+        handle = engine.save({"w": torch.arange(1000.0)}, url)
+        FaultyFS.entered.acquire()  # the save is inside a storage write, held by the gate
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_child_loads, args=(url, path, out))
+        child.start()
+        assert out.get(timeout=HANG_GUARD_S) == ("waits", True)
+        gate.set()
+        handle.result()
+        assert out.get(timeout=HANG_GUARD_S) == ("loaded", float(torch.arange(1000.0).sum()))
+        child.join(HANG_GUARD_S)
+        assert child.exitcode == 0
+        # a child forked after the save ended has nothing to wait for
+        later = ctx.Process(target=_child_loads, args=(url, path, out))
+        later.start()
+        assert out.get(timeout=HANG_GUARD_S) == ("waits", False)
+        assert out.get(timeout=HANG_GUARD_S)[0] == "loaded"
+        later.join(HANG_GUARD_S)
+    finally:
+        gate.set()
+        engine.close()
+
+
+def _plugin_child(plugin, path: str, out) -> None:
+    try:
+        out.put(("loaded", plugin.load_checkpoint(path)["step"]))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        out.put(("failed", f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_plugin_used_before_a_fork_works_in_the_forked_child(tmp_path) -> None:
+    """ddp_fork ranks inherit the plugin of the process that saved or loaded before the launch:
+    the child makes engines of its own (before: "this CheckpointEngine belongs to process P")."""
+    plugin = make_io()
+    plugin.save_checkpoint({"step": 7}, str(tmp_path / "a.ckpt"))
+    plugin.load_checkpoint(str(tmp_path / "a.ckpt"))  # the engine exists in the parent
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_plugin_child, args=(plugin, str(tmp_path / "a.ckpt"), out))
+    child.start()
+    assert out.get(timeout=HANG_GUARD_S) == ("loaded", 7)
+    child.join(HANG_GUARD_S)
+    assert child.exitcode == 0
+
+
+def test_pickling_the_plugin_for_spawned_ranks_waits_for_saves_in_flight(tmp_path, monkeypatch) -> None:
+    """ddp_spawn ranks get a pickled copy of the plugin and cannot see this process's saves: pickling
+    waits until none is in flight (any engine of the process)."""
+    import pickle
+
+    from ckpt_core.saving import inflight
+
+    calls = []
+    original = inflight.wait_here
+    monkeypatch.setattr(inflight, "wait_here", lambda *a, **k: calls.append(a) or original(*a, **k))
+    plugin = make_io()
+    plugin.save_checkpoint({"step": 1}, str(tmp_path / "a.ckpt"))
+    copy_ = pickle.loads(pickle.dumps(plugin))
+    assert calls and copy_._engine is None
+    assert copy_.load_checkpoint(str(tmp_path / "a.ckpt"))["step"] == 1
