@@ -1,6 +1,6 @@
 """Drop-in hooks: Lightning's own loaders and ``ModelCheckpoint`` see checkrun checkpoints and saves in flight.
 
-Lightning reads and checks checkpoint files in three places that never reach a ``CheckpointIO`` plugin:
+Lightning reads and checks checkpoint files in four places that never reach a ``CheckpointIO`` plugin:
 
 * ``LightningModule/LightningDataModule.load_from_checkpoint`` call ``pl_load`` (Lightning's
   ``lightning.fabric.utilities.cloud_io._load``, imported under that name by
@@ -21,6 +21,9 @@ idempotent); each wrapper defers to Lightning's original for anything that is no
 * ``TorchCheckpointIO.load_checkpoint``: waits for a save in flight to the path, then runs Lightning's.
 * ``ModelCheckpoint.file_exists``: on global rank 0, a path with a save in flight counts as existing
   (the decision is still reduced across ranks, as Lightning's does); otherwise Lightning's check.
+* ``LightningCLI._parse_ckpt_path`` (``--ckpt_path FILE`` reads the file's hyper-parameters with a raw
+  ``torch.load`` before the Trainer and its plugin exist): during that call its module's ``torch.load``
+  reads a checkrun file through checkrun (same ``weights_only``); any other file goes to torch.
 
 :func:`uninstall` restores Lightning's functions. ``torch.load`` itself is not changed: ``torch.load`` of a
 manifest fails with "invalid load key, '{'" (docs/troubleshooting.md).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import lightning.fabric.plugins.io.torch_io as _torch_io
@@ -92,11 +96,55 @@ def _wrap_file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
     return file_exists
 
 
+class _TorchReadingCheckrun:
+    """``torch`` as ``LightningCLI._parse_ckpt_path`` sees it during that call: its ``torch.load`` of
+    ``--ckpt_path`` (to read the model's hyper-parameters) reads a checkrun file through checkrun, with
+    the caller's ``weights_only``; every other attribute and file is torch's."""
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and _is_path(f):
+            path = normalize_path(f)
+            wait_for_save(path)
+            if is_checkrun_file(path):
+                return load_checkpoint_dict(path, map_location=kwargs.get("map_location"),
+                                            weights_only=kwargs.get("weights_only"), fallback_to_torch=False)
+        return self._torch.load(f, *args, **kwargs)
+
+
+def _wrap_cli_parse_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _parse_ckpt_path(self: Any) -> None:
+        module = sys.modules[original.__module__]
+        torch_module = module.torch
+        module.torch = _TorchReadingCheckrun(torch_module)
+        try:
+            return original(self)
+        finally:
+            module.torch = torch_module
+
+    return _parse_ckpt_path
+
+
 def _targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """(owner, attribute, wrapper factory) of every hook. The three loader names share one wrapper."""
-    return [(_cloud_io, "_load", _wrap_loader), (_saving, "pl_load", _wrap_loader),
-            (_torch_io, "pl_load", _wrap_loader), (TorchCheckpointIO, "load_checkpoint", _wrap_torch_io_load),
-            (ModelCheckpoint, "file_exists", _wrap_file_exists)]
+    targets = [(_cloud_io, "_load", _wrap_loader), (_saving, "pl_load", _wrap_loader),
+               (_torch_io, "pl_load", _wrap_loader), (TorchCheckpointIO, "load_checkpoint", _wrap_torch_io_load),
+               (ModelCheckpoint, "file_exists", _wrap_file_exists)]
+    cli = getattr(sys.modules.get("lightning.pytorch.cli"), "LightningCLI", None)
+    if cli is None:
+        try:  # LightningCLI's module imports without jsonargparse (an extra); skip it if it does not
+            from lightning.pytorch.cli import LightningCLI as cli
+        except Exception:  # noqa: BLE001 - no CLI: nothing to hook there
+            cli = None
+    if cli is not None and hasattr(cli, "_parse_ckpt_path"):
+        targets.append((cli, "_parse_ckpt_path", _wrap_cli_parse_ckpt_path))
+    return targets
 
 
 def install() -> None:

@@ -55,6 +55,19 @@ def test_lightning_cli_example_with_yaml(monkeypatch, tmp_path) -> None:
     assert list(quantized) == ["state_dict.emb.weight"] and quantized["state_dict.emb.weight"]["bits"] == 8
 
 
+def test_lightning_cli_with_an_explicit_ckpt_path(monkeypatch, tmp_path) -> None:
+    """``--ckpt_path FILE``: LightningCLI reads the file's hyper-parameters with a raw torch.load before
+    the Trainer (and its plugin) exists; a checkrun file must work there too (before: UnpicklingError
+    "Unsupported operand 123")."""
+    script = os.path.join(EXAMPLES, "lightning_cli.py")
+    common = ["--config", os.path.join(EXAMPLES, "lightning_cli.yaml"), "--trainer.default_root_dir",
+              str(tmp_path), "--data.samples", "640"]
+    run_script(monkeypatch, script, "fit", *common, "--trainer.max_steps", "10")
+    last = str(tmp_path / "checkpoints" / "last.ckpt")
+    run_script(monkeypatch, script, "fit", *common, "--trainer.max_steps", "15", "--ckpt_path", last)
+    assert manifest(last).meta["global_step"] == 15
+
+
 def test_hydra_example(monkeypatch, tmp_path, capsys) -> None:
     pytest.importorskip("hydra")
     ckpt_dir = str(tmp_path / "ckpts")
