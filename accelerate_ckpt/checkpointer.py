@@ -191,6 +191,7 @@ class AcceleratorCheckpointer:
         target = self._target(output_dir, iteration if step is None else step)
         if step is None and target.base != target.folder and not self._resumed:
             self._refuse_existing(target)
+        stale = paths.native_files(target.folder) if self.rank == 0 else []  # accelerate's own, replaced
         composite.make_folder(target.folder, self.storage_options, self.config)
         rel_base, rel_index = target.part_names(self._token, self._seq, self.world)
         self._seq += 1
@@ -211,7 +212,7 @@ class AcceleratorCheckpointer:
                 if step is not None:
                     meta["global_step"] = int(step)
                 index = composite.make_index(target.name, rel_index, meta)
-                finish = lambda outcomes: self._committer.finish(target, index, outcomes, blocking, started)  # noqa: E731
+                finish = lambda outcomes: self._finish(target, index, outcomes, blocking, started, stale)  # noqa: E731
             job = Job(handle, finish, lambda: self._end(target.name, key), key=round_key)
         except BaseException as exc:
             self._group.abandon(round_key, part, exc)
@@ -223,6 +224,14 @@ class AcceleratorCheckpointer:
         if self._sync:
             self._before_call()
         return self._shown(output_dir, target)
+
+    def _finish(self, target: Target, index: dict, outcomes: list, blocking: float, started: float,
+                stale: list[str]) -> Any:
+        """Rank 0's commit; once committed, the files accelerate's own save left in the folder go."""
+        verdict = self._committer.finish(target, index, outcomes, blocking, started)
+        if stale and verdict.error is None:
+            paths.remove_native(stale)
+        return verdict
 
     def _tree(self, target: Target, first_part: str, iteration: int) -> dict:
         """This rank's part: its own state, rank 0's also the replicated state (after the save hooks)."""

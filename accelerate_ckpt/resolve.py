@@ -130,5 +130,32 @@ def _is_native(folder: str) -> bool:
         names = os.listdir(folder)
     except OSError:
         return False
-    return INDEX_NAME not in names and any(n.startswith(_NATIVE_PREFIXES) and n.endswith(_NATIVE_SUFFIXES)
-                                           for n in names)
+    return INDEX_NAME not in names and bool(_native_names(names))
+
+
+def _native_names(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith(_NATIVE_PREFIXES) and n.endswith(_NATIVE_SUFFIXES)]
+
+
+def native_files(folder: str) -> list[str]:
+    """The files accelerate's own ``save_state`` wrote in a local ``folder`` (a checkrun save into it
+    replaces them once committed, as accelerate's save overwrites them), or []."""
+    local = folder.removeprefix("file://")
+    if "://" in local:
+        return []
+    try:
+        return [os.path.join(local, n) for n in _native_names(os.listdir(local))]
+    except OSError:
+        return []
+
+
+def remove_native(paths: list[str]) -> None:
+    """Remove accelerate's files of a folder whose checkrun checkpoint just committed: the folder then
+    holds one checkpoint, not checkrun's beside accelerate's older one."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the checkpoint is committed; only the stale file stays
+            log.warning("accelerate_ckpt: cannot remove %s, left from accelerate's own save_state: %s", path, exc)

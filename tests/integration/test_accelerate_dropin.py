@@ -199,6 +199,27 @@ def test_checkpoints_accelerate_wrote_before_attaching_still_load(tmp_path: Path
             acc.load_state()
 
 
+def test_save_state_into_a_folder_accelerate_wrote_replaces_its_files(tmp_path: Path) -> None:
+    """``save_state(output_dir)`` into a folder accelerate's own save_state wrote (a script re-saving
+    ``step_8``): accelerate overwrites its files there; checkrun's commit removes them, so the folder
+    holds one checkpoint (before: checkrun's beside accelerate's older one, which plain accelerate
+    then loaded)."""
+    folder = tmp_path / "step_8"
+    acc, model, opt = _accelerator()
+    _train(acc, model, opt)
+    acc.save_state(str(folder))  # accelerate's own
+    assert any(p.name.endswith(".safetensors") for p in folder.iterdir())
+    with attach(acc) as ckpt:
+        _train(acc, model, opt)
+        mine = _weights(acc, model)
+        acc.save_state(str(folder))
+        ckpt.wait()
+        assert sorted(p.name for p in folder.iterdir()) == [".checkrun", composite.INDEX_NAME]
+        _train(acc, model, opt)
+        acc.load_state(str(folder))
+        assert _same(_weights(acc, model), mine)
+
+
 def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
     """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
     checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
