@@ -18,12 +18,15 @@ import sys
 import warnings
 from typing import Any, Callable, Optional, Union
 
+import fsspec
+
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
                        EngineConfig, NotACheckpointError, SaveHandle, SaveInfo)
 from ckpt_core.saving import inflight
+from ckpt_core.storage.options import open_options
 
 from .config import build_config, lossless_config
 from .loading import is_checkrun_file, torch_load
@@ -229,11 +232,26 @@ class CheckrunCheckpointIO(CheckpointIO):
         except (CheckpointNotFoundError, FileNotFoundError):
             log.debug("lightning_ckpt: %s was already gone", url)
             return
+        except CheckrunError:
+            if not self._remove_directory(url):
+                raise
+            return
         self._pending.pop(path_key(url), None)
         if checkpoint_kind(url) == "temporary":
             self._collect_temporary(engine, parent_dir(url))
         else:
             self._removed_dirs.add(parent_dir(url))
+
+    def _remove_directory(self, url: str) -> bool:
+        """A directory given to ``remove_checkpoint`` (a sharded checkpoint another IO wrote): removed
+        whole, as ``TorchCheckpointIO`` does; False if ``url`` is not a directory."""
+        fs, path = fsspec.core.url_to_fs(url, **open_options(url, self.config.storage.storage_options))
+        if not fs.isdir(path):
+            return False
+        log.info("lightning_ckpt: %s is a directory, not a checkrun checkpoint: removing it whole, as "
+                 "TorchCheckpointIO does", url)
+        fs.rm(path, recursive=True)
+        return True
 
     def teardown(self) -> None:
         """Wait for every pending save, collect garbage, release the engines' threads and buffers.

@@ -73,6 +73,11 @@ def test_paths_str_path_and_urls(tmp_path) -> None:
         with pytest.raises(FileNotFoundError):
             plugin.load_checkpoint(path)
         plugin.remove_checkpoint(path)  # already gone: ignored, like TorchCheckpointIO
+    sharded = tmp_path / "sharded.ckpt"  # a directory-shaped checkpoint: removed whole, like TorchCheckpointIO
+    (sharded / "shard").mkdir(parents=True)
+    (sharded / "shard" / "0.distcp").write_bytes(b"x")
+    plugin.remove_checkpoint(str(sharded))
+    assert not sharded.exists()
     with pytest.raises(TypeError):
         plugin.save_checkpoint(state, str(tmp_path / "d.ckpt"), storage_options="not a dict")
     plugin.teardown()
