@@ -20,7 +20,7 @@ import weakref
 from typing import Any, Callable
 
 from .saving import inflight, lifecycle
-from .saving.capture import take_snapshot
+from .saving.capture import new_stamp, take_snapshot
 from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
@@ -77,7 +77,7 @@ class CheckpointEngine:
         ``saving.asynchronous = False`` the save is committed before this returns."""
         self._check_open()
         self._raise_pending_error()
-        started = time.perf_counter()
+        started, stamp = time.perf_counter(), new_stamp()  # stamped when asked for, not after waiting for a slot
         store, name = self._store(path, storage_options)
         if self._process is not None:
             check_store(store)
@@ -92,7 +92,7 @@ class CheckpointEngine:
                 if dirstate.streams and dirstate.last is not None:  # row streams own one buffer each:
                     dirstate.last.wait()  # the previous save to the directory must be done first
                 snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
-                                     tuple(self._trackers))
+                                     tuple(self._trackers), stamp)
             except BaseException:
                 self._coord.release_slot()
                 raise

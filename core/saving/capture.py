@@ -130,10 +130,13 @@ def _alias_key(t: torch.Tensor) -> tuple:
 
 
 def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copier,
-                  budget: MemoryBudget, config: EngineConfig, trackers: tuple = ()) -> Snapshot:
-    """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread."""
+                  budget: MemoryBudget, config: EngineConfig, trackers: tuple = (),
+                  stamp: CommitStamp | None = None) -> Snapshot:
+    """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread. ``stamp``:
+    the commit stamp (``fence``), taken when the save was asked for (default: now); a save that
+    waited for a slot meanwhile is still older than a checkpoint another writer committed then."""
     created = time.time()
-    stamp = new_stamp()
+    stamp = stamp or new_stamp()
     flat = flatten(state)
     with gc_paused():
         leaves, unique, sources = _sources(flat.tensors)

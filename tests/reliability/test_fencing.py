@@ -134,6 +134,49 @@ def test_older_save_in_a_paused_writer_process_never_replaces_a_newer_manifest(t
         assert a.verify(path).ok
 
 
+def test_a_save_asked_for_before_another_writers_commit_is_older_even_if_it_waited(tmp_path, gate, monkeypatch):
+    """A stalled writer (its storage held) asks for another save of a name; that call waits for a
+    slot (the previous save is still in flight) while another writer commits the name. The waiting
+    save is the older one: stamped when asked for, it must not replace the other writer's checkpoint
+    once the storage comes back (before: stamped after its wait, it did, and became ``latest()``)."""
+    import threading
+
+    from ckpt_core import engine as engine_module
+    from ckpt_core.errors import SupersededError
+
+    asked = threading.Event()
+    original = engine_module.new_stamp
+
+    def observed():
+        stamp = original()
+        if threading.current_thread().name == "asker":
+            asked.set()
+        return stamp
+
+    monkeypatch.setattr(engine_module, "new_stamp", observed)
+    root = tmp_path / "run"
+    config = fencing_child.engine_config("thread")
+    with CheckpointEngine(config) as a, CheckpointEngine(config) as b:
+        first = a.save(versioned_state(1), f"gatefile://{root}/first.ckpt")
+        FaultFS.entered.acquire()  # a's storage stalls; its one slot is taken
+        handles = []
+        asker = threading.Thread(name="asker", target=lambda: handles.append(
+            a.save(versioned_state(2), f"gatefile://{root}/last.ckpt")))
+        asker.start()
+        try:
+            assert asked.wait(WATCHDOG)  # a asked (and waits for its slot) before b commits
+            b.save(versioned_state(3), root / "last.ckpt").result()
+        finally:
+            gate.set()
+        asker.join(WATCHDOG)
+        first.result(WATCHDOG)
+        with pytest.raises(BackgroundSaveError, match="last.ckpt") as info:
+            handles[0].result(WATCHDOG)
+        assert isinstance(info.value.__cause__, SupersededError)
+        assert version_at(root / "last.ckpt") == 3
+        assert b.latest(root).endswith("last.ckpt")
+
+
 def test_fence_is_checked_between_the_written_temp_file_and_the_rename(tmp_path):
     from ckpt_core.errors import SupersededError
 
