@@ -39,6 +39,8 @@ _cond = threading.Condition()
 _paths: collections.Counter = collections.Counter()
 _pipes: dict[str, collections.deque] = {}
 """URL -> (read fd, write fd) of each of its saves in flight, oldest first (see the module docstring)."""
+_keys: dict[str, collections.deque] = {}
+"""URL as given to ``begin`` -> the key each of its saves in flight was registered under, oldest first."""
 _parents: dict[str, list[int]] = {}
 """In a forked child: URL -> read fds of the saves the parent had in flight at fork time."""
 _counted: dict[str, collections.deque] = {}
@@ -54,15 +56,19 @@ def _key(url: str) -> str:
     other filesystems are kept as given (an object store's ``a/./b`` is another object)."""
     if "://" in url and not url.startswith("file://"):
         return url
-    trailing = "/" if url.endswith("/") else ""
-    return os.path.realpath(url.removeprefix("file://")) + trailing
+    path = url.removeprefix("file://")
+    if path.endswith("/"):
+        return os.path.realpath(path) + "/"
+    head, name = os.path.split(path)  # the file itself is not resolved: a symlink (save_last="link") is its own name
+    return os.path.join(os.path.realpath(head or "."), name)
 
 
 def begin(url: str) -> None:
     """Record a save to ``url`` (called by the engine before ``save`` returns)."""
-    url = _key(url)
+    given, url = url, _key(url)
     store = _shared_store()
     with _cond:
+        _keys.setdefault(given, collections.deque()).append(url)
         _paths[url] += 1
         _counted.setdefault(url, collections.deque()).append(store)
         _pipes.setdefault(url, collections.deque()).append(_pipe())
@@ -79,8 +85,11 @@ def _pipe() -> tuple[int, int] | None:
 
 def end(url: str) -> None:
     """The save to ``url`` committed or failed: wake whoever waits for it."""
-    url = _key(url)
     with _cond:
+        keys = _keys.get(url)
+        given, url = url, keys.popleft() if keys else _key(url)  # the key ``begin`` used, whatever moved since
+        if not keys:
+            _keys.pop(given, None)
         _paths[url] -= 1
         if _paths[url] <= 0:
             del _paths[url]
@@ -225,7 +234,7 @@ def _reset_in_child() -> None:
     # The parent's saves belong to the parent: a child never finishes them, only waits for them to
     # end (its copies of their write ends are closed, so only the parent's close ends a pipe). A child
     # that starts a process group of its own (ddp_fork ranks) counts its own saves there.
-    global _cond, _paths, _counted, _pipes, _parents
+    global _cond, _paths, _counted, _pipes, _parents, _keys
     _forking["held"] = False
     parents: dict[str, list[int]] = {url: list(fds) for url, fds in _parents.items()}
     for url, pipes in _pipes.items():
@@ -233,7 +242,8 @@ def _reset_in_child() -> None:
             if pipe is not None:
                 os.close(pipe[1])
                 parents.setdefault(url, []).append(pipe[0])
-    _cond, _paths, _counted, _pipes, _parents = threading.Condition(), collections.Counter(), {}, {}, parents
+    _cond, _paths, _counted, _pipes, _parents, _keys = (threading.Condition(), collections.Counter(), {}, {},
+                                                        parents, {})
 
 
 if hasattr(os, "register_at_fork"):

@@ -89,3 +89,22 @@ def test_a_save_in_flight_is_seen_under_every_spelling_of_its_path(tmp_path, spe
     finally:
         inflight.end(saved)
     assert not inflight.pending(other) and inflight.wait(other, timeout=0)
+
+
+def test_a_save_to_a_symlink_that_moves_meanwhile_ends_where_it_began(tmp_path) -> None:
+    """Lightning's ``save_last="link"``: ``last.ckpt`` is a symlink that is replaced while saves run.
+    A save registered under ``last.ckpt`` ends under the same key (before the fix that resolved the
+    file itself, the registry kept a save in flight forever and a step log's close hung)."""
+    import os
+
+    (tmp_path / "a.ckpt").write_text("a")
+    (tmp_path / "b.ckpt").write_text("b")
+    last = tmp_path / "last.ckpt"
+    os.symlink(tmp_path / "a.ckpt", last)
+    inflight.begin(str(last))
+    assert inflight.pending(str(last)) and not inflight.pending(str(tmp_path / "a.ckpt"))
+    last.unlink()
+    os.symlink(tmp_path / "b.ckpt", last)
+    inflight.end(str(last))
+    assert not inflight.pending(str(last))
+    assert inflight.wait_under(f"{tmp_path}/", timeout=0)
