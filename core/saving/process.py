@@ -113,8 +113,8 @@ class WriterProcess:
 
     def _start(self) -> Connection:
         ours, theirs = socket.socketpair()
-        code = ("import sys; sys.path[:0] = %r; from ckpt_core.saving.process import serve; serve(%d)"
-                % ([p for p in sys.path if p], theirs.fileno()))
+        code = ("import sys; sys.path[:0] = %r; from ckpt_core.saving.process import serve; serve(%d, %d)"
+                % ([p for p in sys.path if p], theirs.fileno(), os.getpid()))
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
                                           stdin=subprocess.DEVNULL)
@@ -246,15 +246,18 @@ def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple
         return pickle.dumps(("error", CheckrunError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
-def serve(fd: int) -> None:
-    """The writer process: handle messages until the engine says stop or goes away."""
+def serve(fd: int, parent: int | None = None) -> None:
+    """The writer process: handle messages until the engine says stop or goes away. ``parent``: the
+    engine's pid, as the engine saw it (a writer whose engine died while it started up has been
+    re-parented already: ``os.getppid()`` at its start would name the reaper, and it would commit
+    the dead engine's save)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from . import lifecycle
     from .quant_rules import RuleMatcher
 
     logging.basicConfig(level=logging.WARNING, format="checkrun writer process: %(levelname)s %(message)s")
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     conn = Connection(fd)
     config, directory = pickle.loads(conn.recv_bytes())
     lifecycle.lower_thread_priority(config.saving.thread_nice)
