@@ -65,22 +65,45 @@ def run(cmd: Sequence[str], env: dict, cwd: Path | None = None) -> subprocess.Co
 
 
 def _dump_stacks_and_kill(proc: subprocess.Popen) -> tuple[str, str]:
-    """SIGABRT to every descendant of a hung launch, deepest first (each prints its stacks), then
-    SIGKILL to the whole session; the output collected."""
+    """SIGABRT to every descendant of a hung launch, one at a time, deepest first (each prints its
+    stacks), then SIGKILL to the whole session. The output collected; then each process's dump,
+    after a line naming the process (read before the next signal, so that dumps do not interleave)."""
     import psutil  # an accelerate dependency
 
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         family = []
+    fds = [proc.stdout.fileno(), proc.stderr.fileno()]
+    for fd in fds:
+        os.set_blocking(fd, False)
+    dumps: list[bytes] = []
+
+    def drain() -> None:
+        for fd in fds:
+            while True:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                dumps.append(chunk)
     for child in reversed(family):
         try:
+            label = f"{child.pid} (parent {child.ppid()}): {' '.join(child.cmdline())[-160:]}"
+            drain()
+            dumps.append(f"\n=== stacks of process {label}\n".encode())
             child.send_signal(signal.SIGABRT)
+            psutil.wait_procs([child], timeout=10)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(family, timeout=10)
+    drain()
+    for fd in fds:
+        os.set_blocking(fd, True)
     os.killpg(proc.pid, signal.SIGKILL)
-    return proc.communicate()
+    stdout, stderr = proc.communicate()
+    return stdout, stderr + "\n--- output while the stacks were taken\n" + b"".join(dumps).decode(errors="replace")
 
 
 def accelerate_launch(launch_args: Sequence[str], script: Path, script_args: Sequence[str], env: dict,
