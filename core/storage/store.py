@@ -43,6 +43,10 @@ R = TypeVar("R")
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
 _DEFAULT_MANIFEST_MAX = 64 << 20
+READ_PIECE = 1 << 20
+"""Bytes per ``readinto`` of a local blob: a cold read in 1 MiB pieces lets the kernel's read-ahead
+run ahead of the copy; one call for a whole 14 MB blob waited for each window in turn (4 io
+threads, the 239 MB of a DLRM checkpoint: 0.13 s instead of 0.18 s, benchmarks/bench_restore.py)."""
 
 
 class Store:
@@ -190,7 +194,7 @@ class Store:
             with f:
                 got = 0
                 while got < buf.nbytes:
-                    n = f.readinto(buf[got:])
+                    n = f.readinto(buf[got:got + READ_PIECE])
                     if not n:
                         break
                     got += n

@@ -240,3 +240,32 @@ def test_a_tensor_saved_whole_because_every_row_changed_gets_no_reference_copy_a
     with CheckpointEngine() as engine:
         again = engine.load(d / "3.ckpt")
     assert _same(again["dense"], loaded["dense"]) and _same(again["table"], loaded["table"])
+
+
+@pytest.mark.parametrize("damage", ["none", "one byte longer", "cut short"])
+def test_a_blob_larger_than_one_read_piece_loads_exactly_or_fails_on_its_size(tmp_path, damage):
+    """Local blobs are read in ``READ_PIECE`` pieces (issue 24: a cold read of 1 MiB pieces keeps the
+    kernel's read-ahead ahead of the copy). A blob of several pieces, plus a partial one, loads bit
+    for bit; one byte more, or a cut anywhere past the first piece, is still caught by its size."""
+    from ckpt_core.storage.store import READ_PIECE
+
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(3 * READ_PIECE // 4 + 1000, generator=g)}  # ~3 MiB of barely compressible floats
+    cfg = {"compression": {"chunk_bytes": 64 << 20}}
+    ckpt_core.save(state, tmp_path / "big.ckpt", config=cfg)
+    with CheckpointEngine(cfg) as engine:
+        blob = _blob_file(tmp_path, engine.read_manifest(tmp_path / "big.ckpt").tensors[0].base[0].blob.key)
+    size = blob.stat().st_size
+    assert size > 2 * READ_PIECE and size % READ_PIECE
+    if damage == "one byte longer":
+        blob.write_bytes(blob.read_bytes() + b"\0")
+    elif damage == "cut short":
+        blob.write_bytes(blob.read_bytes()[:READ_PIECE + 3])
+    live = {"w": torch.zeros_like(state["w"])}
+    if damage == "none":
+        ckpt_core.load(tmp_path / "big.ckpt", into=live, config=cfg)
+        assert _same(live["w"], state["w"])
+        return
+    with pytest.raises(CorruptCheckpointError, match="truncated or replaced blob") as info:
+        ckpt_core.load(tmp_path / "big.ckpt", into=live, config=cfg)
+    assert str(blob) in str(info.value)
