@@ -133,6 +133,58 @@ def test_writer_process_deletes_the_buffers_when_the_training_process_dies(tmp_p
     assert (tmp_path / "0.ckpt").exists()
 
 
+def test_a_writer_whose_trainer_died_while_it_started_commits_nothing(tmp_path) -> None:
+    """A trainer killed right after its first save went to its writer process, while that process
+    was still starting: the writer was re-parented before it looked, so ``os.getppid()`` at its start
+    named the reaper, it took that for its trainer and committed the dead trainer's save (found by a
+    fault program: SIGKILL of trainers during saves). The writer now gets its trainer's pid from the
+    engine. Deterministic: the writer is held before ``serve()`` by a ``sitecustomize`` (on the
+    PYTHONPATH it inherits) that waits on a FIFO the test opens once the trainer is gone."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    (hold / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, sys
+        if sys.argv[:1] == ["-c"] and os.environ.get("CHECKRUN_TEST_HOLD_WRITER"):  # the writer process only
+            with open(os.environ["CHECKRUN_TEST_HOLD_WRITER"]) as f:  # until the test opens it for writing
+                f.read()
+    """))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(textwrap.dedent(f"""
+        import os, signal, threading, torch, ckpt_core
+        from ckpt_core.saving.process import WriterProcess
+
+        send = WriterProcess._send
+        def send_then_die(self, message, start=True):
+            conn = send(self, message, start)
+            if message[0] == "save":  # the save is in the writer's socket: die before it answers
+                with open({str(tmp_path / "writer.txt")!r}, "w") as f:
+                    f.write(f"{{self._proc.pid}} {{self.shared.directory}}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return conn
+        WriterProcess._send = send_then_die
+        engine = ckpt_core.CheckpointEngine({{"saving": {{"background": "process"}}}})
+        engine.save({{"w": torch.ones(1000)}}, {str(tmp_path / "0.ckpt")!r})
+        threading.Event().wait()
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hold), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               CHECKRUN_TEST_HOLD_WRITER=str(fifo))
+    with open(tmp_path / "trainer.log", "w") as log:  # a file: the writer inherits it and outlives the trainer
+        rc = subprocess.run([sys.executable, str(trainer)], env=env, stdout=log, stderr=log, timeout=300).returncode
+    assert rc == -9, (tmp_path / "trainer.log").read_text()
+    pid, directory = (tmp_path / "writer.txt").read_text().split()
+    writer = os.pidfd_open(int(pid))  # it cannot have exited: it waits for the FIFO
+    try:
+        os.close(os.open(fifo, os.O_WRONLY))  # let it go on into serve(), its trainer long dead
+        assert select.select([writer], [], [], 300)[0], "the writer process did not end"  # hang protection only
+    finally:
+        os.close(writer)
+    assert not (tmp_path / "0.ckpt").exists()
+    assert CheckpointEngine().latest(tmp_path) is None
+    assert not os.path.exists(directory)
+
+
 def test_background_is_validated() -> None:
     with pytest.raises(ConfigError, match="saving.background"):
         EngineConfig.from_dict({"saving": {"background": "fork"}})
