@@ -16,6 +16,7 @@ A section is short (threads starting, or idle threads ending). A fork that still
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ FORK_WAIT_SECONDS = 30.0
 _churn = threading.Lock()
 _held = threading.local()  # this thread is inside churn(): a nested section does not wait for itself
 _fork = {"acquired": False}
+_pools = itertools.count()
 
 
 @contextlib.contextmanager
@@ -50,9 +52,14 @@ def churn() -> Iterator[None]:
 def started_executor(workers: int, prefix: str, initializer: Callable[..., Any] | None = None,
                      initargs: tuple = ()) -> ThreadPoolExecutor:
     """A ``ThreadPoolExecutor`` of ``workers`` threads, every one of them running when it returns
-    (each held at a barrier until all have started): a later ``submit`` starts no thread."""
+    (each held at a barrier until all have started): a later ``submit`` starts no thread.
+
+    Its threads are named ``<prefix> (ThreadPoolExecutor-N)_K``: ours by their start, executor
+    threads by the rest, as tools that look for threads a test left behind know them (Lightning's
+    test suite lets ``ThreadPoolExecutor-`` threads be; the thread that owns them has ``stop``)."""
     with churn():
-        pool = ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=initializer, initargs=initargs)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix=f"{prefix} (ThreadPoolExecutor-{next(_pools)})",
+                                  initializer=initializer, initargs=initargs)
         gate = threading.Barrier(workers + 1, timeout=FORK_WAIT_SECONDS)
         for _ in range(workers):
             pool.submit(gate.wait)

@@ -163,6 +163,10 @@ class Coordinator:
             workers = self._new_workers()
             self._thread = threading.Thread(target=self._loop, args=(workers,), name="checkrun-coordinator",
                                             daemon=True)
+            # Tools that stop the daemon threads a test left (``thread.stop()``, as Lightning's test
+            # suite does) get ``wait_idle``: the saves queued commit, then this thread and the
+            # threads it owns (workers, copy helper, idle storage pools) end, joined.
+            self._thread.stop = self.wait_idle  # type: ignore[attr-defined]
             self._thread.start()
 
     def _new_workers(self) -> ThreadPoolExecutor:

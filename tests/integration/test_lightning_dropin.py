@@ -296,6 +296,34 @@ def test_no_thread_left_after_saves_outside_fit(tmp_path, asynchronous: bool) ->
     assert ckpt_core.load(str(tmp_path / "after-validate.ckpt"))["global_step"] == 2
 
 
+@pytest.mark.parametrize("pools_first", [True, False], ids=["pools-first", "owner-first"])
+def test_threads_left_by_saves_outside_fit_end_when_a_thread_police_stops_them(tmp_path, pools_first) -> None:
+    """Lightning's own tests end with a check that stops every daemon thread a test left that has a
+    callable ``stop`` (and expects it dead after), lets ``ThreadPoolExecutor-`` threads be, and fails
+    on any other thread ("Test left zombie thread"). A save outside ``fit`` without a wait used to
+    leave checkrun's coordinator and workers for 30 s: those tests failed at teardown. Checked here
+    in both orders the police may visit the threads in; the saves commit before their threads end."""
+    before = set(threading.enumerate())
+    plugin = make_io()
+    t = trainer(str(tmp_path), plugin, max_steps=2)
+    t.fit(TinyModel())
+    big = {"w": torch.randn(1024, 512)}  # > 1 MiB: the snapshot's copy helper runs too
+    plugin.save_checkpoint({"state_dict": big, "global_step": 7}, str(tmp_path / "outside.ckpt"))
+    t.save_checkpoint(str(tmp_path / "after-fit.ckpt"))  # no wait: the test ends here
+    left = sorted(set(threading.enumerate()) - before, key=lambda th: ("ThreadPoolExecutor-" in th.name) != pools_first)
+    assert any(th.name.startswith("checkrun-coordinator") for th in left)
+    for th in left:
+        stop = getattr(th, "stop", None)
+        if th.daemon and callable(stop):
+            stop()
+            assert not th.is_alive(), th.name
+        else:
+            assert "ThreadPoolExecutor-" in th.name, f"a thread the police would call a zombie: {th.name}"
+    assert checkrun_threads() == []
+    assert ckpt_core.load(str(tmp_path / "after-fit.ckpt"))["global_step"] == 2
+    assert tensors_equal(ckpt_core.load(str(tmp_path / "outside.ckpt"))["state_dict"], big)
+
+
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_no_thread_left_after_fabric_saves(tmp_path, asynchronous: bool) -> None:
     plugin = make_io(asynchronous=asynchronous)
