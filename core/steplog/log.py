@@ -82,6 +82,7 @@ class StepLog:
         self._info = self._write_run(info)  # before any segment (gc)
         self._first, self._first_step = self.event, self.step  # the encoder must not read self.event
         self._thread = threading.Thread(target=self._loop, name="checkrun-steplog", daemon=True)
+        self._thread.stop = self.close  # type: ignore[attr-defined]  # a harness stopping leftover threads
         self._thread.start()
         self._last_state: dict | None = None
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook)]
@@ -228,6 +229,7 @@ class StepLog:
         writes: queue.Queue = queue.Queue(maxsize=1)
         writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer",
                                   daemon=True)
+        writer.stop = self.close  # type: ignore[attr-defined]  # ends both threads, as the encoder's
         with forksafe.churn():  # a background thread starting one: a fork waits (core/forksafe.py)
             writer.start()
         pays = StepEncoder(self.config.compression)

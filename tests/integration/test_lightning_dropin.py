@@ -296,15 +296,17 @@ def test_no_thread_left_after_saves_outside_fit(tmp_path, asynchronous: bool) ->
     assert ckpt_core.load(str(tmp_path / "after-validate.ckpt"))["global_step"] == 2
 
 
+@pytest.mark.parametrize("step_log", [False, True], ids=["plain", "step-log"])
 @pytest.mark.parametrize("pools_first", [True, False], ids=["pools-first", "owner-first"])
-def test_threads_left_by_saves_outside_fit_end_when_a_thread_police_stops_them(tmp_path, pools_first) -> None:
+def test_threads_left_by_saves_outside_fit_end_when_a_thread_police_stops_them(tmp_path, pools_first, step_log) -> None:
     """Lightning's own tests end with a check that stops every daemon thread a test left that has a
     callable ``stop`` (and expects it dead after), lets ``ThreadPoolExecutor-`` threads be, and fails
     on any other thread ("Test left zombie thread"). A save outside ``fit`` without a wait used to
     leave checkrun's coordinator and workers for 30 s: those tests failed at teardown. Checked here
-    in both orders the police may visit the threads in; the saves commit before their threads end."""
+    in both orders the police may visit the threads in; the saves commit before their threads end.
+    With ``step_log`` the save after ``fit`` starts a step log: its threads stop by closing it."""
     before = set(threading.enumerate())
-    plugin = make_io()
+    plugin = make_io(step_log=step_log)
     t = trainer(str(tmp_path), plugin, max_steps=2)
     t.fit(TinyModel())
     big = {"w": torch.randn(1024, 512)}  # > 1 MiB: the snapshot's copy helper runs too
