@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -256,6 +257,24 @@ def test_total_limit_has_removed_the_older_folders_when_the_next_save_state_retu
         listing = sorted(os.listdir(tmp_path / "checkpoints"))
         assert listing == [".checkrun", "checkpoint_10", "checkpoint_8", "checkpoint_9"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [".checkrun", "checkpoint_10", "checkpoint_9"]
+
+
+def test_a_temporary_project_directory_removed_right_after_saving_is_removed_cleanly() -> None:
+    """accelerate's own test_checkpoint_deletion / test_with_save_limit run in a TemporaryDirectory
+    that is removed right after the last save_state(): the background writer created files in the
+    tree being deleted and its cleanup failed with "Directory not empty" (11 of 20 runs). The
+    deletion now waits for the saves in flight under it (``shutil.rmtree``); the last checkpoint
+    committed before it was removed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=tmp, automatic_checkpoint_naming=True, total_limit=2))
+        model = acc.prepare(nn.Linear(3, 2))
+        checkpointer = attach(acc)
+        for _ in range(11):
+            _ = model.weight.data.add_(1.0)
+            acc.save_state()
+    assert not os.path.exists(tmp)
+    checkpointer.wait()  # nothing left to surface: every save committed before the deletion
 
 
 # -- in-process helpers ------------------------------------------------------------------------------
