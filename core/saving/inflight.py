@@ -257,6 +257,7 @@ if hasattr(os, "register_at_fork"):
 
 # -- deleting a directory a save is writing into ---------------------------------------------------
 _RMTREE = shutil.rmtree
+_OWN_THREADS = ("checkrun", "accelerate-ckpt")
 
 
 def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -266,8 +267,10 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
     around a training script, accelerate's own tests): the background writer then created files
     and directories in the tree being deleted, and rmtree failed with "Directory not empty" (11 of
     20 runs of 11 ``save_state`` calls with ``total_limit=2`` in a TemporaryDirectory). Calls from
-    checkrun's own threads (named ``checkrun-...``) and ``dir_fd``-relative ones do not wait."""
-    if kwargs.get("dir_fd") is None and not threading.current_thread().name.startswith("checkrun"):
+    checkrun's own threads (named ``checkrun-...``; the Accelerate adapter's ``accelerate-ckpt-commit``,
+    whose retention removes folders while it commits) and ``dir_fd``-relative ones do not wait: a
+    save's own work never waits for that save."""
+    if kwargs.get("dir_fd") is None and not threading.current_thread().name.startswith(_OWN_THREADS):
         try:
             prefix = os.fspath(path)
             waits = isinstance(prefix, str) and bool(_paths) and bool(pending_under(prefix.rstrip("/") + "/"))
