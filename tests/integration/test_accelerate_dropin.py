@@ -275,6 +275,7 @@ def test_a_temporary_project_directory_removed_right_after_saving_is_removed_cle
             acc.save_state()
     assert not os.path.exists(tmp)
     checkpointer.wait()  # nothing left to surface: every save committed before the deletion
+    checkpointer.close()
 
 
 # -- in-process helpers ------------------------------------------------------------------------------
