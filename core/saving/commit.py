@@ -1,10 +1,12 @@
 """Step 5 of a save: the commit of the manifest, under the save's lease, and what it reports.
 
 ``write_and_commit`` runs on the engine's coordinator thread or in the writer process: it takes the
-save's lease (``save_lease``), has ``writer.SnapshotWriter`` store every blob, then writes the
-manifest in one atomic step, fenced (``fence``) and with the lease checked right before the
-rename/PUT (``_guard``). After the commit the lease is released (the manifest protects the blobs);
-after a failure it is marked expired, so the next collection deletes what no manifest references.
+save's lease (``save_lease``), has ``writer.SnapshotWriter`` store every blob, then has the manifest
+published in one atomic step (``publish_manifest``: fenced by ``fence`` and with the lease checked
+right before the rename/PUT, ``_guard``). The writer process publishes through the training process
+(``process.WriterProcess.commit``), so a writer whose trainer died commits nothing. After the commit
+the lease is released (the manifest protects the blobs); after a failure it is marked expired, so
+the next collection deletes what no manifest references.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Callable
 from .capture import Snapshot
 from ..config import EngineConfig
 from ..errors import CheckrunError
-from .fence import commit_guard
+from .fence import CommitStamp, commit_guard
 from .handles import WriteStats
 from ..format.manifest import Manifest
 from .quant_rules import RuleMatcher
@@ -41,14 +43,18 @@ class Committed:
     unmatched_rules: tuple
 
 
+Publish = Callable[[bytes, Callable[[], None]], None]
+"""``publish(data, guard)``: make the manifest ``data`` the checkpoint, running ``guard`` first."""
+
+
 def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState, config: EngineConfig,
-                     matcher: RuleMatcher, workers: Executor,
-                     owner_alive: Callable[[], bool] | None = None) -> Committed:
+                     matcher: RuleMatcher, workers: Executor, publish: Publish | None = None) -> Committed:
     """Write every blob of ``snap``, then commit its manifest as ``name`` and remember what it holds.
 
-    The commit is fenced (``fence``): it raises ``SupersededError`` instead of replacing a newer
-    manifest of that name, and ``OrphanedWriterError`` when ``owner_alive()`` (writer process: is
-    the training process alive?) says no. The save's lease is held from its first blob to the commit."""
+    ``publish`` commits the manifest's bytes (default: ``publish_manifest`` here; the writer process
+    hands them to the training process). The commit is fenced (``fence``): it raises
+    ``SupersededError`` instead of replacing a newer manifest of that name. The save's lease is held
+    from its first blob to the commit."""
     lease = SaveLease(store, config)
     try:
         writer = SnapshotWriter(snap, store, dirstate, config, matcher, workers, lease)
@@ -56,8 +62,11 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
         if snap.stamp is not None:
             manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
         data = manifest.to_bytes()
-        fence = commit_guard(store, name, snap.stamp, owner_alive) if snap.stamp is not None else None
-        store.write_manifest(name, data, guard=lambda: _guard(store, lease, manifest, fence))
+        guard = lambda: _guard(store, lease, manifest)  # noqa: E731
+        if publish is None:
+            publish_manifest(store, name, snap.stamp, data, guard)
+        else:
+            publish(data, guard)
     except BaseException:
         lease.abandon()  # its keys become candidates of the next collection
         raise
@@ -70,10 +79,25 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
                      writer.stream_updates, matcher.unmatched_rules())
 
 
-def _guard(store: Store, lease: SaveLease, manifest: Manifest, fence: Callable[[], None] | None) -> None:
+def publish_manifest(store: Store, name: str, stamp: CommitStamp | None, data: bytes,
+                     guard: Callable[[], None] | None = None) -> None:
+    """Commit the manifest ``data`` as ``name`` (``Store.write_manifest``); right before the
+    rename/PUT, ``guard`` runs, then the fence (``fence.commit_guard``) of a stamped save."""
+    fence = commit_guard(store, name, stamp) if stamp is not None else None
+
+    def check() -> None:
+        if guard is not None:
+            guard()
+        if fence is not None:
+            fence()
+
+    store.write_manifest(name, data, guard=check)
+
+
+def _guard(store: Store, lease: SaveLease, manifest: Manifest) -> None:
     """Right before the commit's rename/PUT: if the lease lapsed since the writer's last check
     (renewals failing while the commit waited), take it again and make sure every blob still
-    exists; then the commit fence (``fence.commit_guard``)."""
+    exists."""
     if not lease.intact():
         lease.refresh()
         keys = sorted(manifest.blob_keys())
@@ -81,8 +105,6 @@ def _guard(store: Store, lease: SaveLease, manifest: Manifest, fence: Callable[[
         if gone:
             raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url('')} were collected "
                                 f"while its lease had lapsed (e.g. {store.blob_path(gone[0])}); not committed")
-    if fence is not None:
-        fence()
 
 
 def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:

@@ -1,5 +1,5 @@
 """Commit fencing: a save never replaces a newer manifest of the same name, and a writer process
-whose training process died commits nothing.
+whose training process died commits nothing (it never commits: see below).
 
 Every snapshot gets a ``CommitStamp`` when it is captured (on the training thread): the wall clock
 in nanoseconds, the random id of the capturing process and a sequence number counting that
@@ -27,9 +27,12 @@ also mean a clock running behind the one that wrote the newer manifest.
 Remaining race: the check and the rename/PUT are two steps. A newer manifest committed by another
 writer between the guard's read and our rename (locally a few microseconds: one small read, one
 comparison) or our PUT (on S3 one GET round trip) is overwritten. Closing it needs a compare-and-swap
-from the storage (an S3 conditional PUT with ``If-Match``, a lock shared by all writers). For the
-orphan writer the check of the training process comes first and the fence second, so it would need
-both a trainer death and a newer commit inside that window.
+from the storage (an S3 conditional PUT with ``If-Match``, a lock shared by all writers).
+
+The writer process (``saving.background: process``) never commits itself: it writes the blobs and
+the manifest's bytes, then hands them to the training process, whose coordinator thread runs the
+fence and the rename/PUT (``process.WriterProcess.commit``). A training process that died commits
+nothing, wherever its writer was paused; only a live one can commit, as in thread mode.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, OrphanedWriterError, SupersededError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SupersededError
 from ..format.manifest import checksum_matches
 
 if TYPE_CHECKING:
@@ -110,17 +113,11 @@ def read_stamp(head: bytes) -> Optional[CommitStamp]:
     return CommitStamp(int(m.group(1)), m.group(3).decode(), int(m.group(2))) if m else None
 
 
-def commit_guard(store: "Store", name: str, stamp: CommitStamp,
-                 owner_alive: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
-    """The check ``Store.write_manifest`` runs right before the rename/PUT of ``name``.
-
-    Raises ``OrphanedWriterError`` when ``owner_alive()`` says the training process died (writer
-    process only), ``SupersededError`` when the manifest in place is newer than ``stamp``."""
+def commit_guard(store: "Store", name: str, stamp: CommitStamp) -> Callable[[], None]:
+    """The check ``Store.write_manifest`` runs right before the rename/PUT of ``name``: raises
+    ``SupersededError`` when the manifest in place is newer than ``stamp``."""
 
     def check() -> None:
-        if owner_alive is not None and not owner_alive():
-            raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
-                                      "checkrun writer process died")
         existing = _existing_stamp(store, name)
         if existing is not None and existing.newer_than(stamp):
             raise SupersededError(

@@ -15,7 +15,10 @@ directory and storage options (``Store.cache_key``: a save with rotated credenti
 endpoint reaches them), writes and commits exactly as a background thread would
 (``commit.write_and_commit``), and answers
 with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
-runs callbacks, retention and gc as usual. Loads and garbage collection tell the writer process
+runs callbacks, retention and gc as usual. One step stays in the training process: the commit. When
+the blobs are written (and synced), the writer sends the manifest's bytes; the engine's coordinator
+thread runs the fence and the rename/PUT (``commit.publish_manifest``) and answers; only then does
+the writer release the save's lease and reply. Loads and garbage collection tell the writer process
 which blobs exist or are gone, in order, on the same pipe. A load never starts nor waits for the
 writer process (what it tells is kept until the process starts for the next save), and the copies
 it keeps as the row streams' references are made in shared memory in the first place, on the io
@@ -25,9 +28,10 @@ Lifetime: started at the first save, stopped by ``CheckpointEngine.close``. It i
 SIGTERM (the engine decides when it stops; SIGTERM's grace is the engine's) and exits when the
 engine's end of the pipe closes, deleting the shared buffers if the engine could not. If it dies,
 the save in flight fails with a ``BackgroundSaveError`` naming its exit status and the next save
-starts a new one. If the training process dies first (its parent pid changes), the writer commits
-nothing more: it checks before each save and again right before each commit (``fence``), so a
-restarted trainer's newer checkpoint is never replaced by the dead one's older state. Both pids own
+starts a new one. If the training process dies first, nothing more is committed: the writer
+cannot commit by itself, wherever it was paused, so a restarted trainer's newer checkpoint is never
+replaced by the dead one's older state (it also checks its parent pid before each save, so as not
+to write blobs for nobody). Both pids own
 the staging directory: if both die at once, the next engine to start deletes it
 (``staging.remove_stale_directories``). Buffers the engine's pool frees (staging budget) are
 unmapped here on an ``unmap`` message.
@@ -53,7 +57,8 @@ import torch
 
 from .capture import Snapshot
 from ..config import EngineConfig
-from ..errors import CheckrunError, ConfigError, OrphanedWriterError
+from .commit import publish_manifest, write_and_commit
+from ..errors import CheckrunError, CommitRefusedError, ConfigError, OrphanedWriterError
 from .shm_staging import SharedBuffers, map_shared
 from ..storage.store import Store
 from .streams import DirState
@@ -148,14 +153,22 @@ class WriterProcess:
         if snap.event is not None:
             snap.event.synchronize()
             snap = dataclasses.replace(snap, event=None)
+        refused = None  # the commit's own error, raised rather than the writer's report of it
         try:
             conn = self._send(("save", (store.fs, store.root, store.url_prefix, store.cache_key), name, snap))
             status, value = pickle.loads(conn.recv_bytes())
+            if status == "publish":  # the blobs are written: the commit is this process's
+                try:
+                    publish_manifest(store, name, snap.stamp, value)
+                except Exception as exc:  # noqa: BLE001 - the writer abandons the lease, then reports
+                    refused = exc
+                self._send(("published", None if refused is None else f"{type(refused).__name__}: {refused}"))
+                status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise CheckrunError(f"the checkrun writer process died ({self._reap()}) while saving "
                                 f"{store.url(name)}") from exc
         if status == "error":
-            raise value
+            raise refused if refused is not None else value
         return value
 
     def adopt(self, store: Store, blobs: list, records: list, since: float) -> None:
@@ -224,18 +237,31 @@ def store_for(stores: dict, dirs: dict, key: tuple, make: Callable[[], Store]) -
 
 
 def _save(args: list, stores: dict, dirs: dict, config: EngineConfig, run: tuple,
-          owner_alive: Callable[[], bool]) -> bytes:
-    """One ``save`` message: write and commit (unless the training process died); the pickled reply."""
-    from .commit import write_and_commit
-
+          owner_alive: Callable[[], bool], answer: Callable[[bytes], str | None]) -> bytes:
+    """One ``save`` message: write the blobs (unless the training process died), have the engine
+    commit the manifest (``answer(data)``: None once committed, else why not); the pickled reply."""
     (fs, root, prefix, key), name, snap = args
     store = store_for(stores, dirs, key, lambda: Store(fs, root, config.storage, prefix, key[2]))
     state = dirs.setdefault(key, DirState())
+
+    def orphaned() -> OrphanedWriterError:
+        return OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
+                                   "checkrun writer process died")
+
+    def publish(data: bytes, guard: Callable[[], None]) -> None:
+        store.sync()  # the blobs are durable before a manifest can point at them
+        guard()
+        try:
+            refused = answer(data)
+        except EOFError:
+            raise orphaned() from None
+        if refused is not None:
+            raise CommitRefusedError(f"{store.url(name)} not committed: {refused}")
+
     try:
-        if not owner_alive():  # checked again right before the commit (fence.commit_guard)
-            raise OrphanedWriterError(f"{store.url(name)} not committed: the training process of this "
-                                      "checkrun writer process died")
-        reply = ("ok", write_and_commit(snap, store, name, state, config, *run, owner_alive=owner_alive))
+        if not owner_alive():  # no blobs written for a dead trainer (it could not commit them anyway)
+            raise orphaned()
+        reply = ("ok", write_and_commit(snap, store, name, state, config, *run, publish=publish))
     except BaseException as exc:  # noqa: BLE001 - reported to the engine
         if isinstance(exc, OrphanedWriterError):  # nobody is left to report it to
             log.warning("%s", exc)
@@ -268,10 +294,44 @@ def serve(fd: int, parent: int | None = None) -> None:
     dirs: dict[tuple, DirState] = {}
     maps: dict[str, torch.Tensor] = {}
     stopped = False  # the engine said stop: it deletes its buffers itself
+
+    def receive() -> Any:
+        """The next message other than a notice (handled here); EOFError when the engine is gone."""
+        while True:
+            message = _Unpickler(io.BytesIO(conn.recv_bytes()), directory, maps).load()
+            if message is None or message[0] not in ("unmap", "adopt", "forget"):
+                return message
+            kind, *args = message
+            if kind == "unmap":  # buffers the engine freed: their memory goes when unmapped here
+                for name in args[0]:
+                    maps.pop(name, None)
+            elif kind == "adopt":
+                key, blobs, records, since = args
+                state = dirs.setdefault(key, DirState())
+                state.adopt_verified(blobs, since)  # the load checked every one of them
+                state.records.update((r.key, r) for r in records)
+            else:
+                key, keys = args
+                if key in dirs:
+                    dirs[key].forget(keys)
+
+    def answer(data: bytes) -> str | None:
+        """Send ``publish`` with the manifest's bytes; the engine's answer (None: committed)."""
+        nonlocal stopped
+        try:
+            conn.send_bytes(pickle.dumps(("publish", data)))
+        except OSError:
+            raise EOFError from None
+        message = receive()
+        if message is None:  # the engine stopped without committing: nothing is left to do
+            stopped = True
+            return "the checkrun engine was closed before the commit"
+        return message[1]
+
     try:
         while True:
             try:
-                message = _Unpickler(io.BytesIO(conn.recv_bytes()), directory, maps).load()
+                message = receive()
             except EOFError:
                 return
             if message is None:
@@ -280,24 +340,15 @@ def serve(fd: int, parent: int | None = None) -> None:
             kind, *args = message
             message = None  # the snapshot's buffers: referenced by ``args`` only, until unmapped
             if kind == "save":
-                data = _save(args, stores, dirs, config, (matcher, workers), lambda: os.getppid() == parent)
+                data = _save(args, stores, dirs, config, (matcher, workers), lambda: os.getppid() == parent,
+                             answer)
                 args = None
+                if stopped:
+                    return
                 try:
                     conn.send_bytes(data)
                 except OSError:
                     return  # the engine's process is gone
-            elif kind == "unmap":  # buffers the engine freed: their memory goes when unmapped here
-                for name in args[0]:
-                    maps.pop(name, None)
-            elif kind == "adopt":
-                key, blobs, records, since = args
-                state = dirs.setdefault(key, DirState())
-                state.adopt_verified(blobs, since)  # the load checked every one of them
-                state.records.update((r.key, r) for r in records)
-            elif kind == "forget":
-                key, keys = args
-                if key in dirs:
-                    dirs[key].forget(keys)
     finally:
         workers.shutdown(wait=True)
         for store in stores.values():

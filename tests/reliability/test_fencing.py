@@ -134,6 +134,87 @@ def test_older_save_in_a_paused_writer_process_never_replaces_a_newer_manifest(t
         assert a.verify(path).ok
 
 
+_HOLD_AT_COMMIT = """
+import os, sys
+hold = os.environ.get("CHECKRUN_TEST_HOLD_COMMIT")
+if hold:
+    if sys.argv[:1] == ["-c"]:  # the writer process: tell the test its pid
+        with open(os.path.join(hold, "writer.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    replace = os.replace
+
+    def held_replace(src, dst, *args, **kwargs):
+        if str(dst).endswith("/last.ckpt"):  # this process is about to commit: say who, then wait
+            with open(os.path.join(hold, "ready"), "w") as f:
+                f.write(str(os.getpid()))
+            with open(os.path.join(hold, "release")) as f:
+                f.read()
+        return replace(src, dst, *args, **kwargs)
+
+    os.replace = held_replace
+"""
+
+_TRAINER = """
+import sys, threading, torch, ckpt_core
+sys.path.insert(0, {tests!r})
+from reliability import fencing_child
+from reliability.crash_child import versioned_state
+torch.set_num_threads(1)
+engine = ckpt_core.CheckpointEngine(fencing_child.engine_config("process"))
+engine.save(versioned_state(2), {path!r})
+threading.Event().wait()
+"""
+
+
+def test_a_writer_process_paused_at_the_commit_while_its_trainer_restarts_replaces_nothing(tmp_path):
+    """The commit's last step (the rename onto ``last.ckpt``) is held in whichever process makes it;
+    the trainer is SIGKILLed there, a restarted trainer commits a newer ``last.ckpt``, then the
+    hold is released. Before, the writer process renamed, after its checks of the trainer and of
+    the fence, so released there it replaced the newer checkpoint with the dead trainer's (a fault
+    program's random SIGSTOPs hit that window). Now the training process makes the commit: killed,
+    it commits nothing, and the writer process ends. Held by a ``sitecustomize`` on the inherited
+    PYTHONPATH (FIFOs: no sleeps)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(_HOLD_AT_COMMIT)
+    for fifo in ("ready", "release"):
+        os.mkfifo(hold / fifo)
+    path = tmp_path / "run" / "last.ckpt"
+    with CheckpointEngine(fencing_child.engine_config("thread")) as engine:
+        engine.save(versioned_state(1), path).result()
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(_TRAINER.format(tests=str(Path(__file__).parents[1]), path=str(path))))
+    env = dict(os.environ, CHECKRUN_TEST_HOLD_COMMIT=str(hold),
+               PYTHONPATH=os.pathsep.join([str(hold), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with open(tmp_path / "trainer.log", "w") as log:
+        trainer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=log, stderr=log)
+    writer = None
+    try:
+        with open(hold / "ready") as f:  # until a process reached the rename of version 2
+            f.read()
+        writer = os.pidfd_open(int((hold / "writer.pid").read_text()))
+        trainer.kill()
+        trainer.wait()
+        with CheckpointEngine(fencing_child.engine_config("thread")) as engine:  # the restarted trainer
+            engine.save(versioned_state(3), path).result()
+        try:  # release the holder if it is alive (the writer process, before)
+            os.close(os.open(hold / "release", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO  # nobody holds: the holder was the trainer
+        assert select.select([writer], [], [], WATCHDOG)[0], "the writer process did not end"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if writer is not None:
+            os.close(writer)
+    assert version_at(path) == 3
+    assert "training process" in (tmp_path / "trainer.log").read_text()  # the writer said why
+
+
 def test_a_save_asked_for_before_another_writers_commit_is_older_even_if_it_waited(tmp_path, gate, monkeypatch):
     """A stalled writer (its storage held) asks for another save of a name; that call waits for a
     slot (the previous save is still in flight) while another writer commits the name. The waiting
