@@ -226,7 +226,7 @@ class AcceleratorCheckpointer:
         return self._shown(output_dir, target)
 
     def _finish(self, target: Target, index: dict, outcomes: list, blocking: float, started: float,
-                stale: list[str]) -> Any:
+                stale: list[tuple[str, tuple]]) -> Any:
         """Rank 0's commit; once committed, the files accelerate's own save left in the folder go."""
         verdict = self._committer.finish(target, index, outcomes, blocking, started)
         if stale and verdict.error is None:

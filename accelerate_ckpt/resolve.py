@@ -137,24 +137,43 @@ def _native_names(names: list[str]) -> list[str]:
     return [n for n in names if n.startswith(_NATIVE_PREFIXES) and n.endswith(_NATIVE_SUFFIXES)]
 
 
-def native_files(folder: str) -> list[str]:
+def native_files(folder: str) -> list[tuple[str, tuple]]:
     """The files accelerate's own ``save_state`` wrote in a local ``folder`` (a checkrun save into it
-    replaces them once committed, as accelerate's save overwrites them), or []."""
+    replaces them once committed, as accelerate's save overwrites them), each with its identity now
+    (``remove_native`` removes only those still unchanged), or []: also for a folder checkrun saved
+    into before, whose files of such names a save hook or the user wrote."""
     local = folder.removeprefix("file://")
     if "://" in local:
         return []
     try:
-        return [os.path.join(local, n) for n in _native_names(os.listdir(local))]
+        names = os.listdir(local)
     except OSError:
         return []
-
-
-def remove_native(paths: list[str]) -> None:
-    """Remove accelerate's files of a folder whose checkrun checkpoint just committed: the folder then
-    holds one checkpoint, not checkrun's beside accelerate's older one."""
-    for path in paths:
+    if INDEX_NAME in names:  # checkrun saved here before: such files are the hooks' or the user's
+        return []
+    found = []
+    for name in _native_names(names):
+        path = os.path.join(local, name)
         try:
-            os.remove(path)
+            found.append((path, _identity(path)))
+        except OSError:
+            pass
+    return found
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def remove_native(files: list[tuple[str, tuple]]) -> None:
+    """Remove accelerate's files of a folder whose checkrun checkpoint just committed: the folder then
+    holds one checkpoint, not checkrun's beside accelerate's older one. A file written since the save
+    began is kept: a save hook wrote it (``save_pretrained`` into a reused ``output_dir``)."""
+    for path, identity in files:
+        try:
+            if _identity(path) == identity:
+                os.remove(path)
         except FileNotFoundError:
             pass
         except OSError as exc:  # the checkpoint is committed; only the stale file stays

@@ -221,6 +221,43 @@ def test_save_state_into_a_folder_accelerate_wrote_replaces_its_files(tmp_path: 
         assert _same(_weights(acc, model), mine)
 
 
+@pytest.mark.parametrize("first", ["checkrun", "accelerate"])
+def test_files_a_save_hook_rewrites_in_a_reused_folder_are_kept(tmp_path: Path, first: str) -> None:
+    """The transformers/diffusers habit: a save hook writes the model itself with ``save_pretrained``
+    (``model.safetensors``, ``config.json``) and pops it from ``weights``, and the script saves to one
+    fixed ``output_dir`` every time. The second save found the first one's ``model.safetensors``,
+    took it for accelerate's own (replaced by checkrun's commit) and removed it at the commit, after
+    the hook had rewritten it: the model was gone. Now a folder checkrun saved into has no leftovers
+    of accelerate's, and in a folder accelerate's own save_state wrote (``first="accelerate"``), only
+    files unchanged since the save began are (a file written during the save is the hook's)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "output"
+    acc, model, opt = _accelerator()
+
+    def save_pretrained(models, weights, output_dir):
+        save_file({k: v.contiguous() for k, v in acc.unwrap_model(models[0]).state_dict().items()},
+                  os.path.join(output_dir, "model.safetensors"))
+        Path(output_dir, "config.json").write_text("{}")
+        weights.pop()
+
+    acc.register_save_state_pre_hook(save_pretrained)
+    _train(acc, model, opt)
+    if first == "accelerate":
+        acc.save_state(str(folder))
+        assert "optimizer.bin" in os.listdir(folder)
+    with attach(acc) as ckpt:
+        for _ in range(1 if first == "accelerate" else 2):
+            _train(acc, model, opt)
+            acc.save_state(str(folder))
+            ckpt.wait()
+        mine = _weights(acc, model)
+        assert sorted(p.name for p in folder.iterdir()) == [".checkrun", composite.INDEX_NAME, "config.json",
+                                                            "model.safetensors"]
+        saved = load_file(folder / "model.safetensors")
+        assert sorted(saved) == sorted(mine) and all(torch.equal(saved[k], mine[k]) for k in mine)
+
+
 def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
     """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
     checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
