@@ -8,6 +8,7 @@ looks at protocols or filesystem classes.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -93,9 +94,14 @@ def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts]) if root.rstrip("/") else "/" + "/".join(parts)
 
 
+_TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-[0-9a-fps-]+")
+
+
 def is_temp_name(name: str) -> bool:
-    """Whether a file name is one of our temp files (``.<prefix>.tmp-<owner>-<uuid>``)."""
-    return name.startswith(".") and TMP_MARK in name
+    """Whether a file name is one of our temp files (``.<prefix>.tmp-<owner>-<uuid>``: hex digits,
+    ``p`` and ``s`` after the mark), which garbage collection may delete; a user's ``.notes.tmp-old``
+    is not one."""
+    return _TEMP_RE.fullmatch(name) is not None
 
 
 def check_name(name: str) -> str:

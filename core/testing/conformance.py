@@ -151,9 +151,9 @@ def _check_listing(c: _Ctx) -> None:
     for name in ("b.ckpt", "a.ckpt", "c.json"):
         s.write_manifest(name, data)
     base = f"{s.root.rstrip('/')}/.checkrun/blobs"
-    for stray in (f"{key[:2]}/.tmp-stray", "zz/not-a-key", "README", f"{key[:2]}/sub/{key[2:]}"):
+    for stray in (f"{key[:2]}/.tmp-{uuid.uuid4().hex}", "zz/not-a-key", "README", f"{key[:2]}/sub/{key[2:]}"):
         _put_raw(s, f"{base}/{stray}", b"junk")
-    _put_raw(s, f"{s.root.rstrip('/')}/.a.ckpt.tmp-stray", b"junk")
+    _put_raw(s, f"{s.root.rstrip('/')}/.a.ckpt.tmp-{uuid.uuid4().hex}", b"junk")
     c.expect([b.key for b in s.list_blobs()] == [key], f"list_blobs gives {s.list_blobs()}, expected only {key}")
     names = [f.name for f in s.list_files()]
     c.expect(names == ["a.ckpt", "b.ckpt", "c.json"], f"list_files gives {names}")

@@ -368,16 +368,18 @@ def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
         shard = next((root / ".checkrun" / "blobs").iterdir())
         old = [shard / ".tmp-0123456789abcdef", root / ".good.ckpt.tmp-0123456789abcdef"]
         young = shard / ".tmp-fedcba9876543210"  # a write in progress (another process)
-        for p in old + [young]:
+        theirs = root / ".notes.tmp-old"  # a user's file: not of checkrun's temp file pattern
+        for p in old + [young, theirs]:
             p.write_bytes(b"torn")
         then = time.time() - 7200
-        for p in old:
+        for p in old + [theirs]:
             os.utime(p, (then, then))
         dry = engine.gc(root, grace_seconds=3600, dry_run=True)
         assert sorted(dry.temp_files) == sorted(str(p.relative_to(root)) for p in old)
         assert all(p.exists() for p in old)
         report = engine.gc(root, grace_seconds=3600)
         assert len(report.temp_files) == 2 and not any(p.exists() for p in old) and young.exists()
+        assert theirs.exists()
         assert report.deleted == []  # no blob of the intact checkpoint
         assert_same(engine.load(root / "good.ckpt"), make_state(0))
 
