@@ -12,10 +12,9 @@ pickler that replaces each staging buffer by its file name, so only the tree, th
 and the names cross the pipe. The writer process (``python -m ckpt_core.saving.process``, started
 with ``subprocess``: it never imports the training script) keeps its own store and blob index per
 directory and storage options (``Store.cache_key``: a save with rotated credentials or another
-endpoint reaches them), writes and commits exactly as a background thread would
-(``commit.write_and_commit``), and answers
-with a ``Committed``; the engine then releases the staging buffers, advances its row streams and
-runs callbacks, retention and gc as usual. One step stays in the training process: the commit. When
+endpoint reaches them), writes exactly as a background thread would (``commit.write_and_commit``),
+and answers with a ``Committed``; the engine then releases the staging buffers, advances its row
+streams and runs callbacks, retention and gc as usual. One step stays in the training process: the commit. When
 the blobs are written (and synced), the writer sends the manifest's bytes; the engine's coordinator
 thread runs the fence and the rename/PUT (``commit.publish_manifest``) and answers; only then does
 the writer release the save's lease and reply. Loads and garbage collection tell the writer process
@@ -160,15 +159,17 @@ class WriterProcess:
             if status == "publish":  # the blobs are written: the commit is this process's
                 try:
                     publish_manifest(store, name, snap.stamp, value)
-                except Exception as exc:  # noqa: BLE001 - the writer abandons the lease, then reports
+                except BaseException as exc:  # noqa: BLE001 - raised below, once the writer has its answer
                     refused = exc
                 self._send(("published", None if refused is None else f"{type(refused).__name__}: {refused}"))
                 status, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise CheckrunError(f"the checkrun writer process died ({self._reap()}) while saving "
                                 f"{store.url(name)}") from exc
+        if refused is not None:
+            raise refused
         if status == "error":
-            raise refused if refused is not None else value
+            raise value
         return value
 
     def adopt(self, store: Store, blobs: list, records: list, since: float) -> None:
