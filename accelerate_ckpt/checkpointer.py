@@ -202,7 +202,10 @@ class AcceleratorCheckpointer:
         # it, and learns of its failure (abandon) instead of committing without it
         round_key = self._group.announce(key)
         try:
-            tree = self._tree(target, layout.join(target.base, rel_base[0]), iteration)
+            # the hooks get the folder as the caller named it (a pathlib.Path stays one), as with accelerate
+            local = output_dir is not None and "://" not in os.fspath(output_dir)
+            tree = self._tree(target, layout.join(target.base, rel_base[0]), iteration,
+                              output_dir if local else target.folder)
             handle = self._engine_save(tree, part)
             blocking = time.perf_counter() - started
             finish = None
@@ -233,12 +236,12 @@ class AcceleratorCheckpointer:
             paths.remove_native(stale)
         return verdict
 
-    def _tree(self, target: Target, first_part: str, iteration: int) -> dict:
+    def _tree(self, target: Target, first_part: str, iteration: int, hook_dir: Any) -> dict:
         """This rank's part: its own state, rank 0's also the replicated state (after the save hooks)."""
         acc = self.accelerator
         weights = state.model_weights(acc, self._unwrapped)
         for hook in acc._save_model_state_pre_hook.values():
-            hook(acc._models, weights, target.folder)
+            hook(acc._models, weights, hook_dir)
         tree = {"rank": state.gather_rank(acc)}
         if self.rank == 0:
             tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)

@@ -102,9 +102,10 @@ class NativeFolder:
     path: str
 
 
-_NATIVE_PREFIXES = ("model", "pytorch_model", "optimizer", "scheduler", "sampler", "scaler", "random_states_",
-                    "custom_checkpoint_", "dl_state_dict")
-_NATIVE_SUFFIXES = (".safetensors", ".bin", ".pkl", ".pt")
+#: The names accelerate's own ``save_state`` gives its files (accelerate/checkpointing.py), exactly:
+#: a user's ``model_best.pt`` or ``optimizer.pt`` in the folder is not one of them.
+_NATIVE_NAME = re.compile(r"(?:model(?:_\d+)?\.safetensors|(?:pytorch_model|optimizer|scheduler|sampler|dl_state_dict)"
+                          r"(?:_\d+)?\.bin|scaler\.pt|(?:random_states|custom_checkpoint)_\d+\.pkl)")
 
 
 def native_folder(path: str | os.PathLike | None, default_root: str | None) -> NativeFolder | None:
@@ -134,7 +135,7 @@ def _is_native(folder: str) -> bool:
 
 
 def _native_names(names: list[str]) -> list[str]:
-    return [n for n in names if n.startswith(_NATIVE_PREFIXES) and n.endswith(_NATIVE_SUFFIXES)]
+    return [n for n in names if _NATIVE_NAME.fullmatch(n)]
 
 
 def native_files(folder: str) -> list[tuple[str, tuple]]:

@@ -258,6 +258,28 @@ def test_files_a_save_hook_rewrites_in_a_reused_folder_are_kept(tmp_path: Path, 
         assert sorted(saved) == sorted(mine) and all(torch.equal(saved[k], mine[k]) for k in mine)
 
 
+def test_user_files_in_the_output_dir_are_kept_and_hooks_get_the_path_as_passed(tmp_path: Path) -> None:
+    """``save_state(Path)`` into a folder holding the user's own files: only the names accelerate's
+    own save_state writes (and overwrites) count as its leftovers; ``model_best.pt``, ``optimizer.pt``
+    or a sharded ``model-00001-of-00002.safetensors`` were removed at the commit (they matched
+    accelerate's prefixes and suffixes). The save hooks get the folder as passed: a ``pathlib.Path``
+    (a hook doing ``output_dir / "ema"`` failed on the ``str`` it got)."""
+    folder = tmp_path / "output"
+    folder.mkdir()
+    mine = ["model_best.pt", "optimizer.pt", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+            "README.md"]
+    for name in mine:
+        (folder / name).write_text("the user's")
+    acc, model, opt = _accelerator()
+    seen = []
+    acc.register_save_state_pre_hook(lambda models, weights, output_dir: seen.append(output_dir))
+    with attach(acc) as ckpt:
+        acc.save_state(folder)
+        ckpt.wait()
+    assert seen == [folder] and isinstance(seen[0], Path)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".checkrun", composite.INDEX_NAME, *mine])
+
+
 def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
     """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
     checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
