@@ -104,6 +104,7 @@ class NativeFolder:
 
 #: The names accelerate's own ``save_state`` gives its files (accelerate/checkpointing.py), exactly:
 #: a user's ``model_best.pt`` or ``optimizer.pt`` in the folder is not one of them.
+_RNG_NAME = re.compile(r"random_states_\d+\.pkl")
 _NATIVE_NAME = re.compile(r"(?:model(?:_\d+)?\.safetensors|(?:pytorch_model|optimizer|scheduler|sampler|dl_state_dict)"
                           r"(?:_\d+)?\.bin|scaler\.pt|(?:random_states|custom_checkpoint)_\d+\.pkl)")
 
@@ -142,7 +143,9 @@ def native_files(folder: str) -> list[tuple[str, tuple]]:
     """The files accelerate's own ``save_state`` wrote in a local ``folder`` (a checkrun save into it
     replaces them once committed, as accelerate's save overwrites them), each with its identity now
     (``remove_native`` removes only those still unchanged), or []: also for a folder checkrun saved
-    into before, whose files of such names a save hook or the user wrote."""
+    into before, whose files of such names a save hook or the user wrote, and for a folder without
+    the RNG states every accelerate ``save_state`` writes (``save_model``'s ``model.safetensors``
+    there is the user's inference copy)."""
     local = folder.removeprefix("file://")
     if "://" in local:
         return []
@@ -150,8 +153,8 @@ def native_files(folder: str) -> list[tuple[str, tuple]]:
         names = os.listdir(local)
     except OSError:
         return []
-    if INDEX_NAME in names:  # checkrun saved here before: such files are the hooks' or the user's
-        return []
+    if INDEX_NAME in names or not any(_RNG_NAME.fullmatch(n) for n in names):
+        return []  # checkrun saved here before, or accelerate's save_state never did
     found = []
     for name in _native_names(names):
         path = os.path.join(local, name)

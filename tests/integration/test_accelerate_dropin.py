@@ -280,6 +280,25 @@ def test_user_files_in_the_output_dir_are_kept_and_hooks_get_the_path_as_passed(
     assert sorted(p.name for p in folder.iterdir()) == sorted([".checkrun", composite.INDEX_NAME, *mine])
 
 
+def test_save_model_then_save_state_into_one_folder_keeps_the_model_file(tmp_path: Path) -> None:
+    """``accelerator.save_model(model, out)`` (the weights for inference) then ``save_state(out)``:
+    accelerate overwrites ``model.safetensors`` with the same weights; checkrun took it for a
+    leftover of accelerate's own save_state and removed it at the commit. A folder counts as
+    accelerate's checkpoint only with the RNG states every save_state writes."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    acc, model, opt = _accelerator()
+    _train(acc, model, opt)
+    with attach(acc) as ckpt:
+        acc.save_model(model, out)
+        acc.save_state(out)
+        ckpt.wait()
+    assert sorted(p.name for p in out.iterdir()) == [".checkrun", composite.INDEX_NAME, "model.safetensors"]
+    saved, mine = load_file(out / "model.safetensors"), _weights(acc, model)
+    assert sorted(saved) == sorted(mine) and all(torch.equal(saved[k], mine[k]) for k in mine)
+
+
 def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
     """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
     checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
