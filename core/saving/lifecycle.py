@@ -120,7 +120,8 @@ def _flush_all() -> None:
 
 
 def install_sigterm(grace_seconds: float | None) -> None:
-    """On SIGTERM, wait up to ``grace_seconds`` for pending saves, then run the previous handler."""
+    """On SIGTERM, wait up to ``grace_seconds`` for pending saves, then run the previous handler
+    (the default one: the process ends, unless another handler installed since runs ours)."""
     if grace_seconds is None or _sigterm["installed"]:
         return
     if threading.current_thread() is not threading.main_thread():
@@ -132,6 +133,9 @@ def install_sigterm(grace_seconds: float | None) -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    # Not the installed handler: another one (Lightning's during fit, which stops the loop gracefully
+    # and saves an OnExceptionCheckpoint) calls us in its chain. It owns SIGTERM; we only wait.
+    owner = signal.getsignal(signal.SIGTERM) is _on_sigterm
     deadline = time.monotonic() + float(_sigterm["grace"])
     for engine in list(_engines):
         while engine.pending and time.monotonic() < deadline:
@@ -143,7 +147,7 @@ def _on_sigterm(signum, frame) -> None:
     previous = _sigterm["previous"]
     if callable(previous):
         previous(signum, frame)
-    elif previous == signal.SIG_IGN:
+    elif previous == signal.SIG_IGN or not owner:
         return
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -409,3 +409,43 @@ def test_hydra_example_refuses_to_start_over_silently(monkeypatch, tmp_path) -> 
     script = os.path.join(EXAMPLES, "hydra_train", "train.py")
     with pytest.raises(SystemExit, match="no last checkpoint"):
         run_script(monkeypatch, script, "resume=last", "hydra/job_logging=none", "hydra/hydra_logging=none")
+
+
+_PREEMPTED = """
+import os, signal, sys
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_ckpt import CheckrunCheckpointIO
+
+class Model(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.max_epochs > 1 and self.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice, delivered at a known step
+        return super().training_step(batch, batch_idx)
+
+d = sys.argv[1]
+kw = dict(plugins=[CheckrunCheckpointIO()], logger=False, enable_progress_bar=False, enable_model_summary=False)
+model = Model()
+first = Trainer(max_epochs=1, enable_checkpointing=False, **kw)
+first.fit(model)
+first.save_checkpoint(os.path.join(d, "stage1.ckpt"))  # checkrun's SIGTERM handler is installed here
+Trainer(max_epochs=50, callbacks=[OnExceptionCheckpoint(dirpath=d)], **kw).fit(model)
+"""
+
+
+def test_sigterm_during_a_later_fit_is_lightnings_graceful_stop(tmp_path) -> None:
+    """A save outside fit installs checkrun's SIGTERM handler (wait for pending saves, then the
+    previous handler: the default, ending the process). A later fit's signal connector found it and
+    called it in its own chain, so a SIGTERM killed the process (exit -15) instead of Lightning's
+    graceful stop, and OnExceptionCheckpoint saved nothing. Called by another handler, checkrun's
+    now only waits; the process ends as with TorchCheckpointIO (exit 0, on_exception.ckpt saved)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "preempted.py"
+    script.write_text(_PREEMPTED)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    state = ckpt_core.load(tmp_path / "on_exception.ckpt")
+    assert state["global_step"] == 4  # as TorchCheckpointIO saves it: the step that got the signal completes
