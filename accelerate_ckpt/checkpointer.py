@@ -428,20 +428,26 @@ class AcceleratorCheckpointer:
         return Target.folder_only(output_dir)
 
     def _refuse_existing(self, target: Target) -> None:
-        """Before any load, automatic naming never replaces a folder already there (a rerun into the same
-        project: a checkpoint of an earlier run, checkrun's or accelerate's). After a checkrun
-        ``load_state`` the iteration continues from the checkpoint loaded (unless this process's
-        iteration is already further), and a save replaces a later one of that name (a rewind).
-        Every rank looks before any creates its own, and all raise if one found it (a gather on the
-        training's process group, as accelerate's ``wait_for_everyone``)."""
-        found = int(composite.folder_exists(target.folder, self.storage_options, self.config))
+        """Before any load, automatic naming never replaces a folder already there, nor numbers its
+        checkpoints below one (a rerun into the same project: a checkpoint of an earlier run, checkrun's
+        or accelerate's; with ``total_limit`` the earlier run's lowest numbers are gone, and its newer
+        folders would be pruned as the older ones). After a checkrun ``load_state`` the iteration
+        continues from the checkpoint loaded (unless this process's iteration is already further), and
+        a save replaces a later one of that name (a rewind). Every rank looks before any creates its
+        own, and all raise if one found it (a gather on the training's process group, as accelerate's
+        ``wait_for_everyone``)."""
+        ours = int(target.name.rpartition("_")[2])
+        later = [name for name in composite.folder_names(target.base, self.storage_options, self.config)
+                 if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and int(m.group(1)) >= ours]
+        found = int(bool(later))
         if self.world > 1:
             acc = self.accelerator
             found = int(acc.gather(torch.tensor([found], device=acc.device)).sum().item())
         if found:
             raise CheckpointExistsError(
-                f"{target.folder} already exists: save_state() with automatic checkpoint naming does not replace "
-                f"it, as accelerate does not. Resume with load_state() first (it sets the iteration), set "
+                f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's): "
+                f"save_state() with automatic checkpoint naming does not replace it, as accelerate does not. "
+                f"Resume with load_state() first (it sets the iteration), set "
                 f"accelerator.project_configuration.iteration to the next free number, or use another project_dir")
 
     def _shown(self, output_dir: str | os.PathLike | None, target: Target) -> str:

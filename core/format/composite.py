@@ -138,6 +138,17 @@ def folder_exists(url: str, storage_options: dict | None, config: EngineConfig) 
     return bool(store.retry(lambda: store.fs.exists(store.root), f"look for {store.url('')}"))
 
 
+def folder_names(url: str, storage_options: dict | None, config: EngineConfig) -> list[str]:
+    """The names of the entries directly in a folder (an object store: under a prefix); [] if none."""
+    store = Store.for_directory(os.fspath(url), storage_options, config.storage)
+    store.fs.invalidate_cache(store.root)
+    try:
+        found = store.retry(lambda: store.fs.ls(store.root, detail=False), f"list {store.url('')}")
+    except FileNotFoundError:
+        return []
+    return [str(p).rstrip("/").rpartition("/")[2] for p in found]
+
+
 def remove_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
     """Delete a checkpoint folder with everything in it (what Accelerate's ``total_limit`` does)."""
     store = Store.for_directory(os.fspath(url), storage_options, config.storage)

@@ -87,7 +87,7 @@ def test_a_rerun_into_the_same_project_is_refused_on_every_rank_like_accelerate(
                                                        "--saves", "2"], launch_env(tmp_path))
     message = str(failed.value)
     assert "still ran after" not in message
-    assert message.count("CheckpointExistsError") >= 2 and "checkpoint_0 already exists" in message
+    assert message.count("CheckpointExistsError") >= 2 and "checkpoint_0 or a later checkpoint_N already exists" in message
     assert sorted(os.listdir(tmp_path / "proj-run" / "checkpoints")) == listing
     after = {p: p.read_bytes() for p in (tmp_path / "proj-run" / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
@@ -145,7 +145,7 @@ def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues
     GradientState._reset_state()
     acc, model, opt = _accelerator(tmp_path / "proj", seed=1)
     with attach(acc) as ckpt:
-        with pytest.raises(CheckpointExistsError, match="checkpoint_0 already exists") as err:
+        with pytest.raises(CheckpointExistsError, match="checkpoint_0 or a later checkpoint_N already exists") as err:
             acc.save_state()
         assert isinstance(err.value, ValueError)  # what code written for accelerate catches
         assert {p.name: p.read_bytes() for p in Path(native).iterdir()} == written  # untouched
@@ -158,6 +158,42 @@ def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues
         acc.load_state(str(tmp_path / "proj" / "checkpoints" / "checkpoint_1"))
         assert _same(_weights(acc, model), saved)
         assert Path(acc.save_state()).name == "checkpoint_3"  # the iteration never goes back, as accelerate's
+        ckpt.wait()
+
+
+def test_a_rerun_with_total_limit_is_refused_before_it_prunes_the_earlier_run(tmp_path: Path) -> None:
+    """With ``total_limit=2`` the earlier run left ``checkpoint_1`` and ``checkpoint_2``. The rerun's
+    first save (``checkpoint_0``, gone) passed the check of its own folder, and retention then pruned
+    the earlier run's folders as the oldest: no error, nothing of the earlier run left (accelerate
+    raises at its third save, after pruning ``checkpoint_1``). Now the first save raises: a folder
+    numbered at or above the one about to be written is an earlier run's."""
+    from accelerate_ckpt import CheckpointExistsError
+
+    def project(seed: int) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True, total_limit=2))
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 2)
+        return acc, *acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    acc, model, opt = project(0)
+    with attach(acc):
+        for _ in range(3):
+            _train(acc, model, opt)
+            acc.save_state()
+        earlier = _weights(acc, model)
+    checkpoints = tmp_path / "proj" / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == [".checkrun", "checkpoint_1", "checkpoint_2"]
+    acc, model, opt = project(1)
+    with attach(acc) as ckpt:
+        with pytest.raises(CheckpointExistsError, match="checkpoint_0 or a later checkpoint_N already exists"):
+            acc.save_state()
+        assert sorted(os.listdir(checkpoints)) == [".checkrun", "checkpoint_1", "checkpoint_2"]
+        acc.load_state()  # the documented way on: resume, then the numbering continues
+        assert _same(_weights(acc, model), earlier)
+        assert Path(acc.save_state()).name == "checkpoint_3"
         ckpt.wait()
 
 
@@ -180,7 +216,7 @@ def test_checkpoints_accelerate_wrote_before_attaching_still_load(tmp_path: Path
         assert ckpt.latest() == natives[1][0]
         assert acc.load_state(natives[0][0]) == natives[0][0]
         assert _same(_weights(acc, model), natives[0][1])
-        with pytest.raises(CheckpointExistsError, match="checkpoint_1 already exists"):
+        with pytest.raises(CheckpointExistsError, match="checkpoint_1 or a later checkpoint_N already exists"):
             acc.save_state()  # never over a folder accelerate wrote (accelerate raises there too)
         assert acc.load_state() == natives[1][0]
         assert _same(_weights(acc, model), natives[1][1])
