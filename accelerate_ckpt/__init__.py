@@ -16,9 +16,10 @@ Quick use (on every process)::
 
 See docs/accelerate.md.
 """
-from .checkpointer import AcceleratorCheckpointer, CheckpointExistsError, UnsupportedDistributedTypeError, attach
+from .checkpointer import (AcceleratorCheckpointer, CheckpointExistsError, NoCheckpointError,
+                           UnsupportedDistributedTypeError, attach)
 from .config import CONFIG_ENV, SECTION, AdapterOptions
 from .steplog import StepLogSetupError
 
-__all__ = ["AcceleratorCheckpointer", "attach", "AdapterOptions", "CheckpointExistsError", "UnsupportedDistributedTypeError",
-           "StepLogSetupError", "CONFIG_ENV", "SECTION"]
+__all__ = ["AcceleratorCheckpointer", "attach", "AdapterOptions", "CheckpointExistsError", "NoCheckpointError",
+           "UnsupportedDistributedTypeError", "StepLogSetupError", "CONFIG_ENV", "SECTION"]

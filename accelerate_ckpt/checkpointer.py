@@ -46,6 +46,11 @@ class CheckpointExistsError(CheckrunError, ValueError):
     rerun into the same project without ``load_state``): refused, as accelerate refuses it."""
 
 
+class NoCheckpointError(CheckpointNotFoundError, ValueError):
+    """``load_state`` found no checkpoint to load: checkrun's ``CheckpointNotFoundError`` (a
+    ``FileNotFoundError``) and a ``ValueError``, which accelerate's own ``load_state`` raises there."""
+
+
 class _Routed:
     """A checkpointer's method installed on an Accelerator instance by ``attach``. Accelerators can
     be pickled (accelerate tests it; spawned workers and ``copy.deepcopy`` do it): a copy gets the
@@ -465,7 +470,7 @@ class AcceleratorCheckpointer:
             return paths.index_for(self._engine, path, root, self.storage_options)
         except CheckpointNotFoundError as exc:
             native = paths.native_folder(path, root) if self.options.fallback_to_accelerate else None
-            return exc if native is None else native
+            return NoCheckpointError(str(exc)) if native is None else native
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the broadcast
             return exc
 

@@ -1,6 +1,8 @@
 """The project's exception types. Every error checkrun raises on purpose derives from CheckrunError."""
 from __future__ import annotations
 
+import pickle
+
 
 class CheckrunError(Exception):
     """Base class of every error raised by checkrun."""
@@ -34,8 +36,9 @@ class FormatError(CorruptCheckpointError):
     """Unknown format version or codec, or a field that does not fit the format."""
 
 
-class UnsafeLoadError(CheckrunError):
-    """Loading a value needs pickle but ``weights_only=True`` and its type is not allow-listed."""
+class UnsafeLoadError(CheckrunError, pickle.UnpicklingError):
+    """Loading a value needs pickle but ``weights_only=True`` and its type is not allow-listed. A
+    ``pickle.UnpicklingError``, as torch's ``weights_only`` loading raises there."""
 
 
 class BackgroundSaveError(CheckrunError):

@@ -157,6 +157,39 @@ def _join(path: str | None, component: Any) -> str:
     return text if path is None else f"{path}.{text}"
 
 
+#: Values larger than these without tensors go to a blob as objects (pickled, loaded like any object,
+#: under ``weights_only``), not into the manifest: inline, a sampler's 4M-index permutation or a 70 MB
+#: string made a manifest that loads refuse (``load.max_manifest_elements``, the 64 MiB manifest cap).
+SPILL_ITEMS = 1 << 16
+SPILL_CHARS = 1 << 20
+_FLAT = (int, float, str, bool, type(None))
+
+
+def _spilled(value: Any, t: type) -> bool:
+    """A long string/bytes, or a list/tuple/dict of more than ``SPILL_ITEMS`` items with no tensor
+    anywhere inside (tensors stay tensor leaves: chunked, incremental, quantizable)."""
+    if t is str or t is bytes:
+        return len(value) > SPILL_CHARS
+    if t is not list and t is not tuple and t is not dict:
+        return False
+    if len(value) <= SPILL_ITEMS:
+        return False
+    todo = [value]
+    while todo:  # iterative: as deep as the state goes
+        v = todo.pop()
+        tv = type(v)
+        if tv in _FLAT:
+            continue
+        if isinstance(v, torch.Tensor):
+            return False
+        if tv is list or tv is tuple:
+            todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+    return True
+
+
 class _NotPlainKey(Exception):
     """A dict key the skeleton cannot hold; the whole dict then becomes an object."""
 
@@ -206,6 +239,10 @@ class _Encoder:
         if t is torch.Tensor and not key_mode and _stored_as_tensor(value):  # the common leaf first
             self._check(depth + 1, path)
             out[slot] = self._tensor_ref(value, path)
+            return
+        if not key_mode and _spilled(value, t):
+            self._check(depth + 1, path)
+            out[slot] = {T_OBJECT: self._object_ref(value, path)}
             return
         enc = _encode_scalar(value)
         if enc is not _NOT_PLAIN:

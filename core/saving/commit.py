@@ -17,7 +17,8 @@ from typing import Callable
 
 from .capture import Snapshot
 from ..config import EngineConfig
-from ..errors import CheckrunError
+from ..errors import CheckrunError, FormatError
+from ..format.limits import check_json, limits_for
 from .fence import CommitStamp, commit_guard
 from .handles import WriteStats
 from ..format.manifest import Manifest
@@ -62,6 +63,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
         if snap.stamp is not None:
             manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
         data = manifest.to_bytes()
+        _check_loadable(data, store.url(name), config)
         guard = lambda: _guard(store, lease, manifest)  # noqa: E731
         if publish is None:
             publish_manifest(store, name, snap.stamp, data, guard)
@@ -77,6 +79,17 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
     return Committed(WriteStats.from_manifest(stats), len(data), new, len(manifest.blobs()) - new, len(quantized),
                      sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
                      writer.stream_updates, matcher.unmatched_rules())
+
+
+def _check_loadable(data: bytes, url: str, config: EngineConfig) -> None:
+    """Refuse to commit a manifest that loads would refuse (``limits.check_json``): the save fails now,
+    not the resume later. Large flat lists and strings go to blobs (``tree.SPILL_ITEMS``); what is
+    left is a state of very many small plain containers."""
+    try:
+        check_json(data, url, limits_for(config))
+    except FormatError as exc:
+        raise FormatError(f"cannot save {url}: its manifest would not load ({exc}); keep large plain "
+                          "values (nested lists and dicts of numbers) as tensors or numpy arrays") from None
 
 
 def publish_manifest(store: Store, name: str, stamp: CommitStamp | None, data: bytes,

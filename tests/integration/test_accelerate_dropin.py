@@ -335,6 +335,21 @@ def test_save_model_then_save_state_into_one_folder_keeps_the_model_file(tmp_pat
     assert sorted(saved) == sorted(mine) and all(torch.equal(saved[k], mine[k]) for k in mine)
 
 
+def test_load_state_of_a_missing_folder_raises_what_accelerate_raises(tmp_path: Path) -> None:
+    """accelerate's ``load_state`` raises ``ValueError`` for a folder that does not exist; a script
+    that catches it (to start fresh) must still catch checkrun's error, which stays a
+    ``FileNotFoundError`` (``CheckpointNotFoundError``) as before."""
+    from accelerate_ckpt import NoCheckpointError
+
+    acc, model, opt = _accelerator()
+    with attach(acc):
+        for missing in (tmp_path / "missing", str(tmp_path / "empty")):
+            Path(tmp_path / "empty").mkdir(exist_ok=True)
+            with pytest.raises(ValueError) as info:
+                acc.load_state(missing)
+            assert isinstance(info.value, NoCheckpointError) and isinstance(info.value, FileNotFoundError)
+
+
 def test_an_iteration_the_user_set_is_kept_by_load_state(tmp_path: Path) -> None:
     """``ProjectConfiguration(iteration=3)`` then ``load_state(checkpoint_1)``: the next save is
     checkpoint_3, as with accelerate (which never changes the iteration); checkpoint_2 stays."""
