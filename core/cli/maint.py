@@ -1,11 +1,12 @@
 """``checkrun verify`` and ``checkrun gc``: integrity checks (through composite indexes to their parts)
-and blob garbage collection."""
+and blob garbage collection (of a directory of checkpoint folders: its parts no index lists first)."""
 from __future__ import annotations
 
 from .composite import folders, open_view, verify_view
 from .steplog import print_log_report, verify_log
 from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line
-from ..format.composite import INDEX_NAME
+from ..format.composite import INDEX_NAME, PARTS_DIR, join
+from ..retain.composites import Composites
 from ..errors import CheckrunError
 
 # ----------------------------------------------------------------------------- verify
@@ -96,14 +97,18 @@ def cmd_gc(ctx: Context) -> int:
         raise CliError(f"{args.directory}: no such directory")
     if args.grace is not None and args.grace < 0:
         raise CliError("--grace must be >= 0 seconds", 2)
+    grace = ctx.engine.config.retention.gc_grace_seconds if args.grace is None else args.grace
+    directory, orphans = args.directory, _orphaned_parts(ctx, args.directory, grace)
+    if orphans is not None:  # checkpoint folders (Accelerate): their parts' blobs are in the parts directory
+        directory = join(args.directory, PARTS_DIR)
     with ctx.bar(None, "collecting garbage", unit="blob") as bar:
-        report = ctx.engine.gc(args.directory, grace_seconds=args.grace, dry_run=args.dry_run,
+        report = ctx.engine.gc(directory, grace_seconds=args.grace, dry_run=args.dry_run,
                                storage_options=ctx.storage_options)
         bar.update(len(report.deleted))
-    grace = ctx.engine.config.retention.gc_grace_seconds if args.grace is None else args.grace
     code = EXIT_PROBLEM if report.problems else EXIT_OK
     if ctx.json:
         emit_json({"directory": report.directory, "dry_run": report.dry_run, "grace_seconds": grace,
+                   "orphaned_parts": orphans or [],
                    "deleted": report.deleted, "deleted_blobs": len(report.deleted),
                    "freed_bytes": report.freed_bytes, "kept_young": report.kept_young,
                    "kept_leased": report.kept_leased, "leases": report.leases,
@@ -116,6 +121,10 @@ def cmd_gc(ctx: Context) -> int:
             print(f"  - {one_line(p)}")
         return code
     verb = "would delete" if report.dry_run else "deleted"
+    if orphans:
+        print(f"{verb} {len(orphans)} part(s) of checkpoint folders that no longer exist (no index lists them):")
+        for name in orphans:
+            print(f"  {name}")
     for key in report.deleted:
         log.info("checkrun: %s blob %s", verb, key)
     print(f"{verb} {len(report.deleted)} unreferenced blob(s), "
@@ -127,3 +136,20 @@ def cmd_gc(ctx: Context) -> int:
         for name in report.step_log:
             print(f"  {name}")
     return code
+
+
+def _orphaned_parts(ctx: Context, directory: str, grace: float) -> list[str] | None:
+    """For a directory of checkpoint folders (``.checkrun/parts`` in it; what Accelerate writes): the
+    parts no index lists (their folder was deleted by hand), older than the grace and at least an hour
+    (a younger one may belong to a save in flight on another rank), removed unless ``--dry-run``;
+    None for any other directory."""
+    if ctx.kind(join(directory, PARTS_DIR)) != "dir":
+        return None
+    with Composites(directory, ctx.engine.config, ctx.storage_options, orphan_grace=grace) as found:
+        try:
+            orphans = found.orphans()
+        except CheckrunError as exc:
+            raise CliError(f"{directory}: {one_line(exc)}") from None
+        if not ctx.args.dry_run:
+            found.remove_parts([e.url for e in orphans])
+    return [e.name for e in orphans]

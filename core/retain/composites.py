@@ -138,20 +138,25 @@ class Composites:
         store.delete_manifest(name)
         return found
 
-    def _remove_orphans(self) -> list[Garbage]:
-        """Parts no index of ``root`` lists, older than the grace (a younger one may belong to a save
-        still in flight on some rank); none while an index is unreadable (its parts are unknown)."""
+    def orphans(self) -> list:
+        """The parts (``list_checkpoints`` entries of the parts directory) no index of ``root`` lists,
+        older than the grace (a younger one may belong to a save still in flight on some rank; a
+        folder deleted by hand leaves its parts); none while an index is unreadable (its parts are
+        unknown). Raises ``CheckrunError`` when the directory cannot be listed."""
         referenced: set[str] = set()
+        for entry in list_in(self.root, self.storage_options, self.config):
+            if entry.index is None:
+                return []
+            referenced.update(u.rpartition("/")[2] for u in composite.part_urls(entry.url, entry.index))
+        grace = max(self.orphan_grace, MIN_ORPHAN_GRACE_SECONDS)
+        now = time.time()
+        return [e for e in list_checkpoints(self.store, self.config)
+                if e.name not in referenced and now - e.mtime > grace]
+
+    def _remove_orphans(self) -> list[Garbage]:
+        """Remove the ``orphans``; the garbage is their blobs."""
         try:
-            for entry in list_in(self.root, self.storage_options, self.config):
-                if entry.index is None:
-                    return []
-                referenced.update(u.rpartition("/")[2] for u in composite.part_urls(entry.url, entry.index))
-            grace = max(self.orphan_grace, MIN_ORPHAN_GRACE_SECONDS)
-            now, garbage = time.time(), []
-            for entry in list_checkpoints(self.store, self.config):
-                if entry.name not in referenced and now - entry.mtime > grace:
-                    garbage.append(self._remove_part(entry.url))
+            garbage = [self._remove_part(entry.url) for entry in self.orphans()]
         except CheckrunError as exc:
             log.warning("checkrun: orphan cleanup in %s failed: %s", self.root, exc)
             return []

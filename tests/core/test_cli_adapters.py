@@ -179,3 +179,29 @@ def test_earlier_release_index_is_read_through(capsys, tmp_path: Path) -> None:
     os.remove(root / "parts" / "c0.x-0.rank0.ckpt")
     code, data = run_json(capsys, "verify", root)
     assert code == 1 and not data["ok"]
+
+
+def test_gc_of_checkpoint_folders_removes_the_parts_of_a_folder_deleted_by_hand(capsys, accel_run) -> None:
+    """``rm -rf checkpoints/checkpoint_0`` (how accelerate users prune by hand) left that checkpoint's
+    part in ``.checkrun/parts``, referencing its blobs: ``checkrun gc checkpoints`` freed nothing, ever.
+    Now gc removes the parts no index lists once an hour old (a younger one may belong to a save in
+    flight on another rank), then collects the parts' blobs; the other checkpoint still loads."""
+    import shutil
+    import time
+
+    root, folders, weights = accel_run
+    shutil.rmtree(folders[0])
+    parts = root / ".checkrun" / "parts"
+    orphan = [p for p in parts.iterdir() if p.name.startswith("checkpoint_0.")]
+    assert len(orphan) == 1
+    code, out = run_json(capsys, "gc", root)  # young: kept
+    assert code == 0 and out["orphaned_parts"] == [] and orphan[0].exists()
+    old = time.time() - 7200
+    os.utime(orphan[0], (old, old))
+    code, out = run_json(capsys, "gc", root, "--dry-run")
+    assert code == 0 and out["orphaned_parts"] == [orphan[0].name] and orphan[0].exists()
+    code, out = run_json(capsys, "gc", root)
+    assert code == 0 and out["orphaned_parts"] == [orphan[0].name] and not orphan[0].exists()
+    assert out["deleted_blobs"] > 0 and out["freed_bytes"] > 0
+    code, out = run_json(capsys, "verify", root)
+    assert code == 0 and len(out["checkpoints"]) == 1 and out["checkpoints"][0]["ok"]
