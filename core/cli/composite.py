@@ -15,7 +15,7 @@ from typing import Any
 from ..format import composite
 from ..retain.composites import list_in
 from .tree import plain_values
-from .util import Context, CliError, log
+from .util import Context, CliError, log, one_line
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..format.manifest import BlobRef, Manifest, TensorRecord
 
@@ -113,9 +113,12 @@ def resolve_checkpoint(ctx: Context, url: str) -> str:
     latest = ctx.engine.latest(url, storage_options=ctx.storage_options)
     if latest is not None:
         candidates.append((ctx.engine.read_manifest(latest, storage_options=ctx.storage_options).created, latest))
-    good = [f for f in folders(ctx, url) if f.manifest is not None]
-    if good:
-        candidates.append((good[-1].created, good[-1].url))
+    for folder in reversed([f for f in folders(ctx, url) if f.manifest is not None]):
+        report = verify_view(ctx, folder.url, decode=False)  # every part's blobs, as latest() verifies
+        if report["ok"]:
+            candidates.append((folder.created, folder.url))
+            break
+        log.warning("checkrun: skipping checkpoint %s: %s", folder.url, one_line("; ".join(report["problems"])))
     if not candidates:
         raise CliError(f"{url}: directory holds no intact checkrun checkpoint")
     chosen = max(candidates)[1]

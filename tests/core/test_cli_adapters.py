@@ -205,3 +205,27 @@ def test_gc_of_checkpoint_folders_removes_the_parts_of_a_folder_deleted_by_hand(
     assert out["deleted_blobs"] > 0 and out["freed_bytes"] > 0
     code, out = run_json(capsys, "verify", root)
     assert code == 0 and len(out["checkpoints"]) == 1 and out["checkpoints"][0]["ok"]
+
+
+def test_a_directory_of_checkpoint_folders_resolves_to_its_newest_intact_one(capsys, accel_run, tmp_path: Path) -> None:
+    """``checkrun export checkpoints out.pt`` with a rotted blob in the newest checkpoint failed on its
+    checksum, where a plain directory falls back to the next older intact checkpoint (cli.md: "its
+    newest intact checkpoint is used"). Now folders are verified as ``latest()`` verifies files."""
+    root, folders, weights = accel_run
+    with ckpt_core.CheckpointEngine() as engine:
+        def blobs(folder: str) -> set[str]:
+            index_url = str(Path(folder) / composite.INDEX_NAME)
+            index = engine.load(index_url)
+            return {b.key for p in composite.part_urls(index_url, index) for b in engine.read_manifest(p).blobs()}
+        only_newest = sorted(blobs(folders[1]) - blobs(folders[0]))
+    assert only_newest
+    path = root / ".checkrun" / "parts" / ".checkrun" / "blobs" / only_newest[0][:2] / only_newest[0][2:]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = tmp_path / "newest_intact.pt"
+    code, _ = run(capsys, "export", root, out)
+    assert code == 0
+    state = torch.load(out, weights_only=True)
+    saved = state["parts"][0]["replicated"]["models"][0]
+    assert state["checkpoint"]["iteration"] == 1 and all(torch.equal(saved[k], weights[0][k]) for k in saved)
