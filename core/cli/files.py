@@ -246,6 +246,9 @@ def state_from_safetensors(data: bytes, where: str) -> Any:
 
 
 def state_from_torch(data: bytes, where: str, unsafe: bool) -> Any:
+    if data[:4] != _TORCH_MAGIC and data[:1] != b"\x80":  # neither torch.save's zip nor a pickle
+        raise CliError(f"{where}: not a PyTorch file (neither a torch.save zip archive nor a pickle; "
+                       f"{len(data)} bytes); a safetensors file needs --format safetensors")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not unsafe)
     except pickle.UnpicklingError as exc:
@@ -254,8 +257,8 @@ def state_from_torch(data: bytes, where: str, unsafe: bool) -> Any:
         first = one_line(str(exc).split("\n")[0] if "\n" in str(exc) else exc)[:300]
         raise CliError(f"{where}: loading it needs pickle beyond plain tensors and values ({first}); "
                        f"rerun with --unsafe only if you trust this file") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CliError(f"{where}: not a loadable PyTorch file: {one_line(exc)[:300]}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file raises anything from the unpickler
+        raise CliError(f"{where}: not a loadable PyTorch file: {type(exc).__name__}: {one_line(exc)[:300]}") from None
 
 
 def cmd_import(ctx: Context) -> int:

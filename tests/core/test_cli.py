@@ -283,6 +283,10 @@ def test_export_safetensors_and_import_round_trip(capsys, local_run, tmp_path):
     assert run(capsys, "import", str(unsafe), f"{root}/u.ckpt", "--unsafe")[0] == 0
     code, _, err = run(capsys, "import", f"{root}/step=1.ckpt", f"{root}/again.ckpt")
     assert code == 1 and "already a checkrun checkpoint" in err
+    junk = tmp_path / "junk.pt"  # not a torch file: one line naming it (was "KeyError: 174812789")
+    junk.write_bytes(b"junk\n")
+    code, _, err = run(capsys, "import", str(junk), f"{root}/junk.ckpt")
+    assert code == 1 and str(junk) in err and "not a PyTorch file" in err and err.count("\n") == 1
     code, data = run_json(capsys, "export", f"{root}/u.ckpt", str(tmp_path / "u.safetensors"), "--unsafe")
     assert code == 0 and data["dropped"] == ["args"] and set(load_file(tmp_path / "u.safetensors")) == {"w"}
     assert run(capsys, "export", f"{root}/u.ckpt", str(tmp_path / "u2.pt"))[0] == 1  # needs --unsafe
