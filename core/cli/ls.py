@@ -21,6 +21,7 @@ from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time, iso_time,
     one_line, ratio, table)
 from ..errors import CheckrunError
+from ..storage.paths import mtime
 from ..format.manifest import Manifest
 
 
@@ -51,6 +52,16 @@ def _composite_item(ctx: Context, name: str, url: str, size: int, mtime: float, 
     return _Item(name, url, size, mtime, m.created, manifests, None, urls, m.meta)
 
 
+def _stat(ctx: Context, url: str) -> tuple[int, float]:
+    """(size, modification time) of a file; (0, 0.0) when it cannot be read."""
+    fs, path = ctx.fs(url)
+    try:
+        info = fs.info(path)
+    except (OSError, ValueError):
+        return 0, 0.0
+    return int(info.get("size") or 0), mtime(info)
+
+
 def _items(ctx: Context, directory: str) -> tuple[list[_Item], set[str]]:
     """Every checkpoint of ``directory`` (oldest first) and the directories holding composites' parts."""
     items: list[_Item] = []
@@ -69,8 +80,9 @@ def _items(ctx: Context, directory: str) -> tuple[list[_Item], set[str]]:
         else:
             items.append(_composite_item(ctx, e.name, e.url, e.size, e.mtime, e.manifest, index, part_dirs))
     for f in folders(ctx, directory):
-        if f.manifest is None or f.index is None:
-            items.append(_Item(f"{f.name}/", f.url, 0, 0.0, 0.0, None, f.error))
+        if f.manifest is None or f.index is None:  # dated by its index file, as a damaged manifest is
+            size, when = _stat(ctx, f.url)
+            items.append(_Item(f"{f.name}/", f.url, size, when, when, None, f.error))
             continue
         size = len(f.manifest.to_bytes())
         items.append(_composite_item(ctx, f"{f.name}/", f.url, size, f.created, f.manifest, f.index, part_dirs))

@@ -229,3 +229,17 @@ def test_a_directory_of_checkpoint_folders_resolves_to_its_newest_intact_one(cap
     state = torch.load(out, weights_only=True)
     saved = state["parts"][0]["replicated"]["models"][0]
     assert state["checkpoint"]["iteration"] == 1 and all(torch.equal(saved[k], weights[0][k]) for k in saved)
+
+
+def test_ls_dates_a_folder_with_a_damaged_index_by_its_file(capsys, accel_run) -> None:
+    """A truncated ``checkrun.ckpt`` made its folder's row say 1970-01-01 and come first; it is dated
+    by its index file now, as a damaged plain manifest is."""
+    root, folders, _ = accel_run
+    index = Path(folders[1]) / composite.INDEX_NAME
+    index.write_bytes(index.read_bytes()[:40])
+    code, data = run_json(capsys, "ls", root)
+    assert code == 1
+    rows = {r["name"]: r for r in data["checkpoints"]}
+    bad, good = rows["checkpoint_1/"], rows["checkpoint_0/"]
+    assert bad["mtime"] == bad["created"] == os.stat(index).st_mtime and bad["manifest_bytes"] == 40
+    assert [r["name"] for r in data["checkpoints"]] == ["checkpoint_0/", "checkpoint_1/"] and good["created"] > 0
