@@ -147,7 +147,9 @@ def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each group's plain-number hyperparameters (lr, betas, momentum, ...): replay sets them back,
-    so the step is exact whatever changed them (scheduler, warm-up code)."""
+    so the step is exact whatever changed them (scheduler, warm-up code). A one-element tensor
+    hyperparameter (``lr=torch.tensor(0.01)``, as torch recommends with ``torch.compile``) is logged
+    as its value (a float holds a float32/bf16/float64 value exactly); replay fills the tensor."""
     out = []
     for group in optimizer.param_groups:
         values = {}
@@ -158,6 +160,8 @@ def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict]:
                 values[k] = list(v)
             elif _plain(v):
                 values[k] = v
+            elif isinstance(v, torch.Tensor) and v.numel() == 1 and (v.dtype.is_floating_point or v.dtype == torch.int64):
+                values[k] = v.item()
         out.append(values)
     return out
 
@@ -170,6 +174,9 @@ def sched_skeleton(state: dict) -> dict:
     for k, v in state.items():
         if not isinstance(k, str):
             continue
+        if _tensor_values(v):  # ``_last_lr`` of a tensor lr: one-element tensors, logged as their values
+            out[k] = {TENSOR_LIST: [t.item() for t in v], "dtype": str(v[0].dtype).removeprefix("torch.")}
+            continue
         if _json_exact(v):  # a skeleton of itself (most scheduler fields): no flatten, ~10x cheaper
             out[k] = list(v) if isinstance(v, list) else v  # a copy: the scheduler may change its list
             continue
@@ -177,6 +184,16 @@ def sched_skeleton(state: dict) -> dict:
         if not flat.tensors and not flat.objects:
             out[k] = flat.skeleton
     return out
+
+
+#: Tag of a scheduler value that is a list of one-element tensors of one dtype (``replay`` rebuilds it).
+TENSOR_LIST = "$steplog_tensors"
+
+
+def _tensor_values(v: Any) -> bool:
+    return (isinstance(v, list) and 0 < len(v) <= 1024 and all(isinstance(t, torch.Tensor) and t.numel() == 1
+                                                             and t.dtype == v[0].dtype for t in v)
+            and (v[0].dtype.is_floating_point or v[0].dtype == torch.int64))
 
 
 def _json_exact(v: Any) -> bool:

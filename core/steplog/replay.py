@@ -25,7 +25,7 @@ from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
-from .capture import flat_params
+from .capture import TENSOR_LIST, flat_params
 from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, split_segment
 from .index import LogIndex
 from .log import StepLogError, active_log
@@ -206,16 +206,22 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
                            f"{len(optimizer.param_groups)}")
     for group, values in zip(optimizer.param_groups, ev["groups"]):
         for k, v in values.items():
-            if k in group and not isinstance(group[k], torch.Tensor):
-                if not _same_kind(group[k], v):
-                    raise StepLogFormatError(f"{where}: logged hyperparameter {k!r} is {str(v)[:40]}, the optimizer "
-                                             f"holds a {type(group[k]).__name__} there")
+            if k not in group:
+                continue
+            if not _same_kind(group[k], v):
+                raise StepLogFormatError(f"{where}: logged hyperparameter {k!r} is {str(v)[:40]}, the optimizer "
+                                         f"holds a {type(group[k]).__name__} there")
+            if isinstance(group[k], torch.Tensor):  # a tensor lr: the same tensor, its logged value
+                with torch.no_grad():
+                    group[k].fill_(v)
+            else:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     if scheduler is not None and ev["sched"] is not None:
         full = scheduler.state_dict()
         for k, skeleton in ev["sched"].items():
             try:
-                full[k] = unflatten(skeleton, (), ())
+                full[k] = _tensor_list(skeleton) if isinstance(skeleton, dict) and TENSOR_LIST in skeleton \
+                    else unflatten(skeleton, (), ())
             except FormatError as exc:
                 raise StepLogFormatError(f"{where}: scheduler state {k!r}: {exc}") from None
         try:
@@ -223,6 +229,16 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a log of another scheduler: say which segment
             raise StepLogError(f"{where}: the logged scheduler state does not fit {type(scheduler).__name__}: "
                                f"{exc}") from exc
+
+
+def _tensor_list(skeleton: dict) -> list[torch.Tensor]:
+    """A scheduler value logged as one-element tensors' values (``capture.sched_skeleton``)."""
+    values, dtype = skeleton.get(TENSOR_LIST), DTYPES.get(skeleton.get("dtype"))
+    if (set(skeleton) != {TENSOR_LIST, "dtype"} or dtype is None or not isinstance(values, list)
+            or not 0 < len(values) <= 1024
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)):
+        raise FormatError(f"invalid list of tensor values {str(skeleton)[:80]}")
+    return [torch.tensor(x, dtype=dtype) for x in values]
 
 
 def _same_kind(held: Any, logged: Any) -> bool:
@@ -233,7 +249,7 @@ def _same_kind(held: Any, logged: Any) -> bool:
         return isinstance(logged, list) and len(logged) == len(held) and all(map(_same_kind, held, logged))
     if isinstance(held, bool) or held is None:
         return logged is None or isinstance(logged, bool)
-    if isinstance(held, (int, float)):
+    if isinstance(held, (int, float)) or (isinstance(held, torch.Tensor) and held.numel() == 1):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)
     return True  # anything else: not among what the log records (group_scalars), so never logged
 

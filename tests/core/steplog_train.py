@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 ROWS, DIM, IDS = 512, 8, 6
-OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "adam_tensor_lr")
 
 
 class Net(torch.nn.Module):
@@ -30,6 +30,9 @@ def make(kind: str, sparse: bool = False) -> tuple[Net, Any, Any]:
     params = net.parameters()
     if kind == "adam":
         opt = torch.optim.Adam(params, lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    elif kind == "adam_tensor_lr":  # a tensor lr (torch.compile's advice): logged by value, filled on replay
+        opt = torch.optim.Adam(params, lr=torch.tensor(1e-2))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     elif kind == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)

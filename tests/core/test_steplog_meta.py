@@ -580,3 +580,22 @@ def test_replay_into_an_optimizer_with_other_flags_keeps_working(tmp_path):
         opt2.param_groups[0]["foreach"] = True  # after load_state_dict, which restores the saved flags
         assert engine.replay(directory, opt2, sched2) == STEPS - CKPT_AT
     assert_bit_equal(state(net2, opt2, sched2)["model"], state(net, opt, sched)["model"])
+
+
+@pytest.mark.parametrize("logged", [
+    {"$steplog_tensors": ["0.1"], "dtype": "float32"},
+    {"$steplog_tensors": [0.1], "dtype": "os.system"},
+    {"$steplog_tensors": [0.1] * 1025, "dtype": "float32"},
+    {"$steplog_tensors": [], "dtype": "float32"},
+    {"$steplog_tensors": [True], "dtype": "float32"},
+    {"$steplog_tensors": [0.1], "dtype": "float32", "extra": 1},
+])
+def test_a_logged_list_of_tensor_values_is_checked(logged) -> None:
+    """A scheduler's ``_last_lr`` of tensors is logged as values with a dtype; what a segment says
+    there is checked before any tensor is made."""
+    from ckpt_core.errors import FormatError
+    from ckpt_core.steplog.replay import _tensor_list
+
+    with pytest.raises(FormatError, match="invalid list of tensor values"):
+        _tensor_list(logged)
+    assert _tensor_list({"$steplog_tensors": [0.5, 2], "dtype": "bfloat16"})[1].dtype == torch.bfloat16
