@@ -100,26 +100,32 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = step  # type: ignore[method-assign]
 
 
-def advance_counters(trainer: Any, steps: int) -> None:
+def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) -> None:
     """Move the training epoch loop's progress on by ``steps`` optimizer steps, as if Lightning had run
-    them: batches (``accumulate_grad_batches`` each), optimizer steps and zero_grads, step-interval
-    scheduler steps and the logging step counter. From a checkpoint saved at an epoch end, the
-    replayed steps belong to the next epoch, which Lightning starts at batch 0 of its dataloader:
-    only the totals move then (``global_step`` included)."""
+    them. Automatic optimization: batches (``accumulate_grad_batches`` each), optimizer steps and
+    zero_grads, step-interval scheduler steps and the logging step counter (once per step). Manual
+    optimization, where the module decides when to step: ``batches`` batches (up to the one of the
+    last replayed step, as logged), the optimizer steps, and the logging step counter (once per batch,
+    as Lightning counts it there); Lightning leaves the schedulers to the module, so their progress
+    stays. From a checkpoint saved at an epoch end, the replayed steps belong to the next epoch, which
+    Lightning starts at batch 0 of its dataloader: only the totals move then (``global_step``
+    included)."""
     loop = trainer.fit_loop.epoch_loop
     epoch = trainer.num_training_batches
     at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
-    batches = steps * max(1, int(trainer.accumulate_grad_batches))
-    _shift(loop.batch_progress, batches, current=not at_end)
     if trainer.lightning_module.automatic_optimization:
+        batches = steps * max(1, int(trainer.accumulate_grad_batches))
         progress = loop.automatic_optimization.optim_progress.optimizer
         _shift(progress.step, steps, current=not at_end)
         _shift(progress.zero_grad, steps, current=not at_end)
+        if any(c.interval == "step" for c in trainer.lr_scheduler_configs):
+            _shift(loop.scheduler_progress, steps, current=not at_end)
+        loop._batches_that_stepped += steps
     else:
+        batches = steps if batches is None else batches
         _shift(loop.manual_optimization.optim_step_progress, steps, current=not at_end)
-    if any(c.interval == "step" for c in trainer.lr_scheduler_configs):
-        _shift(loop.scheduler_progress, steps, current=not at_end)
-    loop._batches_that_stepped += steps
+        loop._batches_that_stepped += batches
+    _shift(loop.batch_progress, batches, current=not at_end)
     if at_end:
         log.info("lightning_ckpt: the checkpoint was saved at an epoch end: the %d replayed step(s) count in "
                  "the totals; the next epoch starts at its first batch", steps)
@@ -142,6 +148,7 @@ class LightningStepLog:
 
     def __init__(self) -> None:
         self.log: Any = None  # the engine's StepLog (global rank 0, once a save started it)
+        self._hook: Any = None  # the optimizer pre-hook noting the batch of each step (with the log)
         self.directory: Optional[str] = None
         self.replayed_steps = 0
         """Optimizer steps the last resume replayed after its checkpoint."""
@@ -192,23 +199,40 @@ class LightningStepLog:
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)
         if moved:
-            advance_counters(trainer, moved)
+            # manual optimization: the batches up to the one of the last replayed step (the log's
+            # "batch" counter); the batches after it are to run again, their gradients are not logged
+            batch = logged.get("batch")
+            batches = None if batch is None else max(0, batch - self._batch_at(trainer))
+            advance_counters(trainer, moved, batches)
         if trainer.is_global_zero:
             self._open(engine, directory, trainer, optimizer, scheduler)
         log.info("lightning_ckpt: replayed %d logged step(s) after %s (global_step %d)", steps, url,
                  trainer.global_step)
         return steps
 
+    @staticmethod
+    def _batch_at(trainer: Any) -> int:
+        """The fit loop's batch count: the batch in progress during a step, the checkpoint's after a load."""
+        return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
     def _open(self, engine: CheckpointEngine, directory: str, trainer: Any, optimizer: Any, scheduler: Any) -> None:
         _closure_first(optimizer)
+        # the batch of the newest optimizer step, logged with every state record ("batch"): a pre-hook
+        # registered before the log's own, so the step's record holds its own batch; a record made
+        # at a flush after batches that did not step keeps the last step's batch
+        batch = [self._batch_at(trainer)]
+        self._hook = optimizer.register_step_pre_hook(lambda *_: batch.__setitem__(0, self._batch_at(trainer)))
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
                                    model=trainer.lightning_module,
-                                   counters=lambda: {"global_step": trainer.global_step})
+                                   counters=lambda: {"global_step": trainer.global_step, "batch": batch[0]})
         self.directory = directory
 
     def close(self) -> None:
         """Flush and stop the log (idempotent)."""
         slog, self.log = self.log, None
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
         if slog is not None:
             slog.close()
 

@@ -55,17 +55,32 @@ class Batches(Dataset):
 
 
 class Lit(LightningModule):
+    """``kind`` "manual": manual optimization, the optimizer stepped every 2nd batch (gradients of two
+    batches accumulated), clipped by the module, a scheduler declared with interval "step" and stepped
+    by the module after each optimizer step."""
+
     def __init__(self, kind: str) -> None:
         super().__init__()
         torch.manual_seed(1234)
         self.net, self.kind = Net(), kind
+        self.automatic_optimization = kind != "manual"
 
     def training_step(self, b, batch_idx):
         ids, y = b
-        return torch.nn.functional.mse_loss(self.net(ids), y)
+        loss = torch.nn.functional.mse_loss(self.net(ids), y)
+        if self.automatic_optimization:
+            return loss
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return loss
 
     def configure_optimizers(self):
-        if self.kind == "adam":
+        if self.kind in ("adam", "manual"):
             opt = torch.optim.Adam(self.parameters(), lr=1e-2)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
         else:
@@ -77,11 +92,12 @@ class Lit(LightningModule):
         return DataLoader(Batches(), batch_size=None)
 
 
-def _trainer(**kwargs) -> Trainer:
+def _trainer(manual: bool = False, **kwargs) -> Trainer:
+    """``manual``: for the "manual" kind (the module clips; Lightning refuses clipping by the Trainer)."""
     if DEVICES > 1:  # Lightning's launcher runs this script again for the other ranks, same environment
         kwargs.setdefault("strategy", "ddp")
     return Trainer(accelerator="cpu", devices=DEVICES, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=0.5,
+                   enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=None if manual else 0.5,
                    accumulate_grad_batches=ACCUMULATE, **kwargs)
 
 
@@ -109,7 +125,7 @@ def train(directory: str, kind: str) -> None:
     io = plugin()
     io.add_save_callback(lambda info: say(f"committed {info.path}"))
     mc = ModelCheckpoint(dirpath=directory, every_n_train_steps=CKPT_EVERY, save_last=True)
-    _trainer(plugins=[io], callbacks=[Progress(io), mc], max_steps=1_000_000).fit(Lit(kind))
+    _trainer(kind == "manual", plugins=[io], callbacks=[Progress(io), mc], max_steps=1_000_000).fit(Lit(kind))
 
 
 def _state(trainer: Trainer, module: Lit) -> dict:
@@ -139,7 +155,7 @@ class Snapshot(Callback):
 
 def resume(directory: str, kind: str, out: str) -> None:
     mc = ModelCheckpoint(dirpath=directory, every_n_train_steps=CKPT_EVERY, save_last=True)
-    trainer = _trainer(plugins=[plugin()], callbacks=[Snapshot(out), mc], max_steps=1_000_000)
+    trainer = _trainer(kind == "manual", plugins=[plugin()], callbacks=[Snapshot(out), mc], max_steps=1_000_000)
     trainer.fit(Lit(kind), ckpt_path="last")
     if trainer.is_global_zero:
         say(f"resumed {trainer.global_step}")
@@ -149,7 +165,7 @@ def reference(kind: str, steps: str, out: str) -> None:
     """Uninterrupted to ``steps``, saving there with Lightning's own CheckpointIO: what "as if saved at
     that step" means, loop counters included."""
     ref = ModelCheckpoint(dirpath=f"{out}.dir", filename="ref", every_n_train_steps=int(steps))
-    trainer = _trainer(callbacks=[ref], max_steps=int(steps))
+    trainer = _trainer(kind == "manual", callbacks=[ref], max_steps=int(steps))
     trainer.fit(Lit(kind))
     if trainer.is_global_zero:
         torch.save(_saved(f"{out}.dir/ref.ckpt"), out)
