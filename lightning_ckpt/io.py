@@ -104,6 +104,8 @@ class CheckrunCheckpointIO(CheckpointIO):
         if not keep_callbacks:
             self._save_callbacks: list[Callable[[SaveInfo], None]] = []
         self._pending: dict[str, SaveHandle] = {}
+        self._deferred: dict[str, tuple[str, list[SaveHandle]]] = {}
+        """Removals waiting for the saves in flight in their directory: path key -> (url, those saves)."""
         self._save_steps: dict[str, Optional[int]] = {}
         self._removed_dirs: set[str] = set()
         self._steplog = LightningStepLog() if self.config.step_log.enabled else None
@@ -186,8 +188,10 @@ class CheckrunCheckpointIO(CheckpointIO):
             return
         if self._steplog is not None:  # before the save, so that it marks its position in the log
             self._steplog.before_save(self.engine, calling_strategy(), url)
+        self._deferred.pop(path_key(url), None)  # a new save to a path replaces it: no removal after it
         handle = self.engine.save(checkpoint, url, storage_options=options)
         self._track(url, handle, checkpoint)
+        self._remove_ready()  # the save waited for its slot: earlier saves are likely done
 
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -220,12 +224,47 @@ class CheckrunCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the checkpoint at ``path`` (after a pending save to it); a missing one is ignored.
 
+        ``ModelCheckpoint`` removes a checkpoint right after saving the one that replaces it. While a
+        save to the same directory is in flight, the removal waits for it: it is made once those saves
+        committed (at the plugin's next save, removal, ``wait`` or ``teardown``), and dropped, keeping
+        the checkpoint, if one of them failed; so a failed background save never costs the checkpoint it
+        was to replace (as with ``TorchCheckpointIO``, whose failing ``torch.save`` raises before the
+        removal). A new save to ``path`` cancels a removal still waiting.
+
         Its blobs that no other checkpoint references are deleted in the background step of the next
         save (``retention.gc_after_save``) and at ``teardown``; those of Lightning's temporary
         checkpoints right away.
         """
         self._check_caller()
         url = normalize_path(path)
+        self._remove_ready()
+        key, directory = path_key(url), path_key(parent_dir(url))
+        saves = [h for k, h in self._pending.items()
+                 if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
+        if saves and checkpoint_kind(url) == "regular":
+            self._deferred[key] = (url, saves)
+            log.debug("lightning_ckpt: removal of %s waits for %d save(s) in flight in its directory", url, len(saves))
+            return
+        self._remove_now(url)
+
+    def _remove_ready(self, block: bool = False) -> None:
+        """Make the waiting removals whose saves are done (all of them with ``block``); drop those
+        whose saves did not all commit."""
+        for key, (url, saves) in list(self._deferred.items()):
+            if block:
+                for handle in saves:
+                    handle.wait()
+            if not all(handle.done() for handle in saves):
+                continue
+            del self._deferred[key]
+            failed = next((handle.path for handle in saves if handle.failed()), None)
+            if failed is not None:
+                log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed",
+                            url, failed)
+                continue
+            self._remove_now(url)
+
+    def _remove_now(self, url: str) -> None:
         engine = self._engine_for(url)
         try:
             engine.remove(url)
@@ -271,6 +310,10 @@ class CheckrunCheckpointIO(CheckpointIO):
                 self._steplog.close()
             except CheckrunError as exc:
                 errors.append(exc)
+        try:
+            self._remove_ready(block=True)
+        except CheckrunError as exc:
+            errors.append(exc)
         for engine in self._open_engines():
             errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
         inflight.wait_job()  # DDP: every rank waits for global rank 0's saves (the next fit may look for them)
@@ -285,9 +328,13 @@ class CheckrunCheckpointIO(CheckpointIO):
 
     # -- queries ------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until every pending save is committed; raise a background error not yet surfaced."""
-        for engine in self._open_engines():
-            engine.wait()
+        """Block until every pending save is committed (and the removals waiting for them are made);
+        raise a background error not yet surfaced."""
+        try:
+            for engine in self._open_engines():
+                engine.wait()
+        finally:
+            self._remove_ready(block=True)
 
     def is_pending(self, path: _PATH) -> bool:
         """True while a save to ``path`` started by this plugin is not committed yet."""
@@ -355,8 +402,9 @@ class CheckrunCheckpointIO(CheckpointIO):
         and cannot see its saves."""
         if self._pid == os.getpid():
             inflight.wait_here()
+            self._remove_ready(block=True)
         state = self.__dict__.copy()
-        state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _save_steps={},
+        state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _deferred={}, _save_steps={},
                      _removed_dirs=set(), _steplog=LightningStepLog() if self._steplog is not None else None)
         return state
 

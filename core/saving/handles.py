@@ -116,6 +116,10 @@ class SaveHandle:
         """True once the save committed or failed."""
         return self._done.is_set()
 
+    def failed(self) -> bool:
+        """True once the save failed (its error is not surfaced by asking: see ``result``)."""
+        return self._done.is_set() and self._error is not None
+
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Wait for the commit; raise BackgroundSaveError (cause = original) if the save failed.
 

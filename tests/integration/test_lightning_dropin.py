@@ -7,6 +7,7 @@ checkpoint and fails, and one that waits gets it - no sleeps, no timing.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -26,6 +27,7 @@ from ckpt_core import UnsafeLoadError
 from ckpt_core.saving import inflight
 from lightning_ckpt import dropin
 from ckpt_core.testing.faults import FaultFS as FaultyFS
+from ckpt_core.testing.faults import Permanent
 from tests.integration.test_lightning_common import (TinyDataModule, TinyModel, close_plugins,  # noqa: F401
                                                      ls, make_io, tensors_equal, trainer)
 from tests.integration.test_lightning_examples import EXAMPLES, manifest, run_script
@@ -159,6 +161,47 @@ def test_stock_model_checkpoint_rerun_fit_keeps_every_checkpoint(tmp_path, gate)
     names = ["epoch=0.ckpt", "epoch=0-v1.ckpt", "epoch=1.ckpt", "epoch=1-v1.ckpt"]
     assert ls(str(tmp_path / "ckpts")) == sorted([".checkrun", *names])
     assert sorted(mc.best_k_models) == sorted(f"{ckpt_dir}/{n}" for n in names)
+
+
+class FailSavesFrom(Callback):
+    """At ``global_step == step``: wait until every save so far is committed, then make every later
+    write fail with ENOSPC (the disk is full)."""
+
+    def __init__(self, plugin: lightning_ckpt.CheckrunCheckpointIO, step: int) -> None:
+        self.plugin, self.step = plugin, step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.plugin.wait()
+            FaultyFS.policy = Permanent(OSError(errno.ENOSPC, "No space left on device"), ops=("open",))
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_a_failed_save_keeps_the_checkpoint_model_checkpoint_removes_after_it(tmp_path, background: str) -> None:
+    """ModelCheckpoint removes the previous top-k file right after save_checkpoint returns; with an
+    asynchronous save that later fails (disk full), the removal must not happen: as with
+    TorchCheckpointIO, whose torch.save raises before the removal, the committed checkpoint stays.
+    Before: step 5's checkpoint was removed and step 10's save failed: no checkpoint left. A run whose
+    saves commit still ends with the newest file only (the removal waits, then is made)."""
+    for fail in (True, False):
+        root = tmp_path / ("fail" if fail else "ok")
+        ckpt_dir = f"faultfile://{root}/ckpts"
+        plugin = make_io(overrides={"saving.background": background})
+        mc = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=1)
+        callbacks = [mc, FailSavesFrom(plugin, 7)] if fail else [mc]
+        t = trainer(str(root), plugin, callbacks=callbacks, max_steps=12)
+        try:
+            if fail:
+                with pytest.raises(ckpt_core.BackgroundSaveError, match="No space left"):
+                    t.fit(TinyModel())
+            else:
+                t.fit(TinyModel())
+        finally:
+            FaultyFS.reset()
+        names = ls(str(root / "ckpts"))
+        step = 5 if fail else 10
+        assert len(names) == 2 and names[0] == ".checkrun" and names[1].endswith(f"-step={step}.ckpt"), names
+        assert make_io().load_checkpoint(f"{root}/ckpts/{names[1]}")["global_step"] == step
 
 
 def test_hooks_are_installed_once_and_defer_to_lightning() -> None:
