@@ -217,6 +217,28 @@ def is_manifest_head(head: bytes) -> bool:
     return head.lstrip().startswith(MAGIC_PREFIX)
 
 
+FUTURE_SLACK_SECONDS = 300.0
+"""How far ahead of this host's clock a manifest's ``created`` (or commit stamp) may lie and still be
+believed. A checkpoint claiming a later time (a writer whose clock runs ahead, a forged manifest) is
+ordered by its file's modification time instead (``CheckpointEntry.created``), and its stamp does not
+fence later commits of its name (``saving.fence``): otherwise it would stay the newest for years,
+``latest()`` would return it and retention would delete the checkpoints committed after it."""
+
+SNIFF_BYTES = 64
+"""How many leading bytes listing reads to tell a damaged manifest from another file (``looks_damaged``)."""
+
+
+def looks_damaged(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first ``SNIFF_BYTES``; not empty) that
+    ``is_manifest_head`` refuses is still most likely a checkrun manifest whose first bytes were
+    damaged (a flipped bit, a few overwritten bytes, a truncation inside the header): 3 of every 4 bytes
+    of the header every manifest starts with, ``{"_checkrun":"manifest","checksum":"``, in place.
+    Listing counts such a file as a broken checkpoint, so gc deletes nothing, not as another file."""
+    signature = _HEAD + _FIELD + b'"'
+    n = min(len(head), len(signature))
+    return n > 0 and 4 * sum(a == b for a, b in zip(head[:n], signature[:n])) >= 3 * n
+
+
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")  # json.loads would accept NaN/Infinity
 

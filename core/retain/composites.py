@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,10 @@ log = logging.getLogger("ckpt_core")
 
 LEGACY_PARTS_DIR = "parts"
 """Where earlier releases kept the parts, relative to the root."""
+_PART_REL = re.compile(r"(?:\.\./)?" + re.escape(PARTS_DIR) + r"/[^/]+|" + LEGACY_PARTS_DIR + r"/[^/]+")
+"""The part names an index may list for retention to delete: a file directly in the parts directory
+(``../.checkrun/parts/<name>`` from a checkpoint folder, ``.checkrun/parts/<name>`` from an
+``output_dir``, ``parts/<name>`` in format 1)."""
 MIN_ORPHAN_GRACE_SECONDS = 3600.0
 """Age below which a part no index lists is kept: it may belong to a save whose other ranks are still
 writing (their blobs are protected by leases, the committed part manifests only by this age; it was
@@ -104,10 +109,13 @@ class Composites:
                    if e.manifest is not None]
         garbage: list[Garbage] = []
         removed = 0
-        for entry in entries[:-self.keep_last] if len(entries) > self.keep_last else []:
-            if checkpoint_key(entry.url) in protect:
-                continue
-            garbage += self._remove(entry)
+        doomed = [e for e in (entries[:-self.keep_last] if len(entries) > self.keep_last else [])
+                  if checkpoint_key(e.url) not in protect]
+        gone = {id(e) for e in doomed}
+        kept = {url for e in entries if id(e) not in gone and e.index is not None
+                for url in composite.part_urls(e.url, e.index)}
+        for entry in doomed:
+            garbage += self._remove(entry, kept)
             removed += 1
             log.info("checkrun: retention removed %s (keep_last=%d)", entry.folder or entry.url, self.keep_last)
         if not removed:
@@ -115,9 +123,18 @@ class Composites:
         garbage += self._remove_orphans()
         return [*garbage, Garbage(self._dir(join(self.root, LEGACY_PARTS_DIR)), None)]
 
-    def _remove(self, entry: Composite) -> list[Garbage]:
-        """Index first (the checkpoint vanishes atomically), then its parts, then its folder."""
-        parts = composite.part_urls(entry.url, entry.index) if entry.index is not None else []
+    def _remove(self, entry: Composite, kept: set[str]) -> list[Garbage]:
+        """Index first (the checkpoint vanishes atomically), then its parts, then its folder. A part
+        that is not a file of the parts directory, or that a kept checkpoint's index lists too (a
+        damaged or forged index), is left alone with a warning: retention deletes only its own parts."""
+        parts = []
+        if entry.index is not None:
+            for rel, url in zip(entry.index["parts"], composite.part_urls(entry.url, entry.index)):
+                if _PART_REL.fullmatch(rel) and url not in kept:
+                    parts.append(url)
+                else:
+                    log.warning("checkrun: retention of %s: not deleting its part %r (%s)", entry.url, rel,
+                                "listed by a kept checkpoint too" if url in kept else "not in the parts directory")
         index_store, index_name = self._file(entry.url)
         index_store.delete_manifest(index_name)
         garbage = [self._remove_part(url) for url in parts]

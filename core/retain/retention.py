@@ -26,7 +26,7 @@ from ..storage import owner
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
-from ..format.manifest import HEAD_BYTES, Manifest, is_manifest_head, parse_manifest
+from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
 from ..storage.store import BlobInfo, Store
 
@@ -46,7 +46,12 @@ class CheckpointEntry:
 
     @property
     def created(self) -> float:
-        return self.manifest.created if self.manifest is not None else self.mtime
+        """The manifest's commit time; its file's time when it has none or claims one later than
+        ``FUTURE_SLACK_SECONDS`` ahead of this host's clock (if that is earlier)."""
+        if self.manifest is None:
+            return self.mtime
+        created = self.manifest.created
+        return min(created, self.mtime) if created > time.time() + FUTURE_SLACK_SECONDS else created
 
 
 def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry]:
@@ -56,7 +61,7 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
 
     def read(info):
         try:
-            head = store.read_head(info.name, HEAD_BYTES)
+            head = store.read_head(info.name, SNIFF_BYTES)
         except CheckpointNotFoundError:
             log.debug("checkrun: %s was removed while listing", store.url(info.name))
             return None
@@ -65,7 +70,11 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
         if not is_manifest_head(head):
-            return None
+            if not looks_damaged(head):
+                return None  # another file (a torch checkpoint, the user's notes)
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
+                                   f"{store.url(info.name)}: damaged manifest header {head[:16]!r}: not a checkrun "
+                                   "manifest's, but close to one")
         try:
             data = store.read_manifest(info.name)
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))

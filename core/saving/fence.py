@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SupersededError
-from ..format.manifest import checksum_matches
+from ..format.manifest import FUTURE_SLACK_SECONDS, checksum_matches
 
 if TYPE_CHECKING:
     from ..storage.store import Store
@@ -143,5 +143,10 @@ def _existing_stamp(store: "Store", name: str) -> Optional[CommitStamp]:
     stamp = read_stamp(data[:HEAD_BYTES])
     if stamp is None or not checksum_matches(data):
         log.warning("checkrun: replacing %s: its checksum does not match (damaged)", store.url(name))
+        return None
+    ahead = stamp.ns / 1e9 - time.time()
+    if ahead > FUTURE_SLACK_SECONDS:
+        log.warning("checkrun: replacing %s: its commit stamp lies %.0f s ahead of this host's clock (a clock "
+                    "running ahead, or forged)", store.url(name), ahead)
         return None
     return stamp

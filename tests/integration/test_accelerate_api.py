@@ -4,12 +4,14 @@ launcher's config split, attach/detach, hooks, retention, error surfacing, metri
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
@@ -19,6 +21,7 @@ from torch import nn
 
 import ckpt_core
 from ckpt_core.format import composite
+from ckpt_core.format import manifest as manifest_mod
 from ckpt_core.retain.composites import list_in
 from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
 from accelerate_ckpt.config import resolve
@@ -273,6 +276,35 @@ def test_orphaned_parts_of_a_crashed_save_are_removed_after_the_grace(tmp_path: 
     assert young.exists() and not old.exists()
     assert _names(str(root)) == ["checkpoint_1"]
     assert sorted(os.listdir(root)) == [".checkrun", "checkpoint_1"]
+
+
+def test_retention_deletes_only_the_parts_of_the_checkpoint_it_removes(tmp_path: Path, make_setup) -> None:
+    """A damaged or forged index (checksum recomputed, as an attacker can) of the oldest checkpoint lists,
+    besides its own part, a newer checkpoint's index and part and a user's file: retention removing it
+    deletes its own part only (before: the newer, committed checkpoint and the user's file were deleted)."""
+    root = tmp_path / "ckpts"
+    acc, model, opt, sched, counter = make_setup()
+    ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 2}}, directory=str(root)).attach()
+    acc.save_state()
+    acc.save_state()
+    ckpt.wait()
+    (root / "notes.txt").write_text("the user's")
+    index = root / "checkpoint_0" / composite.INDEX_NAME
+    body = json.loads(index.read_bytes())
+    newer = [p for p in os.listdir(root / composite.PARTS_DIR) if p.startswith("checkpoint_1.")]
+    extra = ["../checkpoint_1/checkrun.ckpt", "../notes.txt", *(f"../{composite.PARTS_DIR}/{p}" for p in newer)]
+    flat = body["skeleton"]["$d"]
+    flat[flat.index("parts") + 1] += extra
+    body.pop("checksum")
+    text = manifest_mod._canonical_bytes(body)
+    index.write_bytes(manifest_mod._with_checksum(text, xxhash.xxh3_128_hexdigest(text)))
+    _train(acc, model, opt, sched, counter, 1)
+    acc.save_state()  # keep_last=2 removes checkpoint_0
+    ckpt.close()
+    assert _names(str(root)) == ["checkpoint_1", "checkpoint_2"] and (root / "notes.txt").exists()
+    assert all((root / composite.PARTS_DIR / p).exists() for p in newer)
+    AcceleratorCheckpointer(acc, directory=str(root)).attach()
+    acc.load_state(str(root / "checkpoint_1"))  # still loads
 
 
 def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) -> None:

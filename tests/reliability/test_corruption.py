@@ -18,6 +18,7 @@ import torch
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.errors import CheckrunError
 from ckpt_core.format.manifest import parse_manifest
+from ckpt_core.retain.retention import list_checkpoints
 from ckpt_core.storage.store import Store
 
 from .crash_child import Marker, digest
@@ -132,6 +133,35 @@ def test_every_single_bit_flip_of_a_manifest_is_detected(pristine):
         except CheckrunError:
             pass
     assert accepted == [], [data[max(0, i - 20): i + 20] for i in accepted[:5]]
+
+
+def test_damage_to_a_manifests_first_bytes_is_a_broken_checkpoint_not_another_file(pristine, tmp_path):
+    """A flipped bit in a manifest's header (``{"_checkrun":"manifest","checksum":"``), or a truncation
+    inside it, must not make the file look like someone else's: listing then left it out, ``verify DIR``
+    said intact and gc deleted the blobs only it referenced. Every bit of the first 40 bytes, and every
+    truncation to 1-40 bytes, is listed as a broken checkpoint; gc deletes nothing while it is there."""
+    work = tmp_path / "run"
+    shutil.copytree(pristine.path, work)
+    target = work / "c4.ckpt"
+    original = target.read_bytes()
+    store = Store.for_directory(str(work), None, config().storage)
+    variants = [original[:n] for n in range(1, 41)]
+    for i in range(40):
+        for bit in range(8):
+            buf = bytearray(original)
+            buf[i] ^= 1 << bit
+            variants.append(bytes(buf))
+    for data in variants:
+        target.write_bytes(data)
+        entries = {e.name: e for e in list_checkpoints(store, config())}
+        assert "c4.ckpt" in entries and entries["c4.ckpt"].manifest is None, data[:40]
+    blobs = sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file())
+    with CheckpointEngine(config()) as engine:
+        gc = engine.gc(work, grace_seconds=0)
+    assert not gc.deleted and gc.problems, gc
+    assert sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file()) == blobs
+    target.write_bytes(b'{"step": 1, "note": "a JSON file of the user\'s"}')  # other files stay other files
+    assert "c4.ckpt" not in {e.name for e in list_checkpoints(store, config())}
 
 
 def test_flips_that_parse_to_the_same_body_are_detected(pristine):

@@ -423,3 +423,46 @@ def test_local_rename_error_without_the_manifest_fails_naming_it(tmp_path, monke
         monkeypatch.undo()
         assert isinstance(info.value.__cause__, StorageError)
     assert sorted(p.name for p in Path(root).iterdir()) == [".checkrun"]
+
+
+# -- a checkpoint that claims to come from the future ------------------------------------------------
+def _forge(path: Path, edit) -> None:
+    """Rewrite a manifest's body with a correct checksum (a writer whose clock runs ahead, or an attacker)."""
+    import json
+
+    import xxhash
+
+    from ckpt_core.format import manifest as m
+
+    body = json.loads(path.read_bytes())
+    edit(body)
+    body.pop("checksum")
+    text = m._canonical_bytes(body)
+    path.write_bytes(m._with_checksum(text, xxhash.xxh3_128_hexdigest(text)))
+
+
+def test_a_checkpoint_from_the_future_neither_stays_newest_nor_fences_its_name(tmp_path, caplog) -> None:
+    """A manifest whose ``created`` and commit stamp lie 3 years ahead: before, ``latest()`` returned it
+    for good, ``keep_last`` retention deleted every checkpoint committed after it, and no later save of
+    its name could replace it (SupersededError). It is now ordered by its file's time, and its stamp
+    does not fence."""
+    import torch
+
+    ahead = time.time() + 3 * 365 * 86400
+    kept, fenced = tmp_path / "kept", tmp_path / "fenced"
+    keep2 = {"retention": {"keep_last": 2}, "saving": {"asynchronous": False}}
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"step": 1, "w": torch.ones(4)}, kept / "step1.ckpt").result()
+        engine.save({"step": 1, "w": torch.ones(4)}, fenced / "last.ckpt").result()
+    for path in (kept / "step1.ckpt", fenced / "last.ckpt"):
+        _forge(path, lambda b: (b.__setitem__("created", ahead), b["commit"].__setitem__("ns", int(ahead * 1e9))))
+    with CheckpointEngine(keep2) as engine:  # another writer: the stamps compare by time
+        for step in (2, 3, 4):
+            engine.save({"step": step, "w": torch.full((4,), float(step))}, kept / f"step{step}.ckpt").result()
+        names = sorted(e.name for e in engine.list(kept) if e.manifest is not None)
+        assert names == ["step3.ckpt", "step4.ckpt"] and engine.load(engine.latest(kept))["step"] == 4, names
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine, \
+            caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        engine.save({"step": 4, "w": torch.full((4,), 4.0)}, fenced / "last.ckpt").result()
+        assert engine.load(fenced / "last.ckpt")["step"] == 4
+    assert "ahead of this host's clock" in caplog.text
