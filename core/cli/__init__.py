@@ -27,7 +27,7 @@ import sys
 from typing import Sequence
 
 from .util import (
-    EXIT_PROBLEM, EXIT_USAGE, CliError, Context, log, one_line, parse_storage_options)
+    EXIT_PROBLEM, EXIT_USAGE, CliError, Context, log, one_line, parse_storage_options, safe)
 
 _EXIT_INTERRUPTED = 130
 _EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -162,10 +162,18 @@ def _commands() -> dict:
             "import": cmd_import, "diff": cmd_diff, "gc": cmd_gc}
 
 
+class _SafeFormatter(logging.Formatter):
+    """Log messages with control characters escaped (they name keys and files); a traceback (-vv)
+    keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return safe(super().formatMessage(record))
+
+
 def _logging(args: argparse.Namespace) -> tuple[logging.Logger, logging.Handler, int]:
     logger = logging.getLogger("ckpt_core")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_SafeFormatter("%(message)s"))
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     old = logger.level
     logger.setLevel(level)
@@ -212,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         ctx = _context(args)
         return _commands()[args.command](ctx)
     except CliError as exc:
-        print(f"checkrun: error: {one_line(exc)}", file=sys.stderr)
+        print(f"checkrun: error: {safe(one_line(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         print("checkrun: interrupted", file=sys.stderr)
@@ -221,14 +229,14 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(exc, BrokenPipeError) and _stdout_gone():
             return _EXIT_BROKEN_PIPE  # the reader of our output left: nothing to report
         log.debug("checkrun: traceback", exc_info=True)
-        print(f"checkrun: error: {_message(exc)}", file=sys.stderr)
+        print(f"checkrun: error: {safe(_message(exc))}", file=sys.stderr)
         return _error_code(exc)
     finally:
         if ctx is not None:
             try:
                 ctx.engine.close()
             except Exception as exc:  # noqa: BLE001 - already reporting; never mask the result
-                print(f"checkrun: error while closing: {one_line(exc)}", file=sys.stderr)
+                print(f"checkrun: error while closing: {safe(one_line(exc))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,11 @@ reading anything; only when some tensor needs a look are both states loaded. A c
 (accelerate_ckpt) is compared part by part: its keys are ``parts.N.<key>``, its index's values
 ``checkpoint.<key>``. Rows are the first
 dimension (the elements of a 1-D tensor; a 0-d tensor is one row). NaN equals NaN here.
+
+Tensors and values are paired by their real path in the state (the keys from the root, each with
+its type), never by the dotted text shown: ``{"a.b": x}`` and ``{"a": {"b": y}}`` are two leaves,
+as are the keys ``2`` and ``"2"``. Names that would read the same are shown as subscripts
+(``['a.b']``, ``['a']['b']``).
 """
 from __future__ import annotations
 
@@ -14,10 +19,9 @@ from typing import Any
 import torch
 
 from .composite import View, open_view
-from .tree import short_repr
-from .util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, table
+from .tree import short_repr, tensor_items, walk
+from .util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, safe, safe_repr, table, text
 from ..format.manifest import TensorRecord
-from ..format.tree import flatten
 
 _BLOCK_ELEMS = 1 << 22
 
@@ -58,20 +62,66 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
             "max_abs_diff": max_diff}
 
 
-def _load_tensors(ctx: Context, view: View, unsafe: bool) -> dict[str, torch.Tensor]:
+Leaf = tuple
+"""Identity of a leaf: its view prefix, then (type name, repr) of every key from the root."""
+
+
+def _leaf(prefix: str, keys: tuple) -> Leaf:
+    return (prefix,) + tuple((type(k).__name__, safe_repr(k)) for k in keys)
+
+
+def _leaves(view: View) -> tuple[dict[Leaf, tuple], dict[Leaf, tuple]]:
+    """(tensor records, plain values) of a view by leaf identity, each as ``(prefix, keys, item)``;
+    a tensor tied to several paths is counted once, at its first path (as ``flatten`` does)."""
+    tensors: dict[Leaf, tuple] = {}
+    values: dict[Leaf, tuple] = {}
+    seen: set[int] = set()
+    sources = [("checkpoint.", view.url, view.manifest)] if view.composite else []
+    for prefix, url, manifest in sources + [(p.prefix, p.url, p.manifest) for p in view.pieces]:
+        for node in walk(manifest, url, collapse=0):
+            if node.kind == "value":
+                values[_leaf(prefix, node.keys)] = (prefix, node.keys, node.value)
+            elif node.kind == "tensor" and node.record is not None and prefix != "checkpoint.":
+                if id(node.record) not in seen:
+                    seen.add(id(node.record))
+                    tensors[_leaf(prefix, node.keys)] = (prefix, node.keys, node.record)
+    return tensors, values
+
+
+def _names(*maps: dict[Leaf, tuple]) -> dict[Leaf, str]:
+    """Printable names: dotted (``model.0.weight``); where two leaves would read the same, subscripts
+    (``['a.b']`` / ``['a']['b']``, ``[2]`` / ``['2']``). Control characters are escaped."""
+    dotted: dict[Leaf, str] = {}
+    for m in maps:
+        for leaf, (prefix, keys, _) in m.items():
+            dotted.setdefault(leaf, prefix + ".".join(text(k) for k in keys))
+    count: dict[str, int] = {}
+    for name in dotted.values():
+        count[name] = count.get(name, 0) + 1
+    out = {}
+    for leaf, name in dotted.items():
+        if count[name] > 1:
+            keys = next(m[leaf][1] for m in maps if leaf in m)
+            name = leaf[0] + "".join(f"[{safe_repr(k)}]" for k in keys)
+        out[leaf] = safe(name)
+    return out
+
+
+def _load_tensors(ctx: Context, view: View, unsafe: bool) -> dict[Leaf, torch.Tensor]:
     out = {}
     for piece in view.pieces:
         state = ctx.engine.load(piece.url, map_location="cpu", weights_only=not unsafe,
                                 storage_options=ctx.storage_options)
-        out.update({piece.prefix + leaf.key: leaf.tensor for leaf in flatten(state).tensors})
+        for keys, tensor in tensor_items(state):
+            out.setdefault(_leaf(piece.prefix, keys), tensor)
     return out
 
 
-def _tensor_diffs(ctx: Context, va: View, vb: View) -> list[dict]:
-    ra, rb = va.records(), vb.records()
+def _tensor_diffs(ctx: Context, va: View, vb: View, ra: dict, rb: dict, names: dict) -> list[dict]:
     out, todo = [], []
-    for key in list(ra) + [k for k in rb if k not in ra]:
-        x, y = ra.get(key), rb.get(key)
+    for leaf in list(ra) + [k for k in rb if k not in ra]:
+        key = names[leaf]
+        x, y = (ra[leaf][2] if leaf in ra else None), (rb[leaf][2] if leaf in rb else None)
         if x is None or y is None:
             rec = x or y
             out.append({"key": key, "status": "removed" if y is None else "added", "dtype": rec.dtype,
@@ -84,7 +134,7 @@ def _tensor_diffs(ctx: Context, va: View, vb: View) -> list[dict]:
         else:
             item = {"key": key, "dtype": x.dtype, "shape": list(x.shape)}
             out.append(item)
-            todo.append(item)
+            todo.append((leaf, item))
     if not todo:
         return out
     with ctx.bar(2 + len(todo), "comparing", unit="step") as bar:
@@ -92,9 +142,9 @@ def _tensor_diffs(ctx: Context, va: View, vb: View) -> list[dict]:
         bar.update(1)
         tb = _load_tensors(ctx, vb, ctx.args.unsafe)
         bar.update(1)
-        for item in todo:
-            x, y = ta.get(item["key"]), tb.get(item["key"])
-            if x is None or y is None:  # pragma: no cover - keys come from the same flatten()
+        for leaf, item in todo:
+            x, y = ta.get(leaf), tb.get(leaf)
+            if x is None or y is None:  # pragma: no cover - both walks follow the same containers
                 item.update(status="unknown", how="tensor not found after loading")
             else:
                 item.update(compare_tensors(x, y))
@@ -104,16 +154,16 @@ def _tensor_diffs(ctx: Context, va: View, vb: View) -> list[dict]:
     return out
 
 
-def _value_diffs(a: View, b: View) -> list[dict]:
-    va, vb = a.values(), b.values()
+def _value_diffs(va: dict, vb: dict, names: dict) -> list[dict]:
     out = []
-    for key in list(va) + [k for k in vb if k not in va]:
-        if key not in vb:
-            out.append({"key": key, "status": "removed", "a": va[key]})
-        elif key not in va:
-            out.append({"key": key, "status": "added", "b": vb[key]})
-        elif not _equal(va[key], vb[key]):
-            out.append({"key": key, "status": "changed", "a": va[key], "b": vb[key]})
+    for leaf in list(va) + [k for k in vb if k not in va]:
+        key = names[leaf]
+        if leaf not in vb:
+            out.append({"key": key, "status": "removed", "a": va[leaf][2]})
+        elif leaf not in va:
+            out.append({"key": key, "status": "added", "b": vb[leaf][2]})
+        elif not _equal(va[leaf][2], vb[leaf][2]):
+            out.append({"key": key, "status": "changed", "a": va[leaf][2], "b": vb[leaf][2]})
     return out
 
 
@@ -140,8 +190,10 @@ def cmd_diff(ctx: Context) -> int:
     args = ctx.args
     a, b = ctx.checkpoint(args.a), ctx.checkpoint(args.b)
     va, vb = open_view(ctx, a), open_view(ctx, b)
-    tensors = _tensor_diffs(ctx, va, vb)
-    values = _value_diffs(va, vb)
+    (ta, xa), (tb, xb) = _leaves(va), _leaves(vb)
+    names = _names(ta, tb, xa, xb)
+    tensors = _tensor_diffs(ctx, va, vb, ta, tb, names)
+    values = _value_diffs(xa, xb, names)
     counts = {s: sum(1 for t in tensors if t["status"] == s)
               for s in ("same", "changed", "added", "removed", "retyped")}
     counts["skipped_by_blobs"] = sum(1 for t in tensors if t.get("how") == "blobs")
@@ -150,7 +202,7 @@ def cmd_diff(ctx: Context) -> int:
         emit_json({"a": a, "b": b, "identical": not differ, "counts": counts, "tensors": tensors,
                    "values": values})
     else:
-        print(f"A  {a}\nB  {b}\n")
+        print(f"A  {safe(a)}\nB  {safe(b)}\n")
         shown = [t for t in tensors if args.all or t["status"] != "same"]
         if shown:
             print(table(["TENSOR", "STATUS", "ROWS CHANGED", "ELEMENTS CHANGED", "MAX ABS DIFF / DETAIL"],

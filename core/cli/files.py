@@ -14,14 +14,16 @@ import io
 import json
 import os
 import pickle
+import stat
 import struct
+from functools import lru_cache
 from typing import Any, Callable
 
 import torch
 
 from .composite import open_view
 from .util import (
-    EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log, one_line)
+    EXIT_OK, EXIT_USAGE, Context, CliError, emit_json, fmt_less, human_size, jsonable, log, one_line, safe)
 from ..errors import CheckrunError
 from ..format.manifest import is_manifest_head
 from ..format.skeleton import unflatten
@@ -39,7 +41,31 @@ def _format(path: str, explicit: str | None) -> str:
     return "safetensors" if str(path).lower().endswith(".safetensors") else "torch"
 
 
+_SPECIAL = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+            (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+
+
+def _special_file(ctx: Context, url: str) -> str | None:
+    """What a local ``url`` is when it exists and is not a regular file or directory (a symlink,
+    FIFO, device, socket), else None. Such a target is never replaced: the temporary file renamed
+    over it would turn ``/dev/null`` or a pipe into a regular file."""
+    fs, path = ctx.fs(url)
+    if not is_local_fs(fs):
+        return None
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return next((what for test, what in _SPECIAL if test(mode)), None)
+
+
 def _check_target(ctx: Context, url: str, force: bool) -> None:
+    if url == "-":
+        raise CliError("'-': writing to stdout is not supported; give a file name", EXIT_USAGE)
+    special = _special_file(ctx, url)
+    if special is not None:
+        raise CliError(f"{url}: is a {special}, not a regular file; checkrun writes only regular files "
+                       f"(even with --force): give another name", EXIT_USAGE)
     kind = ctx.kind(url)
     if kind == "dir":
         raise CliError(f"{url}: is a directory; give a file name", EXIT_USAGE)
@@ -117,8 +143,9 @@ def read_file(ctx: Context, url: str) -> bytes:
 # ----------------------------------------------------------------------------- export
 
 
-def _drop_objects(skeleton: Any) -> Any:
-    """Copy of a skeleton with every pickled-object ref ({"$o": i}) replaced by null."""
+def _drop_objects(skeleton: Any, kept: dict[int, int]) -> Any:
+    """Copy of a skeleton with every pickled-object ref ({"$o": i}) replaced by null, and every tensor
+    ref ({"$t": i}, {"$p": [i, grad]}) renumbered by ``kept`` (old index -> new), or null if not there."""
     root = [skeleton]
     stack: list[tuple[Any, Any]] = [(root, 0)]
     while stack:
@@ -128,6 +155,9 @@ def _drop_objects(skeleton: Any) -> Any:
             if len(node) == 1 and "$o" in node:
                 parent[slot] = None
                 continue
+            if len(node) == 1 and ("$t" in node or "$p" in node):
+                parent[slot] = _renumbered(node, kept)
+                continue
             node = parent[slot] = dict(node)
             stack.extend((node, k) for k in node)
         elif isinstance(node, list):
@@ -136,15 +166,41 @@ def _drop_objects(skeleton: Any) -> Any:
     return root[0]
 
 
+@lru_cache(maxsize=None)
+def storable(dtype: torch.dtype) -> bool:
+    """Whether safetensors can hold tensors of ``dtype`` (it has no complex128, for one)."""
+    from safetensors.torch import save as st_save
+
+    try:
+        st_save({"x": torch.zeros(1, dtype=dtype)})
+    except Exception:  # noqa: BLE001 - KeyError today; whatever a safetensors release raises
+        return False
+    return True
+
+
+def _renumbered(ref: dict, kept: dict[int, int]) -> dict | None:
+    (tag, arg), = ref.items()
+    index = arg[0] if isinstance(arg, list) else arg
+    if index not in kept:
+        return None
+    return {tag: [kept[index], *arg[1:]] if isinstance(arg, list) else kept[index]}
+
+
 def safetensors_payload(state: Any, values: dict) -> tuple[dict, dict, list[str]]:
-    """(tensors by dotted key, metadata, keys of dropped pickled values) for ``state``."""
+    """(tensors by dotted key, metadata, keys of dropped values) for ``state``: values that need
+    pickle and tensors of a dtype safetensors cannot hold are dropped (null in the skeleton)."""
     flat = flatten(state)
-    tensors = {}
-    for leaf in flat.tensors:
-        tensors[leaf.key or "_"] = leaf.tensor.detach().contiguous()
-    dropped = [o.key or "_" for o in flat.objects]
+    tensors, kept = {}, {}
+    dropped = []
+    for i, leaf in enumerate(flat.tensors):
+        if storable(leaf.tensor.dtype):
+            kept[i] = len(tensors)
+            tensors[leaf.key or "_"] = leaf.tensor.detach().contiguous()
+        else:
+            dropped.append(leaf.key or "_")
+    dropped += [o.key or "_" for o in flat.objects]
     meta = {"format": "pt",
-            "checkrun.skeleton": json.dumps(_drop_objects(flat.skeleton), separators=(",", ":")),
+            "checkrun.skeleton": json.dumps(_drop_objects(flat.skeleton, kept), separators=(",", ":")),
             "checkrun.tensors": json.dumps(list(tensors), separators=(",", ":")),
             "checkrun.values": json.dumps(jsonable(values), separators=(",", ":"), allow_nan=False)}
     if dropped:
@@ -190,7 +246,7 @@ def cmd_export(ctx: Context) -> int:
             torch.save(state, f)
     written = write_file(ctx, args.out, produce, "writing")
     for key in dropped:
-        log.warning("checkrun: %s: value %r needs pickle and cannot be stored in safetensors; dropped",
+        log.warning("checkrun: %s: value %r needs pickle or has a dtype safetensors cannot hold; dropped",
                     args.out, key)
     result = {"source": src, "out": args.out, "format": fmt, "tensors": n_tensors, "bytes": written,
               "dropped": dropped}
@@ -199,15 +255,16 @@ def cmd_export(ctx: Context) -> int:
     if ctx.json:
         emit_json(result)
     else:
-        shown = src
+        shown = safe(src)
         if replay is not None:
-            print(f"replayed {replay['replayed_steps']} logged step(s) after {src} (step {replay['from_step']}) "
+            print(f"replayed {replay['replayed_steps']} logged step(s) after {safe(src)} (step {replay['from_step']}) "
                   f"with {replay['optimizer']}")
-            shown = f"{src} + step log to step {replay['step']}"
-        print(f"exported {shown} -> {args.out} ({fmt}, {n_tensors} tensors, {human_size(written)})")
+            shown = f"{safe(src)} + step log to step {replay['step']}"
+        print(f"exported {shown} -> {safe(args.out)} ({fmt}, {n_tensors} tensors, {human_size(written)})")
         if dropped:
-            print(f"note: {len(dropped)} pickled value(s) dropped (safetensors holds tensors and plain "
-                  f"data only): {', '.join(dropped)}")
+            print(safe(f"note: {len(dropped)} value(s) dropped (safetensors holds tensors of its dtypes and "
+                       f"plain data only; pickled values and e.g. complex128 tensors cannot go in): "
+                       f"{', '.join(dropped)}"))
     return EXIT_OK
 
 
@@ -241,6 +298,9 @@ def state_from_safetensors(data: bytes, where: str) -> Any:
         skeleton = json.loads(meta["checkrun.skeleton"])
         keys = json.loads(meta["checkrun.tensors"])
         return unflatten(skeleton, [tensors[k] for k in keys], [])
+    except RecursionError:
+        raise CliError(f"{where}: invalid checkrun metadata in safetensors file: checkrun.skeleton is nested "
+                       f"too deeply") from None
     except (ValueError, KeyError, TypeError, CheckrunError) as exc:
         raise CliError(f"{where}: invalid checkrun metadata in safetensors file: {one_line(exc)}") from None
 
@@ -283,7 +343,7 @@ def cmd_import(ctx: Context) -> int:
     if ctx.json:
         emit_json(result)
     else:
-        print(f"imported {args.file} -> {args.checkpoint}: {human_size(info.tensor_bytes)} of tensors, wrote "
+        print(f"imported {safe(args.file)} -> {safe(args.checkpoint)}: {human_size(info.tensor_bytes)} of tensors, wrote "
               f"{human_size(info.written_bytes)}, references {human_size(info.referenced_bytes)} "
               f"({fmt_less(info.tensor_bytes, info.referenced_bytes)} than the tensor bytes)")
     return EXIT_OK

@@ -9,7 +9,7 @@ from .composite import View, open_view
 from .tree import Node, short_repr, walk
 from .util import (
     EXIT_OK, Context, codecs_text, emit_json, fmt_float, fmt_less, fmt_ratio, human_size, human_time,
-    iso_time, log, output_width, ratio, shorten_end, table)
+    iso_time, log, output_width, ratio, safe, shorten_end, table)
 from ..format.manifest import DTYPES, Manifest, TensorRecord
 from ..saving.streams import DENSE_META
 
@@ -19,26 +19,32 @@ def step_of(meta: dict) -> Any:
     return meta.get("global_step", meta.get("step"))
 
 
+def _count(value: Any) -> int | None:
+    """A figure of a manifest's ``stats`` when it is a plausible count (an int in [0, 2**63)); None
+    for anything else (forged, or a future release's), so the figure is computed from the records."""
+    return value if type(value) is int and 0 <= value < 1 << 63 else None
+
+
 def tensor_bytes(m: Manifest) -> int:
     """Raw bytes of the tensors of a manifest."""
-    tb = m.stats.get("tensor_bytes")
-    return tb if isinstance(tb, int) else sum(r.nbytes for r in m.tensors)
+    tb = _count(m.stats.get("tensor_bytes"))
+    return tb if tb is not None else sum(r.nbytes for r in m.tensors)
 
 
 def written_bytes(m: Manifest, manifest_bytes: int | None = None) -> int:
     """Bytes *written by the save* that made ``m``: its new blobs (``stats.written_bytes``, else the
     tensors' ``written``) plus its manifest (``manifest_bytes``, else the length of ``m``'s bytes).
     The same figure as that save's ``SaveInfo.written_bytes``."""
-    w = m.stats.get("written_bytes")
-    if type(w) is not int:
+    w = _count(m.stats.get("written_bytes"))
+    if w is None:
         w = sum(r.written for r in m.tensors)
     return w + (len(m.to_bytes()) if manifest_bytes is None else manifest_bytes)
 
 
 def chain_depth(m: Manifest) -> int:
     """Length of the longest delta chain of a manifest."""
-    depth = m.stats.get("chain_depth")
-    return depth if isinstance(depth, int) else max((len(r.deltas) for r in m.tensors), default=0)
+    depth = _count(m.stats.get("chain_depth"))
+    return depth if depth is not None else max((len(r.deltas) for r in m.tensors), default=0)
 
 
 def is_quantized(m: Manifest) -> bool:
@@ -98,7 +104,7 @@ def _node_row(node: Node, quant_column: bool) -> list:
                fmt_ratio(info["ratio"]), info["deltas"]]
         return row + [_quant_text(rec.quant)] if quant_column else row
     if node.kind == "object":
-        return [label, f"<pickled {node.record.type}, {human_size(node.record.blob.size)}>"]
+        return [label, f"<pickled {safe(node.record.type)}, {human_size(node.record.blob.size)}>"]
     if node.kind == "container":
         return [label, f"{node.value} ({node.size})"]
     return [label, "= " + short_repr(node.value, 100)]
@@ -171,12 +177,12 @@ def cmd_inspect(ctx: Context) -> int:
         return text if width is None else shorten_end(text, width)
 
     m = view.manifest
-    meta = ", ".join(f"{k}={v}" for k, v in summary["meta"].items()) or "-"
+    meta = ", ".join(f"{safe(k)}={safe(v)}" for k, v in summary["meta"].items()) or "-"
     kind = "quantized" if summary["quantized"] else "lossless"
-    print(f"checkpoint  {path}")
+    print(f"checkpoint  {safe(path)}")
     print(fit(f"created     {human_time(m.created)}   format v{m.format_version}   {meta}"))
     if view.composite:
-        print(fit(f"parts       {len(view.pieces)}: " + ", ".join(p.url for p in view.pieces)))
+        print(fit(f"parts       {len(view.pieces)}: " + ", ".join(safe(p.url) for p in view.pieces)))
     print(fit(f"tensors     {summary['tensors']}: {human_size(summary['tensor_bytes'])} of tensor bytes, chain depth "
               f"{summary['chain_depth']}, {kind}"))
     print(fit(f"referenced  {human_size(summary['referenced_bytes'])} of blobs "

@@ -19,7 +19,7 @@ from .steplog import logged_after, logged_text
 from .inspect import chain_depth, is_quantized, step_of, tensor_bytes, written_bytes
 from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time, iso_time,
-    one_line, ratio, table)
+    one_line, ratio, safe, table)
 from ..errors import CheckrunError
 from ..storage.paths import mtime
 from ..format.manifest import Manifest
@@ -124,6 +124,16 @@ def _row(item: _Item, users: dict[str, int], part_bytes: dict[str, int]) -> dict
     return row
 
 
+def _checked_row(item: _Item, users: dict[str, int], part_bytes: dict[str, int]) -> dict:
+    """``_row``; a manifest whose figures cannot be summed or shown (values no save writes, which its
+    parser let through) is listed as corrupt with the reason, and the listing goes on."""
+    try:
+        return _row(item, users, part_bytes)
+    except (ArithmeticError, ValueError, TypeError) as exc:
+        item.manifests, item.error = None, f"{item.url}: odd values in the manifest: {one_line(exc)}"
+        return _row(item, users, part_bytes)
+
+
 def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
     items, part_dirs = _items(ctx, directory)
     users: dict[str, int] = {}        # blob key -> number of readable checkpoints referencing it
@@ -134,7 +144,7 @@ def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
             sizes[key] = size
     part_bytes = {e.url: e.size for d in sorted(part_dirs)
                   for e in ctx.engine.list(d, storage_options=ctx.storage_options)}
-    rows = [_row(i, users, part_bytes) for i in items]
+    rows = [_checked_row(i, users, part_bytes) for i in items]
     manifests = sum(i.size for i in items) + sum(part_bytes.get(u, 0) for i in items for u in i.parts or ())
     blobs = sum(sizes.values())
     totals = {"checkpoints": len(items), "corrupt": sum(1 for r in rows if r["status"] != "committed"),
@@ -190,7 +200,7 @@ def cmd_ls(ctx: Context) -> int:
         emit_json(out)
         return code
     if not rows:
-        print(f"no checkrun checkpoints in {args.directory}")
+        print(f"no checkrun checkpoints in {safe(args.directory)}")
         return code
     body = []
     for r in rows:
@@ -208,7 +218,7 @@ def cmd_ls(ctx: Context) -> int:
     for r in rows:
         if r["status"] != "committed":
             err = r["error"]
-            print(f"corrupt: {err if err.startswith(r['url']) else r['url'] + ': ' + err}")
+            print(f"corrupt: {safe(err if err.startswith(r['url']) else r['url'] + ': ' + err)}")
     _print_totals(totals)
     return code
 
@@ -222,13 +232,13 @@ the blobs it references; UNIQUE: of those, the blobs no other checkpoint here re
 def _print_logged(rows: list[dict], step_log: dict) -> None:
     """Per checkpoint that the step log marks: the steps logged after it (docs/steplog.md)."""
     if "error" in step_log:
-        print(f"\nstep log {step_log['url']}: unreadable: {step_log['error']}")
+        print(f"\nstep log {safe(step_log['url'])}: unreadable: {safe(one_line(step_log['error']))}")
         return
-    print(f"\nstep log {step_log['url']}: {step_log['segments']} segment(s), {step_log['markers']} marker(s)")
+    print(f"\nstep log {safe(step_log['url'])}: {step_log['segments']} segment(s), {step_log['markers']} marker(s)")
     for r in rows:
         text = logged_text(r)
         if text is not None:
-            print(f"{r['name']}{text}")
+            print(safe(f"{r['name']}{text}"))
 
 
 def _print_totals(t: dict) -> None:

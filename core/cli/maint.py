@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .composite import folders, open_view, verify_view
 from .steplog import print_log_report, verify_log
-from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line
+from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line, safe
 from ..format.composite import INDEX_NAME, PARTS_DIR, join
 from ..retain.composites import Composites
 from ..errors import CheckrunError
@@ -67,16 +67,16 @@ def cmd_verify(ctx: Context) -> int:
             out["step_log"] = step_log
         emit_json(out)
     elif not results:
-        print(f"no checkrun checkpoints in {args.path}")
+        print(f"no checkrun checkpoints in {safe(args.path)}")
     else:
         for r in results:
             parts = f"{len(r['parts'])} part(s), " if r.get("parts") is not None else ""
             if r["ok"]:
-                print(f"OK       {r['path']}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
+                print(f"OK       {safe(r['path'])}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
             else:
-                print(f"CORRUPT  {r['path']}")
+                print(f"CORRUPT  {safe(r['path'])}")
                 for p in r["problems"]:
-                    print(f"  - {p}")
+                    print(f"  - {safe(p)}")
         if step_log is not None:
             print_log_report(step_log)
         bad = sum(1 for r in results if not r["ok"])
@@ -116,15 +116,15 @@ def cmd_gc(ctx: Context) -> int:
                    "problems": [one_line(p) for p in report.problems]})
         return code
     if report.problems:
-        print(f"gc skipped {report.directory}: a manifest cannot be read, so its blobs may still be needed")
+        print(f"gc skipped {safe(report.directory)}: a manifest cannot be read, so its blobs may still be needed")
         for p in report.problems:
-            print(f"  - {one_line(p)}")
+            print(f"  - {safe(one_line(p))}")
         return code
     verb = "would delete" if report.dry_run else "deleted"
     if orphans:
         print(f"{verb} {len(orphans)} part(s) of checkpoint folders that no longer exist (no index lists them):")
         for name in orphans:
-            print(f"  {name}")
+            print(f"  {safe(name)}")
     for key in report.deleted:
         log.info("checkrun: %s blob %s", verb, key)
     print(f"{verb} {len(report.deleted)} unreferenced blob(s), "
@@ -134,7 +134,7 @@ def cmd_gc(ctx: Context) -> int:
     if report.step_log:  # segments, markers and run objects of the step log no replay needs
         print(f"{verb} {len(report.step_log)} step-log object(s) no retained checkpoint or open log needs:")
         for name in report.step_log:
-            print(f"  {name}")
+            print(f"  {safe(name)}")
     return code
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .util import Context, human_size, one_line
+from .util import Context, human_size, one_line, safe
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
@@ -243,11 +243,11 @@ def print_log_report(rep: dict) -> None:
     """Text lines of ``verify_log``'s result."""
     what = f"{rep.get('segments', 0)} segments, {rep.get('markers', 0)} markers, {rep.get('runs', 0)} runs"
     if rep["ok"]:
-        print(f"OK       {rep['url']}  (step log: {what}, {human_size(rep['bytes_checked'])})")
+        print(f"OK       {safe(rep['url'])}  (step log: {what}, {human_size(rep['bytes_checked'])})")
         return
-    print(f"DAMAGED  {rep['url']}  (step log: {what} intact)")
+    print(f"DAMAGED  {safe(rep['url'])}  (step log: {what} intact)")
     for p in rep["problems"]:
-        print(f"  - {p}")
+        print(f"  - {safe(p)}")
 
 
 __all__ = ["STEPLOG_DIR", "chain_of", "chain_steps", "is_log_dir", "is_segment_path", "logged_after",

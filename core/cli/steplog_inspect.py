@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .steplog import STEPLOG_DIR, has_log, read_header, segments_store
-from .util import EXIT_OK, CliError, Context, codecs_text, emit_json, human_size, one_line, table
+from .util import EXIT_OK, CliError, Context, codecs_text, emit_json, human_size, one_line, safe, table
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..steplog.format import PREFIX_BYTES, RunInfo, SegmentDamaged, header_end, parse_header, split_segment
 from ..steplog.index import read_index
@@ -92,16 +92,16 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
         emit_json(info)
     else:
         steps = info["steps"]
-        print(f"segment   {path}")
-        print(f"run       {info['run']}   seq {info['seq']}   events {info['events'][0]}..{info['events'][1]}   "
-              f"steps {f'{steps[0]}..{steps[1]}' if steps else '-'} ({info['step_count']})")
+        print(f"segment   {safe(path)}")
+        print(safe(f"run       {info['run']}   seq {info['seq']}   events {info['events'][0]}..{info['events'][1]}   "
+              f"steps {f'{steps[0]}..{steps[1]}' if steps else '-'} ({info['step_count']})"))
         shown = "checksum ok" if status == "ok" else f"DAMAGED ({status.removeprefix(where + ': ')})"
-        print(f"payload   {human_size(info['payload_bytes'])}, xxh3 {info['payload_csum']}: {shown}; "
-              "header checksum ok")
+        print(safe(f"payload   {human_size(info['payload_bytes'])}, xxh3 {info['payload_csum']}: {shown}; "
+                   "header checksum ok"))
         if info["packs"]:
-            print("packs     " + "; ".join(f"{name}: {p['numel']} elements in {p['chunks']} chunks, "
+            print("packs     " + safe("; ".join(f"{name}: {p['numel']} elements in {p['chunks']} chunks, "
                                          f"{human_size(p['encoded_bytes'])} ({codecs_text(p['codecs'])})"
-                                         for name, p in info["packs"].items()))
+                                         for name, p in info["packs"].items())))
         print()
         body = [[ev["step"] if i == 0 else "", *grad_row(g)] for ev in header_steps(header)
                 for i, g in enumerate(ev["grads"])]
@@ -140,12 +140,12 @@ def cmd_inspect_log(ctx: Context, path: str) -> int:
                   "{}..{}".format(*r["steps"]) if r["steps"] else ("unreadable" if r["error"] else "-"),
                   human_size(r["payload_bytes"]) if r["payload_bytes"] is not None else ""] for r in rows]))
     for m in index.markers:
-        print(f"marker: {m.checkpoint} after step {m.step} (run {m.run}, event {m.event})")
+        print(safe(f"marker: {m.checkpoint} after step {m.step} (run {m.run}, event {m.event})"))
     for r in runs:
         names = "" if r["param_names"] is None else f", {sum(map(len, r['param_names']))} named parameters"
         after = f"continues run {r['parent']['run']} after event {r['parent']['event']}" if r["parent"] else "first run"
-        print(f"run {r['run']}: {r['optimizer'] or 'optimizer class not recorded'}{names}; {after}; "
-              f"{'closed' if r['closed'] else 'open or ended without close'}")
+        print(safe(f"run {r['run']}: {r['optimizer'] or 'optimizer class not recorded'}{names}; {after}; "
+                   f"{'closed' if r['closed'] else 'open or ended without close'}"))
     return EXIT_OK
 
 

@@ -16,6 +16,7 @@ import torch
 from ..errors import FormatError
 from ..format.manifest import Manifest, ObjectRecord, TensorRecord
 from ..format.skeleton import unflatten
+from .util import safe, safe_repr, text
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Node:
     record: Any = None         # TensorRecord ("tensor") or ObjectRecord ("object")
     requires_grad: bool | None = None
     size: int = 0              # number of items of a container
+    keys: tuple = ()           # the real keys (list indices, int/str/tuple dict keys) from the root
 
 
 def skeleton_state(manifest: Manifest, where: str) -> tuple[Any, dict[int, TensorRecord]]:
@@ -88,31 +90,45 @@ def walk(manifest: Manifest, where: str, collapse: int = 72) -> Iterator[Node]:
     """Pre-order rows of the state tree. Plain containers whose repr fits ``collapse`` chars and
     plain lists of scalars become one "value" row; ``collapse=0`` expands every container."""
     state, by_ptr = skeleton_state(manifest, where)
-    stack: list[tuple[Any, str | None, str, int]] = [(state, None, "<root>", -1)]
+    stack: list[tuple[Any, str | None, str, int, tuple]] = [(state, None, "<root>", -1, ())]
     while stack:
-        value, path, label, depth = stack.pop()
+        value, path, label, depth, keys = stack.pop()
         if isinstance(value, torch.Tensor):
             rec = by_ptr.get(value.untyped_storage().data_ptr())
             grad = value.requires_grad if isinstance(value, torch.nn.Parameter) else None
-            yield Node(path or "", label, depth, "tensor", record=rec, requires_grad=grad)
+            yield Node(path or "", label, depth, "tensor", record=rec, requires_grad=grad, keys=keys)
         elif isinstance(value, ObjectRef):
-            yield Node(path or "", label, depth, "object", record=value.record)
+            yield Node(path or "", label, depth, "object", record=value.record, keys=keys)
         elif _is_container(value) and not (collapse and _collapsible(value, by_ptr, collapse)):
             items = _items(value)
             if depth >= 0:
                 yield Node(path or "", label, depth, "container", value=type(value).__name__,
-                           size=len(items))
+                           size=len(items), keys=keys)
             for key, child in reversed(items):
-                child_path = str(key) if path is None else f"{path}.{key}"
-                stack.append((child, child_path, _label(key, value), depth + 1))
+                child_path = text(key) if path is None else f"{path}.{text(key)}"
+                stack.append((child, child_path, _label(key, value), depth + 1, keys + (key,)))
         else:
-            yield Node(path or "", label, depth, "value", value=value)
+            yield Node(path or "", label, depth, "value", value=value, keys=keys)
+
+
+def tensor_items(state: Any) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """``(keys, tensor)`` of every tensor in a loaded state, pre-order, with the keys :func:`walk`
+    gives the same tensor's node (the same containers are descended: dict, OrderedDict, list, tuple)."""
+    stack: list[tuple[Any, tuple]] = [(state, ())]
+    while stack:
+        value, keys = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield keys, value
+        elif _is_container(value):
+            stack.extend((child, keys + (key,)) for key, child in reversed(_items(value)))
 
 
 def _label(key: Any, parent: Any) -> str:
+    """A key as the tree shows it: ``[3]`` for a list index, a str key as it is, others as repr;
+    control characters escaped (a key must not move the cursor or start a line of its own)."""
     if isinstance(parent, (list, tuple)):
         return f"[{key}]"
-    return key if isinstance(key, str) else repr(key)
+    return safe(key) if isinstance(key, str) else safe_repr(key)
 
 
 def plain_values(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -125,8 +141,9 @@ def plain_values(manifest: Manifest, where: str) -> dict[str, Any]:
 
 
 def short_repr(value: Any, limit: int = 72) -> str:
-    text = repr(value)
-    if len(text) <= limit:
-        return text
+    """``repr(value)`` in at most ``limit`` characters (control characters escaped, never raising)."""
+    shown = safe_repr(value)
+    if len(shown) <= limit:
+        return shown
     extra = f" ({len(value)} items)" if _is_container(value) else ""
-    return text[: limit - 3 - len(extra)] + "..." + extra
+    return shown[: limit - 3 - len(extra)] + "..." + extra

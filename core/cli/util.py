@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ..units import fmt_bytes, fmt_less, fmt_percent, fmt_ratio, ratio  # noqa: F401 - re-exported for the commands
+from .. import units as _units
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -135,25 +135,106 @@ def _isatty(stream: Any) -> bool:
 # ----------------------------------------------------------------------------- formatting
 
 
-human_size = fmt_bytes  # the CLI's name for ckpt_core.units.fmt_bytes (binary units)
+# A manifest whose checksum holds may still carry odd values (forged or from a future release): a
+# date out of range, a 400-digit integer, a string where a number belongs. Displaying them never
+# raises: they are shown as they are, or as "?" where they cannot be (a date, a size).
+_ODD = (ArithmeticError, ValueError, TypeError, OSError)
+
+
+human_size = _units.fmt_bytes  # the CLI's name for ckpt_core.units.fmt_bytes (binary units)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``ckpt_core.units.ratio``; None also when the quotient cannot be a float."""
+    try:
+        return _units.ratio(num, den)
+    except _ODD:
+        return None
+
+
+def fmt_ratio(r: float | None) -> str:
+    """``ckpt_core.units.fmt_ratio``, or "?"."""
+    try:
+        return _units.fmt_ratio(r)
+    except _ODD:
+        return "?"
+
+
+def fmt_percent(part: float | None, whole: float | None) -> str:
+    """``ckpt_core.units.fmt_percent`` ("3.4%"), or "?"."""
+    try:
+        return _units.fmt_percent(part, whole)
+    except _ODD:
+        return "?"
+
+
+def fmt_less(tensor_bytes: float | None, figure: float | None) -> str:
+    """``ckpt_core.units.fmt_less`` ("6.95x less"), or "?"."""
+    try:
+        return _units.fmt_less(tensor_bytes, figure)
+    except _ODD:
+        return "?"
 
 
 def human_time(epoch: float | None) -> str:
+    """Local date and time of a timestamp; "?" when it is no date (out of range, not a number)."""
     if epoch is None:
         return "-"
-    return _dt.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return _dt.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+    except _ODD:
+        return "?"
 
 
 def iso_time(epoch: float | None) -> str | None:
+    """ISO 8601 (UTC) of a timestamp; None when it is no date."""
     if epoch is None:
         return None
-    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat()
+    try:
+        return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).isoformat()
+    except _ODD:
+        return None
 
 
 def fmt_float(x: float | None) -> str:
+    """``x`` in 3 significant digits; anything that is not a number is shown as text."""
     if x is None:
         return "-"
-    return f"{x:.3g}"
+    try:
+        return f"{x:.3g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else text(x)
+    except _ODD:
+        return text(x)
+
+
+# What a terminal would act on: C0 controls, DEL, C1 controls, line/paragraph separators and the
+# bidirectional overrides and isolates (they reorder what follows them on the line).
+_CONTROLS = ([*range(0x20), 0x7F, *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, 0x2028, 0x2029,
+              *range(0x202A, 0x202F), *range(0x2066, 0x206A)])
+_NAMED = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+_ESCAPES = {c: _NAMED.get(c, f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _CONTROLS}
+
+
+def safe(value: Any) -> str:
+    """``str(value)`` fit for a terminal: control characters escaped as ``\\x1b``, ``\\n``, ``\\u202e``
+    (keys and file names come from checkpoints and directories that anyone may have written);
+    other characters, ordinary unicode included, stay as they are."""
+    return text(value).translate(_ESCAPES)
+
+
+def text(value: Any) -> str:
+    """``str(value)``, never raising (an int beyond Python's digit limit is shown in hex)."""
+    try:
+        return str(value)
+    except ValueError:
+        return hex(value) if isinstance(value, int) else f"<{type(value).__name__}>"
+
+
+def safe_repr(value: Any) -> str:
+    """``repr(value)`` (control characters escaped), never raising."""
+    try:
+        return safe(repr(value))
+    except ValueError:  # an int beyond the digit limit, inside a container or not
+        return hex(value) if isinstance(value, int) else f"<{type(value).__name__}>"
 
 
 ELLIPSIS = "\u2026"
@@ -221,7 +302,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable
     list of such stages applied in order) are narrowed as needed, their cells shortened in the
     middle with "\u2026" (or by ``shorten[i](text, width)`` for column ``i``), and spanning rows are cut
     at the end. Without it, nothing is shortened."""
-    rows = [[("-" if c is None else str(c)) for c in r] for r in rows]
+    headers = [safe(h) for h in headers]
+    rows = [[("-" if c is None else safe(c)) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for r in rows:
         cells = r if len(r) == len(headers) else r[:1]
@@ -281,8 +363,8 @@ def jsonable(value: Any) -> Any:
     """Strict-JSON form of plain data: non-finite floats and other scalars become strings."""
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, int):
-        return value
+    if isinstance(value, int):  # json.dumps cannot write an int beyond Python's digit limit
+        return value if value.bit_length() <= 14000 else hex(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
@@ -304,7 +386,7 @@ def codecs_text(codecs: Sequence[dict]) -> str:
     """``[{"name": "raw"}, {"name": "zstd", "level": 1, ...}] -> "raw > zstd(level=1)"`` (JSON has all)."""
     parts = []
     for c in codecs:
-        params = [f"{k}={v}" for k, v in c.items() if k not in _HIDDEN_PARAMS and v is not None]
-        name = str(c.get("name", "?"))
+        params = [f"{safe(k)}={safe(v)}" for k, v in c.items() if k not in _HIDDEN_PARAMS and v is not None]
+        name = safe(c.get("name", "?"))
         parts.append(f"{name}({','.join(params)})" if params else name)
     return " > ".join(parts) or "-"

@@ -1,0 +1,193 @@
+"""``checkrun`` on hostile or odd inputs: keys that collide once flattened, control characters in keys
+and file names, special files as export targets, manifests with odd (forged) field values, deeply
+nested safetensors metadata and tensors safetensors cannot hold.
+
+Real files in ``tmp_path``; the commands run in-process through ``main(argv)`` as in test_cli.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+import ckpt_core
+from ckpt_core.cli import util as cli_util
+
+from ..reliability.test_hostile import forge
+from .test_cli import run, run_json
+
+# What a terminal acts on: C0 (but the newlines that end lines), DEL, C1, U+2028/9, bidi controls.
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+# ----------------------------------------------------------------------------- diff: real paths
+
+
+def test_diff_pairs_leaves_by_their_real_path_not_their_dotted_name(capsys, tmp_path):
+    def x():
+        return torch.ones(3)
+
+    def y():
+        return torch.zeros(3)
+
+    ckpt_core.save({"a.b": x(), "a": {"b": y()}, 2: x(), "2": y(), "v.w": 1, "v": {"w": 2}}, tmp_path / "A.ckpt")
+    ckpt_core.save({"a": {"b": x()}, "a.b": y(), "2": x(), 2: y(), "v": {"w": 1}, "v.w": 2}, tmp_path / "B.ckpt")
+    a, b = str(tmp_path / "A.ckpt"), str(tmp_path / "B.ckpt")
+    code, out, _ = run(capsys, "diff", a, b, "--exit-code")
+    assert code == 1, out
+    for name in ("['a.b']", "['a']['b']", "[2]", "['2']"):
+        assert re.search(rf"^{re.escape(name)}\s+changed\s+3/3", out, re.M), (name, out)
+    assert "4 changed" in out and "0 identical" in out and "2 value(s) differ" in out
+    code, data = run_json(capsys, "diff", a, b)
+    assert {t["key"] for t in data["tensors"]} == {"['a.b']", "['a']['b']", "[2]", "['2']"}
+    assert {v["key"] for v in data["values"]} == {"['v.w']", "['v']['w']"}
+    assert not data["identical"]
+    # The same state on both sides: identical, and plain dotted names where nothing collides.
+    ckpt_core.save({"m": {"w": x()}, "step": 1}, tmp_path / "C.ckpt")
+    code, out, _ = run(capsys, "diff", str(tmp_path / "C.ckpt"), str(tmp_path / "C.ckpt"), "--all", "--exit-code")
+    assert code == 0 and re.search(r"^m\.w\s+same", out, re.M), out
+
+
+# ----------------------------------------------------------------------------- control characters
+
+
+def test_control_characters_in_keys_and_file_names_are_escaped(capsys, tmp_path):
+    evil = "w\x1b[2J\x1b]0;owned\x07\nOK       /fake/step=999.ckpt\u202e\x9b"
+    run_dir = tmp_path / "run\x1b[31m"
+    ckpt_core.save({"model": {evil: torch.ones(2), "caf\u00e9": torch.ones(1)}, "step": evil}, run_dir / "a\n.ckpt")
+    ckpt_core.save({"model": {evil: torch.zeros(2)}}, run_dir / "b.ckpt")
+    a, b = str(run_dir / "a\n.ckpt"), str(run_dir / "b.ckpt")
+    for argv in (["inspect", a, "--wide"], ["inspect", a], ["ls", str(run_dir)], ["verify", str(run_dir)],
+                 ["diff", a, b], ["export", a, str(tmp_path / "out.pt")], ["inspect", str(tmp_path / "no\x1b")]):
+        code, out, err = run(capsys, *argv)
+        assert not _CONTROL.search(out + err), (argv, out, err)
+        assert not any(line.startswith("OK       /fake/") for line in (out + err).splitlines()), (argv, out)
+    code, out, _ = run(capsys, "inspect", a, "--wide")
+    assert code == 0 and "w\\x1b[2J\\x1b]0;owned\\x07\\nOK" in out and "\\u202e" in out and "\\x9b" in out
+    assert "caf\u00e9" in out  # ordinary unicode stays as it is
+    assert cli_util.safe("a\tb\r\x7f\u2029") == "a\\tb\\r\\x7f\\u2029"
+
+
+# ----------------------------------------------------------------------------- export targets
+
+
+def _kind(path) -> str:
+    mode = os.lstat(path).st_mode
+    return ("link" if stat.S_ISLNK(mode) else "fifo" if stat.S_ISFIFO(mode) else
+            "chr" if stat.S_ISCHR(mode) else "file" if stat.S_ISREG(mode) else "?")
+
+
+def test_export_refuses_an_out_that_is_not_a_regular_file_even_with_force(capsys, tmp_path):
+    ckpt_core.save({"w": torch.ones(4)}, tmp_path / "run" / "x.ckpt")
+    src = str(tmp_path / "run" / "x.ckpt")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "target").write_text("keep\n")
+    os.symlink("target", tmp_path / "link")
+    os.symlink("missing", tmp_path / "dangling")
+    targets = {"fifo": "FIFO (named pipe)", "link": "symbolic link", "dangling": "symbolic link"}
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        targets["null"] = "character device"
+    except (PermissionError, OSError):
+        pass  # not root: the FIFO and the links show the rule
+    for name, what in targets.items():
+        before = _kind(tmp_path / name)
+        code, out, err = run(capsys, "export", src, str(tmp_path / name), "--force")
+        assert code == 2, (name, out, err)
+        assert f"{tmp_path / name}: is a {what}, not a regular file" in err, err
+        assert _kind(tmp_path / name) == before
+    assert (tmp_path / "target").read_text() == "keep\n"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code, out, err = run(capsys, "export", src, "-")
+    finally:
+        os.chdir(cwd)
+    assert code == 2 and "'-': writing to stdout is not supported" in err and not (tmp_path / "-").exists()
+    # A regular file is still replaced with --force.
+    (tmp_path / "old.pt").write_text("old")
+    assert run(capsys, "export", src, str(tmp_path / "old.pt"), "--force")[0] == 0
+    assert torch.equal(torch.load(tmp_path / "old.pt")["w"], torch.ones(4))
+
+
+# ----------------------------------------------------------------------------- odd field values
+
+
+def _forged(tmp_path, edit) -> tuple[str, str]:
+    d = tmp_path / "odd"
+    ckpt_core.save({"w": torch.ones(4), "step": 1}, d / "good.ckpt")
+    ckpt_core.save({"w": torch.ones(4), "step": 2}, d / "x.ckpt")
+    body = json.loads((d / "x.ckpt").read_bytes())
+    edit(body)
+    (d / "x.ckpt").write_bytes(forge(body))
+    return str(d), str(d / "x.ckpt")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda b: b.__setitem__("created", 1e20),
+    lambda b: b["stats"].__setitem__("tensor_bytes", 10 ** 400),
+    lambda b: b["stats"].__setitem__("written_bytes", "lots"),
+    lambda b: b["tensors"][0].__setitem__("quant", {"method": "x", "bits": "y", "max_abs_error": "z",
+                                                    "rel_l2_error": None}),
+], ids=["created-1e20", "huge-tensor-bytes", "text-written-bytes", "text-quant-errors"])
+def test_odd_manifest_fields_never_crash_ls_or_inspect(capsys, tmp_path, edit):
+    directory, x = _forged(tmp_path, edit)
+    code, out, err = run(capsys, "ls", directory)
+    assert re.search(r"^good\.ckpt\s.*committed$", out, re.M), (out, err)
+    assert "x.ckpt" in out and "Error" not in err, (out, err)  # listed, or marked corrupt with its name
+    code, data = run_json(capsys, "ls", directory)
+    assert [c["name"] for c in data["checkpoints"]] == ["good.ckpt", "x.ckpt"]
+    assert all(c.get("tensor_bytes", 16) == 16 for c in data["checkpoints"])  # a forged figure is not believed
+    for argv in (["inspect", x], ["inspect", x, "--json"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 or x in err, (argv, out, err)
+        assert "Error" not in err, err
+
+
+def test_odd_values_format_as_question_marks_or_as_they_are(capsys, tmp_path):
+    assert cli_util.human_time(1e20) == "?" and cli_util.iso_time(1e20) is None
+    assert cli_util.ratio(10 ** 400, 3) is None
+    assert cli_util.fmt_less(10 ** 400, 3) == "?" and cli_util.fmt_float("z") == "z"
+    # Ints beyond Python's digit limit as a key and a value of the state (the skeleton holds them).
+    big = 10 ** 5000
+    ckpt_core.save({"w": torch.ones(1), big: 1, "v": big, "step": 1}, tmp_path / "big.ckpt")
+    for argv in (["inspect", str(tmp_path / "big.ckpt")], ["inspect", str(tmp_path / "big.ckpt"), "--json"],
+                 ["diff", str(tmp_path / "big.ckpt"), str(tmp_path / "big.ckpt")]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0, (argv, err)
+    assert hex(big)[:20] in run(capsys, "inspect", str(tmp_path / "big.ckpt"))[1]
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def test_import_of_deeply_nested_skeleton_is_a_clear_error(capsys, tmp_path):
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(st_save({"w": torch.ones(2)}, metadata={
+        "checkrun.skeleton": "[" * 100000 + "]" * 100000, "checkrun.tensors": "[]"}))
+    code, out, err = run(capsys, "import", str(path), str(tmp_path / "imp" / "x.ckpt"))
+    assert code == 1
+    assert err.strip() == (f"checkrun: error: {path}: invalid checkrun metadata in safetensors file: "
+                           "checkrun.skeleton is nested too deeply")
+
+
+def test_export_drops_tensors_safetensors_cannot_hold_with_a_note(capsys, tmp_path):
+    w = torch.nn.Parameter(torch.randn(3))
+    state = {"a": torch.randn(2), "c": torch.randn(3, dtype=torch.complex128), "z": torch.arange(4),
+             "p": w, "tied": w, "step": 7}
+    ckpt_core.save(state, tmp_path / "run" / "c.ckpt")
+    out_st = tmp_path / "c.safetensors"
+    code, out, err = run(capsys, "export", str(tmp_path / "run" / "c.ckpt"), str(out_st))
+    assert code == 0, err
+    assert "1 value(s) dropped" in out and out.rstrip().endswith(": c"), out
+    code, out, err = run(capsys, "import", str(out_st), str(tmp_path / "imp" / "c.ckpt"))
+    assert code == 0, err
+    back = ckpt_core.load(tmp_path / "imp" / "c.ckpt")
+    assert back["c"] is None and back["step"] == 7
+    assert torch.equal(back["a"], state["a"]) and torch.equal(back["z"], state["z"])
+    assert torch.equal(back["p"], w.detach()) and back["tied"] is back["p"]
