@@ -167,9 +167,9 @@ class LoadConfig:
     max_blob_bytes: int = 1 << 34
     """Refuse any blob or chunk whose declared size exceeds this (hostile manifests)."""
     max_total_bytes: Optional[int] = None
-    """Refuse to load (or decode in ``verify``) a checkpoint whose tensors, delta row indices and
-    kept copies need more host memory than this, before allocating any (None = this machine's
-    physical memory)."""
+    """Refuse to load (or decode in ``verify``) a checkpoint whose tensors, delta row indices, kept
+    copies and pickled values (an object blob and what its records declare) need more host memory
+    than this, before allocating any (None = this machine's physical memory)."""
     reference: Literal["auto", "background", "inline"] = "auto"
     """When a load makes the copy of the tensors the next row-delta save compares against (the
     reference): ``inline``, during the load; ``background``, after the load returned, on a thread that

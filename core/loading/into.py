@@ -4,7 +4,8 @@ receive which stored tensor, in place, like ``torch.distributed.checkpoint.load(
 The saved skeleton and ``into`` are walked together: a tensor leaf of ``into`` at the same path
 (dict keys, list/tuple positions) as a stored tensor, on the CPU, with the same shape and dtype,
 is where that tensor is decoded. Every other leaf (another shape or dtype, another device, a path
-``into`` lacks) loads as without ``into``. Pure functions of the calling thread.
+``into`` lacks, elements sharing memory: an expanded view) loads as without ``into``, decided before
+any leaf is written. Pure functions of the calling thread.
 """
 from __future__ import annotations
 
@@ -35,7 +36,25 @@ class IntoPlan:
 
 def _fits(t: Any, rec: Any) -> bool:
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-            and t.device.type == "cpu" and t.dtype == DTYPES[rec.dtype] and tuple(t.shape) == tuple(rec.shape))
+            and t.device.type == "cpu" and t.dtype == DTYPES[rec.dtype] and tuple(t.shape) == tuple(rec.shape)
+            and _distinct_elements(t))
+
+
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory, so it can hold a stored tensor's values.
+
+    An expanded view (stride 0) or an ``as_strided`` overlap cannot: ``copy_`` refuses it. Dims are
+    taken by increasing stride, each stride must step over everything the smaller ones span (true of
+    every contiguous, permuted or sliced tensor; a rare interleaved layout that fails it loads as a
+    new tensor, like any other leaf that does not fit)."""
+    if t.numel() <= 1:
+        return True
+    span = 0
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            return False
+        span += stride * (size - 1)
+    return True
 
 
 def _key(node: Any) -> Any:

@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
-from ..format.objects import deserialize_object
+from ..format.objects import deserialize_object, object_load_bytes
 from .decode import Pass, decode_limit, fetch_blob, pack_limit
 from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
@@ -102,7 +102,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
                  max_total_bytes: int | None = None,
                  alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
                  into: dict[int, torch.Tensor] | None = None,
-                 deferred: list[int] | None = None) -> list[LoadedTensor]:
+                 deferred: list[int] | None = None, reserve: int = 0) -> list[LoadedTensor]:
     """Fetch, verify and decode every tensor: one pass over the bases and every delta link
     (``decode.Pass``), each tensor's links applied in chain order as soon as its blobs are decoded.
 
@@ -115,12 +115,11 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
     (``load.max_total_bytes``) before anything is allocated. ``alloc_copy(numel, dtype)`` allocates
     those copies where the caller keeps them (the writer process's shared memory), default: here.
     With ``deferred`` (a list), the records ``keep_copy`` selects are counted the same but appended
-    to it instead of copied: the caller makes the copies later (``load_references``)."""
+    to it instead of copied: the caller makes the copies later (``load_references``). ``reserve``:
+    bytes of the same limit the caller holds already (the pickled values, ``fetch_objects``)."""
     into = into or {}
     limit = memory_limit(max_total_bytes)
-    total = check_load_bytes(manifest, where, limit, sum(
-        (0 if i in into else rec.nbytes) + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0]))
-        for i, rec in enumerate(manifest.tensors)))
+    total = check_load_bytes(manifest, where, limit, reserve + tensor_bytes(manifest, into))
     scratch = Scratch(where)
     one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what))
     out = []
@@ -141,6 +140,14 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
         one_pass.add(lt, pipe, dtype)
     one_pass.run()
     return out
+
+
+def tensor_bytes(manifest: Manifest, into: dict[int, torch.Tensor]) -> int:
+    """Host memory that decoding the tensors takes, not counting kept copies: each tensor not
+    decoded into ``into``, plus each delta's row indices and values."""
+    return sum((0 if i in into else rec.nbytes)
+               + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0]))
+               for i, rec in enumerate(manifest.tensors))
 
 
 def load_references(store: Store, manifest: Manifest, where: str, indices: list[int],
@@ -183,9 +190,10 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         object_location = object_map_location(map_location)
     except CheckrunError as exc:
         raise type(exc)(f"{where}: {exc}") from None
+    blobs, reserve = fetch_objects(store, manifest, where, config.load.max_total_bytes, plan.direct)
     try:
         loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy,
-                              plan.direct, deferred)
+                              plan.direct, deferred, reserve)
     except CorruptCheckpointError as exc:  # a missing or damaged blob: name the checkpoint too
         if where in str(exc):
             raise
@@ -200,11 +208,8 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         placer.finish()  # one wait per device for the copies queued
     finish_into(plan, tensors)
     objects = []
-    for rec in manifest.objects:
-        try:
-            data = fetch_blob(store, rec.blob)
-        except CorruptCheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
+    for i, rec in enumerate(manifest.objects):
+        data, blobs[i] = blobs[i], b""  # let each blob go once its value is built
         try:
             objects.append(deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=weights_only,
                                               allowed_globals=config.load.allowed_globals,
@@ -218,6 +223,33 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise FormatError(f"{where}: invalid state skeleton: {exc}") from None
     return state, loaded
+
+
+def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes: int | None,
+                  into: dict[int, torch.Tensor]) -> tuple[list[bytes], int]:
+    """Fetch and verify the pickled values' blobs, before any tensor is decoded; returns them and the
+    bytes charged for them. Their declared sizes, and what unpickling each may allocate (its zip
+    directory: ``objects.object_load_bytes``), count against ``load.max_total_bytes`` together with
+    the tensors (``tensor_bytes``): a value is refused (ResourceLimitError) before it is unpickled."""
+    limit = memory_limit(max_total_bytes)
+    left = limit - tensor_bytes(manifest, into)
+    need = sum(rec.blob.size for rec in manifest.objects)
+    if need > left:
+        raise ResourceLimitError(f"{where}: loading needs {need} bytes for the blobs of its pickled values, "
+                                 f"more than the {max(0, left)} its tensors leave of the limit of {limit} "
+                                 "(load.max_total_bytes)")
+    blobs = []
+    for rec in manifest.objects:
+        try:
+            data = fetch_blob(store, rec.blob)
+        except CorruptCheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
+        try:
+            need += object_load_bytes(data, key=rec.key, type_name=rec.type, max_bytes=left - need)
+        except CheckrunError as exc:  # name the checkpoint and blob
+            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
+        blobs.append(data)
+    return blobs, need
 
 
 def check_structure(manifest: Manifest, where: str) -> list[int]:

@@ -11,6 +11,7 @@ the next collection deletes what no manifest references.
 from __future__ import annotations
 
 import dataclasses
+import json
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +19,7 @@ from typing import Callable
 from .capture import Snapshot
 from ..config import EngineConfig
 from ..errors import CheckrunError, FormatError
-from ..format.limits import check_json, limits_for
+from ..format.limits import MAX_MANIFEST_BYTES, check_json, json_shape, limits_for
 from .fence import CommitStamp, commit_guard
 from .handles import WriteStats
 from ..format.manifest import Manifest
@@ -63,7 +64,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
         if snap.stamp is not None:
             manifest = dataclasses.replace(manifest, commit=snap.stamp.to_json())
         data = manifest.to_bytes()
-        _check_loadable(data, store.url(name), config)
+        _check_loadable(data, store.url(name), config, manifest)
         guard = lambda: _guard(store, lease, manifest)  # noqa: E731
         if publish is None:
             publish_manifest(store, name, snap.stamp, data, guard)
@@ -81,15 +82,27 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
                      writer.stream_updates, matcher.unmatched_rules())
 
 
-def _check_loadable(data: bytes, url: str, config: EngineConfig) -> None:
+def _check_loadable(data: bytes, url: str, config: EngineConfig, manifest: Manifest) -> None:
     """Refuse to commit a manifest that loads would refuse (``limits.check_json``): the save fails now,
-    not the resume later. Large flat lists and strings go to blobs (``tree.SPILL_ITEMS``); what is
-    left is a state of very many small plain containers."""
+    not the resume later (``capture.check_manifest_room`` refused most such states before any blob
+    was written). The message says what filled it: the records of its tensors and pickled values,
+    or plain values (large flat lists and strings go to blobs, ``tree.SPILL_ITEMS``, so these are
+    very many small plain containers)."""
     try:
         check_json(data, url, limits_for(config))
     except FormatError as exc:
-        raise FormatError(f"cannot save {url}: its manifest would not load ({exc}); keep large plain "
-                          "values (nested lists and dicts of numbers) as tensors or numpy arrays") from None
+        plain = json_shape(json.dumps(manifest.skeleton).encode())[1]
+        records = json_shape(data)[1] - plain
+        if plain > records:
+            fix = "keep large plain values (nested lists and dicts of numbers) as tensors or numpy arrays"
+        elif len(data) > MAX_MANIFEST_BYTES:
+            fix = "group small tensors into fewer, larger ones (a manifest is at most 64 MiB, ~400 bytes a tensor)"
+        else:
+            fix = ("raise load.max_manifest_elements where you save and where you load, or group small "
+                   "tensors into fewer, larger ones")
+        raise FormatError(f"cannot save {url}: its manifest would not load ({exc}): the records of its "
+                          f"{len(manifest.tensors)} tensors and {len(manifest.objects)} pickled values take "
+                          f"{records} JSON elements, the state's structure and plain values {plain}; {fix}") from None
 
 
 def publish_manifest(store: Store, name: str, stamp: CommitStamp | None, data: bytes,
