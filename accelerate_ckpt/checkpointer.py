@@ -138,6 +138,7 @@ class AcceleratorCheckpointer:
             self._originals = {n: acc.__dict__.get(n, _MISSING) for n in _PATCHED}
         for name, method in zip(_PATCHED, (self._save_state, self._load_state, self._end_training)):
             setattr(acc, name, _Routed(method, acc, name))
+        state.track_epoch_starts(acc)  # a save inside an epoch stores the generator the epoch started from
         if self._steplog is not None and acc._optimizers:
             self._steplog.targets()  # checks the prepared objects now, and counts steps from here
         return self
@@ -247,6 +248,7 @@ class AcceleratorCheckpointer:
         weights = state.model_weights(acc, self._unwrapped)
         for hook in acc._save_model_state_pre_hook.values():
             hook(acc._models, weights, hook_dir)
+        state.track_epoch_starts(acc)
         tree = {"rank": state.gather_rank(acc)}
         if self.rank == 0:
             tree["replicated"] = state.gather_replicated(acc, weights, iteration + 1)

@@ -64,8 +64,36 @@ def gather_replicated(accelerator: Any, weights: list[dict], iteration: int) -> 
 
 def gather_rank(accelerator: Any) -> dict:
     """The per-rank tree of the calling process."""
+    active = [d for d in accelerator.gradient_state.dataloader_references if d is not None]
     return {"rank": int(accelerator.process_index), "rng": _rng_state(),
-            "dataloaders": [_dataloader_state(dl) for dl in accelerator._dataloaders]}
+            "dataloaders": [_dataloader_state(dl, active) for dl in accelerator._dataloaders]}
+
+
+def track_epoch_starts(accelerator: Any) -> None:
+    """Note, whenever a dataloader starts an epoch, its sampler generator's state before the epoch
+    draws its order (idempotent). Accelerate calls ``GradientState._add_dataloader`` from each
+    dataloader's ``begin()``, after synchronizing the generator across ranks and before the sampler
+    draws; every dataloader of the process goes through it, ``skip_first_batches``' ones included.
+    A save in the middle of an epoch then stores the state the epoch started from, so the resumed
+    epoch draws the interrupted one's order (``_dataloader_state``)."""
+    gradient_state = accelerator.gradient_state
+    add = getattr(gradient_state, "_add_dataloader", None)
+    if add is not None and not isinstance(add, _EpochStarts):
+        gradient_state._add_dataloader = _EpochStarts(add)  # the shared state of every GradientState
+
+
+class _EpochStarts:
+    """``GradientState._add_dataloader`` noting the dataloader's generator state first (a class, not a
+    closure: an Accelerator pickles, its gradient state with it)."""
+
+    def __init__(self, add: Any) -> None:
+        self.add = add
+
+    def __call__(self, dataloader: Any) -> Any:
+        gen = getattr(dataloader, "synchronized_generator", None)
+        if isinstance(gen, torch.Generator):
+            dataloader._checkrun_epoch_start = gen.get_state()
+        return self.add(dataloader)
 
 
 def model_weights(accelerator: Any, cache: dict | None = None) -> list[dict]:
@@ -191,12 +219,18 @@ def _seedable_sampler(dl: Any) -> Any:
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
-def _dataloader_state(dl: Any) -> dict:
-    """Epoch counter, sampler generator and stateful-dataloader state of one prepared dataloader."""
+def _dataloader_state(dl: Any, active: list) -> dict:
+    """Epoch counter, sampler generator and stateful-dataloader state of one prepared dataloader.
+    ``active``: the dataloaders iterating now. While one of them that draws from the same generator
+    (``dl`` itself, or its ``skip_first_batches`` copy) is inside an epoch, the generator's state from
+    that epoch's start (``track_epoch_starts``); else its state now, which the next epoch draws from."""
     state: dict = {"iteration": int(getattr(dl, "iteration", 0))}
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator):
-        state["generator"] = gen.get_state()
+        start = next((getattr(a, "_checkrun_epoch_start", None) for a in active
+                      if getattr(a, "synchronized_generator", None) is gen
+                      and not getattr(a, "end_of_dataloader", False)), None)
+        state["generator"] = start if start is not None else gen.get_state()
     sampler = _seedable_sampler(dl)
     if sampler is not None:
         state["sampler"] = {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}

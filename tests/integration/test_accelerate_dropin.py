@@ -61,6 +61,29 @@ def test_unchanged_script_names_loads_and_prunes_like_accelerate(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", [3, 11], ids=["first-epoch", "second-epoch"])
+def test_a_resume_in_the_middle_of_an_epoch_trains_on_the_interrupted_runs_batches(tmp_path: Path, stop: int) -> None:
+    """2 processes, a shuffled DataLoader (accelerate's synchronized generator), save_state() after batch
+    ``stop``, a fresh launch: load_state() + skip_first_batches continue with the batches and weights of
+    the uninterrupted run. Before, the generator was saved after the epoch had drawn its order: the
+    resumed epoch drew the next epoch's (samples repeated and skipped; accelerate itself is exact in the
+    first epoch). It is now saved as of the epoch's start (accelerate: wrong from the second epoch on)."""
+    script = HERE / "mid_epoch.py"
+
+    def launch(phase: str, project: str) -> list[dict]:
+        out = tmp_path / f"out-{phase}-{project}"
+        out.mkdir()
+        accelerate_launch(accelerate_args(2), script, [phase, "--project-dir", tmp_path / project, "--out", out,
+                                                        "--stop", str(stop)], launch_env(tmp_path))
+        return [json.loads((out / f"seen_rank{r}.json").read_text()) for r in range(2)] if phase != "first" else []
+
+    full = launch("full", "full")
+    launch("first", "run")
+    resumed = launch("resume", "run")
+    assert resumed == full
+
+
+@pytest.mark.slow
 def test_fresh_process_resumes_with_load_state_and_no_argument(tmp_path: Path) -> None:
     first = _launch(tmp_path, "run", 1, "--saves", "3")
     out = tmp_path / "out-resume"
