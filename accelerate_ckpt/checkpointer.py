@@ -195,7 +195,7 @@ class AcceleratorCheckpointer:
         acc = self.accelerator
         iteration = acc.project_configuration.iteration
         target = self._target(output_dir, iteration if step is None else step)
-        if step is None and target.base != target.folder and not self._resumed:
+        if step is None and target.base != target.folder:
             self._refuse_existing(target)
         stale = paths.native_files(target.folder) if self.rank == 0 else []  # accelerate's own, replaced
         composite.make_folder(target.folder, self.storage_options, self.config)
@@ -207,6 +207,7 @@ class AcceleratorCheckpointer:
         # announced before anything of this rank's part runs (hooks, snapshot): rank 0 then waits for
         # it, and learns of its failure (abandon) instead of committing without it
         round_key = self._group.announce(key)
+        queued = False
         try:
             # the hooks get the folder as the caller named it (a pathlib.Path stays one), as with accelerate
             local = output_dir is not None and "://" not in os.fspath(output_dir)
@@ -223,12 +224,14 @@ class AcceleratorCheckpointer:
                 index = composite.make_index(target.name, rel_index, meta)
                 finish = lambda outcomes: self._finish(target, index, outcomes, blocking, started, stale)  # noqa: E731
             job = Job(handle, finish, lambda: self._end(target.name, key), key=round_key)
-        except BaseException as exc:
-            self._group.abandon(round_key, part, exc)
-            self._end(target.name, key)
+            self._group.submit(job)  # from here on, the job's verdict ends the registration
+            queued = True
+        except BaseException as exc:  # KeyboardInterrupt included: nothing may stay pending for ever
+            if not queued:
+                self._group.abandon(round_key, part, exc)
+                self._end(target.name, key)
             raise
         acc.project_configuration.iteration = iteration + 1
-        self._group.submit(job)  # from here on, the job's verdict ends the registration
         self._last_root = target.base
         if self._sync:
             self._before_call()
@@ -442,14 +445,23 @@ class AcceleratorCheckpointer:
         continues from the checkpoint loaded (unless this process's iteration is already further), and
         a save replaces a later one of that name (a rewind). Every rank looks before any creates its
         own, and all raise if one found it (a gather on the training's process group, as accelerate's
-        ``wait_for_everyone``)."""
+        ``wait_for_everyone``). A rewind never replaces a folder accelerate's own ``save_state`` wrote
+        (as the docs promise: accelerate raises there too)."""
         ours = int(target.name.rpartition("_")[2])
         later = [name for name in composite.folder_names(target.base, self.storage_options, self.config)
                  if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and int(m.group(1)) >= ours]
+        if self._resumed:
+            later = [name for name in later if paths.native_files(layout.join(target.base, name))]
         found = int(bool(later))
         if self.world > 1:
             acc = self.accelerator
             found = int(acc.gather(torch.tensor([found], device=acc.device)).sum().item())
+        if found and self._resumed:
+            raise CheckpointExistsError(
+                f"{layout.join(target.base, later[0]) if later else target.folder} holds a checkpoint accelerate's own "
+                "save_state wrote: save_state() with automatic checkpoint naming does not replace it, as accelerate "
+                "does not. load_state() it (the newest checkpoint), or set accelerator.project_configuration.iteration "
+                "past it")
         if found:
             raise CheckpointExistsError(
                 f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's): "

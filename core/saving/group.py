@@ -193,14 +193,16 @@ class GroupCommitter:
         (synchronous: after the verdict)."""
         if self._closed:
             raise RuntimeError("GroupCommitter is closed")
-        with self._cond:
-            self._pending += 1
         if self.synchronous:
+            with self._cond:
+                self._pending += 1
             self._record(job, self._process(job))
             return
-        if self._thread is None:
+        if self._thread is None or self._thread.ident is None:  # started before the job counts: a
             self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
-            self._thread.start()
+            self._thread.start()  # KeyboardInterrupt here leaves no pending job without a verdict
+        with self._cond:
+            self._pending += 1
         self._queue.put(job)
 
     def wait_below(self, limit: int) -> None:

@@ -23,7 +23,7 @@ import ckpt_core
 from ckpt_core.format import composite
 from ckpt_core.format import manifest as manifest_mod
 from ckpt_core.retain.composites import list_in
-from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, UnsupportedDistributedTypeError, attach
+from accelerate_ckpt import CONFIG_ENV, AcceleratorCheckpointer, CheckpointExistsError, UnsupportedDistributedTypeError, attach
 from accelerate_ckpt.config import resolve
 from accelerate_ckpt.launch import main as cli_main
 from accelerate_ckpt.launch import prepare_config
@@ -305,6 +305,57 @@ def test_retention_deletes_only_the_parts_of_the_checkpoint_it_removes(tmp_path:
     assert all((root / composite.PARTS_DIR / p).exists() for p in newer)
     AcceleratorCheckpointer(acc, directory=str(root)).attach()
     acc.load_state(str(root / "checkpoint_1"))  # still loads
+
+
+def test_a_resumed_run_never_saves_into_a_newer_folder_accelerate_wrote(tmp_path: Path, make_setup) -> None:
+    """checkrun saves checkpoint_0, is detached, accelerate's own save_state writes checkpoint_1; a new run
+    attaches, load_state() loads checkpoint_0 (checkrun's newest) and its next save_state() would be
+    checkpoint_1: refused, as accelerate refuses, and accelerate's files stay (before: saved into it and
+    removed them after the commit: the newest checkpoint was lost)."""
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    ckpt = AcceleratorCheckpointer(acc).attach()
+    acc.save_state()
+    ckpt.close()  # waits, and gives the accelerator its own save_state back
+    acc.save_state()
+    native = sorted(os.listdir(tmp_path / "checkpoints" / "checkpoint_1"))
+    assert "model.safetensors" in native
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach():
+        acc.load_state()
+        with pytest.raises(CheckpointExistsError, match="accelerate's own save_state wrote"):
+            acc.save_state()
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "checkpoint_1")) == native
+
+
+def test_ctrl_c_while_save_state_hands_its_part_over_leaves_nothing_pending(tmp_path: Path, make_setup,
+                                                                           monkeypatch) -> None:
+    """A KeyboardInterrupt raised as save_state() starts the commit thread (a Ctrl-C at that moment)
+    propagates, and nothing stays pending: before, wait(), the next save_state() and the exit waited for
+    ever for a checkpoint that was never queued."""
+    import threading
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    ckpt = AcceleratorCheckpointer(acc).attach()
+    real = threading.Thread.start
+
+    def start(self) -> None:
+        real(self)
+        if self.name == "accelerate-ckpt-commit":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        acc.save_state()
+    monkeypatch.undo()
+    waiter = threading.Thread(target=ckpt.wait, daemon=True)
+    waiter.start()
+    waiter.join(120)  # hang protection only
+    assert not waiter.is_alive(), "wait() hangs on a checkpoint that was never queued"
+    acc.project_configuration.iteration = 1  # checkpoint_0's folder is there: as accelerate, the next number
+    _train(acc, model, opt, sched, counter, 1)
+    acc.save_state()
+    ckpt.close()
+    assert _names(str(tmp_path / "checkpoints")) == ["checkpoint_1"]
 
 
 def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) -> None:
