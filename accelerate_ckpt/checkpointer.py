@@ -17,6 +17,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import ckpt_core
@@ -97,7 +98,7 @@ class AcceleratorCheckpointer:
         self._names_lock = threading.Lock()
         self._last_root: str | None = None
         self._seq = 0
-        self._unwrapped: dict[int, tuple] = {}
+        self._unwrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._closed = False
         self._steplog: AccelerateStepLog | None = None
         if self.unsupported:
@@ -209,8 +210,10 @@ class AcceleratorCheckpointer:
         round_key = self._group.announce(key)
         queued = False
         try:
-            # the hooks get the folder as the caller named it (a pathlib.Path stays one), as with accelerate
-            local = output_dir is not None and "://" not in os.fspath(output_dir)
+            # the hooks get the checkpoint's folder, as the caller named it when it is theirs (a pathlib.Path
+            # stays one), as with accelerate; with a root (automatic naming, a configured directory) the
+            # folder in it, where output_dir is not used (accelerate ignores it under automatic naming)
+            local = output_dir is not None and "://" not in os.fspath(output_dir) and target.base == target.folder
             tree = self._tree(target, layout.join(target.base, rel_base[0]), iteration,
                               output_dir if local else target.folder)
             handle = self._engine_save(tree, part)
@@ -269,7 +272,8 @@ class AcceleratorCheckpointer:
         self._before_call()
 
     # -- load ------------------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike | None = "latest", **model_kwargs: Any) -> str:
+    def load(self, path: str | os.PathLike | None = "latest", *, load_kwargs: dict | None = None,
+             **model_kwargs: Any) -> str:
         """Restore the whole state; returns the checkpoint's folder (an earlier release's: its index).
 
         ``path``: ``"latest"``/None (newest committed checkpoint of the default directory), a checkpoint
@@ -277,21 +281,26 @@ class AcceleratorCheckpointer:
         file (a path ending in ``.ckpt``), or a directory of checkpoints (its newest). Pending saves of
         this checkpointer are waited for first, a save in flight to that checkpoint by another one of
         this process too. ``model_kwargs`` go to each model's ``load_state_dict`` (e.g. ``strict=False``).
+        ``load_kwargs`` (accelerate's): passed on whole to accelerate's ``load_state`` for a folder it
+        wrote; of a checkrun checkpoint only ``weights_only`` counts (``False`` unpickles values whose
+        types are not allow-listed; see ``load.allowed_globals``).
         The checkpoint loaded is never removed by this process's retention."""
+        load_kwargs = dict(load_kwargs or {})
         if self.unsupported:
-            return self._native_load(path, model_kwargs)
+            return self._native_load(path, model_kwargs, load_kwargs)
         self.wait()
         if self._steplog is not None:  # rank 0 commits its log before any rank replays it
             self._steplog.before_load()
         url = self._raise_or(self._group.broadcast(self._resolve(path) if self.rank == 0 else None))
         if isinstance(url, paths.NativeFolder):
-            return self._load_native(url.path, model_kwargs)
+            return self._load_native(url.path, model_kwargs, load_kwargs)
         index = layout.read_index(self._engine, url, self.storage_options)
         urls = layout.part_urls(url, index)
         acc = self.accelerator
-        first = self._load_part(urls[0], own=self.rank == 0)
+        safe = load_kwargs.get("weights_only", True) is not False
+        first = self._load_part(urls[0], own=self.rank == 0, weights_only=safe)
         mine = first if self.rank == 0 else (
-            self._load_part(urls[self.rank], own=True) if self.rank < len(urls) else None)
+            self._load_part(urls[self.rank], own=True, weights_only=safe) if self.rank < len(urls) else None)
         replicated = first["replicated"]
         models = list(acc._models)
         folder = layout.folder_of(url)
@@ -365,7 +374,7 @@ class AcceleratorCheckpointer:
         """``Accelerator.load_state`` through checkrun; ``input_dir=None`` resumes the newest checkpoint."""
         # Parts load onto the CPU and the values land where the live objects are (_load_part).
         load_model_func_kwargs.pop("map_location", None)
-        return self.load(input_dir, **load_model_func_kwargs)
+        return self.load(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
     def _end_training(self) -> None:
         """``Accelerator.end_training`` after every pending checkpoint is committed."""
@@ -480,6 +489,10 @@ class AcceleratorCheckpointer:
         """Rank 0: the index to load, or a folder accelerate itself wrote (``fallback_to_accelerate``);
         an exception object is broadcast and raised on every rank."""
         root = self._default_root() or self._last_root
+        local = None if path is None or path == "latest" or "://" in os.fspath(path) else os.fspath(path)
+        if local is not None and os.path.isfile(local) and not local.endswith(".ckpt"):
+            return NoCheckpointError(f"{local} is a file, not a checkpoint folder: load_state() takes the folder "
+                                     "save_state() returned")
         try:
             return paths.index_for(self._engine, path, root, self.storage_options)
         except CheckpointNotFoundError as exc:
@@ -494,14 +507,15 @@ class AcceleratorCheckpointer:
             raise value
         return value
 
-    def _load_part(self, url: str, own: bool) -> dict:
+    def _load_part(self, url: str, own: bool, weights_only: bool = True) -> dict:
         """One part, onto the CPU: ``load_state_dict`` then copies each value where its live
         tensor is (as accelerate places them), and no rank materialises rank 0's replicated
         state on the GPU it was saved from (all ranks on cuda:0, out of memory on big models)."""
         if own:  # the next save of this rank is incremental against what it loaded
-            return self._engine.load(url, map_location="cpu", storage_options=self.storage_options)
+            return self._engine.load(url, map_location="cpu", storage_options=self.storage_options,
+                                     weights_only=weights_only)
         return ckpt_core.load(url, map_location="cpu", config=self._engine.config,
-                              storage_options=self.storage_options)
+                              storage_options=self.storage_options, weights_only=weights_only)
 
     def _native_save(self, output_dir: Any) -> str:
         root = output_dir or self._default_root()
@@ -510,21 +524,21 @@ class AcceleratorCheckpointer:
                                                   f"save_state cannot write to {root}")
         return str(type(self.accelerator).save_state(self.accelerator, root))
 
-    def _load_native(self, folder: str, model_kwargs: dict) -> str:
+    def _load_native(self, folder: str, model_kwargs: dict, load_kwargs: dict) -> str:
         """Every rank: a folder accelerate's own ``save_state`` wrote, loaded by accelerate's own
         ``load_state``; automatic naming then continues after it, as after a checkrun load."""
         log.info("accelerate_ckpt: %s was written by accelerate's own save_state; loading it with "
                  "accelerate's load_state", folder)
-        type(self.accelerator).load_state(self.accelerator, folder, **model_kwargs)
+        type(self.accelerator).load_state(self.accelerator, folder, load_kwargs=load_kwargs or None, **model_kwargs)
         number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(folder.rstrip("/")))
         if number is not None and self.accelerator.project_configuration.automatic_checkpoint_naming:
             pc = self.accelerator.project_configuration
             pc.iteration = max(int(number.group(1)) + 1, int(pc.iteration))
         return folder
 
-    def _native_load(self, path: Any, model_kwargs: dict) -> str:
+    def _native_load(self, path: Any, model_kwargs: dict, load_kwargs: dict) -> str:
         path = None if path == "latest" else path
-        type(self.accelerator).load_state(self.accelerator, path, **model_kwargs)
+        type(self.accelerator).load_state(self.accelerator, path, load_kwargs=load_kwargs or None, **model_kwargs)
         return str(path)
 
     def _close_at_exit(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -99,15 +100,18 @@ class _EpochStarts:
 def model_weights(accelerator: Any, cache: dict | None = None) -> list[dict]:
     """Unwrapped state dicts of the prepared models (what the save pre-hooks receive).
 
-    ``cache`` (owned by the caller) remembers each prepared model's unwrapped module: accelerate's
-    ``unwrap_model`` probes installed packages on every call (~10 ms, on the training thread)."""
-    cache = {} if cache is None else cache
+    ``cache`` (owned by the caller, a ``weakref.WeakKeyDictionary``) remembers each prepared model's
+    unwrapped module: accelerate's ``unwrap_model`` probes installed packages on every call (~10 ms,
+    on the training thread). Weakly, both ways: ``free_memory()``/``clear()`` still release the model."""
+    cache = weakref.WeakKeyDictionary() if cache is None else cache
     out = []
     for model in accelerator._models:
-        hit = cache.get(id(model))
-        if hit is None or hit[0] is not model:
-            hit = cache[id(model)] = (model, accelerator.unwrap_model(model))
-        out.append(hit[1].state_dict())
+        ref = cache.get(model)
+        unwrapped = ref() if ref is not None else None
+        if unwrapped is None:
+            unwrapped = accelerator.unwrap_model(model)
+            cache[model] = weakref.ref(unwrapped)
+        out.append(unwrapped.state_dict())
     return out
 
 

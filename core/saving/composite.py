@@ -83,8 +83,7 @@ class CompositeCommitter:
             self._remove(where, parts)
             return Verdict(f"checkpoint {where.folder} not committed: {exc}")
         self._remove(where, [p for p in previous if p not in parts])
-        if where.base != where.folder:  # a folder of its own (no automatic naming): nothing to retain
-            self._retain(where)
+        self._retain(where)
         figures = GroupFigures(where.folder, blocking, time.perf_counter() - started,
                                sum(o.tensor_bytes for o in outcomes), sum(o.written_bytes for o in outcomes)
                                + info.written_bytes, sum(o.stored_bytes for o in outcomes))
@@ -102,11 +101,11 @@ class CompositeCommitter:
             return []
 
     def _retain(self, where: Placement) -> None:
-        """Whole checkpoints beyond ``keep_last()`` of ``where.base``, then a collection of their
-        parts' blobs and of the parts removed since the last one (``retain.after_commit``)."""
-        keep = self._keep_last()
-        if not keep:
-            return
+        """Whole checkpoints beyond ``keep_last()`` of ``where.base`` (none in a folder of its own, no
+        automatic naming), then a collection of their parts' blobs and of the parts removed since the
+        last one (``retain.after_commit``): also the parts a save replaced in a folder saved into again,
+        whose blobs nothing else collected (a fixed ``output_dir`` grew by every save)."""
+        keep = self._keep_last() if where.base != where.folder else None
         retained = Composites(where.base, self.config, self.storage_options, keep,
                               frozenset(self._protected() | {where.name}), self.config.retention.gc_grace_seconds)
         try:

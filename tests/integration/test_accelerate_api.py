@@ -358,6 +358,48 @@ def test_ctrl_c_while_save_state_hands_its_part_over_leaves_nothing_pending(tmp_
     assert _names(str(tmp_path / "checkpoints")) == ["checkpoint_1"]
 
 
+def test_what_users_of_accelerate_rely_on_in_a_save_and_a_load(tmp_path: Path, make_setup) -> None:
+    """Found by an independent check, each a difference from accelerate: (1) with automatic naming,
+    save hooks get the checkpoint's folder (accelerate ignores output_dir there; they got output_dir);
+    (2) load_state(<a file>) raises a ValueError (was StorageError); (3) free_memory() releases the
+    model (the checkpointer's cache kept it alive)."""
+    import gc
+    import weakref
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    got = []
+    acc.register_save_state_pre_hook(lambda models, weights, folder: got.append(os.fspath(folder)))
+    ckpt = AcceleratorCheckpointer(acc).attach()
+    acc.save_state(str(tmp_path / "elsewhere"))
+    ckpt.wait()
+    assert got == [str(tmp_path / "checkpoints" / "checkpoint_0")] and not (tmp_path / "elsewhere").exists()
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
+        acc.load_state(str(tmp_path / "notes.txt"))
+    unwrapped = weakref.ref(acc.unwrap_model(model))
+    del model, opt, sched
+    acc.free_memory()
+    gc.collect()
+    assert unwrapped() is None
+    ckpt.close()
+
+
+def test_saving_again_into_one_output_dir_collects_the_replaced_parts_blobs(tmp_path: Path, make_setup) -> None:
+    """save_state("latest") again and again (no automatic naming): each save replaces the folder's parts;
+    their blobs must be collected too (before, the folder grew by a whole state per save: found by an
+    independent check)."""
+    acc, model, opt, sched, counter = make_setup()
+    folder = tmp_path / "latest"
+    with AcceleratorCheckpointer(acc).attach() as ckpt:
+        for _ in range(4):
+            _train(acc, model, opt, sched, counter, 1)
+            acc.save_state(str(folder))
+            ckpt.wait()
+    with ckpt_core.CheckpointEngine() as engine:
+        report = engine.gc(str(folder / composite.PARTS_DIR), grace_seconds=0, dry_run=True)
+    assert report.deleted == [] and report.referenced > 0, report
+
+
 def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) -> None:
     FaultyFS.reset()
     acc, model, opt, sched, counter = make_setup()
