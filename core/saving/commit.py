@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +29,8 @@ from .lease import SaveLease
 from ..storage.store import Store
 from .streams import DirState
 from .write import SnapshotWriter
+
+log = logging.getLogger("ckpt_core")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
             publish_manifest(store, name, snap.stamp, data, guard)
         else:
             publish(data, guard)
+        _check_after(store, name, lease, manifest, data)
     except BaseException:
         lease.abandon()  # its keys become candidates of the next collection
         raise
@@ -131,6 +135,28 @@ def _guard(store: Store, lease: SaveLease, manifest: Manifest) -> None:
         if gone:
             raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url('')} were collected "
                                 f"while its lease had lapsed (e.g. {store.blob_path(gone[0])}); not committed")
+
+
+def _check_after(store: Store, name: str, lease: SaveLease, manifest: Manifest, data: bytes) -> None:
+    """Right after the rename/PUT: if the lease lapsed meanwhile (the process paused between the guard
+    and the commit longer than the lease), a collection may have deleted blobs the new manifest needs.
+    Take the lease again and look: if any is gone, remove the manifest (when it still holds this save's
+    bytes) and fail, instead of reporting a checkpoint done that cannot load."""
+    if lease.intact():
+        return
+    lease.refresh()
+    keys = sorted(manifest.blob_keys())
+    gone = [k for k, info in zip(keys, store.map(store.blob_info, keys)) if info is None]
+    if not gone:
+        return
+    try:
+        if store.read_manifest(name) == data:
+            store.delete_manifest(name)
+    except CheckrunError as exc:
+        log.warning("checkrun: could not remove %s after its blobs were collected: %s", store.url(name), exc)
+    raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url(name)} were collected while its commit "
+                        f"was paused past its lease (e.g. {store.blob_path(gone[0])}); the manifest was removed: "
+                        "not committed")
 
 
 def commit_streams(snap: Snapshot, done: Committed, max_chain: int) -> None:

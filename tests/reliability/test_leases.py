@@ -421,3 +421,35 @@ def test_a_save_renews_its_lease_as_it_works(tmp_path, monkeypatch):
     assert lease.intact()
     lease.release()
     assert LeaseDir(store).listing() == set()
+
+
+def test_a_commit_paused_past_its_lease_whose_blob_was_collected_is_not_reported_done(tmp_path, monkeypatch):
+    """The save passes its guard (lease intact, blobs there), then pauses past its lease before the
+    rename while a collection deletes a blob it wrote (stood in for here: the lease reads as lapsed after
+    the guard, and the blob is deleted then). Before: the manifest was renamed and the save reported
+    done, a checkpoint that cannot load (found by an independent fault program with SIGSTOP and a real
+    gc). Now the save fails, the manifest is removed, and the directory's checkpoints all verify."""
+    from ckpt_core.errors import BackgroundSaveError
+    from ckpt_core.saving import commit, lease as lease_mod
+
+    lapsed = {"on": False}
+    real_guard, real_intact = commit._guard, lease_mod.SaveLease.intact
+
+    def guard(store, lease, manifest):
+        real_guard(store, lease, manifest)
+        if lapsed["on"]:  # paused here past the lease; a collection took one of the new blobs
+            key = sorted(manifest.blob_keys())[0]
+            os.remove(store.blob_path(key).removeprefix("file://"))
+            lapsed["intact"] = False
+
+    monkeypatch.setattr(commit, "_guard", guard)
+    monkeypatch.setattr(lease_mod.SaveLease, "intact",
+                        lambda self: lapsed.get("intact", True) and real_intact(self))
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"a": torch.arange(100.0)}, tmp_path / "step1.ckpt").result()
+        lapsed["on"] = True
+        with pytest.raises(BackgroundSaveError, match="paused past its lease"):
+            engine.save({"a": torch.arange(100.0), "b": torch.full((500,), 7.0)}, tmp_path / "step2.ckpt").result()
+        lapsed.clear()
+        assert not (tmp_path / "step2.ckpt").exists()
+        assert engine.verify(tmp_path / "step1.ckpt").ok and engine.latest(tmp_path).endswith("step1.ckpt")
