@@ -150,9 +150,12 @@ class SinglePutCommit(CommitStrategy):
 
     def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
               defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
-        kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if single_put and is_s3_fs(self.fs) else {}
         # bytes: botocore and other clients do not all accept memoryview bodies
         body = bytes(data) if isinstance(data, memoryview) else data
+        # One PUT up to S3's 5 GiB, blobs too: an interrupted multipart upload (a failed complete, a
+        # killed writer) leaves parts that bill like objects and that no listing, hence no gc, sees.
+        one_put = is_s3_fs(self.fs) and (single_put or len(body) <= _S3_SINGLE_PUT_CHUNKSIZE)
+        kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if one_put else {}
         if guard is not None:
             guard()  # as close to the PUT as a check can be: see saving/fence.py for the race left
         try:
