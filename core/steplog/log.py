@@ -135,7 +135,7 @@ class StepLog:
         if len(data) > MAX_RUN_BYTES:  # parameter names past the format's limit: recorded without them
             info = dataclasses.replace(info, param_names=None)
             data = run_to_bytes(info)
-        self._segs.write_manifest(run_name(self.run), data)
+        self._segs.write_manifest(run_name(self.run), data, what="step-log run record")
         return info
 
     def on_save(self, store: Store, name: str, stamp: Any) -> None:
@@ -153,7 +153,7 @@ class StepLog:
                             name, commit)
             self._queue.put(("flush", None))  # the segment ends at the checkpoint (gc drops it whole)
             self._unflushed = 0
-            self._segs.write_manifest(marker.name, marker_to_bytes(marker))
+            self._segs.write_manifest(marker.name, marker_to_bytes(marker), what="step-log marker")
         except Exception as exc:  # noqa: BLE001 - the save goes on; replay falls back to an older marker
             log.error("checkrun: step log of %s: marker of %s not written: %s", self.store.url(""), name, exc)
             self._error = self._error or exc
@@ -289,7 +289,7 @@ class StepLog:
         data = pack_segment({"run": self.run, "seq": seq, "lo": batch.lo, "hi": batch.hi,
                              "events": batch.events, "packs": batch.packs}, batch.payload)
         batch.payload.clear()  # the joined copy is all that is needed now
-        self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data)
+        self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
         self.bytes_logged += len(data)
         self.segments += 1
 

@@ -274,8 +274,11 @@ class Store:
         path = join(self.root, name)
         self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
 
-    def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None) -> None:
+    def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None,
+                       what: str = "manifest") -> None:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores.
+
+        ``what`` names the file in errors (the step log writes its segments this way too).
 
         ``guard`` (``fence.commit_guard``) runs right before each rename/PUT attempt and refuses
         the commit by raising. A rename/PUT that reports an error although it was applied (a lost
@@ -285,7 +288,7 @@ class Store:
         self.sync()
         self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}",
                                         guard=guard, resolve=True),
-                    f"write manifest {self._display(path)}")
+                    f"write {what} {self._display(path)}")
 
     def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX) -> bytes:
         """Read a manifest; CheckpointNotFoundError if absent, CorruptCheckpointError if huge."""

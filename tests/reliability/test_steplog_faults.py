@@ -63,7 +63,7 @@ class _SegmentsOnly(Policy):
 def test_disk_full_during_a_segment_fails_loudly_and_the_resume_stops_before_the_lost_steps(tmp_path):
     """Steps 6-8 committed; the disk fills up while steps 9-10 are written (a torn temp file, ENOSPC):
     the error surfaces at the next flush, naming the cause. Space is freed and training goes on
-    (steps 11-12 are logged after a gap). The resume replays 6-8 and stops at the gap: the state is
+    (steps 11-12 are logged after a gap); the error says a step-log segment, not a manifest, failed. The resume replays 6-8 and stops at the gap: the state is
     step 8's, bit for bit, never 8 + 11 + 12."""
     directory = f"faultfile://{tmp_path}/run"
     model = make(KIND)
@@ -74,8 +74,9 @@ def test_disk_full_during_a_segment_fails_loudly_and_the_resume_stops_before_the
         full = DiskFull(free=64)
         FaultFS.policy = _SegmentsOnly(full)
         _train(engine, directory, model, range(9, 11))
-        with pytest.raises(StepLogError, match="No space left on device"):
+        with pytest.raises(StepLogError, match="No space left on device") as failed:
             slog.flush()
+        assert "write step-log segment" in str(failed.value), "the error names what was written"
         assert full.failures >= 1
         FaultFS.policy = None  # space freed; the training goes on
         _train(engine, directory, model, range(11, 13))
