@@ -126,7 +126,11 @@ class Hold:
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()) if t.numel() else (id(t),)
+    """Equal for tensors that read the same values from the same memory (tied weights); a conjugate or
+    negative view reads other values than its base."""
+    if not t.numel():
+        return (id(t),)
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
 
 
 def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copier,

@@ -77,3 +77,18 @@ def test_odd_tensors_in_a_model_state_save_incrementally(tmp_path):
     fresh.register_buffer("mask", torch.zeros(256).to_sparse())
     fresh.load_state_dict(out)
     _same(fresh.mask, model.mask)
+
+
+@pytest.mark.parametrize("base_first", [True, False])
+def test_a_conjugate_or_negative_view_beside_its_base_keeps_its_own_values(tmp_path, base_first):
+    """A view with the conj or neg bit reads the same memory and layout as its base, but other values: it
+    is not a tied weight. Before, the two were stored once and one of them loaded with the other's
+    values, silently (found by a round-trip check against torch.save)."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    y = torch.tensor([1.0, -2.0])
+    pairs = [("z", z), ("zc", z.conj()), ("y", y), ("yn", y._neg_view())]
+    state = dict(pairs if base_first else pairs[::-1])
+    ckpt_core.save(state, tmp_path / "a.ckpt")
+    out = ckpt_core.load(tmp_path / "a.ckpt")
+    for key, t in state.items():
+        assert torch.equal(out[key], t.resolve_conj().resolve_neg()), key
