@@ -181,7 +181,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         else:
             # As TorchCheckpointIO does, synchronously: ModelCheckpoint(save_last="link") symlinks into the
             # directory right after this returns, before the background save has created it.
-            os.makedirs(parent_dir(url.removeprefix("file://")), exist_ok=True)
+            os.makedirs(parent_dir(url), exist_ok=True)
         self.saves += 1
         if checkpoint_kind(url) != "regular":
             self.lossless_engine.save(checkpoint, url, storage_options=options).result()

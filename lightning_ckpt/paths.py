@@ -10,7 +10,7 @@ import os
 import re
 from typing import Literal, Union
 
-__all__ = ["normalize_path", "path_key", "checkpoint_kind", "parent_dir", "is_remote"]
+__all__ = ["normalize_path", "path_key", "checkpoint_kind", "parent_dir", "is_remote", "local_path"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Kind = Literal["regular", "temporary", "hpc"]
@@ -40,18 +40,27 @@ def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith(("file://", "local://"))
 
 
-def path_key(path: PathLike) -> str:
-    """A stable key for "the same checkpoint file": absolute for local paths, the URL otherwise."""
+def local_path(path: PathLike) -> str:
+    """The absolute path of a local checkpoint path or ``file://``/``local://`` URL, ``~`` expanded: the
+    file fsspec's local filesystem (so the engine, and ``TorchCheckpointIO``) reads and writes."""
     text = normalize_path(path)
-    return text if "://" in text else os.path.abspath(text)
+    for prefix in ("file://", "local://"):
+        text = text.removeprefix(prefix)
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def path_key(path: PathLike) -> str:
+    """A stable key for "the same checkpoint file": the local path for local spellings, the URL otherwise."""
+    text = normalize_path(path)
+    return text if is_remote(text) else local_path(text)
 
 
 def parent_dir(path: PathLike) -> str:
-    """The directory holding the checkpoint ``path`` (URL-aware)."""
+    """The directory holding the checkpoint ``path``: a URL's for remote ones, else a local path."""
     text = normalize_path(path)
-    if "://" in text:
+    if is_remote(text):
         return text.rstrip("/").rsplit("/", 1)[0]
-    return os.path.dirname(os.path.abspath(text))
+    return os.path.dirname(local_path(text))
 
 
 def checkpoint_kind(path: PathLike) -> Kind:

@@ -42,7 +42,7 @@ from ckpt_core import CheckpointEngine, CheckrunError
 from ckpt_core.steplog import NoMarkerError
 
 from .config import LAST_PATTERN
-from .paths import parent_dir
+from .paths import is_remote, local_path, parent_dir
 
 log = logging.getLogger("lightning_ckpt")
 
@@ -176,9 +176,8 @@ class LightningStepLog:
         if callback is None:
             callback = _Replay()
             trainer.callbacks.insert(0, callback)  # first: the other callbacks' on_train_start see the resumed state
-        local = url.removeprefix("file://")
-        if "://" not in local and os.path.islink(local):  # save_last="link": the marks are the target's
-            url = os.path.realpath(local)
+        if not is_remote(url) and os.path.islink(local_path(url)):  # save_last="link": the marks are the target's
+            url = os.path.realpath(local_path(url))
         callback.arm(self, engine, url)
 
     def replay(self, engine: CheckpointEngine, trainer: Any, url: str) -> int:

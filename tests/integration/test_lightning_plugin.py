@@ -2,6 +2,7 @@
 error surfacing at teardown, reuse after teardown, pickling, wrapping, strategies, Fabric."""
 from __future__ import annotations
 
+import os
 import inspect
 import logging
 import pickle
@@ -227,3 +228,23 @@ def test_fabric_save_and_load(tmp_path) -> None:
     rest = fabric.load(path, state)
     assert rest["step"] == 7 and tensors_equal(model2.state_dict(), model.state_dict())
     plugin.teardown()
+
+
+def test_home_and_local_url_spellings_make_no_stray_folders(tmp_path, monkeypatch) -> None:
+    """``fabric.save("~/ckpts/a.ckpt")`` and ``local://`` URLs land where TorchCheckpointIO puts them (fsspec
+    expands ``~``) and nothing else is created: before, the folder made synchronously for them was a
+    literal ``./~/ckpts`` (an invitation to ``rm -rf ~``) and ``./local:/...`` in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    plugin = make_io()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(torch.nn.Linear(3, 2))
+    fabric.save("~/ckpts/a.ckpt", {"model": model})
+    fabric.save(f"local://{tmp_path}/out/b.ckpt", {"model": model})
+    plugin.teardown()
+    assert sorted(os.listdir(work)) == []
+    for path in (home / "ckpts" / "a.ckpt", tmp_path / "out" / "b.ckpt"):
+        assert tensors_equal(fabric.load(path)["model"], model.state_dict())
