@@ -122,7 +122,7 @@ class CheckpointEngine:
         load fails (a corrupt or missing blob), those tensors may be partly overwritten: load again.
         See docs/ENGINE_API.md."""
         self._check_open()
-        store, name = self._store(path, storage_options)
+        store, name = self._store(path, storage_options, follow_link=True)
         self._wait_path(store.url(name))
         since, manifest = time.time(), self._read_manifest(store, name)  # since: blobs read as of then
         incremental, dense = self.config.incremental, dense_keys(manifest.meta)
@@ -188,7 +188,7 @@ class CheckpointEngine:
                progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Check the manifest and every blob (size, checksum, and decoding unless ``decode=False``)."""
         self._check_open()
-        store, name = self._store(path, storage_options)
+        store, name = self._store(path, storage_options, follow_link=True)
         self._wait_path(store.url(name))
         return verify_manifest(store, name, self.config, decode=decode, progress=progress)
 
@@ -214,7 +214,7 @@ class CheckpointEngine:
 
     def read_manifest(self, path: PathLike, storage_options: dict | None = None) -> Manifest:
         """The parsed, validated manifest of a checkpoint (no blob is read)."""
-        store, name = self._store(path, storage_options)
+        store, name = self._store(path, storage_options, follow_link=True)
         return read_manifest(store, name, self.config)
 
     def track(self, tracker: "EmbeddingTracker") -> "EmbeddingTracker":
@@ -337,12 +337,12 @@ class CheckpointEngine:
         return (f"it is a directory of {len(entries)} checkpoint(s); the newest is {entries[-1].url} "
                 "(load a file, e.g. engine.load(engine.latest(directory)))")
 
-    def _store(self, path: PathLike | None, storage_options: dict | None) -> tuple[Store, str]:
+    def _store(self, path: PathLike | None, storage_options: dict | None, follow_link=False) -> tuple[Store, str]:
         if path is None:
             raise CheckpointNotFoundError(
                 "no checkpoint path given (None); latest(directory) returns None when the directory holds "
                 "no committed checkpoint: start from scratch or check the directory")
-        store, name = Store.for_path(path, storage_options, self.config.storage)
+        store, name = Store.for_path(path, storage_options, self.config.storage, follow_link)
         return self._stores.setdefault(store.cache_key, store), name
 
     def _dir_store(self, directory: PathLike, storage_options: dict | None) -> Store:

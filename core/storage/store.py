@@ -79,13 +79,17 @@ class Store:
 
     @classmethod
     def for_path(cls, path: str | os.PathLike, storage_options: Optional[dict],
-                 config: StorageConfig) -> tuple["Store", str]:
+                 config: StorageConfig, follow_link: bool = False) -> tuple["Store", str]:
         """Split a checkpoint path/URL into (store of its parent directory, manifest name).
 
         ``storage_options`` are merged over ``config.storage_options`` (``options.merge_options``).
-        """
+        ``follow_link`` (reads): a local symbolic link means its target, whose blobs are beside it
+        (``ln -s runs/a/epoch=3.ckpt best.ckpt``, as torch.load follows it); saves and removals replace
+        or remove the link itself."""
         text = os.fspath(path)
         fs, fspath, prefix, options = resolve(text, storage_options, config)
+        if follow_link and is_local_fs(fs) and os.path.islink(fspath):
+            fspath = os.path.realpath(fspath)
         parent, _, name = fspath.rstrip("/").rpartition("/")
         if not parent and not fspath.startswith("/"):
             raise UnsafePathError(f"{text!r} does not name a file inside a directory")

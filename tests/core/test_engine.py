@@ -220,3 +220,26 @@ def test_latest_skips_checkpoint_with_flipped_byte(tmp_path, caplog):
         assert engine.latest(tmp_path).endswith("old.ckpt")
         assert "new.ckpt" in caplog.text
         assert engine.latest(tmp_path, verify=False).endswith("new.ckpt")  # quick check: sizes only
+
+
+def test_a_symlink_to_a_checkpoint_elsewhere_reads_its_target(tmp_path):
+    """``ln -s runs/exp1/epoch=3.ckpt models/best.ckpt``: torch.load follows the link, and so do checkrun's
+    reads (load, verify, read_manifest, the CLI through them): the blobs are beside the target. Before,
+    the link's own directory was searched and the load failed with "missing blob ... copy the whole
+    directory". A save to the link replaces the link (it does not write through into the target
+    checkpoint), and deleting it removes the link only."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "models").mkdir()
+    target, link = tmp_path / "runs" / "epoch=3.ckpt", tmp_path / "models" / "best.ckpt"
+    state = {"w": torch.arange(4.0)}
+    with CheckpointEngine() as engine:
+        engine.save(state, target).result()
+        link.symlink_to(target)
+        assert torch.equal(engine.load(link)["w"], state["w"])
+        assert engine.verify(link).ok and engine.read_manifest(link).blobs()
+        engine.save({"w": torch.zeros(4)}, link).result()
+        assert not link.is_symlink() and torch.equal(engine.load(target)["w"], state["w"])
+        link.unlink()
+        link.symlink_to(target)
+        engine.remove(link)
+        assert not link.exists() and not link.is_symlink() and torch.equal(engine.load(target)["w"], state["w"])
