@@ -17,13 +17,19 @@ from .owner import temp_tag
 from .paths import TMP_MARK
 
 
+def temp_prefix(name: str) -> str:
+    """``.<name>`` cut to 64 bytes (whole characters): with the tag and uuid a temp file's name stays
+    within the 255 bytes a file name may have, whatever characters ``name`` uses."""
+    return "." + os.fsencode(name)[:64].decode("utf-8", "ignore")
+
+
 def temp_path(path: str, tmp_prefix: Optional[str] = None) -> str:
     """A fresh temp file name next to ``path``: ``<dir>/<prefix>.tmp-<owner tag>-<uuid>``.
 
     The prefix defaults to ``.<file name>``; the owner tag names this process, so garbage
     collection deletes the temp files of processes that ended (``owner``, ``Store.list_temp_files``)."""
     directory, base = os.path.split(path)
-    prefix = f".{base[:64]}" if tmp_prefix is None else tmp_prefix
+    prefix = temp_prefix(base) if tmp_prefix is None else tmp_prefix
     return os.path.join(directory, f"{prefix}{TMP_MARK}{temp_tag()}-{uuid.uuid4().hex}")
 
 

@@ -30,6 +30,7 @@ from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from ..format.dtypes import is_blob_key
 from . import commit as _commit
+from .atomic import temp_prefix
 from .options import options_key
 from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root,
                     in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
@@ -83,9 +84,8 @@ class Store:
         """Split a checkpoint path/URL into (store of its parent directory, manifest name).
 
         ``storage_options`` are merged over ``config.storage_options`` (``options.merge_options``).
-        ``follow_link`` (reads): a local symbolic link means its target, whose blobs are beside it
-        (``ln -s runs/a/epoch=3.ckpt best.ckpt``, as torch.load follows it); saves and removals replace
-        or remove the link itself."""
+        ``follow_link`` (reads): a local symlink means its target, whose blobs are beside it (as torch.load
+        follows it); saves and removals replace or remove the link itself."""
         text = os.fspath(path)
         fs, fspath, prefix, options = resolve(text, storage_options, config)
         if follow_link and is_local_fs(fs) and os.path.islink(fspath):
@@ -290,7 +290,7 @@ class Store:
         manifest back: holding exactly ``data``, it is committed; otherwise the error stands."""
         path = self._manifest_path(name)
         self.sync()
-        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}",
+        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=temp_prefix(name),
                                         guard=guard, resolve=True),
                     f"write {what} {self._display(path)}")
 
@@ -326,7 +326,7 @@ class Store:
         filesystems, one PUT on object stores. Unlike ``write_manifest`` no blob is synced first and a
         lost response is not resolved by reading back: for files rewritten often, such as leases."""
         path = self._manifest_path(name)
-        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=f".{name[:64]}"),
+        self.retry(lambda: self._write(path, data, single_put=True, tmp_prefix=temp_prefix(name)),
                     f"write {self._display(path)}")
 
     def delete_manifest(self, name: str) -> None:

@@ -243,3 +243,14 @@ def test_a_symlink_to_a_checkpoint_elsewhere_reads_its_target(tmp_path):
         link.symlink_to(target)
         engine.remove(link)
         assert not link.exists() and not link.is_symlink() and torch.equal(engine.load(target)["w"], state["w"])
+
+
+@pytest.mark.parametrize("stem", ["\U0001F600" * 60, "\u68c0\u67e5\u70b9" * 26 + "\u68c0\u67e5", "a" * 250])
+def test_a_long_file_name_in_any_script_saves_as_torch_save_does(tmp_path, stem):
+    """245-255 byte names (the most a file name may have) of 4-byte, 3-byte and 1-byte characters. Before,
+    the temp file's name kept the name's first 64 *characters*: 256 bytes of emoji, and the save failed
+    with "File name too long" although torch.save writes the same name."""
+    path = tmp_path / f"{stem}.ckpt"
+    torch.save({"w": torch.ones(2)}, tmp_path / f"{stem}.pt")  # the name itself is legal here
+    ckpt_core.save({"w": torch.arange(3.0)}, path)
+    assert torch.equal(ckpt_core.load(path)["w"], torch.arange(3.0))
