@@ -195,6 +195,7 @@ class AcceleratorCheckpointer:
         self._before_call()
         acc = self.accelerator
         iteration = acc.project_configuration.iteration
+        output_dir = _home(output_dir)
         target = self._target(output_dir, iteration if step is None else step)
         if step is None and target.base != target.folder:
             self._refuse_existing(target)
@@ -433,7 +434,7 @@ class AcceleratorCheckpointer:
         if self.options.directory:
             return self.options.directory
         if pc.automatic_checkpoint_naming and pc.project_dir:
-            return os.path.join(os.fspath(pc.project_dir), "checkpoints")
+            return _home(os.path.join(os.fspath(pc.project_dir), "checkpoints"))
         return None
 
     def _target(self, output_dir: str | os.PathLike | None, number: int) -> Target:
@@ -552,3 +553,12 @@ def attach(accelerator: Any, config: EngineConfig | dict | str | os.PathLike | N
            **kwargs: Any) -> AcceleratorCheckpointer:
     """``AcceleratorCheckpointer(accelerator, config, **kwargs).attach()``."""
     return AcceleratorCheckpointer(accelerator, config, **kwargs).attach()
+
+
+def _home(path: Any) -> Any:
+    """A local path with ``~`` expanded, where the engine writes it (a ``pathlib.Path`` stays one), so
+    the folder ``save_state`` returns and the hooks get exists; accelerate itself expands ``~`` only in
+    ``load_state(input_dir)``, and its saves make a folder named ``~`` in the working directory."""
+    if isinstance(path, pathlib.PurePath):
+        return path.expanduser()
+    return os.path.expanduser(path) if isinstance(path, str) and "://" not in path else path

@@ -169,6 +169,34 @@ def test_attach_roundtrip_hooks_and_detach(tmp_path: Path, make_setup) -> None:
     ckpt.close()
 
 
+def test_a_home_relative_project_dir_saves_where_save_state_says(tmp_path: Path, make_setup, monkeypatch) -> None:
+    """``project_dir="~/proj"`` and ``save_state("~/out")``: the checkpoint is written under the home directory
+    (where the engine, through fsspec, writes it) and save_state returns, and the hooks get, that folder,
+    which exists. Before, they got the unexpanded "~/proj/checkpoints/checkpoint_0": ``os.path.isdir`` of it was
+    False and a script listing it found nothing (accelerate itself makes a folder named "~" here)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    acc, model, opt, sched, counter = make_setup("~/proj")
+    seen = []
+    acc.register_save_state_pre_hook(lambda models, weights, d: seen.append(os.fspath(d)))
+    ckpt = attach(acc)
+    folder = acc.save_state()
+    assert folder == home / "proj" / "checkpoints" / "checkpoint_0" and seen == [str(folder)]
+    acc.wait_for_everyone()
+    ckpt.wait()
+    assert os.path.isdir(folder) and acc.load_state() == str(folder)
+    ckpt.detach()
+    ckpt.close()
+    acc2, *_ = make_setup()
+    ckpt2 = attach(acc2)
+    assert acc2.save_state("~/out") == home / "out"
+    ckpt2.close()
+    assert os.listdir(work) == [] and sorted(os.listdir(home)) == ["out", "proj"]
+
+
 def _names(directory: str) -> list[str]:
     """Names of the committed checkpoints (folders) in ``directory``, by name."""
     return sorted(e.name for e in list_in(directory, None, ckpt_core.EngineConfig())
