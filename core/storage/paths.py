@@ -80,13 +80,23 @@ def resolve(text: str, storage_options: Optional[dict],
     change those in place (botocore adds ``retries.mode`` when s3fs connects)."""
     opened = open_options(text, merge_options(config.storage_options, storage_options))
     key = options_key(opened)
-    fs, fspath = url_to_fs(text, **opened)
+    if _local_with_colons(text):  # a folder "exp::lr=0.1": torch.save writes in it, fsspec reads a chain
+        fs, fspath = fsspec.filesystem("file", **opened), LocalFileSystem._strip_protocol(text)
+    else:
+        fs, fspath = url_to_fs(text, **opened)
     # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
     # for plain local files: those are shown as absolute paths.
     scheme = text[: text.index("://")] if "://" in text else ""
     if is_local_fs(fs) and scheme in ("", "file", "local"):
         return fs, fspath, "", key
     return fs, fspath, f"{scheme or protocols(fs)[0]}://", key
+
+
+def _local_with_colons(text: str) -> bool:
+    """A local path with ``::`` in a name: a part before a ``::`` is a path, not a protocol or URL (an
+    fsspec chain, ``simplecache::s3://b/x``, has protocols or URLs there; for a path it would write every
+    checkpoint into one file named after the part before ``::``)."""
+    return any("/" in head and "://" not in head for head in text.split("::")[:-1])
 
 
 def join(root: str, *parts: str) -> str:

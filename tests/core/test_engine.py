@@ -254,3 +254,19 @@ def test_a_long_file_name_in_any_script_saves_as_torch_save_does(tmp_path, stem)
     torch.save({"w": torch.ones(2)}, tmp_path / f"{stem}.pt")  # the name itself is legal here
     ckpt_core.save({"w": torch.arange(3.0)}, path)
     assert torch.equal(ckpt_core.load(path)["w"], torch.arange(3.0))
+
+
+def test_a_local_folder_with_double_colons_in_its_name_holds_each_checkpoint(tmp_path):
+    """A folder such as ``exp::lr=0.1`` (torch.save writes into it): fsspec reads ``::`` as a chain of URLs,
+    and every checkpoint of the folder went silently into ONE file ``exp`` beside it, each save
+    overwriting the last. A part before ``::`` that is a path, not a protocol or URL, means a local path."""
+    folder = tmp_path / "exp::lr=0.1"
+    folder.mkdir()
+    for step in (1, 2):
+        ckpt_core.save({"w": torch.full((4,), float(step))}, folder / f"step={step}.ckpt")
+    assert not (tmp_path / "exp").exists()
+    assert sorted(p.name for p in folder.iterdir()) == [".checkrun", "step=1.ckpt", "step=2.ckpt"]
+    for step in (1, 2):
+        assert torch.equal(ckpt_core.load(folder / f"step={step}.ckpt")["w"], torch.full((4,), float(step)))
+    with CheckpointEngine() as engine:  # and a listing of the folder
+        assert [e.name for e in engine.list(folder)] == ["step=1.ckpt", "step=2.ckpt"]
