@@ -150,7 +150,7 @@ def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
     totals = {"checkpoints": len(items), "corrupt": sum(1 for r in rows if r["status"] != "committed"),
               "logical_bytes": sum(r.get("tensor_bytes", 0) for r in rows),
               "blob_bytes": blobs, "manifest_bytes": manifests, "unreferenced_bytes": None,
-              "unreferenced_blobs": None}
+              "unreferenced_blobs": None, "temp_files": None}
     if items and not totals["corrupt"]:
         # What gc would free with no grace period: blobs the listing above does not account for.
         reports = [ctx.engine.gc(d, grace_seconds=0, dry_run=True, storage_options=ctx.storage_options)
@@ -158,6 +158,7 @@ def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
         if not any(r.problems for r in reports):
             totals["unreferenced_bytes"] = sum(r.freed_bytes for r in reports)
             totals["unreferenced_blobs"] = sum(len(r.deleted) for r in reports)
+            totals["temp_files"] = sum(len(r.temp_files) for r in reports)
     totals["used_bytes"] = blobs + manifests + (totals["unreferenced_bytes"] or 0)
     totals["dedup_ratio"] = ratio(totals["logical_bytes"], totals["used_bytes"])
     return rows, totals
@@ -244,7 +245,8 @@ def _print_logged(rows: list[dict], step_log: dict) -> None:
 def _print_totals(t: dict) -> None:
     unref = t["unreferenced_bytes"]
     garbage = ("unknown (a manifest is unreadable)" if unref is None
-               else f"{human_size(unref)} in {t['unreferenced_blobs']} blob(s)")
+               else f"{human_size(unref)} in {t['unreferenced_blobs']} blob(s)"
+               + (f" and {t['temp_files']} temp file(s) of interrupted writes" if t["temp_files"] else ""))
     less = f" ({fmt_less(t['logical_bytes'], t['used_bytes'])} than the tensor bytes)" if t["dedup_ratio"] else ""
     print(f"\n{t['checkpoints']} checkpoint(s), {t['corrupt']} corrupt")
     print(f"tensor bytes  {human_size(t['logical_bytes'])}  (all checkpoints: what full uncompressed saves hold)")

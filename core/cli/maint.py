@@ -110,6 +110,7 @@ def cmd_gc(ctx: Context) -> int:
         emit_json({"directory": report.directory, "dry_run": report.dry_run, "grace_seconds": grace,
                    "orphaned_parts": orphans or [],
                    "deleted": report.deleted, "deleted_blobs": len(report.deleted),
+                   "temp_files": report.temp_files,
                    "freed_bytes": report.freed_bytes, "kept_young": report.kept_young,
                    "kept_leased": report.kept_leased, "leases": report.leases,
                    "referenced": report.referenced, "step_log": report.step_log,
@@ -127,7 +128,8 @@ def cmd_gc(ctx: Context) -> int:
             print(f"  {safe(name)}")
     for key in report.deleted:
         log.info("checkrun: %s blob %s", verb, key)
-    print(f"{verb} {len(report.deleted)} unreferenced blob(s), "
+    temps = f" and {len(report.temp_files)} temp file(s) of interrupted writes" if report.temp_files else ""
+    print(f"{verb} {len(report.deleted)} unreferenced blob(s){temps}, "
           f"{'would free' if report.dry_run else 'freed'} {human_size(report.freed_bytes)}")
     print(f"kept {report.referenced} referenced blob(s), {report.kept_leased} leased by "
           f"{report.leases} save(s) in flight, {report.kept_young} younger than the grace ({grace:g} s)")

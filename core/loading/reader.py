@@ -309,6 +309,8 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         report.bytes_checked += ref.size
         if problem:
             report.add(problem)
+    if not report.ok and (hint := _copied_hint(store)):
+        report.add(hint.strip(" ()"))
     if report.ok and decode:
         try:
             check_structure(manifest, report.path)
@@ -326,5 +328,6 @@ def _copied_hint(store: Store) -> str:
     except Exception:  # noqa: BLE001 - only a hint: the error it adds to stands
         return ""
     return (f" (there is no {BLOB_DIR} folder beside the manifest: a checkrun .ckpt file holds no tensors, the "
-            "folder does; copy the whole directory, or make a self-contained file with `checkrun export`)"
+            "folder does; copy the whole directory, or make a self-contained file with `checkrun export` where "
+            "the directory is)"
             if alone else "")

@@ -382,6 +382,35 @@ def test_gc(capsys, local_run):
     assert code == 1 and "broken.ckpt" in out
 
 
+def test_ls_and_gc_say_when_their_bytes_are_temp_files_of_a_killed_writer(capsys, local_run):
+    """A writer killed mid-save leaves its half-written blob as a temp file. ``ls`` counted its bytes as
+    "unreferenced 12.7 MiB in 0 blob(s)" and ``gc`` "deleted 0 unreferenced blob(s), freed 12.7 MiB",
+    never saying what they were; both now name the temp files."""
+    root, _ = local_run
+    shard = Path(root, ".checkrun", "blobs", "ab")
+    shard.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", "import sys; from ckpt_core.storage.atomic import temp_path; "
+                    "open(temp_path(sys.argv[1]), 'wb').write(bytes(5000))", str(shard / ("ab" * 15))],
+                   check=True)  # that writer has ended: its temp file is garbage
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0 and "and 1 temp file(s) of interrupted writes" in out
+    code, data = run_json(capsys, "gc", root, "--dry-run")
+    assert code == 0 and len(data["temp_files"]) == 1 and data["freed_bytes"] >= 5000
+    code, out, _ = run(capsys, "gc", root)
+    assert code == 0 and "and 1 temp file(s) of interrupted writes, freed" in out
+    assert not list(shard.iterdir())
+
+
+def test_verify_of_a_manifest_copied_alone_says_why_its_blobs_are_missing(capsys, local_run, tmp_path):
+    """``cp step=1.ckpt elsewhere/``: verify listed only "missing blob ..." (a load says why)."""
+    root, _ = local_run
+    alone = tmp_path / "elsewhere"
+    alone.mkdir()
+    shutil.copy(Path(root, "step=1.ckpt"), alone)
+    code, out, _ = run(capsys, "verify", str(alone / "step=1.ckpt"))
+    assert code == 1 and "missing blob" in out and "no .checkrun/blobs folder beside the manifest" in out
+
+
 # ----------------------------------------------------------------------------- S3 and the real script
 
 
