@@ -512,11 +512,21 @@ class AcceleratorCheckpointer:
         """One part, onto the CPU: ``load_state_dict`` then copies each value where its live
         tensor is (as accelerate places them), and no rank materialises rank 0's replicated
         state on the GPU it was saved from (all ranks on cuda:0, out of memory on big models)."""
-        if own:  # the next save of this rank is incremental against what it loaded
-            return self._engine.load(url, map_location="cpu", storage_options=self.storage_options,
-                                     weights_only=weights_only)
-        return ckpt_core.load(url, map_location="cpu", config=self._engine.config,
-                              storage_options=self.storage_options, weights_only=weights_only)
+        try:
+            if own:  # the next save of this rank is incremental against what it loaded
+                return self._engine.load(url, map_location="cpu", storage_options=self.storage_options,
+                                         weights_only=weights_only)
+            return ckpt_core.load(url, map_location="cpu", config=self._engine.config,
+                                  storage_options=self.storage_options, weights_only=weights_only)
+        except CheckpointNotFoundError as exc:
+            parts = layout.parent(url)
+            if "://" in parts or os.path.isdir(parts):
+                raise
+            raise CheckpointNotFoundError(
+                f"{exc} (a checkpoint folder holds only its index; its parts are in the {layout.PARTS_DIR} "
+                "of the directory it was saved in, and there is none here: was the folder copied or moved "
+                "alone? Copy the whole directory, or make a self-contained file with `checkrun export "
+                "FOLDER out.pt` where it was saved)") from exc
 
     def _native_save(self, output_dir: Any) -> str:
         root = output_dir or self._default_root()

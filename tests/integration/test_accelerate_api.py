@@ -197,6 +197,21 @@ def test_a_home_relative_project_dir_saves_where_save_state_says(tmp_path: Path,
     assert os.listdir(work) == [] and sorted(os.listdir(home)) == ["out", "proj"]
 
 
+def test_a_checkpoint_folder_copied_alone_fails_saying_where_its_parts_are(tmp_path: Path, make_setup) -> None:
+    """``shutil.copytree(.../checkpoint_0, best)`` copies only the index (documented); the error said only
+    "no checkpoint at .../.checkrun/parts/...", now it says why and what to do."""
+    import shutil
+    acc, *_ = make_setup(tmp_path / "proj")
+    ckpt = attach(acc)
+    folder = acc.save_state()
+    ckpt.wait()
+    shutil.copytree(folder, tmp_path / "best")
+    with pytest.raises(ckpt_core.CheckpointNotFoundError, match=r"copied or moved alone\? Copy the whole directory"):
+        acc.load_state(tmp_path / "best")
+    assert acc.load_state(folder) == str(folder)  # the original still loads
+    ckpt.close()
+
+
 def _names(directory: str) -> list[str]:
     """Names of the committed checkpoints (folders) in ``directory``, by name."""
     return sorted(e.name for e in list_in(directory, None, ckpt_core.EngineConfig())
