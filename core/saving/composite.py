@@ -18,7 +18,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError, NotACheckpointError
 from ..format import composite
 from ..format.manifest import Manifest
-from ..retain import Memory, after_commit
+from ..retain import Memory, after_commit, collect
 from ..retain.composites import Composites
 from .group import GroupFigures, PartOutcome, Verdict
 from .handles import SaveHandle
@@ -74,13 +74,13 @@ class CompositeCommitter:
             index, outcomes, parts = {**index, "parts": index["parts"][:1], "world_size": 1}, outcomes[:1], parts[:1]
         failed = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
         if failed:
-            self._remove(where, parts)
+            self._remove(where, parts, collect_now=True)
             return Verdict(f"checkpoint {where.folder} not committed: " + "; ".join(failed))
         try:
             previous = self._previous_parts(index_url)
             info = self.engine.save(index, index_url, storage_options=self.storage_options).result()
         except Exception as exc:  # noqa: BLE001 - becomes the verdict on every rank
-            self._remove(where, parts)
+            self._remove(where, parts, collect_now=True)
             return Verdict(f"checkpoint {where.folder} not committed: {exc}")
         self._remove(where, [p for p in previous if p not in parts])
         self._retain(where)
@@ -116,8 +116,11 @@ class CompositeCommitter:
         except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; retention retries next time
             log.warning("checkrun: retention in %s failed: %s", where.base, exc)
 
-    def _remove(self, where: Placement, urls: list[str]) -> None:
-        """Best-effort removal of parts; their blobs become candidates of the next collection there."""
+    def _remove(self, where: Placement, urls: list[str], collect_now: bool = False) -> None:
+        """Best-effort removal of parts; their blobs become candidates of the next collection there.
+        ``collect_now`` (the parts of a checkpoint that failed): that collection runs now. Nothing
+        else records those blobs (the parts committed, their leases are gone), and the next commit may
+        never come: a disk full of them fails every later save, and a process that ends forgets them."""
         if not urls:
             return
         with Composites(where.base, self.config, self.storage_options) as parts:
@@ -127,6 +130,12 @@ class CompositeCommitter:
                     memory.full_due = True
                 else:
                     memory.pending.update(g.candidates)
+                if collect_now:
+                    try:
+                        collect(g.store, self.config, memory=memory,
+                                candidates=None if memory.full_due else dict(memory.pending))
+                    except CheckrunError as exc:  # the next commit's collection tries again
+                        log.warning("checkrun: collecting the parts of %s failed: %s", where.folder, exc)
 
     def _memory_of(self, url: str) -> Memory:
         return self._memory.setdefault(url, Memory())

@@ -460,6 +460,33 @@ def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) ->
     assert not (tmp_path / "ckpts" / "checkpoint_0" / composite.INDEX_NAME).exists()
 
 
+def test_a_checkpoint_whose_index_fails_leaves_no_blobs_behind(tmp_path: Path, make_setup) -> None:
+    """The parts commit, the index write fails (EIO, a full disk): the parts are removed and, now, their
+    blobs too. Before, only this process remembered them, for a next commit: relaunched on a disk they
+    filled, every save failed for lack of space until someone ran ``checkrun gc`` (found by a fault
+    program: 20 MiB of a dead run's blobs on a 30 MiB disk)."""
+    FaultyFS.reset()
+    acc, model, opt, sched, counter = make_setup()
+    root = tmp_path / "ckpts"
+    ckpt = AcceleratorCheckpointer(acc, {"storage": {"retry": {"max_attempts": 1}}},
+                                   directory=f"gatefile://{root}").attach()
+    FaultyFS.fail_writes, FaultyFS.fail_match = OSError(5, "injected EIO"), composite.INDEX_NAME
+    try:
+        acc.save_state()
+        with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
+            ckpt.wait()
+    finally:
+        FaultyFS.reset()
+    blobs = [p for p in (root / composite.PARTS_DIR / ".checkrun" / "blobs").rglob("*") if p.is_file()]
+    assert blobs == []
+    _train(acc, model, opt, sched, counter)
+    folder = acc.save_state()  # the next save works, and owns every blob it needs
+    ckpt.wait()
+    ckpt.close()
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.verify(f"{folder}/{composite.INDEX_NAME}").ok
+
+
 def test_metrics_reach_the_trackers(tmp_path: Path, make_setup) -> None:
     tracker = ListTracker()
     acc, model, opt, sched, counter = make_setup(tmp_path / "proj", log_with=[tracker])
