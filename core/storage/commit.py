@@ -95,10 +95,22 @@ class RenameCommit(CommitStrategy):
         # any open() and a wrapped filesystem can inject faults; ``guard`` runs between its fsync
         # and the rename.
         directory = os.path.dirname(path)
-        self._makedirs(directory)
-        atomic.write_atomic(path, lambda f: f.write(data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
-                            opener=lambda tmp: self.fs.open(tmp, "wb"), before_replace=guard,
-                            replace=lambda tmp, dst: self._apply(dst, data, resolve, lambda: os.replace(tmp, dst)))
+        for again in (False, True):
+            self._makedirs(directory)
+            try:
+                atomic.write_atomic(path, lambda f: f.write(data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
+                                    opener=lambda tmp: self.fs.open(tmp, "wb"), before_replace=guard,
+                                    replace=lambda tmp, dst: self._apply(dst, data, resolve,
+                                                                         lambda: os.replace(tmp, dst)))
+                break
+            except FileNotFoundError as exc:
+                # The temp file (or its directory) vanished before the rename: a collection took it
+                # while this writer was stopped for longer than retention.lease_seconds. Written again;
+                # the save's lapsed lease then has every blob checked before the commit (lease.py).
+                if again:
+                    raise
+                _LOG.warning("checkrun: %s: its temp file was deleted before the rename (%s); writing it again",
+                             self._display(path), exc)
         if self.config.fsync:
             if defer_dir_sync:
                 with self._lock:

@@ -438,3 +438,35 @@ def test_a_failed_save_keeps_its_staging_until_its_workers_are_done(tmp_path):
         fresh.save(a, root / "again.ckpt").result()
         assert_same(fresh.load(root / "again.ckpt"), a)
         assert_same(fresh.load(root / "b.ckpt"), b)
+
+
+class _TempFileTaken(Policy):
+    """The first temp file of ``kind`` is deleted after it is written, before its rename: what a collection
+    in another process does to the temp file of a writer stopped (SIGSTOP) past ``retention.lease_seconds``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.taken = kind, []
+
+    def on(self, op, kind, path):
+        if op == "close" and kind == self.kind and not self.taken:
+            self.taken.append(path)
+            os.remove(path)
+
+
+@pytest.mark.parametrize("kind", ["blob", "manifest"])
+def test_a_temp_file_taken_before_its_rename_is_written_again(tmp_path, kind, caplog):
+    """Before, the save failed with a bare "[Errno 2] No such file or directory: '.../.tmp-...' -> '...'"
+    (found by a fault program: gc from another process while the writer was paused); the data is still
+    in memory, so the file is written again, and the save commits."""
+    policy = _TempFileTaken(kind)
+    root = f"faultfile://{tmp_path}/run"
+    with CheckpointEngine(config()) as engine:
+        FaultFS.policy = policy
+        try:
+            engine.save(make_state(1), f"{root}/a.ckpt").result()
+        finally:
+            FaultFS.policy = None
+        assert len(policy.taken) == 1 and ".tmp-" in policy.taken[0]
+        assert_same(engine.load(f"{root}/a.ckpt"), make_state(1))
+        assert engine.verify(f"{root}/a.ckpt").ok
+    assert any("its temp file was deleted before the rename" in r.getMessage() for r in caplog.records)
