@@ -474,10 +474,11 @@ class AcceleratorCheckpointer:
                 "past it")
         if found:
             raise CheckpointExistsError(
-                f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's): "
-                f"save_state() with automatic checkpoint naming does not replace it, as accelerate does not. "
-                f"Resume with load_state() first (it sets the iteration), set "
-                f"accelerator.project_configuration.iteration to the next free number, or use another project_dir")
+                f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's, or "
+                f"one whose save failed before its commit: a folder without {layout.INDEX_NAME}): save_state() with "
+                f"automatic checkpoint naming does not replace it, as accelerate does not. Resume with load_state() "
+                f"first (it sets the iteration), set accelerator.project_configuration.iteration to the next free "
+                f"number, delete a folder that holds no checkpoint, or use another project_dir")
 
     def _shown(self, output_dir: str | os.PathLike | None, target: Target) -> str:
         """The folder spelt as accelerate's ``save_state`` returns it (a relative path stays relative)."""

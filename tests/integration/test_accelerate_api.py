@@ -454,6 +454,9 @@ def test_background_failure_surfaces_once_on_wait(tmp_path: Path, make_setup) ->
         with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
             ckpt.wait()
         ckpt.wait()  # surfaced once
+        acc.save_state()  # a script's last checkpoint: end_training waits for it and raises its failure
+        with pytest.raises(ckpt_core.BackgroundSaveError, match="not committed"):
+            acc.end_training()
         ckpt.close()
     finally:
         FaultyFS.reset()
