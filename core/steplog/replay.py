@@ -135,7 +135,8 @@ def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> t
 def _stop(pos: Position, where: str, why: str) -> None:
     pos.stopped = True
     msg = (f"checkrun: step log segment {where} is damaged or missing ({why}); replay stopped after "
-           f"step {pos.step} (event {pos.event})")
+           f"step {pos.step} (event {pos.event}) of the log's run, counted from its start: {pos.replayed} "
+           "step(s) replayed after the checkpoint")
     log.warning(msg)
     warnings.warn(msg, UserWarning, stacklevel=4)
 

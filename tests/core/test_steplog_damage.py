@@ -87,7 +87,8 @@ def test_damaged_segment_stops_at_last_good_step(logged, damage):
     with pytest.warns(UserWarning, match=named) as rec:
         n, resumed = _resume(logged)
     assert n == EVERY, n
-    assert "replay stopped after step 6" in str(rec[0].message)
+    assert f"replay stopped after step 6 (event 13) of the log's run, counted from its start: {EVERY} step(s) replayed" \
+        in str(rec[0].message)
     assert_bit_equal(state(*resumed), _reference("adamw", CKPT_AT + EVERY))
 
 
