@@ -25,7 +25,7 @@ from lightning.fabric.utilities.types import _PATH
 
 from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError, CorruptCheckpointError,
                        EngineConfig, NotACheckpointError, SaveHandle, SaveInfo)
-from ckpt_core.saving import inflight
+from ckpt_core.saving import inflight, lifecycle
 from ckpt_core.storage.options import open_options
 
 from .config import build_config, lossless_config
@@ -89,6 +89,7 @@ class CheckrunCheckpointIO(CheckpointIO):
             quantization=_plain(quantization), storage_options=_plain(storage_options),
             max_pending=max_pending, workers=workers)
         self.fallback_to_torch = fallback_to_torch
+        self._exit_pid: Optional[int] = None  # the process whose exit hook runs _close_at_exit
         self._reset_runtime()
         self._warned_async_wrapper = False
         self._warned_remote_last = False
@@ -243,6 +244,9 @@ class CheckrunCheckpointIO(CheckpointIO):
                  if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
         if saves and checkpoint_kind(url) == "regular":
             self._deferred[key] = (url, saves)
+            if self._exit_pid != os.getpid():  # a process that ends without teardown still makes it
+                lifecycle.register_owner(self._close_at_exit)
+                self._exit_pid = os.getpid()
             log.debug("lightning_ckpt: removal of %s waits for %d save(s) in flight in its directory", url, len(saves))
             return
         self._remove_now(url)
@@ -263,6 +267,14 @@ class CheckrunCheckpointIO(CheckpointIO):
                             url, failed)
                 continue
             self._remove_now(url)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, before the engines are flushed: the removals still waiting (a ddp_spawn
+        rank whose fit raised ends without teardown, which Lightning runs in the launching process)."""
+        try:
+            self._remove_ready(block=True)
+        except Exception as exc:  # noqa: BLE001 - nobody can catch it at exit
+            log.error("lightning_ckpt: removal waiting for a save failed at interpreter exit: %s", exc)
 
     def _remove_now(self, url: str) -> None:
         engine = self._engine_for(url)

@@ -113,5 +113,27 @@ def test_ddp_spawn_pickles_plugin_and_returns_weights(tmp_path) -> None:
     plugin.teardown()
 
 
+class _CrashAtStep(TinyModel):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step >= 6:
+            raise RuntimeError("crash in a spawned rank")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_spawned_rank_that_raises_still_removes_what_top_k_dropped(tmp_path) -> None:
+    """ddp_spawn: Lightning tears the strategy down in the launching process, so a rank whose fit raises
+    ends without the plugin's teardown. A top-k removal waiting for the save in flight (the newer
+    checkpoint) was then dropped, and the older checkpoint stayed for good (found by Lightning's own SWA
+    test, test_swa_resume_training_from_checkpoint_ddp); it is now made at the rank's exit."""
+    plugin = make_io()
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2, save_top_k=1, monitor="step",
+                         mode="max")
+    t = trainer(str(tmp_path), plugin, callbacks=[mc], strategy="ddp_spawn", devices=1, max_steps=10)
+    with pytest.raises(Exception, match="crash in a spawned rank"):
+        t.fit(_CrashAtStep(hidden=200_000))  # ~10 MB a save: the removal finds it in flight
+    assert [n for n in ls(str(tmp_path / "ckpts")) if n.endswith(".ckpt")] == ["epoch=0-step=6.ckpt"]
+    plugin.teardown()
+
+
 if __name__ == "__main__":
     main()
