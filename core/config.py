@@ -71,7 +71,8 @@ class SavingConfig:
     max_pending: int = 1
     """Saves in flight at once; a further ``save`` waits (backpressure)."""
     staging_budget_bytes: Optional[int] = None
-    """Cap on host staging memory; None = whatever ``max_pending`` snapshots need."""
+    """Cap on host staging memory shared by the saves in flight (a save waits until its snapshot fits);
+    one snapshot larger than the cap is admitted alone. None = whatever ``max_pending`` snapshots need."""
     workers: int = 2
     """Threads that hash, encode and upload chunks in the background."""
     background: Literal["thread", "process"] = "thread"

@@ -28,14 +28,14 @@ from .saving.coordinator import Coordinator, Job
 from .saving.handles import SaveHandle, SaveInfo
 from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
-from .loading.references import ReferenceBuild
+from .loading.references import ReferenceBuild, supersede
 from .loading.reader import (
     VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest)
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
 from .storage.store import Store
-from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, wants_stream
+from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, keep_recent_streams, wants_stream
 from .saving.tracking import EmbeddingTracker
 from .saving.process import WriterProcess, check_store
 
@@ -46,18 +46,15 @@ PathLike = str | os.PathLike
 
 
 class CheckpointEngine:
-    """Asynchronous, incremental, optionally quantized checkpoints on any fsspec storage.
-
-    Use as a context manager or call ``close()``; a forgotten engine is flushed at interpreter exit.
-    """
+    """Asynchronous, incremental, optionally quantized checkpoints on any fsspec storage. Use as a
+    context manager or call ``close()``; a forgotten engine is flushed at interpreter exit."""
 
     def __init__(self, config: EngineConfig | dict | PathLike | None = None) -> None:
         self.config = coerce_config(config)
         sc = self.config.saving
         self._process = WriterProcess(self.config) if sc.background == "process" else None
-        budget = MemoryBudget(sc.staging_budget_bytes)
-        self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared,
-                                budget=budget)  # the pool keeps within the staging budget too
+        budget = MemoryBudget(sc.staging_budget_bytes)  # the pool keeps within it too
+        self._pool = BufferPool(pin_memory=sc.pin_memory, shared=self._process and self._process.shared, budget=budget)
         self._copier = Copier()
         self._dirs: dict[tuple, DirState] = {}
         self._stores: dict[tuple, Store] = {}
@@ -83,6 +80,7 @@ class CheckpointEngine:
             check_store(store)
         handle = SaveHandle(store.url(name))
         dirstate = self._dirstate(store)
+        keep_recent_streams(self._dirs.values(), dirstate, self._pool.free_host)
         snap = repeat_snapshot(state, dirstate, self._coord.release_staging, self._copier)  # no slot/copy/wait
         slot = snap is None
         if slot:
@@ -141,7 +139,9 @@ class CheckpointEngine:
         dirstate = self._dirstate(store)
         adopt_loaded(dirstate, manifest.blobs(), loaded, self._pool.host_copy, self._pool.free_host, since)
         if later:  # load.reference: the copies the next row-delta save compares against, made now in the background
-            drop_streams(dirstate, (manifest.tensors[i].key for i in later), self._pool.free_host)
+            keys = [manifest.tensors[i].key for i in later]
+            drop_streams(dirstate, keys, self._pool.free_host)
+            dirstate.rebuilds = supersede(dirstate.rebuilds, keys, self._pool.free_host)
             dirstate.rebuilds.append(ReferenceBuild(store, manifest, store.url(name), later, self._pool.new_host,
                                                     self.config.load.max_total_bytes))
         self._coord.release_if_idle()

@@ -82,3 +82,19 @@ class ReferenceBuild:
             return None
         return self._loaded
 
+
+def supersede(builds: list[ReferenceBuild], keys: list[str],
+              free: Callable[[torch.Tensor], None]) -> list[ReferenceBuild]:
+    """``builds`` less those a newer load of ``keys`` replaces (an earlier build of no other key): each
+    is stopped and its buffers freed. Before, every load into one engine added a copy of the state
+    that stayed until the next save or ``close()`` (five loads of 256 MiB held 1.4 GiB)."""
+    wanted, kept = set(keys), []
+    for build in builds:
+        if not set(build.keys) <= wanted:
+            kept.append(build)
+            continue
+        build.cancel()
+        build.result(quiet=True)
+        for buf in build.buffers:
+            free(buf)
+    return kept

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
@@ -277,6 +278,8 @@ class DirState:
     """Lossy row stream key -> (the record it describes, float64 sum of squares of each row): the
     reference norm of the tensor as restored, updated row by row by delta saves."""
     last: object = None
+    used: int = 0
+    """When a save here last began (a counter): ``keep_recent_streams`` keeps the newest directories'."""
     leader: tuple | None = None
     """(handle, weak reference to the snapshot) of the last save here: a save of the same values
     repeats it while it is in flight (``repeat``); the reference dies with the save's job, so a
@@ -387,6 +390,26 @@ def adopt_loaded(state: DirState, blobs: Iterable[BlobRef], loaded: Iterable[Loa
         stream.saves_since_base = len(rec.deltas)
         stream.spec_id = _spec_id(rec)
         state.streams[rec.key] = stream
+
+
+STREAM_DIRECTORIES = 2
+"""Directories an engine keeps row streams for (the ones it saved to most recently): each holds a copy
+of its row-delta tensors, so an engine saving to a new directory every time (``ckpts/epoch_N/``) grew
+by a copy of the state per directory until ``close()``."""
+
+
+def keep_recent_streams(states: Iterable[DirState], current: DirState,
+                        free: Callable[[torch.Tensor], None] | None = None) -> None:
+    """``current`` is being saved to: drop the row streams of the directories beyond the
+    ``STREAM_DIRECTORIES`` saved to most recently (their next save copies those tensors whole)."""
+    current.used = next(_USES)
+    holding = sorted((s for s in states if s.streams and s is not current), key=lambda s: s.used, reverse=True)
+    for state in holding[STREAM_DIRECTORIES - 1:]:
+        if state.last is None or state.last.done():  # a save in flight still reads them
+            drop_streams(state, list(state.streams), free)
+
+
+_USES = itertools.count(1)
 
 
 def drop_streams(state: DirState, keys: Iterable[str], free: Callable[[torch.Tensor], None] | None = None) -> None:
