@@ -232,7 +232,7 @@ def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes:
     directory: ``objects.object_load_bytes``), count against ``load.max_total_bytes`` together with
     the tensors (``tensor_bytes``): a value is refused (ResourceLimitError) before it is unpickled."""
     limit = memory_limit(max_total_bytes)
-    left = limit - tensor_bytes(manifest, into)
+    left = limit - check_load_bytes(manifest, where, limit, tensor_bytes(manifest, into))  # tensors alone first
     need = sum(rec.blob.size for rec in manifest.objects)
     if need > left:
         raise ResourceLimitError(f"{where}: loading needs {need} bytes for the blobs of its pickled values, "

@@ -249,3 +249,14 @@ def test_the_early_bound_never_exceeds_a_real_manifest(tmp_path):
     ckpt_core.save([collections.Counter({i: i}) for i in range(n)], path)
     assert len(json.loads(path.read_bytes())["objects"]) == n
     assert json_shape(path.read_bytes())[1] >= MIN_OBJECT_ELEMENTS * n
+
+
+def test_a_limit_below_the_tensors_names_the_tensors(tmp_path):
+    """load.max_total_bytes below the tensors' bytes, with a pickled value in the checkpoint: the refusal
+    blamed "0 bytes for the blobs of its pickled values" and never said what the tensors need."""
+    path = tmp_path / "x.ckpt"
+    ckpt_core.save({"w": torch.randn(1024, 1024), "step": 1, "note": {1, 2}}, path)
+    with CheckpointEngine({"load": {"max_total_bytes": 1 << 20}}) as engine:
+        with pytest.raises(ResourceLimitError, match=r"loading needs 4194304 bytes for its tensors, more than "
+                                                     r"the limit of 1048576"):
+            engine.load(path, weights_only=False)
