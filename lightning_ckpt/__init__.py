@@ -28,3 +28,17 @@ __all__ = [
 ]
 
 _install_dropin_hooks()
+
+
+def _register_standalone() -> None:
+    """``pytorch_lightning.Trainer`` and ``lightning_fabric.Fabric`` (the standalone packages, which
+    ``lightning`` installs) accept only their own ``CheckpointIO``: the plugin is registered as one (an ABC's
+    virtual subclass), so ``import pytorch_lightning as pl`` code takes it as it is."""
+    try:
+        from lightning_fabric.plugins import CheckpointIO as StandaloneCheckpointIO
+    except ImportError:  # not installed
+        return
+    StandaloneCheckpointIO.register(CheckrunCheckpointIO)
+
+
+_register_standalone()

@@ -11,7 +11,8 @@ Lightning reads and checks checkpoint files in four places that never reach a ``
   not a file until it commits, so a second save would reuse (overwrite) its name.
 
 :func:`install` wraps exactly these, once (it runs when ``lightning_ckpt`` is imported and is
-idempotent); each wrapper defers to Lightning's original for anything that is not checkrun's:
+idempotent), in ``lightning`` and in the standalone ``pytorch_lightning``/``lightning_fabric`` packages
+(``PACKAGES``); each wrapper defers to Lightning's original for anything that is not checkrun's:
 
 * the loader: a path (local or fsspec URL, not http) with a save in flight in this process is waited
   for; a file whose first bytes are a checkrun manifest header is loaded by the engine (every byte
@@ -31,14 +32,12 @@ manifest fails with "invalid load key, '{'" (docs/troubleshooting.md).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 from typing import Any, Callable, Optional
 
-import lightning.fabric.plugins.io.torch_io as _torch_io
-import lightning.fabric.utilities.cloud_io as _cloud_io
 import lightning.pytorch as pl
-import lightning.pytorch.core.saving as _saving
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -131,19 +130,36 @@ def _wrap_cli_parse_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any
     return _parse_ckpt_path
 
 
+PACKAGES = (("lightning.fabric", "lightning.pytorch"), ("lightning_fabric", "pytorch_lightning"))
+"""(Fabric, Trainer) packages hooked: ``lightning``'s, and the standalone ``lightning_fabric`` and
+``pytorch_lightning`` (``import pytorch_lightning as pl``: the same code under other names, with classes
+of their own), where installed (``lightning`` installs them)."""
+
+
 def _targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
-    """(owner, attribute, wrapper factory) of every hook. The three loader names share one wrapper."""
-    targets = [(_cloud_io, "_load", _wrap_loader), (_saving, "pl_load", _wrap_loader),
-               (_torch_io, "pl_load", _wrap_loader), (TorchCheckpointIO, "load_checkpoint", _wrap_torch_io_load),
-               (ModelCheckpoint, "file_exists", _wrap_file_exists)]
-    cli = getattr(sys.modules.get("lightning.pytorch.cli"), "LightningCLI", None)
-    if cli is None:
-        try:  # LightningCLI's module imports without jsonargparse (an extra); skip it if it does not
-            from lightning.pytorch.cli import LightningCLI as cli
-        except Exception:  # noqa: BLE001 - no CLI: nothing to hook there
-            cli = None
-    if cli is not None and hasattr(cli, "_parse_ckpt_path"):
-        targets.append((cli, "_parse_ckpt_path", _wrap_cli_parse_ckpt_path))
+    """(owner, attribute, wrapper factory) of every hook, in every package of ``PACKAGES`` that imports.
+    A package's three loader names share one wrapper."""
+    targets = []
+    for fabric, pytorch in PACKAGES:
+        try:
+            cloud_io = importlib.import_module(f"{fabric}.utilities.cloud_io")
+            torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io")
+            saving = importlib.import_module(f"{pytorch}.core.saving")
+            checkpoint = importlib.import_module(f"{pytorch}.callbacks").ModelCheckpoint
+        except ImportError:  # a standalone package that is not installed
+            continue
+        targets += [(cloud_io, "_load", _wrap_loader), (saving, "pl_load", _wrap_loader),
+                    (torch_io, "pl_load", _wrap_loader), (torch_io.TorchCheckpointIO, "load_checkpoint",
+                                                          _wrap_torch_io_load),
+                    (checkpoint, "file_exists", _wrap_file_exists)]
+        cli = getattr(sys.modules.get(f"{pytorch}.cli"), "LightningCLI", None)
+        if cli is None:
+            try:  # LightningCLI's module imports without jsonargparse (an extra); skip it if it does not
+                cli = importlib.import_module(f"{pytorch}.cli").LightningCLI
+            except Exception:  # noqa: BLE001 - no CLI: nothing to hook there
+                cli = None
+        if cli is not None and hasattr(cli, "_parse_ckpt_path"):
+            targets.append((cli, "_parse_ckpt_path", _wrap_cli_parse_ckpt_path))
     return targets
 
 

@@ -37,7 +37,8 @@ class UnsupportedStrategyError(CheckrunError, RuntimeError):
 
 
 def _is_strategy(obj: Any) -> bool:
-    for mod in ("lightning.pytorch.strategies", "lightning.fabric.strategies"):
+    for mod in ("lightning.pytorch.strategies", "lightning.fabric.strategies", "pytorch_lightning.strategies",
+                "lightning_fabric.strategies"):
         module = sys.modules.get(mod)
         if module is not None and isinstance(obj, getattr(module, "Strategy", ())):
             return True
