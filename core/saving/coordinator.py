@@ -57,6 +57,9 @@ class Job:
     """Seconds the caller of ``save`` waited."""
     slot: bool = True
     """Whether it holds a ``max_pending`` slot (a repeat of the save in flight holds none)."""
+    owner: object = None
+    """The engine, kept alive while the job is queued or runs: an engine that only a returned function's
+    local held was collected with its saves in flight, and the exit hook (``lifecycle``) flushed nothing."""
 
 
 class Coordinator:

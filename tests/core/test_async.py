@@ -174,6 +174,25 @@ def test_atexit_flushes_forgotten_engine(tmp_path):
     assert torch.equal(ckpt_core_load(tmp_path / "x.ckpt")["w"], torch.arange(1000))
 
 
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_atexit_flushes_an_engine_only_a_returned_function_held(tmp_path, background):
+    """The engine was a local of a function that returned with its saves in flight (``def train(): ...``
+    without ``close()``): it was collected, the exit hook found no engine, and every save was lost,
+    silently (found by a check of process models). A queued save now keeps its engine alive."""
+    p = _run_script("""
+        import sys, torch, ckpt_core
+        def train(root, background):
+            engine = ckpt_core.CheckpointEngine({"saving": {"background": background, "max_pending": 3}})
+            for step in range(3):
+                engine.save({"w": torch.full((4_000_000,), float(step))}, f"{root}/step={step}.ckpt")
+        train(sys.argv[1], sys.argv[2])
+    """, str(tmp_path), background)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    for step in range(3):
+        assert torch.equal(ckpt_core_load(tmp_path / f"step={step}.ckpt")["w"], torch.full((4_000_000,), float(step)))
+
+
 def ckpt_core_load(path):
     import ckpt_core
 
