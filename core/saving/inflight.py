@@ -184,15 +184,24 @@ def _shared_add(store: Any, url: str | None, delta: int) -> int:
     of all saves; a URL's change is added to the total too); the count (0 without a store)."""
     if store is None:
         return 0
+    prefix = _shared_prefix()
     try:
         if url is None or delta:
-            total = int(store.add("checkrun-inflight-total", delta))
+            total = int(store.add(f"{prefix}-total", delta))
             if url is None:
                 return total
-        return int(store.add(f"checkrun-inflight/{url}", delta))
+        return int(store.add(f"{prefix}/{url}", delta))
     except Exception as exc:  # noqa: BLE001 - the store's host ended: no other process to wait for
         log.debug("checkrun: cannot count the save of %s across processes: %s", url, exc)
         return 0
+
+
+def _shared_prefix() -> str:
+    """The keys' prefix: of this attempt of a torchelastic job (``torchrun --max-restarts``), whose
+    restarted workers reuse the agent's store, where a killed rank's count of a save in flight would
+    stay for good (every load of that path, and every end of ``fit``, waited for ever)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"checkrun-inflight@{attempt}" if attempt else "checkrun-inflight"
 
 
 def wait_under(prefix: str, timeout: float | None = None) -> bool:
