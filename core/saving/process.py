@@ -286,7 +286,10 @@ def serve(fd: int, parent: int | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="checkrun writer process: %(levelname)s %(message)s")
     parent = os.getppid() if parent is None else parent
     conn = Connection(fd)
-    config, directory = pickle.loads(conn.recv_bytes())
+    try:
+        config, directory = pickle.loads(conn.recv_bytes())
+    except EOFError:  # the engine ended while this process started: nothing to write (no traceback)
+        return
     lifecycle.lower_thread_priority(config.saving.thread_nice)
     torch.set_num_threads(1)
     matcher = RuleMatcher(config.quantization)
