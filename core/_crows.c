@@ -1,5 +1,6 @@
-/* Row change detection for ckpt_core.saving.streams (incremental saves) and the row scatter of
- * ckpt_core.loading.decode (delta links applied on restore), loaded through ctypes (no
+/* Row change detection for ckpt_core.saving.streams (incremental saves), the row scatter of
+ * ckpt_core.loading.decode (delta links applied on restore) and the folding of equal adjacent
+ * rows for ckpt_core.steplog.capture (a pooled embedding's sparse gradient), loaded through ctypes (no
  * Python API here, so ctypes releases the GIL around each call and the copier's helper thread can
  * run the other half of a table at the same time).
  *
@@ -14,7 +15,7 @@
 #include <string.h>
 
 /* Version of this interface; streams.py refuses a library with another one. */
-int checkrun_crows_abi(void) { return 2; }
+int checkrun_crows_abi(void) { return 3; }
 
 /* For each of ``rows`` rows of ``row_bytes`` bytes (both buffers contiguous): if src's row differs
  * from dst's, copy it into dst and append ``first + row`` to ``out`` (room for ``rows`` entries).
@@ -43,4 +44,30 @@ void checkrun_scatter_rows(const uint8_t *values, uint8_t *table, const int64_t 
     size_t width = (size_t)row_bytes;
     for (int64_t i = 0; i < n; i++)
         memcpy(table + (size_t)idx[i] * width, values + (size_t)i * width, width);
+}
+
+/* Fold runs of equal adjacent rows: ``src`` holds ``rows`` contiguous rows of ``row_bytes``; row i
+ * equals row i-1 when their bytes do (memcmp). If there are at most ``limit`` runs, copy each run's
+ * row to ``dst`` (room for ``limit`` rows) and its length to ``runs`` (room for ``limit``), and return
+ * the number of runs; else return -1 as soon as that is known (nothing useful written). A pooled
+ * lookup's gradient (sum/mean over a bag) repeats the bag's row once per id: those runs fold. */
+int64_t checkrun_fold_rows(const uint8_t *src, int64_t rows, int64_t row_bytes, int64_t limit, uint8_t *dst,
+                           int32_t *runs) {
+    size_t width = (size_t)row_bytes;
+    int64_t u = rows > 0 ? 1 : 0;
+    for (int64_t r = 1; r < rows; r++)
+        if (memcmp(src + (size_t)r * width, src + (size_t)(r - 1) * width, width) != 0 && ++u > limit)
+            return -1;
+    if (u > limit)
+        return -1;
+    int64_t k = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *s = src + (size_t)r * width;
+        if (r == 0 || memcmp(s, s - width, width) != 0) {
+            memcpy(dst + (size_t)(++k) * width, s, width);
+            runs[k] = 0;
+        }
+        runs[k]++;
+    }
+    return u;
 }

@@ -20,7 +20,7 @@ from ..steplog.format import (
     split_segment)
 from ..steplog.index import LogIndex, read_index
 from ..steplog.log import STEPLOG_DIR, log_store
-from ..steplog.replay import Payload, find_marker
+from ..steplog.replay import Payload, find_marker, unfold
 from ..storage.store import Store
 
 def is_segment_path(path: str) -> bool:
@@ -163,15 +163,14 @@ def _decode_all(header: dict, payload: memoryview, where: str, max_bytes: int) -
             numel = 1
             for d in g["shape"]:
                 numel *= d
-            parts = [(g["data"], numel if g["k"] == "dense" else g["n"] * (numel // max(1, g["shape"][0])),
-                      DTYPES[g["dtype"]])]
-            if "idx" in g:
-                parts.append((g["idx"], g["n"], torch.int64))
-            for ref, n, dtype in parts:
-                try:
-                    data.tensor(ref, n, dtype, where)
-                except (FormatError, ValueError, RuntimeError) as exc:
-                    raise StepLogFormatError(f"{where}: step {ev['step']}, param {g['p']}: {one_line(exc)}") from None
+            try:
+                if g["k"] == "dense":
+                    data.tensor(g["data"], numel, DTYPES[g["dtype"]], where)
+                else:
+                    data.tensor(g["idx"], g["n"], torch.int64, where)
+                    unfold(g, data, g["n"], numel // max(1, g["shape"][0]), DTYPES[g["dtype"]], where)
+            except (FormatError, ValueError, RuntimeError) as exc:
+                raise StepLogFormatError(f"{where}: step {ev['step']}, param {g['p']}: {one_line(exc)}") from None
 
 
 def _start_step(index: LogIndex, seg: SegName, good: dict) -> int:

@@ -27,6 +27,8 @@ def _grad_info(g: dict) -> dict:
                    codecs=g["data"][2])
     if "n" in g:
         out["rows"] = g["n"]
+    if "u" in g:  # folded: the rows stored, each repeated by its run length
+        out["stored_rows"] = g["u"]
     return out
 
 

@@ -22,6 +22,11 @@ from .base import EncodeStats
 log = logging.getLogger("ckpt_core.codecs")
 
 
+#: ``checkrun_crows_abi()`` of the C kernel ``ckpt_core._crows`` this checkrun was written for
+#: (its users: saving.streams, loading.decode, steplog.capture).
+CROWS_ABI = 3
+
+
 def load_native(module: str, abi_symbol: str, abi: int, fallback: str) -> ctypes.CDLL | None:
     """The optional C kernels ``ckpt_core.<module>`` (built by setup.py where a compiler exists),
     or None - then ``fallback`` (what runs instead, for the log line) is used. ``abi_symbol`` names

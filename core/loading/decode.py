@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from ..codecs import Pipeline, index_pipeline
-from ..codecs._common import load_native, tensor_bytes
+from ..codecs._common import CROWS_ABI, load_native, tensor_bytes
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError
 from ..format.manifest import BlobRef, ChunkRef, DeltaRef
 from ..storage.store import Store
@@ -209,7 +209,7 @@ class Pass:
 def _load_scatter() -> Callable | None:
     """``checkrun_scatter_rows`` of the C kernel ``ckpt_core._crows`` (a ctypes call: the GIL is
     released while it copies), or None when it was not built (numpy then, holding the GIL)."""
-    lib = load_native("_crows", "checkrun_crows_abi", 2, "delta links are applied in numpy")
+    lib = load_native("_crows", "checkrun_crows_abi", CROWS_ABI, "delta links are applied in numpy")
     if lib is None:
         return None
     fn = lib.checkrun_scatter_rows

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..codecs import Pipeline
-from ..codecs._common import load_native
+from ..codecs._common import CROWS_ABI, load_native
 from ..config import IncrementalConfig
 from ..format.manifest import BlobRef, DeltaRef, TensorRecord
 from .copier import SPLIT_COPY_BYTES
@@ -41,12 +41,11 @@ Share = Callable[[list], Callable[[], list]]
 #: enough that both threads finish close together.
 _PART_BYTES = 4 << 20
 
-_ABI = 2  # checkrun_crows_abi() of the C kernel this module was written for
 
 
 def _load_native() -> ctypes.CDLL | None:
     """The C kernel (``ckpt_core._crows``), or None when it was not built."""
-    lib = load_native("_crows", "checkrun_crows_abi", _ABI, "changed rows are found in numpy, on one thread")
+    lib = load_native("_crows", "checkrun_crows_abi", CROWS_ABI, "changed rows are found in numpy, on one thread")
     if lib is None:
         return None
     fn = lib.checkrun_copy_changed_rows

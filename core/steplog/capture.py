@@ -9,10 +9,16 @@ allocated once and reused (``Staging``; fresh allocations cost page faults on ev
   dtype into that dtype's *pack*, a contiguous buffer; the encoder then shuffles a pack once and
   needs no per-tensor setup (a DLRM step has dozens of such tensors: per-tensor work on either
   thread holds the GIL the training thread needs);
-* larger ones are copied into a buffer of their own, per parameter.
+* larger ones are copied into a buffer of their own, per parameter;
+* a sparse gradient whose rows come in runs of equal adjacent rows (a pooled lookup, e.g.
+  ``emb(ids).sum(1)`` or ``nn.EmbeddingBag``: every id of a bag gets the bag's row) is *folded* by
+  the C kernel ``checkrun_fold_rows`` as it is copied: one row and its run length per run, so a
+  bag of 8 ids costs the copy, the encoder and storage one row instead of 8. Replay repeats each
+  row by its run length: the same uncoalesced gradient, bit for bit.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..codecs._common import CROWS_ABI, load_native
 from ..format.tree import flatten
 from .format import StepLogError
 
@@ -30,6 +37,21 @@ PACK_MAX_BYTES = 1 << 20
 """Tensors smaller than this go into their dtype's pack; larger ones get a buffer of their own
 (their own encode is cheap next to their bytes, and a pack stays cache-sized)."""
 _GROWTH = 1.25  # a growing buffer (sparse rows vary per step) is reallocated this much larger
+FOLD_MAX_FRACTION = 0.75
+"""A sparse gradient is folded when its runs are at most this fraction of its rows."""
+
+
+def _load_fold():
+    lib = load_native("_crows", "checkrun_crows_abi", CROWS_ABI, "sparse gradients are logged unfolded")
+    if lib is None:
+        return None
+    fn = lib.checkrun_fold_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+_FOLD = _load_fold()
 
 
 @dataclass
@@ -50,6 +72,11 @@ class Grad:
     n: int = 0
     data_at: tuple[int, int] | None = None
     idx_at: tuple[int, int] | None = None
+    runs: torch.Tensor | None = None
+    """A folded sparse gradient's int32 run lengths (``u`` of them; ``data`` holds ``u`` rows), or
+    ``runs_at``: their span of the int32 pack. Both None: not folded."""
+    runs_at: tuple[int, int] | None = None
+    u: int = 0
 
 
 @dataclass
@@ -232,7 +259,7 @@ def capture_step(optimizer: torch.optim.Optimizer, step: int, staging: Staging, 
                          or _dense(i, g, staging, slot, packer))
     packs = packer.fill(staging, slot)
     nbytes = sum(t.numel() * t.element_size() for t in packs.values())
-    nbytes += sum(t.numel() * t.element_size() for g in grads for t in (g.data, g.idx) if t is not None)
+    nbytes += sum(t.numel() * t.element_size() for g in grads for t in (g.data, g.idx, g.runs) if t is not None)
     return StepRecord(step, grads, slot, nbytes, packs)
 
 
@@ -256,15 +283,43 @@ def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packe
                            "dimensions; only row-sparse gradients (nn.Embedding(sparse=True)) can be logged")
     idx, vals = g._indices().detach(), g._values().detach()
     item = Grad(i, "sparse", tuple(g.shape), g.dtype, coalesced=bool(g.is_coalesced()), n=int(vals.shape[0]))
-    if _small(vals):
+    small = _small(vals)  # the gradient's own size decides where its parts go, folded or not
+    folded = _fold(i, vals, staging, slot)
+    runs = None
+    if folded is not None:
+        vals, runs = folded
+        item.u = int(runs.numel())
+    if small:
         item.data_at, item.idx_at = packer.add(vals), packer.add(idx)
+        item.runs_at = packer.add(runs) if runs is not None else None
         return item
     pin = g.device.type == "cuda"
-    item.data = staging.span(slot, ("rows", i), vals.numel(), vals.dtype, pin).view(vals.shape)
-    item.data.copy_(vals)
+    if runs is None:
+        item.data = staging.span(slot, ("rows", i), vals.numel(), vals.dtype, pin).view(vals.shape)
+        item.data.copy_(vals)
+    else:
+        item.data, item.runs = vals, runs
     item.idx = staging.span(slot, ("idx", i), idx.numel(), idx.dtype, pin)
     item.idx.copy_(idx.view(-1))
     return item
+
+
+def _fold(i: int, vals: torch.Tensor, staging: Staging, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows, run lengths)`` of a CPU sparse gradient's values whose equal adjacent rows fold to at
+    most ``FOLD_MAX_FRACTION`` of them, in this step's staging; else None (logged as they are)."""
+    if _FOLD is None or vals.device.type != "cpu" or vals.dim() < 2 or not vals.is_contiguous():
+        return None
+    n = vals.shape[0]
+    cols = vals.numel() // n if n else 0
+    if n < MIN_ROWS_FOR_SPARSE or n >= 2**31 or not cols:
+        return None
+    limit = math.floor(FOLD_MAX_FRACTION * n)
+    rows = staging.span(slot, ("fold", i), limit * cols, vals.dtype, False)
+    runs = staging.span(slot, ("runs", i), limit, torch.int32, False)
+    u = _FOLD(vals.data_ptr(), n, cols * vals.element_size(), limit, rows.data_ptr(), runs.data_ptr())
+    if u < 0:
+        return None
+    return rows[:u * cols].view(u, *vals.shape[1:]), runs[:u]
 
 
 def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: int,

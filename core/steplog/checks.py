@@ -99,6 +99,7 @@ def _hyper(v: Any) -> bool:
     return isinstance(v, _SCALAR)
 
 
+_FOLDED = {"u", "runs"}  # a sparse gradient's folded rows (``capture._fold``; version 4)
 _GRAD_KEYS = {"none": {"p", "k"}, "dense": {"p", "k", "dtype", "shape", "data"},
               "rows": {"p", "k", "dtype", "shape", "data", "idx", "n"},
               "sparse": {"p", "k", "dtype", "shape", "data", "idx", "n", "coalesced"}}
@@ -108,7 +109,7 @@ def check_grad(g: Any, what: str, payload: int, packs: dict[str, list[int]]) -> 
     """One gradient entry: kind, shape, dtype, and its tensors inside ``payload`` bytes (a range) or
     inside one chunk of the pack of their dtype (``packs``: ``check_packs``)."""
     if not isinstance(g, dict) or not isinstance(g.get("k"), str) or g["k"] not in _GRAD_KEYS \
-            or set(g) != _GRAD_KEYS[g["k"]]:
+            or set(g) not in (_GRAD_KEYS[g["k"]], _GRAD_KEYS[g["k"]] | _FOLDED if g["k"] == "sparse" else None):
         raise StepLogFormatError(f"{what}: malformed gradient entry "
                                  f"(keys {sorted(g)[:10] if isinstance(g, dict) else str(g)[:40]})")
     what = f"{what}, param {str(g['p'])[:20]}"
@@ -129,6 +130,12 @@ def check_grad(g: Any, what: str, payload: int, packs: dict[str, list[int]]) -> 
             raise StepLogFormatError(f"{what}: {g['k']} gradient needs a 2-D shape and n <= rows")
         _ref(g["idx"], what, "idx", payload, packs, "int64", n)
         numel = n * shape[1]
+        if "runs" in g:  # folded (version 4): u rows, row j repeated runs[j] times (checked on decode)
+            u = _index(g["u"], what, "u")
+            if u > n or (u == 0) != (n == 0):
+                raise StepLogFormatError(f"{what}: a folded gradient of {n} rows stores {u}")
+            _ref(g["runs"], what, "runs", payload, packs, "int32", u)
+            numel = u * shape[1]
     _ref(g["data"], what, "data", payload, packs, g["dtype"], numel)
     if g["k"] == "sparse" and not isinstance(g["coalesced"], bool):
         raise StepLogFormatError(f"{what}: field 'coalesced' must be true/false")

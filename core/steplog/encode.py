@@ -78,6 +78,13 @@ class StepEncoder:
                 entry["n"] = g.n
             if g.kind == "sparse":
                 entry["coalesced"] = g.coalesced
+            if g.runs is not None or g.runs_at is not None:  # folded: ``u`` rows, each repeated by its run
+                entry["u"] = g.u
+                if g.runs is None:
+                    entry["runs"] = {"pack": "int32", "at": g.runs_at[0]}
+                else:
+                    pipeline, spec = self._pipeline(torch.int32)
+                    entry["runs"] = _put(_encode(g.runs, pipeline), spec, parts, ranges)
             out.append(entry)
         return out, chunks
 

@@ -33,11 +33,12 @@ from .checks import (_HEX16, MAX_EVENTS, MAX_GRADS, NoMarkerError, StepLogError,
                      _index, check_event, check_packs)
 from .meta import check_optimizer, check_owner, check_param_names
 
-FORMAT_VERSION = 3
-"""Written by this checkrun. Versions 1 and 2 are read too: version 1 (checkrun before 2026-12-04)
+FORMAT_VERSION = 4
+"""Written by this checkrun. Versions 1-3 are read too: version 1 (checkrun before 2026-12-04)
 lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``); segments before
-version 3 have no ``packs`` (every gradient is a payload range of its own)."""
-READ_VERSIONS = (1, 2, 3)
+version 3 have no ``packs`` (every gradient is a payload range of its own); before version 4 no
+sparse gradient is folded (``u``/``runs``)."""
+READ_VERSIONS = (1, 2, 3, 4)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects

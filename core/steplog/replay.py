@@ -273,7 +273,7 @@ def _grad(g: dict, p: torch.Tensor, payload: Payload, what: str, max_bytes: int)
         return payload.tensor(g["data"], _numel(shape), dtype, what).view(shape).to(p.device, copy=True)
     n, cols = g["n"], _numel(shape[1:])
     idx = payload.tensor(g["idx"], n, torch.int64, what)
-    rows = payload.tensor(g["data"], n * cols, dtype, what).view(n, *shape[1:])
+    rows = unfold(g, payload, n, cols, dtype, what).view(n, *shape[1:])
     if n and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
         raise StepLogFormatError(f"{what}: row index outside [0, {shape[0]})")
     if g["k"] == "sparse":
@@ -284,6 +284,20 @@ def _grad(g: dict, p: torch.Tensor, payload: Payload, what: str, max_bytes: int)
     out = torch.zeros(shape, dtype=dtype)
     out.index_copy_(0, idx, rows)
     return out.to(p.device)
+
+
+def unfold(g: dict, payload: Payload, n: int, cols: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A rows/sparse entry's ``n * cols`` values; a folded one's ``u`` stored rows repeated by their
+    run lengths (each >= 1, summing to ``n``: checked before anything of size ``n`` is allocated)."""
+    if "runs" not in g:
+        return payload.tensor(g["data"], n * cols, dtype, what)
+    if n * cols * dtype.itemsize > payload.max_bytes:
+        raise StepLogFormatError(f"{what}: {n * cols} elements, more than load.max_blob_bytes allows")
+    runs = payload.tensor(g["runs"], g["u"], torch.int32, what).to(torch.int64)
+    if g["u"] and (int(runs.min()) < 1 or int(runs.sum()) != n):
+        raise StepLogFormatError(f"{what}: run lengths of a folded gradient must be >= 1 and sum to {n} rows")
+    rows = payload.tensor(g["data"], g["u"] * cols, dtype, what).view(g["u"], cols)
+    return rows.repeat_interleave(runs, dim=0, output_size=n).view(-1)
 
 
 def _decode(r: list, payload: memoryview, numel: int, dtype: torch.dtype, what: str, max_bytes: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from ckpt_core import CheckpointEngine
 from ckpt_core.codecs import lossless_pipeline
 from ckpt_core.config import CompressionConfig
+from ckpt_core.steplog import capture
 from ckpt_core.steplog.capture import PACK_MAX_BYTES, Staging, StepRecord, capture_step
 from ckpt_core.steplog.encode import StepEncoder
 
@@ -224,3 +225,86 @@ def test_replay_keeps_one_decoded_chunk_per_dtype():
         got = payload.tensor({"pack": "float32", "at": at}, 3, torch.float32, "seg")
         assert torch.equal(got, torch.full((3,), float(at // 100)))
         assert list(payload._decoded) == ["float32"] and payload._decoded["float32"][0] == at // 100
+
+
+def _pooled_grad(bags: list[list[int]], dim: int, seed: int) -> torch.Tensor:
+    """The sparse gradient ``emb(ids).sum(1)`` gives: every id of a bag gets the bag's row."""
+    gen = torch.Generator().manual_seed(seed)
+    per_bag = torch.randn(len(bags), dim, generator=gen)
+    idx = torch.tensor([[i for bag in bags for i in bag]])
+    vals = torch.cat([per_bag[b].expand(len(bag), dim) for b, bag in enumerate(bags)])
+    return torch.sparse_coo_tensor(idx, vals, (100, dim))
+
+
+@pytest.mark.skipif(capture._FOLD is None, reason="the C kernel ckpt_core._crows was not built")
+def test_a_pooled_sparse_gradient_is_folded_to_one_row_per_run():
+    """Equal adjacent rows (bytewise: -0.0 and 0.0 differ) are stored once with their run length,
+    in the packs or in buffers of their own; rows that do not repeat enough are stored as they are."""
+    pooled = _pooled_grad([[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11], [12] * 9], 5, 0)
+    signed = torch.sparse_coo_tensor(torch.arange(20).view(1, -1), torch.tensor([[0.0], [-0.0]] * 10), (100, 1))
+    big = _pooled_grad([list(range(b * 8, b * 8 + 8)) for b in range(PACK_MAX_BYTES // (4 * 64 * 8) + 2)], 64, 1)
+    big = torch.sparse_coo_tensor(big._indices() % 100, big._values(), (100, 64))
+    rec = _capture(_opt_with_grads([pooled, signed, big]), Staging(1), 1)
+    folded, unfolded, own = rec.grads
+    assert (folded.n, folded.u) == (20, 4) and folded.runs_at is not None
+    start, u = folded.runs_at
+    assert rec.packs[torch.int32][start:start + u].tolist() == [4, 2, 5, 9]
+    start, numel = folded.data_at
+    assert torch.equal(rec.packs[torch.float32][start:start + numel].view(4, 5), pooled._values()[[0, 4, 6, 11]])
+    assert unfolded.u == 0 and unfolded.runs is None and unfolded.runs_at is None and unfolded.data_at[1] == 20
+    assert own.data is not None and own.u == own.n // 8 and torch.equal(own.runs, torch.full((own.u,), 8, dtype=torch.int32))
+    assert torch.equal(own.data, big._values()[::8])
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_folded_and_unfolded_logs_replay_the_same_bits(tmp_path, monkeypatch, fold):
+    """The bit-exact replay of ``_Table`` (bags of 8 ids: folded where the C kernel exists) holds
+    with folding off too, and the folded segments are what the kernel made."""
+    if not fold:
+        monkeypatch.setattr(capture, "_FOLD", None)
+    elif capture._FOLD is None:
+        pytest.skip("the C kernel ckpt_core._crows was not built")
+    test_replay_is_bit_exact_through_both_paths(tmp_path, 4400)
+    from ckpt_core.steplog.format import SEG_RE, split_segment
+    segs = [p for p in (tmp_path / "run" / ".checkrun" / "steplog").iterdir() if SEG_RE.fullmatch(p.name)]
+    header, _ = split_segment(segs[0].read_bytes(), "seg")
+    grads = [g for ev in header["events"] if ev["kind"] == "step" for g in ev["grads"] if g["k"] == "sparse"]
+    assert grads and all(("runs" in g) == fold for g in grads)
+    assert not fold or all(g["u"] * 8 == g["n"] for g in grads)
+
+
+def _folded(h: dict) -> dict:
+    return next(g for ev in h["events"] if ev["kind"] == "step" for g in ev["grads"] if "runs" in g)
+
+
+@pytest.mark.skipif(capture._FOLD is None, reason="the C kernel ckpt_core._crows was not built")
+@pytest.mark.parametrize("mutate, message", [
+    (lambda g: g.__setitem__("u", g["n"] + 1), "stores"),
+    (lambda g: g.__setitem__("u", 0), "stores"),
+    (lambda g: g.__setitem__("u", g["u"] - 1), "sum to"),
+    (lambda g: g["runs"].__setitem__("pack", "int64"), "its dtype is int32"),
+    (lambda g: g["runs"].__setitem__("at", 10**12), "past the end of its chunk"),
+    (lambda g: g.pop("u"), "malformed gradient entry"),
+    (lambda g: g.__setitem__("k", "rows"), "malformed gradient entry"),
+])
+def test_hostile_folded_gradients_are_refused(tmp_path, mutate, message):
+    """A folded entry's run lengths and stored rows are checked like every other field (checksums
+    intact: a hostile writer) before replay allocates the unfolded rows."""
+    from ckpt_core.steplog.checks import StepLogFormatError
+    from ckpt_core.steplog.format import SEG_RE, pack_segment, split_segment
+
+    test_replay_is_bit_exact_through_both_paths(tmp_path, 64)
+    segdir = tmp_path / "run" / ".checkrun" / "steplog"
+    for path in sorted(p for p in segdir.iterdir() if SEG_RE.fullmatch(p.name)):
+        header, payload = split_segment(path.read_bytes(), path.name)
+        mutate(_folded(header))
+        for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
+            header.pop(k)
+        path.write_bytes(pack_segment(header, [bytes(payload)]))
+    net, opt, sched = _make()
+    with CheckpointEngine() as engine:
+        st = engine.load(f"{tmp_path}/run/ck.ckpt")
+        opt.load_state_dict(st["opt"])
+        with pytest.raises(StepLogFormatError, match="seg-") as exc:
+            engine.replay(str(tmp_path / "run"), opt, sched)
+    assert message in str(exc.value)

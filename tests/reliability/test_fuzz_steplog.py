@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 
 from ckpt_core import CheckpointEngine
 from ckpt_core.errors import CheckrunError
+from ckpt_core.steplog import capture
 from ckpt_core.steplog.capture import PACK_MAX_BYTES
 from ckpt_core.steplog.format import SEG_RE, SegmentDamaged, pack_segment, split_segment
 from ckpt_core.steplog.replay import Payload, apply_event
@@ -51,7 +52,7 @@ def _make():
 
 
 def _step(net, opt, sched, i: int) -> None:
-    ids = torch.randint(0, 64, (4, 3), generator=torch.Generator().manual_seed(i))
+    ids = torch.randint(0, 64, (8, 4), generator=torch.Generator().manual_seed(i))  # bags: folded rows
     opt.zero_grad()
     net(ids).square().mean().backward()
     opt.step()
@@ -74,6 +75,8 @@ def segment(tmp_path_factory):
     kinds = {g["k"] for ev in header["events"] if ev["kind"] == "step" for g in ev["grads"]}
     assert {"sparse", "rows", "dense"} <= kinds and header["packs"] and "counters" in header["events"][0]
     assert any(isinstance(g["data"], list) for ev in header["events"] if ev["kind"] == "step" for g in ev["grads"])
+    assert capture._FOLD is None or any("runs" in g for ev in header["events"] if ev["kind"] == "step"
+                                        for g in ev["grads"])
     return data
 
 
