@@ -46,28 +46,25 @@ void checkrun_scatter_rows(const uint8_t *values, uint8_t *table, const int64_t 
         memcpy(table + (size_t)idx[i] * width, values + (size_t)i * width, width);
 }
 
-/* Fold runs of equal adjacent rows: ``src`` holds ``rows`` contiguous rows of ``row_bytes``; row i
- * equals row i-1 when their bytes do (memcmp). If there are at most ``limit`` runs, copy each run's
- * row to ``dst`` (room for ``limit`` rows) and its length to ``runs`` (room for ``limit``), and return
- * the number of runs; else return -1 as soon as that is known (nothing useful written). A pooled
- * lookup's gradient (sum/mean over a bag) repeats the bag's row once per id: those runs fold. */
+/* Fold runs of equal adjacent rows: ``src`` holds ``rows`` contiguous rows of ``row_bytes``; row r
+ * continues the run of row r-1 when their bytes are equal (memcmp). Each run's row goes to ``dst``
+ * and its length to ``runs`` (room for ``limit`` of each); returns the number of runs, or -1 as
+ * soon as there are more than ``limit`` (what was written is then of no use). One pass: a row is
+ * compared with the previous one, still in cache, and copied. A pooled lookup's gradient
+ * (sum/mean over a bag) repeats the bag's row once per id: those runs fold. */
 int64_t checkrun_fold_rows(const uint8_t *src, int64_t rows, int64_t row_bytes, int64_t limit, uint8_t *dst,
                            int32_t *runs) {
     size_t width = (size_t)row_bytes;
-    int64_t u = rows > 0 ? 1 : 0;
-    for (int64_t r = 1; r < rows; r++)
-        if (memcmp(src + (size_t)r * width, src + (size_t)(r - 1) * width, width) != 0 && ++u > limit)
-            return -1;
-    if (u > limit)
-        return -1;
     int64_t k = -1;
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *s = src + (size_t)r * width;
         if (r == 0 || memcmp(s, s - width, width) != 0) {
-            memcpy(dst + (size_t)(++k) * width, s, width);
+            if (++k >= limit)
+                return -1;
+            memcpy(dst + (size_t)k * width, s, width);
             runs[k] = 0;
         }
         runs[k]++;
     }
-    return u;
+    return k + 1;
 }

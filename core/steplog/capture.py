@@ -100,6 +100,8 @@ class Staging:
     sets: list[dict[Any, torch.Tensor]] = field(default_factory=list)
     dense_streak: dict[int, int] = field(default_factory=dict)
     """Per parameter, how many row scans in a row found its gradient dense (``_rows``)."""
+    fold_streak: dict[int, int] = field(default_factory=dict)
+    """Per parameter, how many steps in a row its sparse gradient did not fold (``_fold``)."""
     _free: list[int] = field(default_factory=list)
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -139,6 +141,16 @@ class Staging:
         return buf[:numel]
 
 
+    def scratch(self, slot: int, key: Any, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """A 1-D CPU buffer ``key`` of at least ``numel`` elements and its address, for a C kernel
+        to fill (kept with its size and dtype: a hit costs no torch call)."""
+        hit = self.sets[slot].get(key)
+        if hit is None or hit[2] < numel or hit[3] != dtype:
+            buf = torch.empty(max(numel, int(_GROWTH * hit[2]) if hit is not None else 0), dtype=dtype)
+            hit = self.sets[slot][key] = (buf, buf.data_ptr(), buf.numel(), dtype)
+        return hit[0], hit[1]
+
+
 class _Packer:
     """The small tensors of one step, per dtype, until ``fill`` copies each dtype's with one ``cat``."""
 
@@ -149,10 +161,14 @@ class _Packer:
     def add(self, t: torch.Tensor) -> tuple[int, int]:
         """Queue ``t`` (any shape); its ``(start, numel)`` in its dtype's pack."""
         flat = t.detach().reshape(-1)
-        start = self.sizes.get(t.dtype, 0)
-        self.srcs.setdefault(t.dtype, []).append(flat)
-        self.sizes[t.dtype] = start + flat.numel()
-        return start, flat.numel()
+        return self.add_flat(flat, t.dtype, flat.numel())
+
+    def add_flat(self, flat: torch.Tensor, dtype: torch.dtype, numel: int) -> tuple[int, int]:
+        """``add`` of a 1-D tensor that needs no detach, whose dtype and size the caller knows."""
+        start = self.sizes.get(dtype, 0)
+        self.srcs.setdefault(dtype, []).append(flat)
+        self.sizes[dtype] = start + numel
+        return start, numel
 
     def fill(self, staging: Staging, slot: int) -> dict[torch.dtype, torch.Tensor]:
         packs = {}
@@ -253,7 +269,7 @@ def capture_step(optimizer: torch.optim.Optimizer, step: int, staging: Staging, 
         if g is None:
             grads.append(Grad(i, "none"))
         elif g.is_sparse:
-            grads.append(_sparse(i, g, staging, slot, packer))
+            grads.append(_sparse(i, g, staging, slot, packer, step))
         else:
             grads.append(_rows(i, g, sparse_max_fraction, staging, step, packer)
                          or _dense(i, g, staging, slot, packer))
@@ -275,7 +291,7 @@ def _dense(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer
     return Grad(i, "dense", tuple(g.shape), g.dtype, buf)
 
 
-def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer) -> Grad:
+def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer, step: int) -> Grad:
     # The uncoalesced form as it is: SGD adds duplicate rows one by one, and coalescing first
     # would round differently.
     if g.sparse_dim() != 1:
@@ -284,42 +300,47 @@ def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packe
     idx, vals = g._indices().detach(), g._values().detach()
     item = Grad(i, "sparse", tuple(g.shape), g.dtype, coalesced=bool(g.is_coalesced()), n=int(vals.shape[0]))
     small = _small(vals)  # the gradient's own size decides where its parts go, folded or not
-    folded = _fold(i, vals, staging, slot)
-    runs = None
-    if folded is not None:
-        vals, runs = folded
-        item.u = int(runs.numel())
-    if small:
+    folded = _fold(i, vals, staging, slot, step)
+    if small and folded is None:
         item.data_at, item.idx_at = packer.add(vals), packer.add(idx)
-        item.runs_at = packer.add(runs) if runs is not None else None
+        return item
+    if small:
+        rows, runs, item.u = folded
+        item.data_at = packer.add_flat(rows, vals.dtype, rows.numel())
+        item.idx_at, item.runs_at = packer.add(idx), packer.add_flat(runs, torch.int32, item.u)
         return item
     pin = g.device.type == "cuda"
-    if runs is None:
+    if folded is None:
         item.data = staging.span(slot, ("rows", i), vals.numel(), vals.dtype, pin).view(vals.shape)
         item.data.copy_(vals)
     else:
-        item.data, item.runs = vals, runs
+        item.data, item.runs, item.u = folded
     item.idx = staging.span(slot, ("idx", i), idx.numel(), idx.dtype, pin)
     item.idx.copy_(idx.view(-1))
     return item
 
 
-def _fold(i: int, vals: torch.Tensor, staging: Staging, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(rows, run lengths)`` of a CPU sparse gradient's values whose equal adjacent rows fold to at
-    most ``FOLD_MAX_FRACTION`` of them, in this step's staging; else None (logged as they are)."""
-    if _FOLD is None or vals.device.type != "cpu" or vals.dim() < 2 or not vals.is_contiguous():
+def _fold(i: int, vals: torch.Tensor, staging: Staging, slot: int,
+          step: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(rows, run lengths, runs)`` of a CPU sparse gradient's values whose equal adjacent rows fold
+    to at most ``FOLD_MAX_FRACTION`` of them, in this step's staging (both 1-D); else None (logged
+    as they are). A parameter whose gradient did not fold 4 steps in a row is tried only every 8th
+    step after that (a token embedding's rows never repeat: the pass would only cost a copy).
+    Few torch calls: this runs per table and step on the training thread."""
+    shape = vals.shape
+    if (_FOLD is None or len(shape) < 2 or shape[0] < MIN_ROWS_FOR_SPARSE or shape[0] >= 2**31
+            or (staging.fold_streak.get(i, 0) >= 4 and step % 8) or vals.device.type != "cpu"
+            or not vals.is_contiguous()):
         return None
-    n = vals.shape[0]
-    cols = vals.numel() // n if n else 0
-    if n < MIN_ROWS_FOR_SPARSE or n >= 2**31 or not cols:
+    n, cols = shape[0], math.prod(shape[1:])
+    if not cols:
         return None
     limit = math.floor(FOLD_MAX_FRACTION * n)
-    rows = staging.span(slot, ("fold", i), limit * cols, vals.dtype, False)
-    runs = staging.span(slot, ("runs", i), limit, torch.int32, False)
-    u = _FOLD(vals.data_ptr(), n, cols * vals.element_size(), limit, rows.data_ptr(), runs.data_ptr())
-    if u < 0:
-        return None
-    return rows[:u * cols].view(u, *vals.shape[1:]), runs[:u]
+    rows, rows_at = staging.scratch(slot, ("fold", i), limit * cols, vals.dtype)
+    runs, runs_at = staging.scratch(slot, ("runs", i), limit, torch.int32)
+    u = _FOLD(vals.data_ptr(), n, cols * vals.itemsize, limit, rows_at, runs_at)
+    staging.fold_streak[i] = staging.fold_streak.get(i, 0) + 1 if u < 0 else 0
+    return None if u < 0 else (rows[:u * cols], runs[:u], u)
 
 
 def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: int,

@@ -99,17 +99,17 @@ def _hyper(v: Any) -> bool:
     return isinstance(v, _SCALAR)
 
 
-_FOLDED = {"u", "runs"}  # a sparse gradient's folded rows (``capture._fold``; version 4)
 _GRAD_KEYS = {"none": {"p", "k"}, "dense": {"p", "k", "dtype", "shape", "data"},
               "rows": {"p", "k", "dtype", "shape", "data", "idx", "n"},
               "sparse": {"p", "k", "dtype", "shape", "data", "idx", "n", "coalesced"}}
+_FOLDED = _GRAD_KEYS["sparse"] | {"u", "runs"}  # a folded sparse gradient (``capture._fold``; version 4)
 
 
 def check_grad(g: Any, what: str, payload: int, packs: dict[str, list[int]]) -> None:
     """One gradient entry: kind, shape, dtype, and its tensors inside ``payload`` bytes (a range) or
     inside one chunk of the pack of their dtype (``packs``: ``check_packs``)."""
     if not isinstance(g, dict) or not isinstance(g.get("k"), str) or g["k"] not in _GRAD_KEYS \
-            or set(g) not in (_GRAD_KEYS[g["k"]], _GRAD_KEYS[g["k"]] | _FOLDED if g["k"] == "sparse" else None):
+            or set(g) not in (_GRAD_KEYS[g["k"]], _FOLDED if g["k"] == "sparse" else None):
         raise StepLogFormatError(f"{what}: malformed gradient entry "
                                  f"(keys {sorted(g)[:10] if isinstance(g, dict) else str(g)[:40]})")
     what = f"{what}, param {str(g['p'])[:20]}"
