@@ -122,6 +122,23 @@ def require_quantizable(array: torch.Tensor, codec: str) -> None:
         raise ValueError(f"{codec}: expected a 2-D tensor, got shape {tuple(array.shape)}")
 
 
+def finite_encoding(stats: "EncodeStats", codec: str) -> "EncodeStats":
+    """``stats`` of an encoding whose reconstruction is finite; LossyRefusedError otherwise (a value
+    at the dtype's limit whose step or scale carries it past: stored lossless)."""
+    if not math.isfinite(stats.max_abs_error):
+        raise LossyRefusedError(f"{codec}: the quantized values would overflow their dtype")
+    return stats
+
+
+def finite_decoding(out: torch.Tensor, codec: str) -> torch.Tensor:
+    """``out`` of a lossy decode, which must be finite: encoders refuse inf/nan inputs and
+    reconstructions (``finite_encoding``), so inf or nan here comes from damaged or forged parameters
+    that are finite themselves (a step of 3e38). min/max expose both and are cheaper than isfinite."""
+    if out.numel() and not (math.isfinite(float(out.amin())) and math.isfinite(float(out.amax()))):
+        raise FormatError(f"{codec}: decodes to inf or nan (damaged or forged quantization parameters)")
+    return out
+
+
 def require_finite(values: torch.Tensor, codec: str) -> None:
     """LossyRefusedError if ``values`` holds inf/nan: the writer then stores the tensor lossless.
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, LossyRefusedError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, block_stats, bytes_to_uint8, check_shape,
-                      format_guard, require_finite, require_quantizable, tensor_bytes)
+                      finite_decoding, format_guard, require_finite, require_quantizable, tensor_bytes)
 from .base import ArrayCodec, EncodeStats, register
 
 _TARGETS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +55,14 @@ class CastCodec(ArrayCodec):
             low.copy_(ref)
             require_finite(low, f"{self.name} to {self.to} (overflow)")
             stats = stats.merge(block_stats(ref, low))
+        # One rounding costs at most eps/2 of each value (relative L2 too); values below the target's
+        # normal range lose more (fp16: |x| < 6.1e-5, flushed to 0 under 3e-8). A chunk they dominate
+        # (e.g. Adam's exp_avg_sq in fp16) is refused: stored lossless, with a warning.
+        if stats.sq_error_sum > (2 * torch.finfo(self.target).eps) ** 2 * stats.sq_ref_sum:
+            raise LossyRefusedError(f"{self.name} to {self.to}: values below its normal range "
+                                    f"({torch.finfo(self.target).tiny:.3g}) would lose their precision "
+                                    f"(relative error {(stats.sq_error_sum / stats.sq_ref_sum) ** 0.5:.3g}); "
+                                    "use bf16 or keep the tensor lossless")
         return tensor_bytes(out), stats
 
     def decode(self, data: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +73,7 @@ class CastCodec(ArrayCodec):
         if rows * cols == 0:
             return torch.empty((rows, cols), dtype=dtype)
         low = bytes_to_uint8(data).view(self.target).view(rows, cols)
-        return low.to(dtype).contiguous()
+        return finite_decoding(low.to(dtype).contiguous(), self.name)
 
     def encoded_itemsize(self, dtype: torch.dtype) -> int:
         return 2

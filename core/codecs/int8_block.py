@@ -21,7 +21,8 @@ import torch
 
 from ..errors import FormatError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, array_stats, as_stored, bytes_to_uint8,
-                      check_int, check_shape, compute_array, compute_dtype, format_guard,
+                      check_int, check_shape, compute_array, compute_dtype, finite_decoding,
+                      finite_encoding, format_guard,
                       require_finite_np, require_quantizable, round_directed_np)
 from .base import ArrayCodec, EncodeStats, register
 
@@ -69,7 +70,7 @@ class Int8BlockCodec(ArrayCodec):
             scales[a // self.block_size:a // self.block_size + s.size] = s
             codes[a:b] = c
             stats = stats.merge(array_stats(x[None], recon[None]))
-        return memoryview(out), stats
+        return memoryview(out), finite_encoding(stats, self.name)
 
     def _quantize(self, xc: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One piece of whole blocks (compute dtype) -> (int8 codes, float32 scales, values as
@@ -103,7 +104,7 @@ class Int8BlockCodec(ArrayCodec):
         for a, b in self._pieces(n):
             s = scales[a // self.block_size:-(-b // self.block_size)]
             out[a:b] = codes[a:b].to(cdt).mul(_expand(s.to(cdt), self.block_size, b - a)).to(dtype)
-        return out.view(rows, cols)
+        return finite_decoding(out.view(rows, cols), self.name)
 
     def encoded_itemsize(self, dtype: torch.dtype) -> int:
         return 1

@@ -39,6 +39,7 @@ import torch
 
 from ._common import array_stats, as_stored, compute_dtype, load_native, require_finite_np, round_directed_np
 from .base import EncodeStats
+from ..errors import LossyRefusedError
 
 GREEDY_BINS = 200
 """The search step is ``(max - min) / GREEDY_BINS`` (FBGEMM's default)."""
@@ -83,7 +84,18 @@ def stored_params(lo: np.ndarray, hi: np.ndarray, bits: int, sdt: np.dtype) -> t
     """
     q = (1 << bits) - 1
     m = round_directed_np(lo.astype(np.float64), sdt, up=False)
-    s = round_directed_np((hi.astype(np.float64) - m.astype(np.float64)) / q, sdt, up=True)
+    step = (hi.astype(np.float64) - m.astype(np.float64)) / q
+    s = round_directed_np(step, sdt, up=True)
+    # Rounding up moves a normal step by one ulp; a step below the dtype's normal range is rounded to
+    # a multiple of its smallest subnormal (2**-24 for fp16), so a row of values ~1e-8 would decode
+    # to its min. Refused where that makes the step (the error bound) 25% coarser *and* half a step
+    # more than 1/64 of the row's largest value (a one-value row of 2e-5 needs a step of ~1e-9 only
+    # to cover its min's rounding: 6e-8 is still 0.15% of it).
+    s64 = s.astype(np.float64)
+    coarse = s64 > 1.25 * step
+    if coarse.any() and (coarse & (s64 > 2.0 ** -5 * np.maximum(np.abs(lo), np.abs(hi)))).any():
+        raise LossyRefusedError(f"quantization steps underflow {np.dtype(sdt).name} (rows of values too small "
+                                "for it); use scale_dtype fp32")
     return m, s
 
 

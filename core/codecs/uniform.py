@@ -29,7 +29,8 @@ import torch
 
 from ..errors import FormatError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, bytes_to_uint8, check_int, check_shape,
-                      compute_array, format_guard, np_dtype, require_quantizable, scale_dtype)
+                      compute_array, finite_decoding, finite_encoding, format_guard, np_dtype,
+                      require_quantizable, scale_dtype)
 from .base import ArrayCodec, EncodeStats, register
 from .packing import GROUP_CODES, SUPPORTED_BITS, pack, packed_nbytes, unpack
 from .rowwise import dequantize_rows, quantize_rows
@@ -107,7 +108,7 @@ class UniformCodec(ArrayCodec):
             carry = stream[whole:]
         tail = pack(carry, self.bits)
         packed[pos:pos + tail.size] = tail
-        return memoryview(out), stats
+        return memoryview(out), finite_encoding(stats, self.name)
 
     def _encode_segment(self, x: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                           EncodeStats]:
@@ -148,7 +149,7 @@ class UniformCodec(ArrayCodec):
             codes = unpack(packed, self.bits, (j - i) * (b - a), start=i * cols + a)
             p0 = i * per_row + a // self._block(cols)
             self._decode_segment(torch.from_numpy(codes).view(j - i, b - a), mins, steps, p0, out[i:j, a:b])
-        return out
+        return finite_decoding(out, self.name)
 
     def _decode_segment(self, codes: torch.Tensor, mins: torch.Tensor, steps: torch.Tensor,
                         p0: int, out: torch.Tensor) -> None:

@@ -44,10 +44,13 @@ def join(root: str, rel: str) -> str:
 
 
 def parent(url: str) -> str:
-    """The directory of a path or URL (``memory://a/b`` -> ``memory://a``)."""
+    """The directory of a path or URL (``memory://a/b`` -> ``memory://a``; ``ckpt`` -> ``.``,
+    ``.`` -> ``..``: a relative local path of one component has a parent too)."""
     head = url.rstrip("/")
     scheme, sep, rest = head.rpartition("://")
-    if sep and "/" not in rest:
+    if not sep:
+        return os.path.normpath(os.path.join(head or "/", ".."))
+    if "/" not in rest:
         return head  # a bucket or filesystem root has no parent
     return head.rpartition("/")[0]
 

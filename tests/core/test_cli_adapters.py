@@ -243,3 +243,21 @@ def test_ls_dates_a_folder_with_a_damaged_index_by_its_file(capsys, accel_run) -
     bad, good = rows["checkpoint_1/"], rows["checkpoint_0/"]
     assert bad["mtime"] == bad["created"] == os.stat(index).st_mtime and bad["manifest_bytes"] == 40
     assert [r["name"] for r in data["checkpoints"]] == ["checkpoint_0/", "checkpoint_1/"] and good["created"] > 0
+
+
+@pytest.mark.parametrize("cwd, arg", [("checkpoints", "checkpoint_0/checkrun.ckpt"), ("checkpoints", "checkpoint_0"),
+                                      ("checkpoint_0", "checkrun.ckpt"), ("checkpoint_0", ".")])
+def test_a_relative_path_of_one_or_two_components_finds_the_parts(capsys, accel_run, monkeypatch, cwd, arg) -> None:
+    """From inside the checkpoints folder (or a checkpoint folder), a short relative path: the parts
+    were looked for at ``/.checkrun/parts`` (the parent of ``checkpoint_0`` was ``""``)."""
+    root, folders, _ = accel_run
+    monkeypatch.chdir(root if cwd == "checkpoints" else folders[0])
+    code, text = run(capsys, "verify", arg)
+    assert code == 0 and "1 intact, 0 corrupt" in text, text
+    code, text = run(capsys, "inspect", arg)
+    assert code == 0 and "parts       1: " in text and "tensors     " in text, text
+
+
+def test_parent_of_relative_and_remote_paths() -> None:
+    assert [composite.parent(p) for p in ("ckpt", ".", "..", "a/b/", "/a", "/", "s3://b", "s3://b/k/x")] == \
+        [".", "..", "../..", "a", "/", "/", "s3://b", "s3://b/k"]

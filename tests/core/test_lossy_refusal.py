@@ -37,6 +37,12 @@ def test_public_and_typed() -> None:
     (UniformCodec(4, scale_dtype="fp16"), torch.tensor([[-1e6, 1e6]])),  # a step fp16 cannot hold
     (Int8BlockCodec(64), torch.tensor([[0.0, float("-inf")]])),
     (CastCodec("float16"), torch.tensor([[1e6, 0.0]])),  # overflows float16
+    # values that underflow: found by a check of lossy saves (decoded to all zeros, no warning)
+    (UniformCodec(4, scale_dtype="fp16"), torch.randn(20, 16, generator=torch.Generator().manual_seed(0)) * 1e-8),
+    (UniformCodec(4, scale_dtype="fp16", greedy=False), torch.tensor([[1e-7, 2e-7, 3e-7]])),
+    (UniformCodec(4, scale_dtype="fp16"), torch.full((4, 16), 1e-9)),  # its min is not an fp16 value
+    (CastCodec("float16"), torch.rand(8, 64, generator=torch.Generator().manual_seed(0)) * 1e-20),  # exp_avg_sq
+    (CastCodec("float16"), torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 1e-6),  # subnormal
 ])
 def test_codecs_refuse_with_the_typed_error(codec, values) -> None:
     with pytest.raises(LossyRefusedError):
@@ -92,3 +98,44 @@ def test_dcp_refusal_is_lossless_and_a_codec_bug_fails_the_save(tmp_path, monkey
     with pytest.raises(CheckpointException, match="codec bug"):
         cdcp.save(_state(), str(tmp_path / "b.dcp"), config=CONFIG)
     assert not (tmp_path / "b.dcp").exists()
+
+
+@pytest.mark.parametrize("codec, values", [
+    (UniformCodec(4, scale_dtype="fp16"), torch.randn(20, 16, generator=torch.Generator().manual_seed(0)) * 1e-3),
+    (UniformCodec(4, scale_dtype="fp32"), torch.randn(20, 16, generator=torch.Generator().manual_seed(0)) * 1e-8),
+    (UniformCodec(4, scale_dtype="fp16"), torch.full((4, 16), 0.5)),  # constant rows: step 0, exact
+    (CastCodec("float16"), torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 0.02),  # weights
+    (CastCodec("bfloat16"), torch.rand(8, 64, generator=torch.Generator().manual_seed(0)) * 1e-20),
+])
+def test_small_but_representable_values_are_still_quantized(codec, values) -> None:
+    data, stats = codec.encode(values)
+    back = codec.decode(data, tuple(values.shape), values.dtype)
+    assert float((back - values).norm()) <= 0.1 * float(values.norm())
+
+
+@pytest.mark.parametrize("codec", [UniformCodec(4, scale_dtype="fp16"), UniformCodec(4, scale_dtype="fp32"),
+                                   Int8BlockCodec(16)])
+def test_finite_but_forged_parameters_that_decode_to_inf_are_refused(codec) -> None:
+    """Checksums are recomputed by a forger: a step (or scale) of 3e38 / 65504 is finite and
+    non-negative, yet ``q * s + m`` overflows. Found by a check of lossy saves (loaded with inf
+    values; verify said ok)."""
+    values = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).half()
+    data = bytearray(codec.encode(values)[0])
+    if isinstance(codec, Int8BlockCodec):
+        torch.frombuffer(data, dtype=torch.float32, count=4)[:] = 3e38
+    else:
+        _, steps = codec.params(bytes(data), (4, 16))
+        sdt = steps.dtype
+        size = steps.numel() * steps.element_size()
+        torch.frombuffer(data, dtype=sdt, count=steps.numel(), offset=size)[:] = torch.finfo(sdt).max
+    with pytest.raises(ckpt_core.errors.FormatError, match="decodes to inf or nan"):
+        codec.decode(bytes(data), (4, 16), torch.float16)
+
+
+def test_an_encoding_whose_reconstruction_overflows_is_refused() -> None:
+    from ckpt_core.codecs._common import finite_encoding
+    from ckpt_core.codecs.base import EncodeStats
+
+    with pytest.raises(LossyRefusedError, match="overflow"):
+        finite_encoding(EncodeStats(float("inf"), 0.0, 1.0), "uniform")
+    assert finite_encoding(EncodeStats(0.5, 1.0, 2.0), "uniform").max_abs_error == 0.5

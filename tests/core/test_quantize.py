@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ckpt_core.codecs import CastCodec, Int8BlockCodec, UniformCodec
 from ckpt_core.codecs.packing import SUPPORTED_BITS, pack, packed_nbytes, unpack
+from ckpt_core.errors import LossyRefusedError
 
 BITS = [2, 3, 4, 8]
 
@@ -31,7 +32,7 @@ def sample(kind: str, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
         x = torch.sign(x) * torch.log1p(torch.rand(shape, generator=g) * 1e4)
     elif kind == "offset":      # large offset, small range: needs the outward rounding of fp16 params
         x = 1000.0 + x * 1e-2
-    elif kind == "tiny":        # scales near/below fp16's smallest subnormal
+    elif kind == "tiny":        # steps below fp16's smallest subnormal
         x = x * 1e-7
     elif kind == "rows":        # each row its own magnitude
         x = x * torch.logspace(-3, 3, shape[0])[:, None]
@@ -80,7 +81,11 @@ def test_pack_masks_stray_high_bits():
 def test_uniform_plain_error_is_at_most_half_a_stored_step(shape, block, kind, bits, scale_dtype):
     x = sample(kind, shape)
     codec = UniformCodec(bits, block, scale_dtype, greedy=False)
-    data, stats = codec.encode(x)
+    try:
+        data, stats = codec.encode(x)
+    except LossyRefusedError as exc:  # steps fp16 can only round up to 6e-8 (most "tiny" cases): lossless
+        assert kind == "tiny" and scale_dtype == "fp16" and "underflow" in str(exc)
+        return
     y = codec.decode(data, shape, torch.float32)
     mins, steps = codec.params(bytes(data), shape)
     assert len(bytes(data)) == 2 * mins.numel() * mins.element_size() + packed_nbytes(x.numel(), bits)
