@@ -28,8 +28,10 @@ import logging
 import warnings
 from typing import Any
 
+import torch
+
 from ckpt_core import CheckpointEngine, CheckrunError
-from ckpt_core.steplog import NoMarkerError
+from ckpt_core.steplog import NoMarkerError, warn_forward_state
 from ckpt_core.format.composite import parent
 
 log = logging.getLogger("accelerate_ckpt")
@@ -121,6 +123,8 @@ class AccelerateStepLog:
         finally:
             self._replaying = False
         self.replayed_steps = replayed
+        models = [self.accelerator.unwrap_model(m) for m in self.accelerator._models]
+        warn_forward_state(models[0] if len(models) == 1 else torch.nn.ModuleList(models), replayed, part_url)
         self.optimizer_steps = int((saved or {}).get("optimizer_steps", 0)) + replayed
         if self.rank == 0:
             self._open(directory, optimizer, scheduler)

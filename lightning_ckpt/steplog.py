@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ckpt_core import CheckpointEngine, CheckrunError
-from ckpt_core.steplog import NoMarkerError
+from ckpt_core.steplog import NoMarkerError, warn_forward_state
 
 from .config import LAST_PATTERN
 from .paths import is_remote, local_path, parent_dir
@@ -194,6 +194,7 @@ class LightningStepLog:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
                           stacklevel=2)
         self.replayed_steps = steps
+        warn_forward_state(trainer.lightning_module, steps, url)
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)

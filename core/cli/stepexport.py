@@ -94,7 +94,7 @@ def choose_start(ctx: Context, src: str, step: int) -> tuple[Any, Any, LogIndex,
         raise CliError(f"{directory}: has no step log ({segs.url('')}); --step needs one")
     index, cache, best, reach = read_index(segs), {}, None, []
     for e in entries:
-        marker = find_marker(index, e.name, e.manifest.commit)
+        marker = find_marker(index, e.name, e.manifest.commit, strict=True)
         if marker is None or marker.step > step:
             continue
         chain = chain_of(index, marker)

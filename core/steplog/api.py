@@ -30,10 +30,16 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
                            "(fused=True) when a GradScaler drives it; the log records gradients as step() receives "
                            "them, so it cannot replay that: use the optimizer without fused=True")
     store = engine._dir_store(directory, storage_options)
+    logs = engine.__dict__.setdefault("_steplogs", [])
+    other = next((lg for lg in logs if not lg._stop.is_set() and lg.store.url("") == store.url("")
+                  and lg.optimizer is not optimizer), None)
+    if other is not None:  # a save would mark both logs; replay could not tell whose steps are whose
+        raise StepLogError(f"step log of {store.url('')}: a log of another optimizer "
+                           f"({type(other.optimizer).__name__}) is open in this directory; one step log per "
+                           "directory: close it first, or log one optimizer per checkpoint directory")
     resume = engine.__dict__.setdefault("_steplog_resume", {}).get(store.url(""))
     slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model,
                    counters=counters)
-    logs = engine.__dict__.setdefault("_steplogs", [])
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
     return slog
 
@@ -66,7 +72,7 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
     if after is not None:
         name = os.fspath(after).replace("\\", "/").rstrip("/").rpartition("/")[2]
         manifest = engine.read_manifest(store.url(name), storage_options)
-        marker = find_marker(index, name, manifest.commit)
+        marker = find_marker(index, name, manifest.commit, strict=True)
         if marker is None:
             raise NoMarkerError(f"the step log of {store.url('')} has no marker for checkpoint {store.url(name)} "
                                "(saved by another engine, or before engine.step_log was called)")
@@ -74,7 +80,7 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
     for entry in reversed(engine.list(store.url(""), storage_options)):
         if entry.manifest is None:
             continue
-        marker = find_marker(index, entry.name, entry.manifest.commit)
+        marker = find_marker(index, entry.name, entry.manifest.commit, strict=True)
         if marker is not None:
             return marker
     raise CheckpointNotFoundError(f"{store.url('')}: no committed checkpoint that the step log marks")

@@ -46,12 +46,17 @@ class Position:
     """The logged counters of the last state record applied (``step_log(counters=)``), if any."""
 
 
-def find_marker(index: LogIndex, name: str, commit: dict | None) -> Marker | None:
+def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
     """The marker of checkpoint ``name`` whose commit stamp is ``commit`` (the manifest's); for a
-    manifest without a stamp, the newest marker of that name."""
+    manifest without a stamp, the newest marker of that name. ``strict`` (a replay): StepLogError
+    when one save is marked by several runs (logs of two optimizers in one directory)."""
     same = [m for m in index.markers if m.checkpoint == name]
     if commit is not None:
         same = [m for m in same if m.commit == commit]
+        if strict and len({m.run for m in same}) > 1:  # one save, two logs open in the directory (two optimizers)
+            raise StepLogError(f"checkpoint {name} is marked by {len({m.run for m in same})} step-log runs at once "
+                               "(two logs, e.g. of two optimizers, were open in its directory): replay cannot "
+                               "tell which one is this optimizer's; log one optimizer per directory")
     return max(same, key=lambda m: (index.runs[m.run].created if m.run in index.runs else 0.0, m.event),
                default=None)
 
@@ -320,3 +325,26 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def forward_state(model: Any) -> list[str]:
+    """Names of the buffers of ``model`` that its forward pass updates in training (running statistics
+    of BatchNorm/InstanceNorm layers that track them): a replay leaves them at the checkpoint's values."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [f"{name}.{b}" if name else b for name, m in model.named_modules()
+            if isinstance(m, _NormBase) and m.track_running_stats for b, t in m.named_buffers(recurse=False)
+            if t is not None]
+
+
+def warn_forward_state(model: Any, replayed: int, checkpoint: str) -> None:
+    """After ``replayed`` > 0 steps into ``model``: warn if it has ``forward_state`` buffers."""
+    names = forward_state(model) if replayed else []
+    if names:
+        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}; the running statistics of "
+                      f"{len(names)} buffer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) are "
+                      "those of the checkpoint: the step log replays optimizer steps, not forward passes",
+                      RuntimeWarning, stacklevel=3)
+
