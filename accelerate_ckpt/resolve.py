@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import ckpt_core
 from ckpt_core import CheckpointEngine, CheckpointNotFoundError, CheckrunError
+from ckpt_core.errors import StorageError
+from ckpt_core.loading.reader import require_readable
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight
 from ckpt_core.storage.store import Store
@@ -49,15 +51,15 @@ def newest(engine: CheckpointEngine, root: str, storage_options: dict | None) ->
     root = layout.normalize(root)
     inflight.wait_under(composite.dir_url(root, storage_options, engine.config))
     entries = layout.list_checkpoints(engine, root, storage_options)
-    for e in entries:
-        if e.manifest is None:
-            log.warning("accelerate_ckpt: skipping unreadable checkpoint %s: %s", e.url, e.error)
-    good = [e for e in entries if e.manifest is not None]
-    if not good:
+    if not any(e.manifest is not None for e in entries):
         raise CheckpointNotFoundError(f"no committed checkpoint in {root} (looked for folders holding "
                                       f"{INDEX_NAME} and for earlier releases' index files)")
+    for e in entries:  # an index the storage failed to return may be the newest: never resume an older one
+        require_readable(e.unreadable, e.url, e.error)
+        if e.manifest is None:
+            log.warning("accelerate_ckpt: skipping unreadable checkpoint %s: %s", e.url, e.error)
     sizes: dict[str, dict[str, int]] = {}
-    for e in reversed(good):
+    for e in reversed([e for e in entries if e.manifest is not None]):
         problem = _part_problem(engine, e.url, e.index, storage_options, sizes)
         if problem is None:
             return e.url
@@ -82,6 +84,8 @@ def _part_problem(engine: CheckpointEngine, url: str, index: dict | None, storag
             for b in manifest.blobs():
                 if have.get(b.key) != b.size:
                     return f"missing or truncated blob {store.blob_path(b.key)} (part {part})"
+    except StorageError:
+        raise  # the storage failed, not the checkpoint: never resume an older one for it (as engine.latest)
     except CheckrunError as exc:
         return str(exc)
     return None

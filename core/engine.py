@@ -30,7 +30,7 @@ from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
 from .loading.references import ReferenceBuild, supersede
 from .loading.reader import (
-    VerifyReport, load_manifest_state, map_location_tensor, read_manifest, verify_manifest)
+    VerifyReport, load_manifest_state, map_location_tensor, read_manifest, require_readable, verify_manifest)
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
@@ -158,22 +158,22 @@ class CheckpointEngine:
         store.delete_manifest(name)
 
     def latest(self, directory: PathLike, storage_options: dict | None = None, verify: bool = True) -> str | None:
-        """Newest committed checkpoint in ``directory`` that verifies, or None.
-
-        ``verify=True`` checks every blob's checksum (reads the checkpoint once); ``verify=False``
-        only checks that every blob exists with its size. A bad candidate is skipped with a warning
-        naming it, and the next older one is tried."""
+        """Newest committed checkpoint in ``directory`` that verifies, or None. ``verify=True`` checks
+        every blob's checksum (reads it once), ``False`` each blob's size. A corrupt candidate is skipped
+        with a warning naming it; one the storage fails to return raises ``StorageError``."""
         self._check_open()
         store = self._dir_store(directory, storage_options)
         self._wait_dir(store)
         sizes = None
         for entry in reversed(list_checkpoints(store, self.config)):
             if entry.manifest is None:
+                require_readable(entry.unreadable, entry.url, entry.error)
                 log.warning("checkrun: skipping corrupt checkpoint %s: %s", entry.url, entry.error)
                 continue
             if verify:
                 report = verify_manifest(store, entry.name, self.config, decode=False)
                 problems = report.problems
+                require_readable(report.unreadable, entry.url, problems[0] if problems else "")
             else:
                 sizes = sizes if sizes is not None else {b.key: b.size for b in store.list_blobs()}
                 problems = [f"missing or truncated blob {store.blob_path(b.key)}"

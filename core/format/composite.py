@@ -122,6 +122,8 @@ class Composite:
     manifest: Manifest | None
     index: dict | None
     error: str | None = None
+    unreadable: bool = False
+    """``error`` is the storage's (a ``StorageError`` after retries): the index may be intact."""
 
     @property
     def created(self) -> float:

@@ -17,7 +17,7 @@ import torch
 
 from ..codecs import Pipeline
 from ..config import EngineConfig
-from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError
+from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
 from ..format.objects import deserialize_object, object_load_bytes
@@ -275,10 +275,21 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     blobs_checked: int = 0
     bytes_checked: int = 0
+    unreadable: bool = False
+    """Some problem is the storage's (a ``StorageError`` after retries): the checkpoint may be intact."""
 
-    def add(self, problem: str) -> None:
+    def add(self, problem: str, unreadable: bool = False) -> None:
         self.ok = False
         self.problems.append(problem)
+        self.unreadable = self.unreadable or unreadable
+
+
+def require_readable(unreadable: bool, url: str, error: str | None) -> None:
+    """``latest`` skips a corrupt checkpoint, never one the storage failed to return: a resume would
+    silently go back to an older one (and its saves overwrite the newer)."""
+    if unreadable:
+        raise StorageError(f"{url}: cannot read it ({error}); not skipping it for an older checkpoint: "
+                           "retry when the storage answers")
 
 
 def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,
@@ -288,18 +299,18 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     try:
         manifest = read_manifest(store, name, config)
     except CheckrunError as exc:
-        report.add(str(exc))
+        report.add(str(exc), isinstance(exc, StorageError))
         return report
     # Every distinct reference, not one per key: references to one blob that disagree (size or
     # checksum) cannot all match it, so such a manifest fails.
     unique = list(dict.fromkeys(manifest.blobs()))
 
-    def check(ref: BlobRef) -> str | None:
+    def check(ref: BlobRef) -> CheckrunError | None:
         try:
             fetch_blob(store, ref)
             return None
         except CheckrunError as exc:
-            return str(exc)
+            return exc
         finally:
             if progress is not None:
                 progress(ref.size)
@@ -308,7 +319,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         report.blobs_checked += 1
         report.bytes_checked += ref.size
         if problem:
-            report.add(problem)
+            report.add(str(problem), isinstance(problem, StorageError))
     if not report.ok and (hint := _copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
@@ -316,7 +327,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             check_structure(manifest, report.path)
             load_tensors(store, manifest, report.path, max_total_bytes=config.load.max_total_bytes)
         except CheckrunError as exc:
-            report.add(str(exc))
+            report.add(str(exc), isinstance(exc, StorageError))
     return report
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError
+from ..errors import CheckpointNotFoundError, CheckrunError, StorageError
 from ..format import composite
 from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, index_of, join
 from ..loading.reader import read_manifest
@@ -218,7 +218,7 @@ def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | 
     except CheckpointNotFoundError:
         return None  # a folder without an index: a save in flight, one that crashed, or not ours
     except CheckrunError as exc:
-        return Composite(name, url, sub.url(""), None, None, str(exc))
+        return Composite(name, url, sub.url(""), None, None, str(exc), isinstance(exc, StorageError))
     if index is None:
         return None
     return Composite(name, url, sub.url(""), manifest, index)

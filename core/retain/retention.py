@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..storage import owner
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError
+from ..errors import CheckpointNotFoundError, CheckrunError, StorageError
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
 from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
@@ -43,6 +43,8 @@ class CheckpointEntry:
     size: int
     manifest: Manifest | None
     error: str | None = None
+    unreadable: bool = False
+    """``error`` is the storage's (a ``StorageError`` after retries), not the file's: it may be intact."""
 
     @property
     def created(self) -> float:
@@ -68,7 +70,8 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
         except CheckrunError as exc:
             # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
-            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc),
+                                   isinstance(exc, StorageError))
         if not is_manifest_head(head):
             if not looks_damaged(head):
                 return None  # another file (a torch checkpoint, the user's notes)
@@ -85,7 +88,8 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             log.debug("checkrun: %s was removed while listing", store.url(info.name))
             return None
         except CheckrunError as exc:
-            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc))
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc),
+                                   isinstance(exc, StorageError))
 
     for entry in store.map(read, files):
         if entry is not None:
@@ -254,6 +258,15 @@ def _delete_in_rounds(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Co
         if not left:
             return deleted, []
         if len(left) == len(victims):
+            if gc.window >= gc.lease_seconds / 4:
+                # Nothing deleted in the widest window: reading the state (every manifest) takes longer
+                # than a round may last. Stop; the blobs are left for a later collection (they cost
+                # space, never data), instead of looping for ever (a commit's collection held the
+                # coordinator, and training's next save waited on it).
+                log.warning("checkrun: gc in %s stopped: reading its state took longer than a deletion window "
+                            "(%.0f s); %d unreferenced blob(s) left for a later collection", report.directory,
+                            gc.window, len(left))
+                return deleted, left
             gc.widen()
         gc.begin_round()
         state = _read_state(store, config, ldir, gc, report)

@@ -50,6 +50,8 @@ def _optional_transient_types() -> tuple[type, ...]:
         # HTTPClientError: ReadTimeoutError, ConnectionClosedError, ResponseStreamingError;
         # botocore's own ConnectionError: EndpointConnectionError, ConnectTimeoutError.
         types += [bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError]
+        # a response body whose checksum (x-amz-checksum-*) fails: damaged in transit, read again
+        types += [getattr(bex, name) for name in ("FlexibleChecksumError", "ChecksumError") if hasattr(bex, name)]
     except ImportError:
         pass
     try:

@@ -453,3 +453,37 @@ def test_a_commit_paused_past_its_lease_whose_blob_was_collected_is_not_reported
         lapsed.clear()
         assert not (tmp_path / "step2.ckpt").exists()
         assert engine.verify(tmp_path / "step1.ckpt").ok and engine.latest(tmp_path).endswith("step1.ckpt")
+
+
+def test_a_collection_whose_rounds_never_fit_the_window_stops_and_leaves_the_blobs(tmp_path, monkeypatch):
+    """Reading a directory's manifests took longer than the widest deletion window (1 s per S3 GET,
+    160 manifests): every round deleted nothing and read the state again, for ever, and the
+    collection after a commit held the coordinator so training's next save waited (found by a fault
+    proxy). Now it stops once the widest window deleted nothing; the blobs are reported pending."""
+    import threading
+
+    from ckpt_core.retain.leases import Collection, WindowClosed
+
+    rounds = []
+
+    def closed(self):
+        rounds.append(self.window)
+        raise WindowClosed("the collection round's deletion window ended")
+
+    root = str(tmp_path / "run")
+    with CheckpointEngine({"retention": {"lease_seconds": 60}}) as engine:
+        engine.save({"w": torch.ones(64, 64)}, f"{root}/a.ckpt").result()
+        engine.save({"w": torch.zeros(64, 64)}, f"{root}/b.ckpt").result()
+        os.remove(f"{root}/a.ckpt")  # by hand: its blob is unreferenced
+        monkeypatch.setattr(Collection, "guard", closed)
+        out = []
+        worker = threading.Thread(target=lambda: out.append(engine.gc(root)), daemon=True)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "gc looped for ever"
+        report = out[0]
+        assert report.deleted == [] and len(report.pending) == 1
+        assert rounds == [3.0, 6.0, 12.0, 15.0]  # each window doubled up to lease_seconds / 4; stopped after it
+    monkeypatch.undo()
+    with CheckpointEngine() as engine:
+        assert len(engine.gc(root).deleted) == 1

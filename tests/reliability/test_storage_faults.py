@@ -470,3 +470,25 @@ def test_a_temp_file_taken_before_its_rename_is_written_again(tmp_path, kind, ca
         assert_same(engine.load(f"{root}/a.ckpt"), make_state(1))
         assert engine.verify(f"{root}/a.ckpt").ok
     assert any("its temp file was deleted before the rename" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind", ["blob", "manifest"])
+def test_latest_raises_when_the_storage_fails_rather_than_resume_an_older_checkpoint(tmp_path, sleeps, kind):
+    """Reads that fail after every retry (an outage, S3 503s) made ``latest`` skip the newest
+    checkpoint as corrupt: a resume went back to an older one, or started fresh (None), and its
+    saves overwrote the newer ones (found by a fault program on S3). Corrupt ones are still skipped."""
+    from ckpt_core.testing.faults import transient_error
+
+    root = f"faultfile://{tmp_path}/run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(0), f"{root}/a.ckpt").result()
+        engine.save(make_state(1), f"{root}/b.ckpt").result()
+        FaultFS.policy = Permanent(transient_error(0), ops=("read",), kind=kind)
+        try:
+            with pytest.raises(StorageError, match="cannot read it .*not skipping it for an older checkpoint"):
+                engine.latest(root)
+        finally:
+            FaultFS.policy = None
+        assert engine.latest(root) == f"{root}/b.ckpt"
+        (tmp_path / "run" / "b.ckpt").write_bytes(b"CKRN" + b"\0" * 60)  # corrupt: skipped, as ever
+        assert engine.latest(root) == f"{root}/a.ckpt"
