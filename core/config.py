@@ -234,7 +234,10 @@ class EngineConfig:
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
         if section is not None:
-            data = data.get(section) or {}
+            if not isinstance(data, dict) or section not in data:  # a typo must not silently mean "defaults"
+                keys = sorted(map(str, data))[:10] if isinstance(data, dict) else []
+                raise ConfigError(f"{path}: no top-level section {section!r} (it has {keys})")
+            data = data[section] or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         try:

@@ -186,6 +186,8 @@ def _context(args: argparse.Namespace) -> Context:
     from ..engine import CheckpointEngine
 
     cli_opts = parse_storage_options(args.storage_option, args.endpoint_url)
+    if args.config_section and not args.config:
+        raise CliError("--config-section needs --config FILE", EXIT_USAGE)
     config = (EngineConfig.from_yaml(args.config, section=args.config_section) if args.config
               else EngineConfig())
     from ..storage.options import merge_options

@@ -14,6 +14,7 @@ as are the keys ``2`` and ``"2"``. Names that would read the same are shown as s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +71,17 @@ def _leaf(prefix: str, keys: tuple) -> Leaf:
     return (prefix,) + tuple((type(k).__name__, safe_repr(k)) for k in keys)
 
 
+@dataclass(frozen=True)
+class Pickled:
+    """A pickled value, compared by its content-addressed blob (never unpickled by ``diff``)."""
+
+    type: str
+    blob: str
+
+    def __repr__(self) -> str:
+        return f"<pickled {self.type}, blob {self.blob[:12]}>"
+
+
 def _leaves(view: View) -> tuple[dict[Leaf, tuple], dict[Leaf, tuple]]:
     """(tensor records, plain values) of a view by leaf identity, each as ``(prefix, keys, item)``;
     a tensor tied to several paths is counted once, at its first path (as ``flatten`` does)."""
@@ -81,6 +93,8 @@ def _leaves(view: View) -> tuple[dict[Leaf, tuple], dict[Leaf, tuple]]:
         for node in walk(manifest, url, collapse=0):
             if node.kind == "value":
                 values[_leaf(prefix, node.keys)] = (prefix, node.keys, node.value)
+            elif node.kind == "object" and node.record is not None:  # pickled: equal iff its blob is
+                values[_leaf(prefix, node.keys)] = (prefix, node.keys, Pickled(node.record.type, node.record.blob.key))
             elif node.kind == "tensor" and node.record is not None and prefix != "checkpoint.":
                 if id(node.record) not in seen:
                     seen.add(id(node.record))

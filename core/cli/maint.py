@@ -95,7 +95,7 @@ def cmd_gc(ctx: Context) -> int:
         raise CliError(f"{args.directory}: is a file; `checkrun gc` takes a checkpoint directory", 2)
     if kind == "missing":
         raise CliError(f"{args.directory}: no such directory")
-    if args.grace is not None and args.grace < 0:
+    if args.grace is not None and not args.grace >= 0:  # nan too
         raise CliError("--grace must be >= 0 seconds", 2)
     grace = ctx.engine.config.retention.gc_grace_seconds if args.grace is None else args.grace
     directory, orphans = args.directory, _orphaned_parts(ctx, args.directory, grace)

@@ -107,7 +107,8 @@ def chain_steps(segs: Store, chain: Chain, cache: dict) -> tuple[int, int, str |
                 cache[seg.name] = exc
         header = cache[seg.name]
         if isinstance(header, BaseException):
-            return count, last, f"{segs.url(seg.name)}: {one_line(header)}"
+            text = one_line(header)  # damage messages name the segment already
+            return count, last, text if segs.url(seg.name) in text else f"{segs.url(seg.name)}: {text}"
         for ev in header["events"][first - seg.lo - 1:end - seg.lo]:
             if ev["kind"] == "step":
                 count, last = count + 1, ev["step"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import units as _units
+from ..storage.retry import call_with_retry
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -101,7 +102,8 @@ class Context:
         fs, path = self.fs(url)
         try:
             fs.invalidate_cache(path)
-            info = fs.info(path)
+            info = call_with_retry(lambda: fs.info(path), config=self.engine.config.storage.retry,
+                                   what=f"look at {url}")
         except FileNotFoundError:
             return "missing"
         except OSError as exc:

@@ -53,6 +53,39 @@ def test_diff_pairs_leaves_by_their_real_path_not_their_dotted_name(capsys, tmp_
     assert code == 0 and re.search(r"^m\.w\s+same", out, re.M), out
 
 
+def test_diff_compares_pickled_values_by_their_blob(capsys, tmp_path):
+    """Pickled values (a Counter, a set; every non-tensor of a DCP checkpoint) were left out of diff:
+    ``--exit-code`` said identical when they changed or went (found by a check of the CLI)."""
+    from collections import Counter
+
+    ckpt_core.save({"w": torch.ones(3), "c": Counter(a=1), "s": {1, 2}, "k": Counter(b=1)}, tmp_path / "A.ckpt")
+    ckpt_core.save({"w": torch.ones(3), "c": Counter(a=2), "k": Counter(b=1)}, tmp_path / "B.ckpt")
+    code, out, _ = run(capsys, "diff", str(tmp_path / "A.ckpt"), str(tmp_path / "B.ckpt"), "--exit-code")
+    assert code == 1, out
+    assert re.search(r"^c\s+changed\s+<pickled collections.Counter", out, re.M), out
+    assert re.search(r"^s\s+removed\s+<pickled builtins.set", out, re.M) and not re.search(r"^k\s", out, re.M), out
+    code, data = run_json(capsys, "diff", str(tmp_path / "A.ckpt"), str(tmp_path / "B.ckpt"))
+    assert {v["key"]: v["status"] for v in data["values"]} == {"c": "changed", "s": "removed"}
+
+
+def test_config_section_typo_and_nan_grace_are_usage_errors(capsys, tmp_path):
+    """A misspelt ``--config-section`` silently used the defaults (a gc grace of 3600 s became 0);
+    ``--grace nan`` passed (found by a check of the CLI)."""
+    ckpt_core.save({"w": torch.ones(3)}, tmp_path / "run" / "a.ckpt")
+    (tmp_path / "c.yaml").write_text("checkpointing:\n  retention:\n    gc_grace_seconds: 3600\n")
+    root = str(tmp_path / "run")
+    code, _, err = run(capsys, "gc", root, "--dry-run", "--config", str(tmp_path / "c.yaml"),
+                       "--config-section", "checkpointng")
+    assert code == 2 and "no top-level section 'checkpointng'" in err and "checkpointing" in err, err
+    code, _, err = run(capsys, "gc", root, "--dry-run", "--config-section", "checkpointing")
+    assert code == 2 and "--config-section needs --config" in err, err
+    code, _, err = run(capsys, "gc", root, "--dry-run", "--grace", "nan")
+    assert code == 2 and "--grace must be >= 0" in err, err
+    code, out, _ = run(capsys, "gc", root, "--dry-run", "--config", str(tmp_path / "c.yaml"),
+                       "--config-section", "checkpointing")
+    assert code == 0, out
+
+
 # ----------------------------------------------------------------------------- control characters
 
 

@@ -113,6 +113,7 @@ def test_ls_names_a_segment_whose_header_is_gone(logged, capsys):
     code, doc = _json(capsys, "ls", logged)
     (row,) = doc["checkpoints"]
     assert row["logged_through_step"] < STEPS and last.name in row["step_log_problem"]
+    assert row["step_log_problem"].count(last.name) == 1, row["step_log_problem"]  # was named twice
 
 
 # ----------------------------------------------------------------------------- inspect
