@@ -101,7 +101,11 @@ def _check_rel(rel: str, where: str) -> None:
 
 
 def part_urls(index_url: str, index: dict) -> list[str]:
-    """Absolute paths/URLs of an index's parts (checked by ``check_index``)."""
+    """Absolute paths/URLs of an index's parts (checked by ``check_index``). A local index is taken
+    where it really is: its parts are beside the real folder, not beside a symlink to it (``best ->
+    checkpoints/checkpoint_3``), as the OS resolves ``best/../x``."""
+    if "://" not in index_url:
+        index_url = os.path.realpath(index_url)
     base = parent(index_url)
     out = []
     for rel in index["parts"]:

@@ -212,6 +212,27 @@ def test_a_checkpoint_folder_copied_alone_fails_saying_where_its_parts_are(tmp_p
     ckpt.close()
 
 
+@pytest.mark.parametrize("relative", [False, True])
+def test_a_symlink_to_a_checkpoint_folder_loads_like_the_folder(tmp_path: Path, make_setup, monkeypatch,
+                                                               relative) -> None:
+    """``best -> proj/checkpoints/checkpoint_0`` (a common habit; stock accelerate loads through it):
+    the parts were looked for beside the link ("was the folder copied or moved alone?"). Found by a
+    check of Accelerate usage."""
+    acc, model, *_ = make_setup(tmp_path / "proj")
+    ckpt = attach(acc)
+    folder = acc.save_state()
+    ckpt.wait()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    monkeypatch.chdir(tmp_path)
+    os.symlink(os.path.relpath(folder, tmp_path) if relative else folder, tmp_path / "best")
+    acc.load_state("best")
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    ckpt.close()
+
+
 def _names(directory: str) -> list[str]:
     """Names of the committed checkpoints (folders) in ``directory``, by name."""
     return sorted(e.name for e in list_in(directory, None, ckpt_core.EngineConfig())
