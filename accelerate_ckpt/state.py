@@ -81,6 +81,42 @@ def track_epoch_starts(accelerator: Any) -> None:
     add = getattr(gradient_state, "_add_dataloader", None)
     if add is not None and not isinstance(add, _EpochStarts):
         gradient_state._add_dataloader = _EpochStarts(add)  # the shared state of every GradientState
+    remove = getattr(gradient_state, "_remove_dataloader", None)
+    if remove is not None and not isinstance(remove, _EpochEnds):
+        gradient_state._remove_dataloader = _EpochEnds(remove)
+
+
+#: Prepared dataloaders a load put back inside an epoch (saved mid-epoch): until a copy of one
+#: (``skip_first_batches``) finishes that epoch, the original's epoch counter stays at it.
+_RESUMED_MID_EPOCH: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class _EpochEnds:
+    """``GradientState._remove_dataloader`` (called as a dataloader's epoch ends) advancing the epoch
+    counter of the original of a ``skip_first_batches`` copy that finished the resumed epoch: the copy
+    counts it, the original did not, and its next epoch called ``set_epoch`` with the finished epoch
+    again (a ``SeedableRandomSampler`` then repeated that epoch's order; ``dataset.set_epoch`` too)."""
+
+    def __init__(self, remove: Any) -> None:
+        self.remove = remove
+
+    def __call__(self, dataloader: Any) -> Any:
+        done = getattr(dataloader, "iteration", None)
+        for original in list(_RESUMED_MID_EPOCH) if getattr(dataloader, "end_of_dataloader", False) else ():
+            if original is not dataloader and isinstance(done, int) and _shares_order(original, dataloader) \
+                    and getattr(original, "iteration", done) == done - 1:
+                original.iteration = done
+                _RESUMED_MID_EPOCH.discard(original)
+        return self.remove(dataloader)
+
+
+def _shares_order(a: Any, b: Any) -> bool:
+    """Whether two dataloaders draw their order from one sampler generator or seedable sampler."""
+    gen = getattr(a, "synchronized_generator", None)
+    if gen is not None and gen is getattr(b, "synchronized_generator", None):
+        return True
+    sampler = _seedable_sampler(a)
+    return sampler is not None and sampler is _seedable_sampler(b)
 
 
 class _EpochStarts:
@@ -220,6 +256,11 @@ def _seedable_sampler(dl: Any) -> Any:
     except ImportError:  # pragma: no cover - older accelerate
         return None
     sampler = dl.get_sampler() if hasattr(dl, "get_sampler") else None
+    inner = getattr(dl, "batch_sampler", None)
+    for _ in range(8):  # a skip_first_batches copy: SkipBatchSampler(batch_sampler) around the original's
+        if isinstance(sampler, SeedableRandomSampler) or inner is None:
+            break
+        sampler, inner = getattr(inner, "sampler", None), getattr(inner, "batch_sampler", None)
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
@@ -229,6 +270,8 @@ def _dataloader_state(dl: Any, active: list) -> dict:
     (``dl`` itself, or its ``skip_first_batches`` copy) is inside an epoch, the generator's state from
     that epoch's start (``track_epoch_starts``); else its state now, which the next epoch draws from."""
     state: dict = {"iteration": int(getattr(dl, "iteration", 0))}
+    if any(_shares_order(dl, a) and not getattr(a, "end_of_dataloader", False) for a in active):
+        state["in_epoch"] = True  # saved inside epoch ``iteration`` (read by _EpochEnds after a load)
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator):
         start = next((getattr(a, "_checkrun_epoch_start", None) for a in active
@@ -248,6 +291,10 @@ def _load_dataloader_state(dl: Any, state: dict) -> None:
         dl.set_epoch(state["iteration"])
     elif hasattr(dl, "iteration"):
         dl.iteration = state["iteration"]
+    if state.get("in_epoch") is True:
+        _RESUMED_MID_EPOCH.add(dl)
+    else:
+        _RESUMED_MID_EPOCH.discard(dl)
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator) and "generator" in state:
         gen.set_state(state["generator"])

@@ -535,3 +535,45 @@ def test_unsupported_distributed_type_falls_back_or_raises(tmp_path: Path, make_
     assert any("falling back to accelerate's own" in str(w.message) for w in caught)
     assert "save_state" not in acc.__dict__ and not ckpt.attached  # accelerate's own saving stays
     ckpt.close()
+
+
+def _seedable_run(project: Path, phase: str, stop: int = 10) -> list[int]:
+    """Batches (epoch * 1000 + first sample) of 3 epochs of 8 batches with a SeedableRandomSampler;
+    ``first`` saves after batch ``stop``; ``resume`` loads it and skips into the interrupted epoch."""
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+                      project_config=ProjectConfiguration(str(project), automatic_checkpoint_naming=True))
+    set_seed(0)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.arange(32.0).unsqueeze(1), batch_size=4, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    ckpt = attach(acc)
+    per, step, seen = len(loader), 0, []
+    if phase == "resume":
+        acc.load_state()
+        step = stop
+    while step < 3 * per:
+        for b in acc.skip_first_batches(loader, step % per) if step % per else loader:
+            step += 1
+            seen.append((step - 1) // per * 1000 + int(b[0].item()))
+            if phase == "first" and step == stop:
+                acc.save_state()
+                ckpt.close()
+                return seen
+    ckpt.close()
+    return seen
+
+
+def test_a_mid_epoch_resume_with_a_seedable_sampler_keeps_the_later_epochs_orders(tmp_path: Path) -> None:
+    """``use_seedable_sampler=True``: the ``skip_first_batches`` copy finished the resumed epoch, but the
+    original dataloader's epoch counter stayed at it, so the next epoch reseeded with the same epoch and
+    repeated its order (every later epoch one behind). Found by a check of Accelerate usage."""
+    full = _seedable_run(tmp_path / "full", "full")
+    _seedable_run(tmp_path / "run", "first")
+    assert _seedable_run(tmp_path / "run", "resume") == full[10:]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
