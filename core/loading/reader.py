@@ -18,6 +18,7 @@ import torch
 from ..codecs import Pipeline
 from ..config import EngineConfig
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError
+from ..storage.retry import is_outage
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
 from ..format.objects import deserialize_object, object_load_bytes
@@ -299,7 +300,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     try:
         manifest = read_manifest(store, name, config)
     except CheckrunError as exc:
-        report.add(str(exc), isinstance(exc, StorageError))
+        report.add(str(exc), is_outage(exc))
         return report
     # Every distinct reference, not one per key: references to one blob that disagree (size or
     # checksum) cannot all match it, so such a manifest fails.
@@ -319,7 +320,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         report.blobs_checked += 1
         report.bytes_checked += ref.size
         if problem:
-            report.add(str(problem), isinstance(problem, StorageError))
+            report.add(str(problem), is_outage(problem))
     if not report.ok and (hint := _copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
@@ -327,7 +328,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             check_structure(manifest, report.path)
             load_tensors(store, manifest, report.path, max_total_bytes=config.load.max_total_bytes)
         except CheckrunError as exc:
-            report.add(str(exc), isinstance(exc, StorageError))
+            report.add(str(exc), is_outage(exc))
     return report
 
 

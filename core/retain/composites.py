@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError, StorageError
+from ..errors import CheckpointNotFoundError, CheckrunError
+from ..storage.retry import is_outage
 from ..format import composite
 from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, index_of, join
 from ..loading.reader import read_manifest
@@ -218,7 +219,7 @@ def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | 
     except CheckpointNotFoundError:
         return None  # a folder without an index: a save in flight, one that crashed, or not ours
     except CheckrunError as exc:
-        return Composite(name, url, sub.url(""), None, None, str(exc), isinstance(exc, StorageError))
+        return Composite(name, url, sub.url(""), None, None, str(exc), is_outage(exc))
     if index is None:
         return None
     return Composite(name, url, sub.url(""), manifest, index)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from ..storage import owner
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError, StorageError
+from ..errors import CheckpointNotFoundError, CheckrunError
+from ..storage.retry import is_outage
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
 from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
@@ -71,7 +72,7 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc),
-                                   isinstance(exc, StorageError))
+                                   is_outage(exc))
         if not is_manifest_head(head):
             if not looks_damaged(head):
                 return None  # another file (a torch checkpoint, the user's notes)
@@ -89,7 +90,7 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
             return None
         except CheckrunError as exc:
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc),
-                                   isinstance(exc, StorageError))
+                                   is_outage(exc))
 
     for entry in store.map(read, files):
         if entry is not None:

@@ -131,6 +131,12 @@ def backoff_delay(attempt: int, config: RetryConfig) -> float:
     return cap / 2 + _jitter.uniform(0, cap / 2)
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``StorageError`` raised after every attempt failed with a transient error
+    (the storage did not answer), as opposed to a permanent one (permissions, a bad request)."""
+    return isinstance(exc, StorageError) and exc.__cause__ is not None and is_transient(exc.__cause__)
+
+
 def call_with_retry(fn: Callable[[], T], *, config: RetryConfig, what: str,
                     logger: logging.Logger = _LOG,
                     sleep: Optional[Callable[[float], None]] = None) -> T:

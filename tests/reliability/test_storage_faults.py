@@ -492,3 +492,23 @@ def test_latest_raises_when_the_storage_fails_rather_than_resume_an_older_checkp
         assert engine.latest(root) == f"{root}/b.ckpt"
         (tmp_path / "run" / "b.ckpt").write_bytes(b"CKRN" + b"\0" * 60)  # corrupt: skipped, as ever
         assert engine.latest(root) == f"{root}/a.ckpt"
+
+
+def test_latest_still_skips_a_checkpoint_it_is_not_allowed_to_read(tmp_path, sleeps):
+    """Only an outage (transient errors through every retry) stops ``latest``; a permanent refusal
+    (permissions) of a file is skipped as before, with its warning."""
+    root = f"faultfile://{tmp_path}/run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(0), f"{root}/a.ckpt").result()
+        engine.save(make_state(1), f"{root}/b.ckpt").result()
+
+        class Denied(Policy):
+            def on(self, op, kind, path):
+                if op == "read" and path.endswith("b.ckpt"):
+                    raise PermissionError(13, "injected: permission denied", path)
+
+        FaultFS.policy = Denied()
+        try:
+            assert engine.latest(root) == f"{root}/a.ckpt"
+        finally:
+            FaultFS.policy = None
