@@ -14,6 +14,7 @@ every decoder is bounded by the size the manifest declares.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
@@ -28,6 +29,8 @@ from ..errors import CheckrunError, CorruptCheckpointError, FormatError
 from ..format.manifest import BlobRef, ChunkRef, DeltaRef
 from ..storage.store import Store
 
+log = logging.getLogger("ckpt_core")
+
 #: ``alloc(numel, dtype, what)``: a host tensor for a link's buffers (the load's allocator).
 Alloc = Callable[[int, torch.dtype, str], torch.Tensor]
 #: ``scratch(slot, nbytes)``: a per-thread reusable byte buffer (``reader.Scratch.get``).
@@ -39,13 +42,15 @@ def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> byt
 
     With ``buf`` (at least ``ref.size + 1`` bytes) a local store reads into it and the result
     aliases it."""
-    data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
-    if len(data) != ref.size:
-        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
-                                     "in the manifest (truncated or replaced blob)")
-    if xxhash.xxh3_64_hexdigest(data) != ref.csum:
-        raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
-    return data
+    for attempt in (1, 2):  # a mismatch is read once more: bytes damaged in transit, not at rest
+        data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
+        if len(data) != ref.size:
+            raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
+                                         "in the manifest (truncated or replaced blob)")
+        if xxhash.xxh3_64_hexdigest(data) == ref.csum:
+            return data
+        log.warning("checkrun: %s: checksum mismatch on read %d of 2", store.blob_path(ref.key), attempt)
+    raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
 
 
 def decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:

@@ -57,10 +57,27 @@ class CheckpointEntry:
         return min(created, self.mtime) if created > time.time() + FUTURE_SLACK_SECONDS else created
 
 
+def _require_bucket(store: Store) -> None:
+    """An object store's missing prefix is an empty directory (a first run); a missing bucket is a
+    typo, which must not make ``latest()`` answer None and a run start afresh (its first save would
+    fail only at its first checkpoint). Only a definite "no such bucket" counts."""
+    bucket = store.root.split("/", 1)[0]
+    if store.is_local or not bucket or store.url("").startswith("memory://"):
+        return
+    try:
+        found = store.retry(lambda: store.fs.exists(bucket), f"look for bucket {bucket}")
+    except CheckrunError:
+        return  # e.g. not allowed to look: the save will say what is wrong
+    if not found:
+        raise CheckpointNotFoundError(f"{store.url('')}: the bucket {bucket!r} does not exist")
+
+
 def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry]:
     """Every checkrun manifest in the directory, oldest first (other files are ignored)."""
     entries = []
     files = [f for f in store.list_files() if f.size > 0]
+    if not files:
+        _require_bucket(store)
 
     def read(info):
         try:

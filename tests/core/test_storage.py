@@ -658,3 +658,20 @@ def test_blob_directories_are_fsynced_before_the_manifest_is_committed(tmp_path,
     for d in blob_dirs:
         last_rename = max(i for i, e in enumerate(events) if e == ("rename", d))
         assert any(e == ("fsync", d) for e in events[last_rename:commit]), d
+
+
+def test_a_missing_bucket_is_an_error_not_an_empty_directory(s3_root, s3_storage_options):
+    """``latest("s3://tpyo/run")`` answered None, so a resume started afresh and only its first save
+    said the bucket does not exist (found by a fault program on S3). A missing prefix of an existing
+    bucket is still an empty directory (a first run)."""
+    import torch
+
+    from ckpt_core import CheckpointEngine
+
+    with CheckpointEngine({"storage": {"storage_options": s3_storage_options}}) as engine:
+        assert engine.latest(s3_root) is None and engine.list(s3_root) == []
+        missing = "s3://no-such-bucket-" + s3_root.split("/")[2][5:] + "/run"
+        with pytest.raises(CheckpointNotFoundError, match="the bucket 'no-such-bucket-.*' does not exist"):
+            engine.latest(missing)
+        engine.save({"w": torch.ones(2)}, f"{s3_root}/a.ckpt").result()
+        assert engine.latest(s3_root) == f"{s3_root}/a.ckpt"

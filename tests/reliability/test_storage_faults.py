@@ -512,3 +512,33 @@ def test_latest_still_skips_a_checkpoint_it_is_not_allowed_to_read(tmp_path, sle
             assert engine.latest(root) == f"{root}/a.ckpt"
         finally:
             FaultFS.policy = None
+
+
+def test_a_blob_damaged_in_transit_is_read_again(tmp_path, monkeypatch, caplog):
+    """One read of a blob returned flipped bytes (an S3 GET without a response checksum, through a
+    fault proxy): load and verify said "checksum mismatch (corrupted blob)" for a blob intact in
+    storage. A mismatch is read once more; a blob damaged at rest still fails."""
+    root = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(make_state(3), f"{root}/a.ckpt").result()
+    flips = []
+    real = Store.get_blob
+
+    def flaky(self, key, max_bytes):
+        data = real(self, key, max_bytes)
+        if len(flips) < 1:
+            flips.append(key)
+            data = bytes([data[0] ^ 1]) + bytes(data[1:])
+        return data
+
+    monkeypatch.setattr(Store, "get_blob", flaky)
+    with CheckpointEngine(config()) as engine, \
+            caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        assert engine.verify(f"{root}/a.ckpt").ok and flips
+        assert any("checksum mismatch on read 1 of 2" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    blob = next(p for p in (tmp_path / "run" / ".checkrun" / "blobs").rglob("*") if p.is_file())
+    blob.write_bytes(bytes([blob.read_bytes()[0] ^ 1]) + blob.read_bytes()[1:])
+    with CheckpointEngine(config()) as engine:
+        report = engine.verify(f"{root}/a.ckpt")
+    assert not report.ok and "checksum mismatch (corrupted blob)" in report.problems[0]
