@@ -31,7 +31,7 @@ from ckpt_core.storage.options import open_options
 from .config import build_config, lossless_config
 from .loading import is_checkrun_file, torch_load
 from .paths import checkpoint_kind, is_remote, normalize_path, parent_dir, path_key
-from .steplog import LightningStepLog
+from .steplog import LightningStepLog, find_trainer
 from .strategies import called_by_async_wrapper, calling_instance, calling_strategy, check_strategy
 
 log = logging.getLogger("lightning_ckpt")
@@ -184,6 +184,8 @@ class CheckrunCheckpointIO(CheckpointIO):
             # directory right after this returns, before the background save has created it.
             os.makedirs(parent_dir(url), exist_ok=True)
         self.saves += 1
+        if self.saves == 1:
+            _warn_artifact_loggers(find_trainer(calling_strategy()))
         if checkpoint_kind(url) != "regular":
             self.lossless_engine.save(checkpoint, url, storage_options=options).result()
             return
@@ -439,3 +441,15 @@ def _close(engine: CheckpointEngine, removed_dirs: set[str]) -> list[BaseExcepti
     except CheckrunError as exc:
         errors.append(exc)
     return errors
+
+
+def _warn_artifact_loggers(trainer: Any) -> None:
+    """Experiment loggers that upload each checkpoint file (``log_model``: MLflow, W&B, Neptune) would
+    upload manifests: say so once, at the first save (docs/lightning.md, known limits)."""
+    names = [type(lg).__name__ for lg in getattr(trainer, "loggers", None) or () if getattr(lg, "_log_model", False)]
+    if names:
+        warnings.warn(f"checkrun: {', '.join(names)} with log_model uploads each checkpoint file as an artifact; "
+                      "with CheckrunCheckpointIO that file is a manifest whose tensors stay in the directory's "
+                      ".checkrun/blobs, so the artifact does not load on its own: upload the directory, or a "
+                      "file made by `checkrun export`", UserWarning, stacklevel=3)
+

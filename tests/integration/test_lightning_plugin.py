@@ -248,3 +248,26 @@ def test_home_and_local_url_spellings_make_no_stray_folders(tmp_path, monkeypatc
     assert sorted(os.listdir(work)) == []
     for path in (home / "ckpts" / "a.ckpt", tmp_path / "out" / "b.ckpt"):
         assert tensors_equal(fabric.load(path)["model"], model.state_dict())
+
+
+def test_a_logger_that_uploads_checkpoint_files_gets_a_warning(tmp_path) -> None:
+    """MLflow/W&B/Neptune loggers with ``log_model`` copy each ``.ckpt`` file as an artifact: with
+    checkrun a manifest that does not load on its own (found by a check of LightningCLI/Trainer use;
+    documented, not changed). The plugin says so at its first save; a plain logger gets no warning."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Uploading(CSVLogger):
+        _log_model = "all"
+
+    for logger, expected in ((Uploading(str(tmp_path / "a")), True), (CSVLogger(str(tmp_path / "b")), False)):
+        t = trainer(str(tmp_path), logger=logger, max_steps=2, limit_val_batches=0,
+                    callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck" / str(expected)), every_n_train_steps=1)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            t.fit(TinyModel())
+        hits = [w for w in seen if "uploads each checkpoint file as an artifact" in str(w.message)]
+        assert len(hits) == (1 if expected else 0), [str(w.message) for w in seen]
+        assert not expected or "Uploading" in str(hits[0].message)
