@@ -47,6 +47,7 @@ class CastCodec(ArrayCodec):
         flat = array.detach().contiguous().reshape(-1)
         out = torch.empty(flat.shape, dtype=self.target)
         stats = EncodeStats()
+        wider = torch.finfo(self.target).max > torch.finfo(flat.dtype).max
         # Block-wise so that the finite checks and error statistics need only cache-sized temporaries.
         for start in range(0, flat.numel(), BLOCK_ELEMS):
             ref = flat[start:start + BLOCK_ELEMS]
@@ -54,6 +55,8 @@ class CastCodec(ArrayCodec):
             low = out[start:start + BLOCK_ELEMS]
             low.copy_(ref)
             require_finite(low, f"{self.name} to {self.to} (overflow)")
+            if wider:  # bf16 rounds fp16's 65408..65504 up to 65536: finite in bf16, inf once decoded
+                require_finite(low.to(flat.dtype), f"{self.name} to {self.to} and back to {flat.dtype} (overflow)")
             stats = stats.merge(block_stats(ref, low))
         # One rounding costs at most eps/2 of each value (relative L2 too); values below the target's
         # normal range lose more (fp16: |x| < 6.1e-5, flushed to 0 under 3e-8). A chunk they dominate

@@ -352,9 +352,8 @@ class _Batch:
         for r in ranges:  # offsets were relative to the event's own bytes
             r[0] += self.size
         for g in event.get("grads", ()):  # pack offsets were relative to the step's own chunks
-            for key in ("data", "idx"):
-                ref = g.get(key)
-                if isinstance(ref, dict):
+            for ref in g.values():  # every reference into a pack (data, idx, runs), whatever its key
+                if isinstance(ref, dict) and "pack" in ref:
                     ref["at"] += self._pack_numel.get(ref["pack"], 0)
         for name, (numel, r) in chunks.items():
             self.packs.setdefault(name, []).append({"numel": numel, "data": r})

@@ -309,3 +309,43 @@ def test_hostile_folded_gradients_are_refused(tmp_path, mutate, message):
         with pytest.raises(StepLogFormatError, match="seg-") as exc:
             engine.replay(str(tmp_path / "run"), opt, sched)
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_folded_runs_that_change_from_step_to_step_replay_bit_exact(tmp_path, weighted):
+    """Bags whose boundaries (or per-sample weights) change every step: each step has its own run
+    lengths in the segment's int32 pack. The segment's pack offsets of ``runs`` were not shifted,
+    so every step of a segment replayed with its first step's runs: wrong weights, silently, or a
+    refusal when the row counts differed (found by a check of today's changes)."""
+    directory = str(tmp_path / "run")
+
+    def make():
+        torch.manual_seed(0)
+        bag = torch.nn.EmbeddingBag(1000, 16, mode="sum", sparse=True)
+        return bag, torch.optim.SGD(bag.parameters(), lr=0.1)
+
+    def step(bag, opt, s):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.randint(0, 1000, (32,), generator=g)
+        offsets = torch.cat([torch.tensor([0]), torch.randperm(31, generator=g)[:3].add(1).sort().values])
+        weights = torch.rand(32, generator=g) if weighted and s % 2 else None
+        opt.zero_grad()
+        out = bag(ids, offsets, per_sample_weights=weights)
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        opt.step()
+
+    bag, opt = make()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 8}}) as engine:
+        slog = engine.step_log(directory, opt)
+        for s in range(1, 17):
+            step(bag, opt, s)
+            if s == 4:
+                engine.save({"bag": bag.state_dict(), "opt": opt.state_dict()}, f"{directory}/s4.ckpt").result()
+        slog.close()
+    bag2, opt2 = make()
+    with CheckpointEngine() as engine:
+        st = engine.load(f"{directory}/s4.ckpt")
+        bag2.load_state_dict(st["bag"])
+        opt2.load_state_dict(st["opt"])
+        assert engine.replay(directory, opt2) == 12
+    assert torch.equal(bag.weight, bag2.weight)
