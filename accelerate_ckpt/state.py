@@ -111,7 +111,11 @@ class _EpochEnds:
 
 
 def _shares_order(a: Any, b: Any) -> bool:
-    """Whether two dataloaders draw their order from one sampler generator or seedable sampler."""
+    """Whether two dataloaders draw their order from one sampler generator or seedable sampler, or
+    iterate one dataset object (an ``IterableDataset`` dispatched by rank 0: its ``set_epoch``)."""
+    dataset = getattr(a, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) and dataset is getattr(b, "dataset", None):
+        return True
     gen = getattr(a, "synchronized_generator", None)
     if gen is not None and gen is getattr(b, "synchronized_generator", None):
         return True

@@ -537,7 +537,21 @@ def test_unsupported_distributed_type_falls_back_or_raises(tmp_path: Path, make_
     ckpt.close()
 
 
-def _seedable_run(project: Path, phase: str, stop: int = 10) -> list[int]:
+class _EpochStream(torch.utils.data.IterableDataset):
+    """32 samples in an order seeded by the epoch (``set_epoch``, which accelerate calls per epoch)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(32, generator=torch.Generator().manual_seed(100 + self.epoch))
+        return iter(order.float().unsqueeze(1))
+
+
+def _seedable_run(project: Path, phase: str, stop: int = 10, iterable: bool = False) -> list[int]:
     """Batches (epoch * 1000 + first sample) of 3 epochs of 8 batches with a SeedableRandomSampler;
     ``first`` saves after batch ``stop``; ``resume`` loads it and skips into the interrupted epoch."""
     from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -549,10 +563,11 @@ def _seedable_run(project: Path, phase: str, stop: int = 10) -> list[int]:
     set_seed(0)
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(torch.arange(32.0).unsqueeze(1), batch_size=4, shuffle=True)
+    loader = (torch.utils.data.DataLoader(_EpochStream(), batch_size=4) if iterable else
+              torch.utils.data.DataLoader(torch.arange(32.0).unsqueeze(1), batch_size=4, shuffle=True))
     model, opt, loader = acc.prepare(model, opt, loader)
     ckpt = attach(acc)
-    per, step, seen = len(loader), 0, []
+    per, step, seen = 8, 0, []
     if phase == "resume":
         acc.load_state()
         step = stop
@@ -568,12 +583,15 @@ def _seedable_run(project: Path, phase: str, stop: int = 10) -> list[int]:
     return seen
 
 
-def test_a_mid_epoch_resume_with_a_seedable_sampler_keeps_the_later_epochs_orders(tmp_path: Path) -> None:
-    """``use_seedable_sampler=True``: the ``skip_first_batches`` copy finished the resumed epoch, but the
-    original dataloader's epoch counter stayed at it, so the next epoch reseeded with the same epoch and
-    repeated its order (every later epoch one behind). Found by a check of Accelerate usage."""
-    full = _seedable_run(tmp_path / "full", "full")
-    _seedable_run(tmp_path / "run", "first")
-    assert _seedable_run(tmp_path / "run", "resume") == full[10:]
+@pytest.mark.parametrize("iterable", [False, True])
+def test_a_mid_epoch_resume_with_a_seedable_sampler_keeps_the_later_epochs_orders(tmp_path: Path,
+                                                                                  iterable: bool) -> None:
+    """``use_seedable_sampler=True`` (or an ``IterableDataset`` whose order follows ``set_epoch``): the
+    ``skip_first_batches`` copy finished the resumed epoch, but the original dataloader's epoch counter
+    stayed at it, so the next epoch was seeded with the same epoch and repeated its order (every later
+    epoch one behind). Found by checks of Accelerate usage."""
+    full = _seedable_run(tmp_path / "full", "full", iterable=iterable)
+    _seedable_run(tmp_path / "run", "first", iterable=iterable)
+    assert _seedable_run(tmp_path / "run", "resume", iterable=iterable) == full[10:]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
