@@ -123,10 +123,13 @@ def require_quantizable(array: torch.Tensor, codec: str) -> None:
 
 
 def finite_encoding(stats: "EncodeStats", codec: str) -> "EncodeStats":
-    """``stats`` of an encoding whose reconstruction is finite; LossyRefusedError otherwise (a value
-    at the dtype's limit whose step or scale carries it past: stored lossless)."""
+    """``stats`` of an encoding whose reconstruction and error statistics are finite; LossyRefusedError
+    otherwise (a value at the dtype's limit whose step or scale carries it past, or values near
+    float32's limit whose squares overflow the statistics the manifest records: stored lossless)."""
     if not math.isfinite(stats.max_abs_error):
         raise LossyRefusedError(f"{codec}: the quantized values would overflow their dtype")
+    if not (math.isfinite(stats.sq_error_sum) and math.isfinite(stats.sq_ref_sum)):
+        raise LossyRefusedError(f"{codec}: values too large for the error statistics (their squares overflow)")
     return stats
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import FormatError, LossyRefusedError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, block_stats, bytes_to_uint8, check_shape,
-                      finite_decoding, format_guard, require_finite, require_quantizable, tensor_bytes)
+                      finite_decoding, finite_encoding, format_guard, require_finite, require_quantizable, tensor_bytes)
 from .base import ArrayCodec, EncodeStats, register
 
 _TARGETS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +66,7 @@ class CastCodec(ArrayCodec):
                                     f"({torch.finfo(self.target).tiny:.3g}) would lose their precision "
                                     f"(relative error {(stats.sq_error_sum / stats.sq_ref_sum) ** 0.5:.3g}); "
                                     "use bf16 or keep the tensor lossless")
-        return tensor_bytes(out), stats
+        return tensor_bytes(out), finite_encoding(stats, self.name)
 
     def decode(self, data: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         rows, cols = check_shape(shape)

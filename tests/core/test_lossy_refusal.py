@@ -46,6 +46,11 @@ def test_public_and_typed() -> None:
     # bf16 rounds fp16's 65408..65504 up to 65536, inf once decoded to fp16: the save committed a
     # checkpoint that no load accepted (found by a check of today's changes)
     (CastCodec("bfloat16"), torch.tensor([[65504.0, 1.0]], dtype=torch.float16)),
+    # values near float32's limit: their squares overflowed the error statistics and the manifest's
+    # JSON ("Out of range float values"): the whole save failed (found by a check of today's changes)
+    (Int8BlockCodec(16), torch.full((4, 16), 3e38).to(torch.bfloat16)),
+    (UniformCodec(8, scale_dtype="fp32"), torch.rand(4, 16, generator=torch.Generator().manual_seed(0)) * 3e38),
+    (CastCodec("bfloat16"), torch.full((4, 16), 3e38)),
 ])
 def test_codecs_refuse_with_the_typed_error(codec, values) -> None:
     with pytest.raises(LossyRefusedError):
