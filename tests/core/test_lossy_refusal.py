@@ -147,3 +147,15 @@ def test_an_encoding_whose_reconstruction_overflows_is_refused() -> None:
     with pytest.raises(LossyRefusedError, match="overflow"):
         finite_encoding(EncodeStats(float("inf"), 0.0, 1.0), "uniform")
     assert finite_encoding(EncodeStats(0.5, 1.0, 2.0), "uniform").max_abs_error == 0.5
+
+
+def test_an_older_bf16_cast_of_fp16_values_near_65504_still_loads() -> None:
+    """checkrun before 2026-12-05 stored fp16 values near 65504 cast to bf16 as 65536 (inf once
+    decoded); the decode-time finite check (for forged uniform/int8_block parameters) made those
+    checkpoints unloadable, their lossless tensors with them (found by an upgrade check). A cast
+    stores values, not parameters: it decodes them as they are."""
+    from ckpt_core.codecs._common import tensor_bytes
+
+    old = tensor_bytes(torch.tensor([[65536.0, 1.0]], dtype=torch.bfloat16))
+    out = CastCodec("bfloat16").decode(old, (1, 2), torch.float16)
+    assert torch.isinf(out[0, 0]) and out[0, 1] == 1.0
