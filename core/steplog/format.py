@@ -39,6 +39,13 @@ lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``
 version 3 have no ``packs`` (every gradient is a payload range of its own); before version 4 no
 sparse gradient is folded (``u``/``runs``)."""
 READ_VERSIONS = (1, 2, 3, 4)
+PLAIN_VERSION = 3
+"""Written for what format 4 did not change (run and marker objects, segments without a folded
+gradient), so that a checkrun that reads up to version 3 still replays such a log."""
+
+
+def _written(folded: bool) -> int:
+    return FORMAT_VERSION if folded else min(FORMAT_VERSION, PLAIN_VERSION)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects
@@ -122,14 +129,14 @@ def _dump(body: dict) -> bytes:
 def run_to_bytes(info: RunInfo) -> bytes:
     parent = None if info.parent is None else {"run": info.parent[0], "event": info.parent[1]}
     names = None if info.param_names is None else [list(g) for g in info.param_names]
-    return _dump({"_checkrun": "steplog-run", "format_version": FORMAT_VERSION, "run": info.run,
+    return _dump({"_checkrun": "steplog-run", "format_version": _written(False), "run": info.run,
                   "created": info.created, "start": info.start, "start_step": info.start_step,
                   "parent": parent, "optimizer": info.optimizer, "param_names": names, "owner": info.owner,
                   "closed": info.closed})
 
 
 def marker_to_bytes(m: Marker) -> bytes:
-    return _dump({"_checkrun": "steplog-marker", "format_version": FORMAT_VERSION, "run": m.run,
+    return _dump({"_checkrun": "steplog-marker", "format_version": _written(False), "run": m.run,
                   "event": m.event, "step": m.step, "checkpoint": m.checkpoint, "commit": m.commit})
 
 
@@ -202,7 +209,9 @@ def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
     for part in payload:
         h.update(part)
         size += memoryview(part).nbytes
-    header = {**header, "_checkrun": "steplog-segment", "format_version": FORMAT_VERSION,
+    folded = any("runs" in g for ev in header.get("events", ()) if isinstance(ev, dict)
+                 for g in ev.get("grads", ()) if isinstance(g, dict))
+    header = {**header, "_checkrun": "steplog-segment", "format_version": _written(folded),
               "payload_bytes": size, "payload_csum": h.hexdigest()}
     text = _dump(header)
     return b"".join([_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)),

@@ -143,6 +143,7 @@ def test_unknown_format_version_is_refused(logged, monkeypatch):
     for k in ("_checkrun", "format_version", "payload_bytes", "payload_csum"):
         header.pop(k)
     monkeypatch.setattr(fmt, "FORMAT_VERSION", 99)
+    monkeypatch.setattr(fmt, "PLAIN_VERSION", 99)
     data = pack_segment(header, [bytes(payload)])
     monkeypatch.undo()
     _rewrite(bad, lambda _: data)

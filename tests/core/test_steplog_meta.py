@@ -79,7 +79,7 @@ def test_run_header_records_optimizer_class_and_names(tmp_path):
     names = [["emb.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]]
     for d, want in ((d1, names), (d2, names), (d3, None)):
         body = _run_json(d)
-        assert body["format_version"] == fmt.FORMAT_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
+        assert body["format_version"] == fmt.PLAIN_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
         assert body["param_names"] == want and body["closed"] is True
         assert body["owner"]["pid"] == owner.identity()["pid"]
 
