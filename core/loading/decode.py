@@ -48,8 +48,10 @@ def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> byt
             raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
                                          "in the manifest (truncated or replaced blob)")
         if xxhash.xxh3_64_hexdigest(data) == ref.csum:
+            if attempt > 1:
+                log.warning("checkrun: %s: checksum mismatch on the first read, the second matched (bytes damaged "
+                            "in transit)", store.blob_path(ref.key))
             return data
-        log.warning("checkrun: %s: checksum mismatch on read %d of 2", store.blob_path(ref.key), attempt)
     raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
 
 
