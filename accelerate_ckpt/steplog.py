@@ -115,7 +115,8 @@ class AccelerateStepLog:
         self._replaying = True
         try:
             replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
-                                          storage_options=self.storage_options, scaler=self.accelerator.scaler)
+                                          storage_options=self.storage_options, scaler=self.accelerator.scaler,
+                                          model=self._model())
         except NoMarkerError:
             # saved without the log (or by a run that had it off): nothing to replay after it
             warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself",
@@ -123,8 +124,9 @@ class AccelerateStepLog:
         finally:
             self._replaying = False
         self.replayed_steps = replayed
-        models = [self.accelerator.unwrap_model(m) for m in self.accelerator._models]
-        warn_forward_state(models[0] if len(models) == 1 else torch.nn.ModuleList(models), replayed, part_url)
+        if self._model() is None:  # several models: the log has none of their running statistics
+            models = [self.accelerator.unwrap_model(m) for m in self.accelerator._models]
+            warn_forward_state(torch.nn.ModuleList(models), replayed, part_url)
         self.optimizer_steps = int((saved or {}).get("optimizer_steps", 0)) + replayed
         if self.rank == 0:
             self._open(directory, optimizer, scheduler)

@@ -400,8 +400,8 @@ class CheckpointEngine:
                  counters: Callable[[], dict[str, int]] | None = None) -> Any:
         """Log every ``optimizer.step()`` (and ``scheduler.step()``, ``scaler``'s state: a ``GradScaler``,
         and what ``counters()`` returns: the loop's own counters) into ``directory``'s step log; saves by
-        this engine into ``directory`` mark their position in it. ``model`` names the parameters when the
-        optimizer's groups do not. Returns the ``StepLog``. Training thread; see docs/steplog.md."""
+        this engine into ``directory`` mark their position in it. ``model``: its running statistics are
+        logged with each step; it names the parameters. Returns the ``StepLog``. See docs/steplog.md."""
         from .steplog import open_log
 
         return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model,
@@ -409,14 +409,14 @@ class CheckpointEngine:
 
     def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None,
-               counters: dict | None = None) -> int:
-        """After loading checkpoint ``after`` (default: the newest one the log marks) into the model,
+               counters: dict | None = None, model: Any = None) -> int:
+        """After loading checkpoint ``after`` (default: the newest one the log marks) into ``model``,
         ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
-        ``counters`` (a dict) receives the logged counters of the last state record replayed."""
+        ``counters`` receives the logged counters; ``model`` the logged running statistics (BatchNorm)."""
         from .steplog import replay
 
         return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
-                      counters=counters)
+                      counters=counters, model=model)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ckpt_core import CheckpointEngine, CheckrunError
-from ckpt_core.steplog import NoMarkerError, warn_forward_state
+from ckpt_core.steplog import NoMarkerError
 
 from .config import LAST_PATTERN
 from .paths import is_remote, local_path, parent_dir
@@ -189,12 +189,11 @@ class LightningStepLog:
         steps, logged = 0, {}
         try:
             steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
-                                  counters=logged)
+                                  counters=logged, model=trainer.lightning_module)
         except NoMarkerError:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
                           stacklevel=2)
         self.replayed_steps = steps
-        warn_forward_state(trainer.lightning_module, steps, url)
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)

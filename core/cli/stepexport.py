@@ -29,9 +29,9 @@ from .composite import open_view
 from .steplog import chain_of, chain_steps, segments_store, has_log
 from .util import EXIT_USAGE, CliError, Context, log, one_line
 from ..errors import CheckpointNotFoundError, CheckrunError
-from ..steplog.format import SegmentDamaged, split_segment
+from ..steplog.format import SegmentDamaged
 from ..steplog.index import LogIndex, read_index
-from ..steplog.replay import Payload, apply_event, find_marker
+from ..steplog.replay import Payload, apply_event, find_marker, read_segment
 from ..steplog.capture import flat_params
 from ..steplog.meta import SCALER_KEYS
 
@@ -204,14 +204,15 @@ def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], w
 
 
 def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_bytes: int,
-              scaler: Any = None) -> int:
+              scaler: Any = None, buffers: dict | None = None) -> int:
     """Apply the chain's events up to logged step ``step`` and the state records after it in its
-    segment (a segment ends with the state at its flush point: the scheduler after that step)."""
+    segment (a segment ends with the state at its flush point: the scheduler after that step), and
+    the logged running statistics to ``buffers`` (the model's state dict)."""
     done, at = 0, chain.marker.step
     for seg, first, last in chain.pieces:
         where = segs.url(seg.name)
         try:
-            header, payload = split_segment(segs.read_manifest(seg.name, max_bytes), where)
+            header, payload = read_segment(segs, seg.name, max_bytes)
         except (SegmentDamaged, CheckpointNotFoundError) as exc:
             if at >= step:  # only the state records after step N could be here; its segment ended with them
                 return done
@@ -220,7 +221,7 @@ def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_
         for ev in header["events"][first - seg.lo - 1:last - seg.lo]:
             if ev["kind"] == "step" and (ev["step"] > step or at >= step):
                 return done
-            apply_event(ev, data, optimizer, sched, where, max_bytes, scaler)
+            apply_event(ev, data, optimizer, sched, where, max_bytes, scaler, buffers)
             if ev["kind"] == "step":
                 done, at = done + 1, ev["step"]
     return done
@@ -238,7 +239,8 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
         replayed = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
-                             ctx.engine.config.load.max_blob_bytes, None if scaler is None else _SchedulerState(scaler))
+                             ctx.engine.config.load.max_blob_bytes, None if scaler is None else _SchedulerState(scaler),
+                             model)
     except CliError:
         raise
     except CheckrunError as exc:

@@ -16,11 +16,10 @@ from .util import Context, human_size, one_line, safe
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
-    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name,
-    split_segment)
+    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name)
 from ..steplog.index import LogIndex, read_index
 from ..steplog.log import STEPLOG_DIR, log_store
-from ..steplog.replay import Payload, find_marker, unfold
+from ..steplog.replay import Payload, find_marker, read_segment, unfold
 from ..storage.store import Store
 
 def is_segment_path(path: str) -> bool:
@@ -158,7 +157,7 @@ def _decode_all(header: dict, payload: memoryview, where: str, max_bytes: int) -
     """Decode every gradient (the format has no per-gradient checksum: decoding is the check)."""
     data = Payload(header, payload, max_bytes)
     for ev in header["events"]:
-        for g in ev.get("grads", ()) if ev["kind"] == "step" else ():
+        for g in [*ev.get("grads", ()), *ev.get("bufs", ())] if ev["kind"] == "step" else ():
             if g["k"] == "none":
                 continue
             numel = 1
@@ -189,14 +188,19 @@ def _start_step(index: LogIndex, seg: SegName, good: dict) -> int:
     return last
 
 
-def _readers(ctx: Context, directory: str, index: LogIndex) -> dict[str, list[str]]:
-    """Per segment, the committed checkpoints whose replay reads it."""
+def _readers(ctx: Context, directory: str, index: LogIndex) -> tuple[dict[str, list[str]], dict[str, tuple]]:
+    """Per segment, the committed checkpoints whose replay reads it; per gap in a replay's chain
+    (segments missing between two that are there), ``(chain, the checkpoints whose replay stops there)``."""
     out: dict[str, list[str]] = {}
+    gaps: dict[str, tuple] = {}
     for e in ctx.engine.list(directory, storage_options=ctx.storage_options):
         marker = None if e.manifest is None else find_marker(index, e.name, e.manifest.commit)
-        for seg, _, _ in chain_of(index, marker).pieces if marker is not None else ():
+        chain = chain_of(index, marker) if marker is not None else None
+        for seg, _, _ in chain.pieces if chain is not None else ():
             out.setdefault(seg.name, []).append(e.name)
-    return out
+        if chain is not None and chain.gap:
+            gaps.setdefault(chain.gap, (chain, []))[1].append(e.name)
+    return out, gaps
 
 
 def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
@@ -211,13 +215,13 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
         result.update(ok=False, problems=[one_line(exc)])
         return result
     good: dict[str, dict] = {}
-    readers = _readers(ctx, directory, index)
+    readers, gaps = _readers(ctx, directory, index)
     max_bytes = ctx.engine.config.load.max_blob_bytes
     for run, run_segs in index.segments.items():
         for seg in run_segs:
             where = segs.url(seg.name)
             try:
-                header, payload = split_segment(segs.read_manifest(seg.name, max_bytes), where)
+                header, payload = read_segment(segs, seg.name, max_bytes)
                 if decode:
                     _decode_all(header, payload, where, max_bytes)
                 good[seg.name] = header
@@ -234,6 +238,11 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
                 result["problems"].append(f"{one_line(exc)}: the log ends early here: {whose} stops at step {step}")
             except CheckrunError as exc:
                 result["problems"].append(f"{one_line(exc)} (hostile or invalid segment: replay raises)")
+    for gap, (chain, needed_by) in gaps.items():  # a segment missing between two that are there
+        step = chain_steps(segs, chain, dict(good))[1]
+        result["ends_early"].append({"segment": None, "stops_at_step": step, "error": gap, "needed_by": needed_by})
+        result["problems"].append(f"{segs.url('')}: {gap}: the log ends early here: replay from "
+                                  f"{', '.join(needed_by)} stops at step {step}")
     result["markers"], result["runs"] = len(index.markers), len(index.runs)
     result["ok"] = not result["problems"]
     return result

@@ -7,6 +7,7 @@ logs, told of each ``save`` by the hook in ``CheckpointEngine.save``) and ``_ste
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
@@ -14,7 +15,7 @@ from ..storage.store import Store
 from .index import read_index
 from .format import NoMarkerError, StepLogError
 from .log import StepLog, active_log, log_store
-from .replay import find_marker, replay_chain
+from .replay import find_marker, replay_chain, warn_forward_state
 
 
 def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
@@ -46,18 +47,25 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
 
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
            after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
-           scaler: Any = None, counters: dict | None = None) -> int:
+           scaler: Any = None, counters: dict | None = None, model: Any = None) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
     ``directory`` that the log marks); returns how many optimizer steps were replayed. ``scaler`` (a
     ``GradScaler``) ends in the logged state; ``counters`` (a dict) receives the logged counters of the
-    last state record applied."""
+    last state record applied; ``model`` receives the logged forward-pass state (running statistics)
+    of the last step replayed, when the log has it (``step_log(model=)``); warns when it cannot."""
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
     index = read_index(log_store(store))
     marker = _start(engine, store, index, after, storage_options)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
-                       scaler)
+                       scaler, model)
+    where = store.url(marker.checkpoint)
+    if model is not None:
+        warn_forward_state(model, pos.replayed, where, pos.with_buffers)
+    elif pos.buffers_left:
+        warnings.warn(f"checkrun: the step log after {where} holds the running statistics of the steps it replayed; "
+                      "pass model= to replay to set them", RuntimeWarning, stacklevel=3)
     engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
     if counters is not None:
         counters.clear()

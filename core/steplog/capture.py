@@ -89,6 +89,8 @@ class StepRecord:
     nbytes: int = 0
     packs: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     """Per dtype, the filled part of that dtype's pack (1-D, CPU)."""
+    bufs: list[Grad] = field(default_factory=list)
+    """The forward-pass state (``forward_buffers``) as the step found it, dense, ``p`` indexing its names."""
 
 
 @dataclass
@@ -260,10 +262,29 @@ def _plain(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int)) or (isinstance(v, float))
 
 
+def forward_buffers(model: Any) -> list[tuple[str, Any, str]]:
+    """``(name, module, attribute)`` of each buffer that ``model``'s forward pass updates in training:
+    the running statistics of BatchNorm/InstanceNorm layers that track them (read per step through
+    the module, so a ``model.to(...)`` that replaces the tensors is followed)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [(f"{name}.{b}" if name else b, m, b) for name, m in model.named_modules()
+            if isinstance(m, _NormBase) and m.track_running_stats for b, t in m.named_buffers(recurse=False)
+            if t is not None]
+
+
 def capture_step(optimizer: torch.optim.Optimizer, step: int, staging: Staging, slot: int,
-                 sparse_max_fraction: float) -> StepRecord:
-    """Training thread, inside the step pre-hook: copy what ``step()`` is about to consume."""
+                 sparse_max_fraction: float, buffers: list[tuple[str, Any, str]] = ()) -> StepRecord:
+    """Training thread, inside the step pre-hook: copy what ``step()`` is about to consume, and the
+    forward-pass state ``buffers`` (``forward_buffers``) as the step's forward passes left it."""
     grads, packer = [], _Packer()
+    bufs = []
+    for i, (_, module, attr) in enumerate(buffers):
+        t = getattr(module, attr, None)
+        if type(t) is torch.Tensor:  # plain tensors only (a DTensor's shards are not one value)
+            bufs.append(Grad(i, "dense", tuple(t.shape), t.dtype, data_at=packer.add(t)))
     for i, p in enumerate(flat_params(optimizer)):
         g = p.grad
         if g is None:
@@ -276,7 +297,7 @@ def capture_step(optimizer: torch.optim.Optimizer, step: int, staging: Staging, 
     packs = packer.fill(staging, slot)
     nbytes = sum(t.numel() * t.element_size() for t in packs.values())
     nbytes += sum(t.numel() * t.element_size() for g in grads for t in (g.data, g.idx, g.runs) if t is not None)
-    return StepRecord(step, grads, slot, nbytes, packs)
+    return StepRecord(step, grads, slot, nbytes, packs, bufs)
 
 
 def _small(t: torch.Tensor) -> bool:

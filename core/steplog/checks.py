@@ -58,7 +58,7 @@ def check_packs(packs: Any, where: str, payload: int) -> dict[str, list[int]]:
 
 
 def check_event(ev: Any, what: str, payload: int, version: int,
-                 packs: dict[str, list[int]] | None = None) -> int:
+                 packs: dict[str, list[int]] | None = None, buffers: int = 0) -> int:
     if not isinstance(ev, dict) or ev.get("kind") not in ("step", "state"):
         raise StepLogFormatError(f"{what}: must be an object of kind 'step' or 'state'")
     if ev["kind"] == "state":
@@ -77,15 +77,22 @@ def check_event(ev: Any, what: str, payload: int, version: int,
         except FormatError as exc:  # meta's checks: named here
             raise StepLogFormatError(f"{what}: {exc}") from None
         return 0
-    if set(ev) != {"kind", "step", "grads"}:
-        raise StepLogFormatError(f"{what}: a 'step' event holds exactly step, grads")
+    if not {"kind", "step", "grads"} <= set(ev) <= {"kind", "step", "grads", "bufs"} or ("bufs" in ev) > (version >= 5):
+        raise StepLogFormatError(f"{what}: a 'step' event holds exactly step, grads (and bufs from version 5)")
     _index(ev["step"], what, "step")
-    grads = ev["grads"]
+    grads, bufs = ev["grads"], ev.get("bufs", [])
     if not isinstance(grads, list) or len(grads) > MAX_GRADS:
         raise StepLogFormatError(f"{what}: 'grads' must be a list of at most {MAX_GRADS}")
     for g in grads:
         check_grad(g, what, payload, packs or {})
-    return len(grads)
+    if not isinstance(bufs, list) or len(bufs) > buffers:
+        raise StepLogFormatError(f"{what}: 'bufs' must be a list of at most the {buffers} the header names")
+    for b in bufs:  # the forward-pass state: dense values of the header's ``buffers``
+        check_grad(b, f"{what}, buffer", payload, packs or {})
+        if b["k"] != "dense" or b["p"] >= buffers:
+            raise StepLogFormatError(f"{what}: buffer entry {str(b['p'])[:20]} must be dense and index the header's "
+                                     f"{buffers} buffer names")
+    return len(grads) + len(bufs)
 
 
 def _scalars(group: Any) -> bool:

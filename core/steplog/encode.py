@@ -88,6 +88,12 @@ class StepEncoder:
             out.append(entry)
         return out, chunks
 
+    @staticmethod
+    def buffers(rec: StepRecord) -> list[dict]:
+        """The step's forward-pass state entries (dense, packed: ``capture_step``)."""
+        return [{"p": b.p, "k": "dense", "dtype": dtype_name(b.dtype), "shape": list(b.shape),
+                 "data": {"pack": dtype_name(b.dtype), "at": b.data_at[0]}} for b in rec.bufs]
+
     def _chunks(self, rec: StepRecord, parts: list[bytes], ranges: list[list]) -> Chunks:
         """Each non-empty pack of ``rec`` as one chunk; shuffle_zstd ones in one zstd call."""
         fast, out = [], {}

@@ -33,19 +33,21 @@ from .checks import (_HEX16, MAX_EVENTS, MAX_GRADS, NoMarkerError, StepLogError,
                      _index, check_event, check_packs)
 from .meta import check_optimizer, check_owner, check_param_names
 
-FORMAT_VERSION = 4
-"""Written by this checkrun. Versions 1-3 are read too: version 1 (checkrun before 2026-12-04)
+FORMAT_VERSION = 5
+"""Written by this checkrun. Versions 1-4 are read too: version 1 (checkrun before 2026-12-04)
 lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``); segments before
 version 3 have no ``packs`` (every gradient is a payload range of its own); before version 4 no
-sparse gradient is folded (``u``/``runs``)."""
-READ_VERSIONS = (1, 2, 3, 4)
+sparse gradient is folded (``u``/``runs``); before version 5 no step holds the forward-pass state
+(``bufs``, named by the header's ``buffers``)."""
+READ_VERSIONS = (1, 2, 3, 4, 5)
 PLAIN_VERSION = 3
 """Written for what format 4 did not change (run and marker objects, segments without a folded
 gradient), so that a checkrun that reads up to version 3 still replays such a log."""
 
 
-def _written(folded: bool) -> int:
-    return FORMAT_VERSION if folded else min(FORMAT_VERSION, PLAIN_VERSION)
+def _written(folded: bool, buffers: bool = False) -> int:
+    """The lowest version that holds an object: 5 with forward-pass state, 4 with a folded gradient."""
+    return min(FORMAT_VERSION, FORMAT_VERSION if buffers else 4 if folded else PLAIN_VERSION)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects
@@ -211,7 +213,7 @@ def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
         size += memoryview(part).nbytes
     folded = any("runs" in g for ev in header.get("events", ()) if isinstance(ev, dict)
                  for g in ev.get("grads", ()) if isinstance(g, dict))
-    header = {**header, "_checkrun": "steplog-segment", "format_version": _written(folded),
+    header = {**header, "_checkrun": "steplog-segment", "format_version": _written(folded, "buffers" in header),
               "payload_bytes": size, "payload_csum": h.hexdigest()}
     text = _dump(header)
     return b"".join([_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)),
@@ -275,9 +277,14 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     if not isinstance(h, dict) or h.get("_checkrun") != "steplog-segment":
         raise StepLogFormatError(f"{where}: not a checkrun step-log segment header")
     version = _version(h, where)
-    if not _SEG_KEYS <= set(h) <= (_SEG_KEYS | {"packs"} if version >= 3 else _SEG_KEYS):
+    optional = {"packs", "buffers"} if version >= 5 else {"packs"} if version >= 3 else set()
+    if not _SEG_KEYS <= set(h) <= _SEG_KEYS | optional:
         raise StepLogFormatError(f"{where}: header keys {sorted(h)[:20]}, expected {sorted(_SEG_KEYS)}"
-                                 + (" and optionally packs" if version >= 3 else ""))
+                                 + (f" and optionally {', '.join(sorted(optional))}" if optional else ""))
+    try:
+        buffers = check_param_names([h.get("buffers", [])], "field 'buffers'")[0]
+    except FormatError as exc:
+        raise StepLogFormatError(f"{where}: {exc}") from None
     _hex16(h["run"], where, "run")
     lo, hi = _index(h["lo"], where, "lo"), _index(h["hi"], where, "hi")
     _index(h["seq"], where, "seq")
@@ -291,7 +298,7 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     packs = check_packs(h.get("packs", {}), where, payload)
     grads = 0
     for i, ev in enumerate(events):
-        grads += check_event(ev, f"{where}: event {lo + i + 1}", payload, version, packs)
+        grads += check_event(ev, f"{where}: event {lo + i + 1}", payload, version, packs, len(buffers))
         if grads > MAX_GRADS * max(1, len(events)):  # pragma: no cover - bounded by the JSON limits
             raise StepLogFormatError(f"{where}: too many gradients")
 

@@ -31,7 +31,7 @@ from ..saving import lifecycle
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta
-from .capture import Staging, StepRecord, capture_step, group_scalars, sched_skeleton
+from .capture import Staging, StepRecord, capture_step, forward_buffers, group_scalars, sched_skeleton
 from .encode import StepEncoder
 from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
@@ -62,6 +62,7 @@ class StepLog:
         self.store, self.optimizer, self.scheduler, self.config = store, optimizer, scheduler, config
         self.scaler = scaler  # a GradScaler: its state goes with the scheduler's (meta.scaler_state)
         self.counters = counters  # the caller's counters (names to ints), logged with each state record
+        self._buffers = forward_buffers(model)  # running statistics, logged with each step (model given)
         self._segs = log_store(store)
         self.run = uuid.uuid4().hex[:16]
         self.event = parent[1] if parent else 0  # events logged (all runs of the chain)
@@ -190,7 +191,7 @@ class StepLog:
         slot = self._staging.take(self._stop)
         try:
             rec = capture_step(optimizer, self.step + 1, self._staging, slot,
-                               self.config.step_log.sparse_max_fraction)
+                               self.config.step_log.sparse_max_fraction, self._buffers)
         except BaseException:
             self._staging.give(slot)
             raise
@@ -286,8 +287,11 @@ class StepLog:
                 self._error = exc
 
     def _write(self, batch: "_Batch", seq: int) -> None:
-        data = pack_segment({"run": self.run, "seq": seq, "lo": batch.lo, "hi": batch.hi,
-                             "events": batch.events, "packs": batch.packs}, batch.payload)
+        header = {"run": self.run, "seq": seq, "lo": batch.lo, "hi": batch.hi, "events": batch.events,
+                  "packs": batch.packs}
+        if any("bufs" in ev for ev in batch.events):  # what the steps' ``bufs`` entries index
+            header["buffers"] = [name for name, _, _ in self._buffers]
+        data = pack_segment(header, batch.payload)
         batch.payload.clear()  # the joined copy is all that is needed now
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
         self.bytes_logged += len(data)
@@ -333,7 +337,10 @@ class _Batch:
         finally:
             if rec.slot is not None:
                 staging.give(rec.slot)
-        self.held = ({"kind": "step", "step": rec.step, "grads": grads}, parts, ranges, chunks)
+        event = {"kind": "step", "step": rec.step, "grads": grads}
+        if rec.bufs:
+            event["bufs"] = self.pays.buffers(rec)
+        self.held = (event, parts, ranges, chunks)
 
     def release(self) -> None:
         """Move the held step into the segment (its scheduler state is logged, or the training
@@ -351,7 +358,7 @@ class _Batch:
     def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict) -> None:
         for r in ranges:  # offsets were relative to the event's own bytes
             r[0] += self.size
-        for g in event.get("grads", ()):  # pack offsets were relative to the step's own chunks
+        for g in [*event.get("grads", ()), *event.get("bufs", ())]:  # offsets were relative to the step's chunks
             for ref in g.values():  # every reference into a pack (data, idx, runs), whatever its key
                 if isinstance(ref, dict) and "pack" in ref:
                     ref["at"] += self._pack_numel.get(ref["pack"], 0)

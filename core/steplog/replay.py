@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from ..codecs import Pipeline
-from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
+from ..errors import CheckpointNotFoundError, CheckrunError, FormatError, StorageError
 from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
-from .capture import TENSOR_LIST, flat_params
+from .capture import TENSOR_LIST, flat_params, forward_buffers
 from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, split_segment
 from .index import LogIndex
 from .log import StepLogError, active_log
@@ -44,6 +44,10 @@ class Position:
     stopped: bool = False
     counters: dict | None = None
     """The logged counters of the last state record applied (``step_log(counters=)``), if any."""
+    with_buffers: int = 0
+    """Replayed steps whose logged forward-pass state was set into the model."""
+    buffers_left: int = 0
+    """Replayed steps whose logged forward-pass state was not set (replay without ``model``)."""
 
 
 def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
@@ -62,16 +66,18 @@ def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = 
 
 
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
-                 max_bytes: int, scaler: Any = None) -> Position:
-    """Apply every logged event after ``start``; returns where it ended."""
+                 max_bytes: int, scaler: Any = None, model: Any = None) -> Position:
+    """Apply every logged event after ``start`` (and the logged forward-pass state to ``model``'s
+    buffers, if given); returns where it ended."""
     pos = Position(start.run, start.event, start.step)
+    buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
     if slog is not None:
         slog._paused = True  # replayed steps are not logged again
     try:
         while not pos.stopped:
             target = next(iter(index.children(pos.run, pos.event)), None)
-            _apply_run(segs, index, pos, (optimizer, scheduler, scaler), max_bytes,
+            _apply_run(segs, index, pos, (optimizer, scheduler, scaler, buffers), max_bytes,
                        None if target is None else target.parent[1])
             if target is None or pos.stopped or pos.event != target.parent[1]:
                 break
@@ -86,7 +92,7 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
 
 def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_bytes: int,
                stop_at: int | None) -> None:
-    optimizer, scheduler, scaler = targets
+    optimizer, scheduler, scaler, buffers = targets
     prev = 0
     for seg in index.segments.get(pos.run, []):
         if seg.hi <= pos.event:
@@ -110,23 +116,39 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 continue
             if stop_at is not None and event > stop_at:
                 return
-            apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler)
+            nbuf = apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler, buffers)
             pos.event = event
             if ev.get("counters") is not None:
                 pos.counters = dict(ev["counters"])
             if ev["kind"] == "step":
                 pos.step = ev["step"]
                 pos.replayed += 1
+                pos.with_buffers += bool(nbuf)
+                pos.buffers_left += bool(ev.get("bufs")) and not nbuf
+
+
+def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryview]:
+    """``split_segment`` of a segment's bytes, read once more when they fail a checksum or length
+    (damaged in transit: a flipped byte on a store without response checksums, a short read),
+    as blobs are; ``SegmentDamaged`` when the second read fails too (damaged at rest)."""
+    where = segs.url(name)
+    try:
+        return split_segment(segs.read_manifest(name, max_bytes), where)
+    except SegmentDamaged as exc:
+        first = exc
+    out = split_segment(segs.read_manifest(name, max_bytes), where)
+    log.warning("checkrun: step log segment %s failed its check once (%s); read again, it matched", where, first)
+    return out
 
 
 def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> tuple[Any, Any]:
     where = segs.url(seg.name)
     try:
-        header, payload = split_segment(segs.read_manifest(seg.name, max_bytes), where)
+        header, payload = read_segment(segs, seg.name, max_bytes)
     except (SegmentDamaged, CheckpointNotFoundError) as exc:
         _stop(pos, where, str(exc))
         return None, None
-    except FormatError:
+    except (FormatError, StorageError):  # hostile, or an outage (through every retry): never an early stop
         raise
     except CheckrunError as exc:  # larger than max_bytes
         _stop(pos, where, str(exc))
@@ -155,6 +177,7 @@ class Payload:
     def __init__(self, header: dict, payload: memoryview, max_bytes: int) -> None:
         self.view, self.max_bytes = payload, max_bytes
         self.chunks: dict[str, list[dict]] = header.get("packs", {})
+        self.buffers: list[str] = header.get("buffers", [])  # what step events' ``bufs`` index
         self._ends = {name: list(itertools.accumulate(c["numel"] for c in chunks))
                       for name, chunks in self.chunks.items()}
         self._decoded: dict[str, tuple[int, torch.Tensor]] = {}
@@ -179,15 +202,17 @@ class Payload:
 
 
 def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, where: str,
-                max_bytes: int, scaler: Any = None) -> None:
+                max_bytes: int, scaler: Any = None, buffers: dict | None = None) -> int:
     """Apply one checked event of a segment (``split_segment``'s header and payload, as ``Payload``): a ``state``
     event sets the groups' hyperparameters and the scheduler's state, a ``step`` event sets every
-    parameter's ``.grad`` to the logged gradient and calls ``optimizer.step()``. Training thread."""
+    parameter's ``.grad`` to the logged gradient and calls ``optimizer.step()``, then copies its logged
+    forward-pass state into ``buffers`` (name -> tensor, if given). Returns how many buffers it set.
+    Training thread."""
     if ev["kind"] == "state":
         _apply_state(ev, optimizer, scheduler, where)
         if scaler is not None and ev.get("scaler") is not None:
             _apply_scaler(ev["scaler"], scaler, where)
-        return
+        return 0
     what = f"{where}: step {ev['step']}"
     params = flat_params(optimizer)
     grads: dict[int, torch.Tensor] = {}
@@ -203,6 +228,18 @@ def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, wher
     except Exception as exc:  # noqa: BLE001 - a logged step the optimizer refuses: say which one
         raise StepLogError(f"{what}: {type(optimizer).__name__}.step() failed on the logged gradients and "
                            f"hyperparameters: {type(exc).__name__}: {exc}") from exc
+    if buffers is None:
+        return 0
+    for b in ev.get("bufs", ()):
+        name = payload.buffers[b["p"]]
+        target, shape, dtype = buffers.get(name), tuple(b["shape"]), DTYPES[b["dtype"]]
+        if target is None or tuple(target.shape) != shape or target.dtype != dtype:
+            raise StepLogError(f"{what}: logged running statistics {name!r} ({b['dtype']} {list(shape)}), the model "
+                               + ("has no such buffer" if target is None else
+                                  f"holds {str(target.dtype).removeprefix('torch.')} {list(target.shape)} there"))
+        with torch.no_grad():
+            target.copy_(payload.tensor(b["data"], _numel(shape), dtype, f"{what}, buffer {name}").view(shape))
+    return len(ev.get("bufs", ()))
 
 
 def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
@@ -329,22 +366,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def forward_state(model: Any) -> list[str]:
     """Names of the buffers of ``model`` that its forward pass updates in training (running statistics
-    of BatchNorm/InstanceNorm layers that track them): a replay leaves them at the checkpoint's values."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    if not isinstance(model, torch.nn.Module):
-        return []
-    return [f"{name}.{b}" if name else b for name, m in model.named_modules()
-            if isinstance(m, _NormBase) and m.track_running_stats for b, t in m.named_buffers(recurse=False)
-            if t is not None]
+    of BatchNorm/InstanceNorm layers that track them): logged with each step when the log has the
+    model (``step_log(model=)``), set by a replay given the model (``replay(model=)``)."""
+    return [name for name, _, _ in forward_buffers(model)]
 
 
-def warn_forward_state(model: Any, replayed: int, checkpoint: str) -> None:
-    """After ``replayed`` > 0 steps into ``model``: warn if it has ``forward_state`` buffers."""
-    names = forward_state(model) if replayed else []
+def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: int = 0) -> None:
+    """After ``replayed`` > 0 steps into ``model``, of which ``restored`` set the logged forward-pass
+    state: warn if the others leave ``forward_state`` buffers at older values."""
+    names = forward_state(model) if replayed > restored else []
     if names:
-        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}; the running statistics of "
-                      f"{len(names)} buffer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) are "
-                      "those of the checkpoint: the step log replays optimizer steps, not forward passes",
-                      RuntimeWarning, stacklevel=3)
-
+        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, {replayed - restored} of "
+                      f"them without logged running statistics (a log opened without model=); {len(names)} "
+                      f"buffer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: "
+                      "those of the checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)

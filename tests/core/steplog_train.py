@@ -27,8 +27,10 @@ def make(kind: str, sparse: bool = False) -> tuple[Net, Any, Any]:
     """Model, optimizer and scheduler, identical on every call."""
     torch.manual_seed(1234)
     net = Net(sparse)
+    if kind == "adam_bn":  # a BatchNorm layer: running statistics change in the forward pass
+        net.mlp.insert(1, torch.nn.BatchNorm1d(32))
     params = net.parameters()
-    if kind == "adam":
+    if kind in ("adam", "adam_bn"):
         opt = torch.optim.Adam(params, lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     elif kind == "adam_tensor_lr":  # a tensor lr (torch.compile's advice): logged by value, filled on replay

@@ -206,6 +206,22 @@ def test_verify_corrupt_segment_says_where_replay_stops(logged, capsys):
     assert "OK       " in out and "step log damaged" in out and "1 intact, 0 corrupt" in out
 
 
+def test_verify_reports_a_segment_missing_between_two(logged, capsys):
+    """A segment gone from the middle of the chain (deleted, or never written: a full disk) ends the
+    replay there; verify said "step log intact", exit 0, because each segment left was fine (found by
+    an independent check)."""
+    first, second = _after_marker(logged)[:2]
+    second.unlink()
+    code, doc = _json(capsys, "verify", logged)
+    assert code == 1 and not doc["step_log"]["ok"]
+    (early,) = doc["step_log"]["ends_early"]
+    first_steps = [e["step"] for e in json.loads(_header_json(first))["events"] if e["kind"] == "step"]
+    assert early["segment"] is None and "missing" in early["error"] and early["needed_by"] == ["ck.ckpt"]
+    assert early["stops_at_step"] == first_steps[-1]
+    code, out, _ = _run(capsys, "verify", logged)
+    assert code == 1 and f"replay from ck.ckpt stops at step {first_steps[-1]}" in out and "are missing" in out
+
+
 def test_verify_truncated_segment(logged, capsys):
     seg = _after_marker(logged)[0]
     seg.write_bytes(seg.read_bytes()[:-7])

@@ -402,23 +402,3 @@ def test_a_save_at_the_same_step_keeps_its_marker_when_the_first_commits(tmp_pat
         FaultFS.reset()
     assert n == STEPS - CKPT_AT
     assert_bit_equal(state(*resumed), _reference("adam", STEPS))
-
-
-def test_running_statistics_are_named_as_not_replayed():
-    """BatchNorm's running statistics change in the forward pass, which the log does not replay
-    (found by an independent check: num_batches_tracked 17 short after 17 replayed steps): the
-    adapters warn with their names after a replay of at least one step."""
-    from ckpt_core.steplog import forward_state, warn_forward_state
-
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.BatchNorm1d(4, track_running_stats=False), torch.nn.LayerNorm(4))
-    assert forward_state(model) == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
-    assert forward_state(torch.nn.Linear(2, 2)) == [] and forward_state(None) == []
-    with pytest.warns(RuntimeWarning, match=r"replayed 3 logged step\(s\) after ck.ckpt; the running statistics of "
-                                            r"3 buffer\(s\) \(1.running_mean, 1.running_var, 1.num_batches_tracked\)"):
-        warn_forward_state(model, 3, "ck.ckpt")
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        warn_forward_state(model, 0, "ck.ckpt")
-        warn_forward_state(torch.nn.Linear(2, 2), 5, "ck.ckpt")

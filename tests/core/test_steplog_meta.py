@@ -218,7 +218,7 @@ def _run_bytes(**fields) -> bytes:
     ({"owner": {"writer": "ab", "pid": 1, "start": 1}}, "owner"),
     ({"closed": "yes"}, "closed"),
     ({"extra": 1}, "keys"),
-    ({"format_version": 5}, "format_version"),
+    ({"format_version": 6}, "format_version"),
     ({"format_version": 1, "optimizer": "torch.optim.adam.Adam"}, "keys"),
 ])
 def test_hostile_run_header_is_rejected(fields, message):

@@ -55,7 +55,7 @@ class Batches(Dataset):
 
 
 class Lit(LightningModule):
-    """``kind`` "manual": manual optimization, the optimizer stepped every 2nd batch (gradients of two
+    """``kind`` "bn": Adam, with a BatchNorm layer in the MLP. "manual": manual optimization, the optimizer stepped every 2nd batch (gradients of two
     batches accumulated), clipped by the module, a scheduler declared with interval "step" and stepped
     by the module after each optimizer step."""
 
@@ -63,6 +63,8 @@ class Lit(LightningModule):
         super().__init__()
         torch.manual_seed(1234)
         self.net, self.kind = Net(), kind
+        if kind == "bn":  # running statistics change in the forward pass: logged with each step, set on replay
+            self.net.mlp.insert(1, torch.nn.BatchNorm1d(32))
         self.automatic_optimization = kind != "manual"
 
     def training_step(self, b, batch_idx):
@@ -80,7 +82,7 @@ class Lit(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        if self.kind in ("adam", "manual"):
+        if self.kind in ("adam", "manual", "bn"):
             opt = torch.optim.Adam(self.parameters(), lr=1e-2)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
         else:

@@ -71,7 +71,7 @@ def _reference(kind: str, steps: int) -> dict:
     return _state(net, opt, sched)
 
 
-@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("kind", ["adam", "sgd", "adam_bn"])
 def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_chain(tmp_path: Path, kind: str) -> None:
     acc, net, opt, sched, ckpt = _setup(tmp_path / "proj", kind)
     for step in range(1, 11):

@@ -36,7 +36,8 @@ def _train_until_killed(directory: str, kind: str, kill_after: int, devices: int
     try:
         for line in child.stdout:
             what, _, value = line.strip().partition(" ")
-            committed = committed or what == "committed"
+            # ckpt_path="last" resumes from last.ckpt: its save (after the top-k file's) must have committed
+            committed = committed or (what == "committed" and value.endswith("last.ckpt"))
             if what in ("step", "flushed"):
                 last = int(value)
             if what == "flushed":
@@ -64,13 +65,14 @@ def _run(devices: int, *args: str, accumulate: int = 1) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,kind,accumulate", [(1, "adam", 1), (1, "sgd", 1), (2, "adam", 1), (1, "adam", 3),
-                                                     (1, "manual", 1)])
+                                                     (1, "manual", 1), (1, "bn", 1)])
 def test_trainer_sigkilled_at_a_random_step_resumes_from_last_bit_exact_with_counters(tmp_path, devices, kind,
                                                                                        accumulate):
     """``accumulate`` > 1: ``accumulate_grad_batches`` (the kill may land between two optimizer steps;
     the batch counters move ``accumulate`` per logged step). "manual": manual optimization stepping every
     2nd batch with a step-interval scheduler it steps itself (the batch counters move by the batches up
-    to the last logged step, the scheduler progress, which Lightning leaves to the module, not at all)."""
+    to the last logged step, the scheduler progress, which Lightning leaves to the module, not at all).
+    "bn": a BatchNorm layer, whose running statistics must equal the uninterrupted run's too."""
     seed = random.randrange(1 << 30)
     kill_after = random.Random(seed).randrange(8, 40)
     directory = str(tmp_path / "ckpts")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import warnings
 
 import pytest
 
 from ckpt_core import CheckpointEngine
 from ckpt_core.steplog import StepLogError
-from ckpt_core.testing.faults import DiskFull, FaultFS, Gate, Policy, Transient
+from ckpt_core.errors import StorageError
+from ckpt_core.testing.faults import DiskFull, FaultFS, Gate, Policy, Transient, transient_error
 from tests.core.steplog_train import assert_bit_equal, load_into, make, state, train_step
 
 KIND = "adam"
@@ -186,3 +188,67 @@ def test_a_writer_paused_while_its_trainer_restarts_never_mixes_the_two_runs(tmp
     # where two runs continue the same step, replay follows the newest one (B) from its branch point
     assert n == 7, f"replayed {n} steps after step 5: not run B's 3 + 4"
     assert_bit_equal(state(net, opt, sched), _reference_with(b_batches), "replayed after step 5")
+
+
+class _SegmentReadsFail(Policy):
+    """Every read of a segment fails with a transient error (an outage longer than the retries)."""
+
+    def __init__(self) -> None:
+        self.raised = 0
+
+    def on(self, op, kind, path):
+        if op == "read" and "/seg-" in str(path):
+            self.raised += 1
+            raise transient_error(self.raised)
+
+
+def _logged_with_checkpoint(directory: str, steps: int = 12) -> None:
+    model = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, *model[1:])
+        _train(engine, directory, model, range(1, steps + 1), save_at=3)
+        slog.close()
+
+
+def test_an_outage_while_replaying_raises_instead_of_stopping_early(tmp_path, sleeps):
+    """Segment reads that fail through every retry are an outage, not damage: replay raised nothing
+    and stopped at the last step before it with a "damaged or missing" warning, and the log opened
+    after the resume branched there, so the committed steps after it were lost for good (found by an
+    independent check with 500s from S3). It raises StorageError; once storage is back, all replay."""
+    directory = f"faultfile://{tmp_path}/run"
+    _logged_with_checkpoint(directory)
+    FaultFS.policy = outage = _SegmentReadsFail()
+    try:
+        with pytest.raises(StorageError, match="seg-"):
+            _resume(directory)
+    finally:
+        FaultFS.policy = None
+    assert outage.raised > 1 and sleeps, "retried before giving up"
+    n, resumed = _resume(directory)
+    assert n == 9
+    assert_bit_equal(resumed, _reference(12), "resumed after the outage")
+
+
+def test_a_segment_damaged_in_transit_is_read_again(tmp_path, monkeypatch, caplog):
+    """A segment whose bytes arrive with a flipped byte once (a store without response checksums)
+    ended the replay there; it is read once more, as blobs are, and counts only if it fails again."""
+    directory = f"faultfile://{tmp_path}/run"
+    _logged_with_checkpoint(directory)
+    real, flipped = FaultFS.cat_file, []
+
+    def flip_once(self, path, start=None, end=None, **kwargs):
+        data = real(self, path, start=start, end=end, **kwargs)
+        if "/seg-" in str(path) and start is None and not flipped:
+            flipped.append(path)
+            data = bytearray(data)
+            data[-3] ^= 0x10
+            data = bytes(data)
+        return data
+
+    monkeypatch.setattr(FaultFS, "cat_file", flip_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "damaged or missing" warning
+        n, resumed = _resume(directory)
+    assert flipped and n == 9
+    assert_bit_equal(resumed, _reference(12), "resumed through a segment damaged in transit")
+    assert "failed its check once" in caplog.text
