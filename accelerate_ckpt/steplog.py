@@ -74,7 +74,7 @@ class AccelerateStepLog:
                 f"{len(acc._schedulers)} scheduler(s); the step log follows exactly one optimizer and at "
                 "most one scheduler (set step_log.enabled: false, or prepare one of each)")
         optimizer = _inner(acc._optimizers[0], "optimizer")
-        scheduler = _inner(acc._schedulers[0], "scheduler") if acc._schedulers else None
+        scheduler = _inner(acc._schedulers[0], "scheduler") if acc._schedulers else _registered(acc, optimizer)
         self._count(optimizer)
         return optimizer, scheduler
 
@@ -147,3 +147,16 @@ class AccelerateStepLog:
         slog, self.log = self.log, None
         if slog is not None:
             slog.close()
+
+
+def _registered(acc: Any, optimizer: Any) -> Any:
+    """An LR scheduler of ``optimizer`` registered with ``register_for_checkpointing`` instead of
+    prepared (it is saved and loaded with the checkpoint, so the log must step it too: unlogged, the
+    replay left it at the checkpoint's step, silently); None if there is none."""
+    found = [o for o in acc._custom_objects
+             if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and getattr(o, "optimizer", None) is optimizer]
+    if len(found) > 1:
+        raise StepLogSetupError(f"step_log.enabled: {len(found)} LR schedulers of the optimizer are registered "
+                                "with register_for_checkpointing; the step log follows at most one scheduler "
+                                "(set step_log.enabled: false, or register one)")
+    return found[0] if found else None

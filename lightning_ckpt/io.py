@@ -380,6 +380,9 @@ class CheckrunCheckpointIO(CheckpointIO):
                       UserWarning, stacklevel=3)
 
     def _check_caller(self) -> None:
+        # first of all: a forked or spawned rank's copy starts afresh (engines, step log) before any
+        # of it is used, or a step log opened on the state the reset then drops is lost
+        self._after_fork()
         strategy = calling_strategy()
         if strategy is not None:
             check_strategy(strategy)

@@ -154,9 +154,14 @@ class LightningStepLog:
         """Optimizer steps the last resume replayed after its checkpoint."""
 
     def before_save(self, engine: CheckpointEngine, strategy: Any, url: str) -> None:
-        """Rank 0, before saving ``url``: log into its directory from now on (so the save marks it)."""
+        """Rank 0, before saving ``url``: log into its directory from now on (so the save marks it),
+        unless the log is open elsewhere and ``url`` is not a ``last*.ckpt``: the log stays with the
+        checkpoints that ``ckpt_path="last"`` resumes from (a second ``ModelCheckpoint`` saving top-k
+        files into another directory took the log there, and a resume from ``last`` lost every step
+        logged after that save)."""
         directory = parent_dir(url)
-        if self.log is not None and self.directory == directory:
+        if self.log is not None and (self.directory == directory
+                                     or not fnmatch.fnmatch(url.rpartition("/")[2], LAST_PATTERN)):
             return
         trainer = find_trainer(strategy)
         if trainer is None or not trainer.optimizers:  # e.g. trainer.save_checkpoint before fit
@@ -216,11 +221,12 @@ class LightningStepLog:
 
     def _open(self, engine: CheckpointEngine, directory: str, trainer: Any, optimizer: Any, scheduler: Any) -> None:
         _closure_first(optimizer)
-        # the batch of the newest optimizer step, logged with every state record ("batch"): a pre-hook
-        # registered before the log's own, so the step's record holds its own batch; a record made
-        # at a flush after batches that did not step keeps the last step's batch
+        # the batch of the newest optimizer step that completed, logged with every state record
+        # ("batch"): a post-hook, so the record a step's pre-hook makes (its segment closed there: the
+        # state after the previous step) holds the previous step's batch, not the one in progress; a
+        # record made at a flush after batches that did not step keeps the last step's batch
         batch = [self._batch_at(trainer)]
-        self._hook = optimizer.register_step_pre_hook(lambda *_: batch.__setitem__(0, self._batch_at(trainer)))
+        self._hook = optimizer.register_step_post_hook(lambda *_: batch.__setitem__(0, self._batch_at(trainer)))
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
                                    model=trainer.lightning_module,
                                    counters=lambda: {"global_step": trainer.global_step, "batch": batch[0]})

@@ -14,13 +14,14 @@ import struct
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import FormatError
 from .dtypes import ALL_DTYPES
-from .tree import (_FINISH, _HEX_INT, _INT64, _KEY_FORBIDDEN, _NAN_BITS, T_BYTES, T_COMPLEX, T_DEVICE, T_DICT,
-                   T_DTYPE, T_FLOAT, T_INT, T_META, T_OBJECT, T_ODICT, T_PARAM, T_SIZE, T_TENSOR, T_TUPLE, _join,
-                   _text, gc_paused)
+from .tree import (_FINISH, _HEX_INT, _INT64, _KEY_FORBIDDEN, _NAN_BITS, NUMPY_SCALARS, T_BYTES, T_COMPLEX,
+                   T_DEVICE, T_DICT, T_DTYPE, T_FLOAT, T_INT, T_META, T_NUMPY, T_OBJECT, T_ODICT, T_PARAM, T_SIZE,
+                   T_TENSOR, T_TUPLE, _join, _text, gc_paused)
 
 __all__ = ["unflatten", "validate_skeleton"]
 
@@ -63,6 +64,9 @@ def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
             return torch.device(v)
         elif tag == T_SIZE and t is list and all(type(d) is int and -_INT64 <= d < _INT64 for d in v):
             return torch.Size(v)
+        elif (tag == T_NUMPY and t is list and len(v) == 2 and v[0] in NUMPY_SCALARS and type(v[1]) is str
+              and len(v[1]) == 2 * np.dtype(v[0]).itemsize):
+            return np.frombuffer(bytes.fromhex(v[1]), np.dtype(v[0]).newbyteorder("<")).astype(v[0])[0]
     except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError):
         pass
     _fail(path, f"bad {tag} value {_short(v)}")
@@ -76,7 +80,7 @@ def _complex_part(p: Any, path: str | None) -> float:
     _fail(path, f"bad {T_COMPLEX} part {_short(p)}")
 
 
-_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE})
+_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE, T_NUMPY})
 _ONE_KEY_TAGS = frozenset(_SCALAR_TAGS) | {T_TENSOR, T_PARAM, T_OBJECT, T_TUPLE, T_DICT, T_ODICT}
 
 

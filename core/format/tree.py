@@ -15,6 +15,7 @@ every JSON object is a tag (so user keys such as "$t" are never ambiguous)::
     {"$o": 0}  object 0          {"$tuple": [...]}  {"$f": "nan"|"inf"|"-inf"|"nan:<bits>"}
     {"$i": "-0x1f"}  big int     {"$b": "<base64>"}  {"$c": [re, im]}  complex
     {"$dtype": "float32"}        {"$size": [2, 3]}   {"$device": "cuda:0"}
+    {"$np": ["float64", "000000000000d03f"]}  numpy scalar: dtype, its bytes (little endian) in hex
 
 Order lives in lists only, so the skeleton survives ``json.dumps(sort_keys=True)``.
 ``max_depth`` bounds the skeleton's JSON nesting depth (a dict level costs 2); flatten
@@ -32,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from ..errors import FormatError
@@ -42,7 +44,7 @@ __all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten"]
 T_DICT, T_ODICT, T_META, T_TUPLE = "$d", "$od", "$meta", "$tuple"
 T_TENSOR, T_PARAM, T_OBJECT = "$t", "$p", "$o"
 T_FLOAT, T_INT, T_BYTES, T_COMPLEX = "$f", "$i", "$b", "$c"
-T_DTYPE, T_SIZE, T_DEVICE = "$dtype", "$size", "$device"
+T_DTYPE, T_SIZE, T_DEVICE, T_NUMPY = "$dtype", "$size", "$device", "$np"
 _KEY_FORBIDDEN = frozenset({T_TENSOR, T_PARAM, T_OBJECT, T_DICT, T_ODICT})
 
 # Beyond 2**53, JSON tools that read numbers as doubles (jq, JavaScript) would corrupt ints.
@@ -109,7 +111,15 @@ def _encode_scalar(x: Any) -> Any:
         return {T_DEVICE: str(x)}
     if t is torch.Size and all(-_INT64 <= d < _INT64 for d in x):
         return {T_SIZE: list(x)}
+    if isinstance(x, np.generic) and x.dtype.name in NUMPY_SCALARS:  # np.float64(0.5): plain data, no pickle
+        return {T_NUMPY: [x.dtype.name, x.astype(x.dtype.newbyteorder("<")).tobytes().hex()]}
     return _NOT_PLAIN
+
+
+#: numpy scalar types stored as plain data (``$np``: dtype and raw bytes, bit for bit); others
+#: (``longdouble``, strings, datetimes, objects) are pickled values, as torch.save writes them.
+NUMPY_SCALARS = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                           "float16", "float32", "float64", "complex64", "complex128"})
 
 
 def _scalar_depth(enc: Any) -> int:

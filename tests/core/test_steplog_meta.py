@@ -522,6 +522,7 @@ def test_open_log_holds_its_run_and_retention_collects_closed_ones(tmp_path):
         slog = engine.step_log(directory, opt, sched)
         for step in range(1, 6):
             train_step(net, opt, sched, step)
+        slog.flush()  # every segment so far landed: none lands after this gc (as garbage the last gc would find)
         engine.gc(directory)  # run B has no marker yet: its segments are garbage, its run object is not
         runs = {p.name for p in _objects(directory, RUN_RE)}
         assert run_a.name in runs and len(runs) == 2  # A's checkpoint is still retained

@@ -242,7 +242,7 @@ class MyTensor(torch.Tensor):
 
 
 def test_non_plain_values_become_objects() -> None:
-    state = {"color": Color.RED, "path": pathlib.Path("/tmp/x"), "np": np.float32(1.5), "arr": np.arange(3),
+    state = {"color": Color.RED, "path": pathlib.Path("/tmp/x"), "np": np.longdouble(1.5), "arr": np.arange(3),
              "point": Point(1), "set": {1, 2}, "pair": Pair(1, 2), "dd": collections.defaultdict(int),
              "enum_keys": {Color.RED: torch.ones(1)}, "sub": torch.ones(1).as_subclass(MyTensor)}
     flat, out = roundtrip(state)
@@ -272,6 +272,22 @@ def test_enum_and_numpy_refused_but_plain_pickle_safe_values_load() -> None:
             deserialize_object(serialize_object(value), key="k", type_name=type_name, weights_only=True)
     blob = serialize_object({1, 2})
     assert deserialize_object(blob, key="k", type_name="builtins.set", weights_only=True) == {1, 2}
+
+
+def test_numpy_scalars_are_plain_data_bit_for_bit() -> None:
+    """np.float64(...) from a metric, np.int64 counters: plain data in the skeleton (dtype and raw
+    bytes), so they load under weights_only=True; before 2026-12-06 they were pickled and refused
+    (stock accelerate loads registered objects with weights_only=False)."""
+    values = [np.float64(0.25), np.float32("nan"), np.float32(-0.0), np.float16(3.5), np.int64(-(2**63)),
+              np.uint64(2**64 - 1), np.int8(-3), np.bool_(True), np.complex128(1 - 2j),
+              np.frombuffer(bytes.fromhex("0100c07f"), np.float32)[0]]  # a nan with a payload
+    state = {"m": values, np.int32(3): "numpy key", "ld": np.longdouble(1.5)}
+    flat = flatten(state)
+    assert [o.type_name for o in flat.objects] == ["numpy.longdouble"]  # not exact as data: pickled
+    back = unflatten(json.loads(json.dumps(flat.skeleton)), [], [o.obj for o in flat.objects])
+    for a, b in zip(values, back["m"]):
+        assert type(a) is type(b) and a.tobytes() == b.tobytes(), (a, b)
+    assert back[np.int32(3)] == "numpy key" and type(next(k for k in back if k != "m" and k != "ld")) is np.int32
 
 
 def test_user_safe_globals_survive_and_corrupt_blob_is_reported() -> None:
@@ -304,6 +320,9 @@ HOSTILE = [
     {"$f": "1.5"}, {"$f": "nan:7ff0000000000000"}, {"$f": None},
     {"$i": "12"}, {"$i": "0x1_0"}, {"$i": " 0x10"}, {"$d": [{"$i": "0x" + "f" * 5000}, {"$t": 7}]},
     {"$b": "!!"}, {"$c": [1]}, {"$c": ["1", 2]}, {"$size": [1.5]}, {"$size": [True]}, {"$size": [2**70]},
+    {"$np": "float64"}, {"$np": ["float64", "00"]}, {"$np": ["float64", "zz" * 8]}, {"$np": ["float64", 5]},
+    {"$np": ["object", "00" * 8]}, {"$np": ["longdouble", "00" * 16]}, {"$np": [["int8"], "00"]},
+    {"$np": ["int8", "00", 1]}, {"$np": ["U1", "00" * 4]},
     # Python objects that JSON never yields
     {1: 2}, b"bytes", {1, 2}, (1, 2), float, pickle,
 ]
@@ -318,7 +337,7 @@ def test_hostile_skeleton_is_refused(skeleton: Any) -> None:
 
 
 TAGS = ["$d", "$od", "$meta", "$tuple", "$t", "$p", "$o", "$f", "$i", "$b", "$c", "$dtype", "$size",
-        "$device"]
+        "$device", "$np"]
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=3),
               st.sampled_from(["nan", "-inf", "0x10", "float32", "cpu", "AA==", "nan:fff8000000000000"])),

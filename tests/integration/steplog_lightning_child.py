@@ -14,7 +14,8 @@
         same state, from it, to OUT
 
 ``STEPLOG_DEVICES=2`` in the environment: DDP on 2 CPU processes (rank 0 prints and saves);
-``STEPLOG_ACCUMULATE=k``: ``accumulate_grad_batches=k`` (an optimizer step every k batches).
+``STEPLOG_ACCUMULATE=k``: ``accumulate_grad_batches=k`` (an optimizer step every k batches);
+``STEPLOG_KILL_AT=n``: ``train`` SIGKILLs itself after global step n and never flushes the log.
 The batches are a deterministic function of the batch index (tests.core.steplog_train.batch) and an
 epoch is longer than any test runs, so the resume is compared within the epoch.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 import threading
 
@@ -36,6 +38,7 @@ from tests.core.steplog_train import Net, batch
 CKPT_EVERY, FLUSH_EVERY, EPOCH = 7, 5, 10_000
 DEVICES = int(os.environ.get("STEPLOG_DEVICES", "1"))
 ACCUMULATE = int(os.environ.get("STEPLOG_ACCUMULATE", "1"))
+KILL_AT = int(os.environ.get("STEPLOG_KILL_AT", "0"))
 _SAY = threading.Lock()
 
 
@@ -116,7 +119,9 @@ class Progress(Callback):
         if not trainer.is_global_zero:
             return
         step = trainer.global_step
-        if step % FLUSH_EVERY == 0 and self.io.step_log is not None:
+        if KILL_AT and step >= KILL_AT:  # no flush: the segments the resume finds were closed at step pre-hooks
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step % FLUSH_EVERY == 0 and self.io.step_log is not None and not KILL_AT:
             self.io.step_log.flush()
             say(f"flushed {step}")
         else:

@@ -9,6 +9,7 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -595,3 +596,34 @@ def test_a_mid_epoch_resume_with_a_seedable_sampler_keeps_the_later_epochs_order
     assert _seedable_run(tmp_path / "run", "resume", iterable=iterable) == full[10:]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+class Metrics:
+    """A registered object holding numpy scalars, as metric code returns them (np.mean, sklearn)."""
+
+    def __init__(self) -> None:
+        self.best, self.seen = np.float64(0.0), np.int64(0)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "seen": self.seen, "history": [np.float32(0.5), np.float32(0.75)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.seen, self.history = state["best"], state["seen"], state["history"]
+
+
+def test_registered_numpy_scalars_load_with_the_default_config(tmp_path, make_setup):
+    """Stock accelerate loads registered objects with weights_only=False, so numpy scalars in their
+    state load; checkrun pickled them and refused them at load_state (UnsafeLoadError) unless allowed
+    by name. They are plain data now (dtype and bytes), loaded bit for bit under weights_only=True."""
+    acc, model, opt, sched, counter = make_setup(tmp_path / "proj")
+    metrics = Metrics()
+    acc.register_for_checkpointing(metrics)
+    ckpt = AcceleratorCheckpointer(acc).attach()
+    metrics.best, metrics.seen = np.float64(0.8125), np.int64(41)
+    acc.save_state()
+    metrics.best, metrics.seen = np.float64(0.0), np.int64(0)
+    acc.load_state()
+    assert type(metrics.best) is np.float64 and metrics.best == 0.8125
+    assert type(metrics.seen) is np.int64 and metrics.seen == 41
+    assert [type(h) for h in metrics.history] == [np.float32, np.float32] and metrics.history == [0.5, 0.75]
+    ckpt.close()

@@ -113,6 +113,19 @@ def test_ddp_spawn_pickles_plugin_and_returns_weights(tmp_path) -> None:
     plugin.teardown()
 
 
+def test_ddp_spawn_with_the_step_log_saves_top_k_and_last(tmp_path) -> None:
+    """A spawned rank's plugin (unpickled, its creator's pid) starts afresh at its first engine use;
+    ``save_checkpoint`` read its step log before that, opened the log on the object the reset then
+    dropped, and the second save of the same step (last.ckpt) failed: "this optimizer already has
+    an open step log" (found by an independent check; ddp_fork the same)."""
+    plugin = make_io(step_log=True)
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2, save_last=True)
+    t = trainer(str(tmp_path), plugin, callbacks=[mc], strategy="ddp_spawn", devices=1, max_steps=5)
+    t.fit(TinyModel())
+    assert [n for n in ls(str(tmp_path / "ckpts")) if n.endswith(".ckpt")] == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    plugin.teardown()
+
+
 class _CrashAtStep(TinyModel):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step >= 6:

@@ -93,6 +93,27 @@ def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_cha
     assert_bit_equal(at_13, _reference(kind, 13), "against an uninterrupted run")
 
 
+def test_a_scheduler_registered_instead_of_prepared_is_replayed_too(tmp_path: Path) -> None:
+    """An LR scheduler registered with register_for_checkpointing (not prepared) is saved and loaded
+    with the checkpoint, but the log did not step it: after load_state() it stayed at the checkpoint's
+    step while the optimizer was at the replayed one, silently (found by an independent check)."""
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    net, opt, sched = make("adam")
+    net, opt = acc.prepare(net, opt)
+    acc.register_for_checkpointing(sched)
+    ckpt = AcceleratorCheckpointer(acc, CONFIG).attach()
+    for step in range(1, 11):
+        _step(acc, net, opt, sched, step)
+        if step == 4:
+            acc.save_state()
+    at_10 = _state(net, opt, sched)
+    acc.load_state()
+    assert ckpt.replayed_steps == 6 and sched.last_epoch == 10
+    assert_bit_equal(_state(net, opt, sched), at_10, "after the replay")
+    ckpt.close()
+
+
 def test_without_the_log_nothing_is_replayed_and_a_checkpoint_without_markers_warns(tmp_path: Path) -> None:
     acc, net, opt, sched, ckpt = _setup(tmp_path / "proj", config={"saving": {"sigterm_grace_seconds": None}})
     for step in range(1, 4):

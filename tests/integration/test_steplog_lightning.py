@@ -90,6 +90,52 @@ def test_trainer_sigkilled_at_a_random_step_resumes_from_last_bit_exact_with_cou
         assert_bit_equal(state, reference, f"{where}, rank {rank}")
 
 
+def test_manual_optimization_resumed_from_segments_closed_at_step_hooks_has_exact_counters(tmp_path):
+    """Manual optimization, stepping every 2nd batch, killed at step 28 without any flush: the segments
+    the resume replays were closed at the next step's pre-hook, whose state record carried the batch
+    counter of that next step (one step ahead: batch 50 at step 24; found by an independent check).
+    The counter is that of the last completed step now."""
+    directory = str(tmp_path / "ckpts")
+    child = subprocess.run([*CHILD, "train", directory, "manual"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env={**_env(1), "STEPLOG_KILL_AT": "28"})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    out = str(tmp_path / "resumed.pt")
+    _run(1, "resume", directory, "manual", out)
+    state = torch.load(f"{out}.rank0", weights_only=False)
+    resumed = state["global_step"]
+    assert 21 <= resumed <= 28, resumed  # the checkpoint at 21, then what the log committed
+    _run(1, "reference", "manual", str(resumed), str(tmp_path / "reference.pt"))
+    assert_bit_equal(state, torch.load(tmp_path / "reference.pt", weights_only=False), f"resumed at {resumed}")
+
+
+def test_a_second_model_checkpoint_in_another_directory_leaves_the_log_with_last(tmp_path):
+    """Two ModelCheckpoints: A (every 6 steps, save_last) and B (every 5 steps, top-k only, another
+    directory). B's save at step 20 took the log to B, so a resume from A's last.ckpt (step 18) replayed
+    only up to step 20 and lost the steps after it (found by an independent check, killed runs resumed
+    34 steps back). The log stays with last.ckpt; saves elsewhere are not marked."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integration.steplog_lightning_child import Lit, _trainer
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+
+    class StartedAt(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.step = trainer.global_step
+
+    def fit(ckpt_path=None) -> int:
+        started = StartedAt()
+        callbacks = [started, ModelCheckpoint(dirpath=a, every_n_train_steps=6, save_last=True),
+                     ModelCheckpoint(dirpath=b, every_n_train_steps=5, save_top_k=-1)]
+        trainer = _trainer(plugins=[CheckrunCheckpointIO(step_log=True)], callbacks=callbacks, max_steps=22)
+        trainer.fit(Lit("adam"), ckpt_path=ckpt_path)
+        return started.step
+
+    fit()  # a: 6, 12, 18 (+ last.ckpt); b: 5, 10, 15, 20; the log is closed (flushed) at the end, step 22
+    assert fit(ckpt_path="last") == 22  # last.ckpt (18) + the 4 logged steps
+
+
 def test_step_log_argument_sets_the_config_key() -> None:
     assert CheckrunCheckpointIO(step_log=True).config.step_log.enabled
     assert not CheckrunCheckpointIO().config.step_log.enabled
@@ -119,6 +165,7 @@ class _Crash(Exception):
 def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_kwargs=None, extra=(), **mc_kwargs):
     """A fit with the step log; ``crash_at``: flush the log at that step, then raise (no save at the
     end, as after a kill). Returns the trainer and the module."""
+    from lightning.pytorch import Callback
     from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -190,6 +237,7 @@ def test_resume_from_a_checkpoint_saved_at_an_epoch_end(tmp_path):
 
 def test_a_checkpoint_saved_without_the_log_resumes_at_itself_with_a_warning(tmp_path):
     """The engine's NoMarkerError (the log has no marker for last.ckpt) is a warning, not a failure."""
+    from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.integration.steplog_lightning_child import Lit, _trainer
