@@ -204,27 +204,28 @@ def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], w
 
 
 def replay_to(segs: Any, chain: Any, step: int, optimizer: Any, sched: Any, max_bytes: int,
-              scaler: Any = None, buffers: dict | None = None) -> int:
+              scaler: Any = None, buffers: dict | None = None) -> tuple[int, bool]:
     """Apply the chain's events up to logged step ``step`` and the state records after it in its
     segment (a segment ends with the state at its flush point: the scheduler after that step), and
-    the logged running statistics to ``buffers`` (the model's state dict)."""
-    done, at = 0, chain.marker.step
+    the logged running statistics to ``buffers`` (the model's state dict). Returns (steps applied,
+    whether the last of them set running statistics)."""
+    done, at, stats = 0, chain.marker.step, False
     for seg, first, last in chain.pieces:
         where = segs.url(seg.name)
         try:
             header, payload = read_segment(segs, seg.name, max_bytes)
         except (SegmentDamaged, CheckpointNotFoundError) as exc:
             if at >= step:  # only the state records after step N could be here; its segment ended with them
-                return done
+                return done, stats
             raise CliError(f"{one_line(exc)}: the log ends early here, step {step} is not reachable") from None
         data = Payload(header, payload, max_bytes)
         for ev in header["events"][first - seg.lo - 1:last - seg.lo]:
             if ev["kind"] == "step" and (ev["step"] > step or at >= step):
-                return done
-            apply_event(ev, data, optimizer, sched, where, max_bytes, scaler, buffers)
+                return done, stats
+            nbuf = apply_event(ev, data, optimizer, sched, where, max_bytes, scaler, buffers)
             if ev["kind"] == "step":
-                done, at = done + 1, ev["step"]
-    return done
+                done, at, stats = done + 1, ev["step"], bool(nbuf)
+    return done, stats
 
 
 def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None,
@@ -238,7 +239,7 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     model, opt, names, sched, scaler = locate(state, url, run and run.param_names)
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
-        replayed = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
+        replayed, stats = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
                              ctx.engine.config.load.max_blob_bytes, None if scaler is None else _SchedulerState(scaler),
                              model)
     except CliError:
@@ -253,6 +254,10 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     if sched is None:
         log.info("checkrun: %s holds no LR scheduler state; only the optimizer's own hyperparameters are replayed",
                  url)
+    running = [k for k in model if k.rpartition(".")[2] in ("running_mean", "running_var", "num_batches_tracked")]
+    if replayed and running and not stats:  # as engine.replay warns: the log has no running statistics
+        log.warning("checkrun: %s: the step log holds no running statistics for step %d (logged without model=); "
+                    "%d buffer(s) (%s) are the checkpoint's", url, step, len(running), ", ".join(running[:3]))
     return url, state, {"from_checkpoint": url, "from_step": chain.marker.step, "step": step,
                         "replayed_steps": replayed, "optimizer": f"torch.optim.{cls.__name__}"}
 

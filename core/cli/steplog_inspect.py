@@ -39,6 +39,8 @@ def describe(header: dict) -> dict:
         item = {"event": header["lo"] + i + 1, "kind": ev["kind"]}
         if ev["kind"] == "step":
             item.update(step=ev["step"], grads=[_grad_info(g) for g in ev["grads"]])
+            if "bufs" in ev:  # the forward-pass state (format 5): each buffer by name
+                item["buffers"] = [{**_grad_info(b), "name": header["buffers"][b["p"]]} for b in ev["bufs"]]
         else:
             item.update(groups=ev["groups"], scheduler=ev["sched"])
         events.append(item)
@@ -108,6 +110,10 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
         body = [[ev["step"] if i == 0 else "", *grad_row(g)] for ev in header_steps(header)
                 for i, g in enumerate(ev["grads"])]
         print(table(["STEP", "PARAM", "KIND", "SHAPE", "DTYPE", "ROWS", "ENCODED"], body, right=(0, 1, 5, 6)))
+        if header.get("buffers"):
+            print(safe(f"\nrunning statistics of {len(header['buffers'])} buffer(s) with each step "
+                       f"({', '.join(header['buffers'][:3])}{', ...' if len(header['buffers']) > 3 else ''}; "
+                       "--json lists them)"))
         states = sum(1 for ev in header["events"] if ev["kind"] == "state")
         if states:
             print(f"\n{states} state record(s): optimizer hyperparameters and scheduler state (--json shows them)")

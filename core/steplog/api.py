@@ -62,7 +62,7 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
                        scaler, model)
     where = store.url(marker.checkpoint)
     if model is not None:
-        warn_forward_state(model, pos.replayed, where, pos.with_buffers)
+        warn_forward_state(model, pos.replayed, where, pos.buffers_set)
     elif pos.buffers_left:
         warnings.warn(f"checkrun: the step log after {where} holds the running statistics of the steps it replayed; "
                       "pass model= to replay to set them", RuntimeWarning, stacklevel=3)

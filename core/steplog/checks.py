@@ -92,6 +92,8 @@ def check_event(ev: Any, what: str, payload: int, version: int,
         if b["k"] != "dense" or b["p"] >= buffers:
             raise StepLogFormatError(f"{what}: buffer entry {str(b['p'])[:20]} must be dense and index the header's "
                                      f"{buffers} buffer names")
+    if len({b["p"] for b in bufs}) != len(bufs):
+        raise StepLogFormatError(f"{what}: 'bufs' holds a buffer twice")
     return len(grads) + len(bufs)
 
 

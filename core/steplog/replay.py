@@ -44,8 +44,9 @@ class Position:
     stopped: bool = False
     counters: dict | None = None
     """The logged counters of the last state record applied (``step_log(counters=)``), if any."""
-    with_buffers: int = 0
-    """Replayed steps whose logged forward-pass state was set into the model."""
+    buffers_set: bool = False
+    """Whether the last replayed step set its logged forward-pass state into the model (each step
+    logs all of it: then the model's running statistics are those of the last step)."""
     buffers_left: int = 0
     """Replayed steps whose logged forward-pass state was not set (replay without ``model``)."""
 
@@ -123,7 +124,7 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
             if ev["kind"] == "step":
                 pos.step = ev["step"]
                 pos.replayed += 1
-                pos.with_buffers += bool(nbuf)
+                pos.buffers_set = bool(nbuf)
                 pos.buffers_left += bool(ev.get("bufs")) and not nbuf
 
 
@@ -221,6 +222,8 @@ def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, wher
             raise StepLogError(f"{what}: gradient of parameter {g['p']}, the optimizer has {len(params)}")
         if g["k"] != "none":
             grads[g["p"]] = _grad(g, params[g["p"]], payload, f"{what}, parameter {g['p']}", max_bytes)
+    # every buffer is checked and decoded before the step: a mismatch changes nothing
+    stats = [] if buffers is None else [_buffer(b, buffers, payload, what) for b in ev.get("bufs", ())]
     for i, p in enumerate(params):
         p.grad = grads.get(i)
     try:
@@ -228,18 +231,21 @@ def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, wher
     except Exception as exc:  # noqa: BLE001 - a logged step the optimizer refuses: say which one
         raise StepLogError(f"{what}: {type(optimizer).__name__}.step() failed on the logged gradients and "
                            f"hyperparameters: {type(exc).__name__}: {exc}") from exc
-    if buffers is None:
-        return 0
-    for b in ev.get("bufs", ()):
-        name = payload.buffers[b["p"]]
-        target, shape, dtype = buffers.get(name), tuple(b["shape"]), DTYPES[b["dtype"]]
-        if target is None or tuple(target.shape) != shape or target.dtype != dtype:
-            raise StepLogError(f"{what}: logged running statistics {name!r} ({b['dtype']} {list(shape)}), the model "
-                               + ("has no such buffer" if target is None else
-                                  f"holds {str(target.dtype).removeprefix('torch.')} {list(target.shape)} there"))
-        with torch.no_grad():
-            target.copy_(payload.tensor(b["data"], _numel(shape), dtype, f"{what}, buffer {name}").view(shape))
-    return len(ev.get("bufs", ()))
+    with torch.no_grad():
+        for target, value in stats:
+            target.copy_(value)
+    return len(stats)
+
+
+def _buffer(b: dict, buffers: dict, payload: Payload, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's buffer, its logged value) of one ``bufs`` entry, checked against each other."""
+    name = payload.buffers[b["p"]]
+    target, shape, dtype = buffers.get(name), tuple(b["shape"]), DTYPES[b["dtype"]]
+    if target is None or tuple(target.shape) != shape or target.dtype != dtype:
+        raise StepLogError(f"{what}: logged running statistics {name!r} ({b['dtype']} {list(shape)}), the model "
+                           + ("has no such buffer" if target is None else
+                              f"holds {str(target.dtype).removeprefix('torch.')} {list(target.shape)} there"))
+    return target, payload.tensor(b["data"], _numel(shape), dtype, f"{what}, buffer {name}").view(shape)
 
 
 def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
@@ -371,12 +377,12 @@ def forward_state(model: Any) -> list[str]:
     return [name for name, _, _ in forward_buffers(model)]
 
 
-def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: int = 0) -> None:
-    """After ``replayed`` > 0 steps into ``model``, of which ``restored`` set the logged forward-pass
-    state: warn if the others leave ``forward_state`` buffers at older values."""
-    names = forward_state(model) if replayed > restored else []
+def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: bool = False) -> None:
+    """After ``replayed`` > 0 steps into ``model``: warn if it has ``forward_state`` buffers and the last
+    replayed step did not set them (``restored``: it did)."""
+    names = forward_state(model) if replayed and not restored else []
     if names:
-        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, {replayed - restored} of "
-                      f"them without logged running statistics (a log opened without model=); {len(names)} "
-                      f"buffer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: "
-                      "those of the checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, the last of them without "
+                      f"logged running statistics (a log opened without model=); {len(names)} buffer(s) "
+                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: those of the "
+                      "checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)

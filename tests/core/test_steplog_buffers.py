@@ -110,7 +110,7 @@ def test_replay_without_the_model_says_what_it_left_out(tmp_path):
 def test_a_log_without_the_model_warns_on_replay(tmp_path):
     directory = str(tmp_path / "run")
     _logged(directory, model=False)
-    with pytest.warns(RuntimeWarning, match=r"replayed 9 logged step\(s\) after .*ck.ckpt, 9 of them without logged "
+    with pytest.warns(RuntimeWarning, match=r"replayed 9 logged step\(s\) after .*ck.ckpt, the last of them without logged "
                                             r"running statistics .* 3 buffer\(s\) \(bn.running_mean, bn.running_var, "
                                             r"bn.num_batches_tracked\)"):
         n, got = _resume(directory)
@@ -122,17 +122,67 @@ def test_a_log_without_the_model_warns_on_replay(tmp_path):
     assert_bit_equal(got["opt"], want["opt"])
 
 
+def test_a_log_continued_with_the_model_replays_without_a_warning(tmp_path):
+    """A chain whose first run was logged without the model (an older checkrun, say) and whose second
+    run has it: the last replayed step sets every running statistic, so nothing is left to warn about
+    (it warned because some replayed steps had none)."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = _make()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 9):
+            _train(net, opt, sched, step)
+            if step == CKPT_AT:
+                engine.save(_state(net, opt, sched), f"{directory}/ck.ckpt").result()
+        slog.close()
+    # resume at step 8 from the log without statistics, then log on with the model
+    net, opt, sched = _make()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        st = engine.load(f"{directory}/ck.ckpt")
+        net.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        with pytest.warns(RuntimeWarning, match="without logged running statistics"):
+            assert engine.replay(directory, opt, sched, model=net) == 8 - CKPT_AT
+        slog = engine.step_log(directory, opt, sched, model=net)  # continues the replayed chain
+        for step in range(9, STEPS + 1):
+            _train(net, opt, sched, step)
+        slog.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the last replayed step (13) set every statistic
+        n, got = _resume(directory)
+    assert n == STEPS - CKPT_AT
+    assert int(got["model"]["bn.num_batches_tracked"]) == CKPT_AT + (STEPS - 8)  # steps 5-8 were not in it
+
+
+def test_a_mismatching_model_is_refused_before_the_step_changes_anything(tmp_path):
+    """The model's buffers were checked after ``optimizer.step()`` had run: a refused replay had already
+    moved the parameters, and the retry the error suggests applied that step twice."""
+    directory = str(tmp_path / "run")
+    _logged(directory)
+    net, opt, sched = _make()
+    with CheckpointEngine() as engine:
+        st = engine.load(f"{directory}/ck.ckpt")
+        net.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        wrapped = torch.nn.ModuleDict({"net": net})  # other names than the logged ones
+        with pytest.raises(StepLogError, match="'bn.running_mean'.*has no such buffer"):
+            engine.replay(directory, opt, sched, model=wrapped)
+    assert_bit_equal(_state(net, opt, sched)["model"], st["model"])  # nothing moved
+
+
 def test_forward_state_names_and_warning():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
                                 torch.nn.BatchNorm1d(4, track_running_stats=False), torch.nn.LayerNorm(4))
     assert forward_state(model) == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     assert forward_state(torch.nn.Linear(2, 2)) == [] and forward_state(None) == []
-    with pytest.warns(RuntimeWarning, match=r"replayed 3 logged step\(s\) after ck.ckpt, 1 of them"):
-        warn_forward_state(model, 3, "ck.ckpt", restored=2)
+    with pytest.warns(RuntimeWarning, match=r"replayed 3 logged step\(s\) after ck.ckpt, the last of them"):
+        warn_forward_state(model, 3, "ck.ckpt")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_forward_state(model, 0, "ck.ckpt")
-        warn_forward_state(model, 4, "ck.ckpt", restored=4)
+        warn_forward_state(model, 4, "ck.ckpt", restored=True)
         warn_forward_state(torch.nn.Linear(2, 2), 5, "ck.ckpt")
 
 
@@ -152,7 +202,7 @@ def _segment(directory: str) -> Path:
     return sorted(p for p in segdir.iterdir() if SEG_RE.fullmatch(p.name))[-1]
 
 
-@pytest.mark.parametrize("forge", ["name", "index", "old_version", "kind"])
+@pytest.mark.parametrize("forge", ["name", "index", "old_version", "kind", "twice"])
 def test_hostile_buffer_entries_are_refused(tmp_path, forge):
     directory = str(tmp_path / "run")
     _logged(directory)
@@ -166,6 +216,8 @@ def test_hostile_buffer_entries_are_refused(tmp_path, forge):
         step["bufs"][0]["p"] = len(header["buffers"])
     elif forge == "old_version":
         header["format_version"] = 4
+    elif forge == "twice":  # the first buffer twice, the second not at all
+        step["bufs"][1] = {**step["bufs"][0]}
     else:
         step["bufs"][0]["k"] = "rows"
     body = {k: v for k, v in header.items() if k not in ("_checkrun", "format_version", "payload_bytes", "payload_csum")}
@@ -199,3 +251,15 @@ def test_export_step_and_verify_include_the_running_statistics(tmp_path, capsys)
     assert_bit_equal(got["model"], _reference(11)["model"])
     assert main(["verify", directory]) == 0
     capsys.readouterr()
+    seg = _segment(directory)
+    assert main(["inspect", str(seg), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    step = next(r for r in doc["records"] if r["kind"] == "step")
+    assert [b["name"] for b in step["buffers"]] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+
+
+def test_export_of_a_log_without_statistics_says_so(tmp_path, caplog):
+    directory = str(tmp_path / "run")
+    _logged(directory, model=False)
+    assert main(["export", directory, str(tmp_path / "s11.pt"), "--step", "11"]) == 0
+    assert "holds no running statistics for step 11" in caplog.text

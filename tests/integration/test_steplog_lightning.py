@@ -166,7 +166,6 @@ def _fit(directory: str, max_steps: int, ckpt_path=None, crash_at=None, trainer_
     """A fit with the step log; ``crash_at``: flush the log at that step, then raise (no save at the
     end, as after a kill). Returns the trainer and the module."""
     from lightning.pytorch import Callback
-    from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.integration.steplog_lightning_child import Lit, _trainer, plugin
@@ -237,7 +236,6 @@ def test_resume_from_a_checkpoint_saved_at_an_epoch_end(tmp_path):
 
 def test_a_checkpoint_saved_without_the_log_resumes_at_itself_with_a_warning(tmp_path):
     """The engine's NoMarkerError (the log has no marker for last.ckpt) is a warning, not a failure."""
-    from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.integration.steplog_lightning_child import Lit, _trainer
