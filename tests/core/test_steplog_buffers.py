@@ -74,13 +74,19 @@ def _logged(directory: str, model: bool = True, accumulate: int = 1) -> None:
         slog.close()
 
 
+def _load_checkpoint(engine, directory: str, net, opt, sched) -> dict:
+    """Load ``ck.ckpt`` into the live objects; its state."""
+    st = engine.load(f"{directory}/ck.ckpt")
+    net.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    sched.load_state_dict(st["sched"])
+    return st
+
+
 def _resume(directory: str, model: bool = True):
     net, opt, sched = _make()
     with CheckpointEngine() as engine:
-        st = engine.load(f"{directory}/ck.ckpt")
-        net.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
+        st = _load_checkpoint(engine, directory, net, opt, sched)
         n = engine.replay(directory, opt, sched, model=net if model else None)
     return n, _state(net, opt, sched)
 
@@ -138,10 +144,7 @@ def test_a_log_continued_with_the_model_replays_without_a_warning(tmp_path):
     # resume at step 8 from the log without statistics, then log on with the model
     net, opt, sched = _make()
     with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
-        st = engine.load(f"{directory}/ck.ckpt")
-        net.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
+        st = _load_checkpoint(engine, directory, net, opt, sched)
         with pytest.warns(RuntimeWarning, match="without logged running statistics"):
             assert engine.replay(directory, opt, sched, model=net) == 8 - CKPT_AT
         slog = engine.step_log(directory, opt, sched, model=net)  # continues the replayed chain
@@ -162,10 +165,7 @@ def test_a_mismatching_model_is_refused_before_the_step_changes_anything(tmp_pat
     _logged(directory)
     net, opt, sched = _make()
     with CheckpointEngine() as engine:
-        st = engine.load(f"{directory}/ck.ckpt")
-        net.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
+        st = _load_checkpoint(engine, directory, net, opt, sched)
         wrapped = torch.nn.ModuleDict({"net": net})  # other names than the logged ones
         with pytest.raises(StepLogError, match="'bn.running_mean'.*has no such buffer"):
             engine.replay(directory, opt, sched, model=wrapped)
