@@ -117,9 +117,9 @@ class AccelerateStepLog:
             replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
                                           storage_options=self.storage_options, scaler=self.accelerator.scaler,
                                           model=self._model())
-        except NoMarkerError:
+        except NoMarkerError as exc:
             # saved without the log (or by a run that had it off): nothing to replay after it
-            warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself",
+            warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=3)
         finally:
             self._replaying = False

@@ -195,9 +195,9 @@ class LightningStepLog:
         try:
             steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
                                   counters=logged, model=trainer.lightning_module)
-        except NoMarkerError:
-            warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself", RuntimeWarning,
-                          stacklevel=2)
+        except NoMarkerError as exc:
+            warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
+                          RuntimeWarning, stacklevel=2)
         self.replayed_steps = steps
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come

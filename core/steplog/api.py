@@ -82,8 +82,12 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
         manifest = engine.read_manifest(store.url(name), storage_options)
         marker = find_marker(index, name, manifest.commit, strict=True)
         if marker is None:
+            others = sum(m.checkpoint == name for m in index.markers)
+            why = (f"it has {others} marker(s) of that name, none of this save's commit stamp: saved again "
+                   "without the log, or the marker was damaged" if others else
+                   "saved by another engine, or before engine.step_log was called")
             raise NoMarkerError(f"the step log of {store.url('')} has no marker for checkpoint {store.url(name)} "
-                               "(saved by another engine, or before engine.step_log was called)")
+                               f"({why})")
         return marker
     for entry in reversed(engine.list(store.url(""), storage_options)):
         if entry.manifest is None:

@@ -402,3 +402,16 @@ def test_a_save_at_the_same_step_keeps_its_marker_when_the_first_commits(tmp_pat
         FaultFS.reset()
     assert n == STEPS - CKPT_AT
     assert_bit_equal(state(*resumed), _reference("adam", STEPS))
+
+
+def test_a_checkpoint_saved_again_without_the_log_says_why_it_has_no_marker(tmp_path):
+    """A name the log marked, saved again by an engine without the log: its new commit stamp has no
+    marker. The error said "saved by another engine, or before engine.step_log was called", which
+    reads as if the log never saw the name (found by an independent check)."""
+    directory = str(tmp_path / "run")
+    _logged_run(directory, "adam")
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        engine.save(state(net, opt, sched), f"{directory}/step{CKPT_AT}.ckpt").result()
+        with pytest.raises(NoMarkerError, match="1 marker.* of that name, none of this save's commit stamp"):
+            engine.replay(directory, opt, sched, after=f"{directory}/step{CKPT_AT}.ckpt")
