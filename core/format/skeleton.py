@@ -19,9 +19,9 @@ import torch
 
 from ..errors import FormatError
 from .dtypes import ALL_DTYPES
-from .tree import (_FINISH, _HEX_INT, _INT64, _KEY_FORBIDDEN, _NAN_BITS, NUMPY_SCALARS, T_BYTES, T_COMPLEX,
-                   T_DEVICE, T_DICT, T_DTYPE, T_FLOAT, T_INT, T_META, T_NUMPY, T_OBJECT, T_ODICT, T_PARAM, T_SIZE,
-                   T_TENSOR, T_TUPLE, _join, _text, gc_paused)
+from .tree import (_FINISH, _HEX_INT, _INT64, _KEY_FORBIDDEN, _NAN_BITS, NDARRAY_MAX_BYTES, NUMPY_SCALARS, T_BYTES,
+                   T_COMPLEX, T_DEVICE, T_DICT, T_DTYPE, T_FLOAT, T_INT, T_META, T_NDARRAY, T_NUMPY, T_OBJECT, T_ODICT,
+                   T_PARAM, T_SIZE, T_TENSOR, T_TUPLE, _join, _text, gc_paused)
 
 __all__ = ["unflatten", "validate_skeleton"]
 
@@ -67,9 +67,23 @@ def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
         elif (tag == T_NUMPY and t is list and len(v) == 2 and v[0] in NUMPY_SCALARS and type(v[1]) is str
               and len(v[1]) == 2 * np.dtype(v[0]).itemsize):
             return np.frombuffer(bytes.fromhex(v[1]), np.dtype(v[0]).newbyteorder("<")).astype(v[0])[0]
+        elif tag == T_NDARRAY and t is list and len(v) == 3:
+            return _ndarray(*v)
     except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError):
         pass
     _fail(path, f"bad {tag} value {_short(v)}")
+
+
+def _ndarray(dtype: Any, shape: Any, data: Any) -> np.ndarray:
+    """A ``$nd`` value: a numeric array of at most ``NDARRAY_MAX_BYTES``, its size checked before decoding."""
+    if (dtype not in NUMPY_SCALARS or type(shape) is not list or len(shape) > 32 or type(data) is not str
+            or not all(type(d) is int and 0 <= d <= NDARRAY_MAX_BYTES for d in shape)
+            or len(data) > 4 * (NDARRAY_MAX_BYTES // 3 + 1)):
+        raise ValueError("bad array")
+    raw = base64.b64decode(data, validate=True)
+    if len(raw) != math.prod(shape) * np.dtype(dtype).itemsize:
+        raise ValueError("array bytes do not match its shape")
+    return np.frombuffer(raw, np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(shape)
 
 
 def _complex_part(p: Any, path: str | None) -> float:
@@ -80,7 +94,7 @@ def _complex_part(p: Any, path: str | None) -> float:
     _fail(path, f"bad {T_COMPLEX} part {_short(p)}")
 
 
-_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE, T_NUMPY})
+_SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE, T_SIZE, T_NUMPY, T_NDARRAY})
 _ONE_KEY_TAGS = frozenset(_SCALAR_TAGS) | {T_TENSOR, T_PARAM, T_OBJECT, T_TUPLE, T_DICT, T_ODICT}
 
 

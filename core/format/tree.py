@@ -16,6 +16,7 @@ every JSON object is a tag (so user keys such as "$t" are never ambiguous)::
     {"$i": "-0x1f"}  big int     {"$b": "<base64>"}  {"$c": [re, im]}  complex
     {"$dtype": "float32"}        {"$size": [2, 3]}   {"$device": "cuda:0"}
     {"$np": ["float64", "000000000000d03f"]}  numpy scalar: dtype, its bytes (little endian) in hex
+    {"$nd": ["int32", [2, 3], "<base64>"]}  small numpy array: dtype, shape, C-order little-endian bytes
 
 Order lives in lists only, so the skeleton survives ``json.dumps(sort_keys=True)``.
 ``max_depth`` bounds the skeleton's JSON nesting depth (a dict level costs 2); flatten
@@ -44,7 +45,7 @@ __all__ = ["TensorLeaf", "ObjectLeaf", "Flattened", "flatten"]
 T_DICT, T_ODICT, T_META, T_TUPLE = "$d", "$od", "$meta", "$tuple"
 T_TENSOR, T_PARAM, T_OBJECT = "$t", "$p", "$o"
 T_FLOAT, T_INT, T_BYTES, T_COMPLEX = "$f", "$i", "$b", "$c"
-T_DTYPE, T_SIZE, T_DEVICE, T_NUMPY = "$dtype", "$size", "$device", "$np"
+T_DTYPE, T_SIZE, T_DEVICE, T_NUMPY, T_NDARRAY = "$dtype", "$size", "$device", "$np", "$nd"
 _KEY_FORBIDDEN = frozenset({T_TENSOR, T_PARAM, T_OBJECT, T_DICT, T_ODICT})
 
 # Beyond 2**53, JSON tools that read numbers as doubles (jq, JavaScript) would corrupt ints.
@@ -113,13 +114,18 @@ def _encode_scalar(x: Any) -> Any:
         return {T_SIZE: list(x)}
     if isinstance(x, np.generic) and x.dtype.name in NUMPY_SCALARS:  # np.float64(0.5): plain data, no pickle
         return {T_NUMPY: [x.dtype.name, x.astype(x.dtype.newbyteorder("<")).tobytes().hex()]}
+    if t is np.ndarray and x.dtype.name in NUMPY_SCALARS and x.nbytes <= NDARRAY_MAX_BYTES and x.ndim <= 32:
+        raw = np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes()
+        return {T_NDARRAY: [x.dtype.name, list(x.shape), base64.b64encode(raw).decode("ascii")]}
     return _NOT_PLAIN
 
 
-#: numpy scalar types stored as plain data (``$np``: dtype and raw bytes, bit for bit); others
-#: (``longdouble``, strings, datetimes, objects) are pickled values, as torch.save writes them.
+#: numpy scalar types stored as plain data (``$np``: dtype and raw bytes, bit for bit), and the dtypes
+#: of numpy arrays of at most ``NDARRAY_MAX_BYTES`` stored so (``$nd``); others (``longdouble``,
+#: strings, datetimes, objects, larger arrays) are pickled values, as torch.save writes them.
 NUMPY_SCALARS = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                            "float16", "float32", "float64", "complex64", "complex128"})
+NDARRAY_MAX_BYTES = 1 << 16
 
 
 def _scalar_depth(enc: Any) -> int:

@@ -242,7 +242,7 @@ class MyTensor(torch.Tensor):
 
 
 def test_non_plain_values_become_objects() -> None:
-    state = {"color": Color.RED, "path": pathlib.Path("/tmp/x"), "np": np.longdouble(1.5), "arr": np.arange(3),
+    state = {"color": Color.RED, "path": pathlib.Path("/tmp/x"), "np": np.longdouble(1.5), "arr": np.array(["a"]),
              "point": Point(1), "set": {1, 2}, "pair": Pair(1, 2), "dd": collections.defaultdict(int),
              "enum_keys": {Color.RED: torch.ones(1)}, "sub": torch.ones(1).as_subclass(MyTensor)}
     flat, out = roundtrip(state)
@@ -290,6 +290,20 @@ def test_numpy_scalars_are_plain_data_bit_for_bit() -> None:
     assert back[np.int32(3)] == "numpy key" and type(next(k for k in back if k != "m" and k != "ld")) is np.int32
 
 
+def test_small_numpy_arrays_are_plain_data() -> None:
+    """Numeric numpy arrays up to 64 KiB (a metric history, np.random.get_state()'s key) are plain
+    data: loaded under weights_only=True, equal, writable; larger ones and other dtypes are pickled."""
+    state = {"hist": np.arange(6, dtype=np.float32).reshape(2, 3), "empty": np.zeros((0, 4)), "zero_d": np.array(7),
+             "strided": np.arange(10)[::-3], "fortran": np.asfortranarray(np.eye(3)), "rng": np.random.get_state(),
+             "big": np.zeros(1 << 14), "text": np.array(["a"])}
+    flat = flatten(state)
+    assert sorted(o.key for o in flat.objects) == ["big", "text"]  # 128 KiB, and a str dtype
+    back = unflatten(json.loads(json.dumps(flat.skeleton)), [], [o.obj for o in flat.objects])
+    for k in ("hist", "empty", "zero_d", "strided", "fortran"):
+        assert back[k].dtype == state[k].dtype and np.array_equal(back[k], state[k]) and back[k].flags.writeable, k
+    assert back["rng"][0] == "MT19937" and np.array_equal(back["rng"][1], state["rng"][1])
+
+
 def test_user_safe_globals_survive_and_corrupt_blob_is_reported() -> None:
     blob = serialize_object(Point(1))
     name = f"{__name__}.Point"
@@ -323,6 +337,10 @@ HOSTILE = [
     {"$np": "float64"}, {"$np": ["float64", "00"]}, {"$np": ["float64", "zz" * 8]}, {"$np": ["float64", 5]},
     {"$np": ["object", "00" * 8]}, {"$np": ["longdouble", "00" * 16]}, {"$np": [["int8"], "00"]},
     {"$np": ["int8", "00", 1]}, {"$np": ["U1", "00" * 4]},
+    {"$nd": ["int8", [4], "AAA="]}, {"$nd": ["int8", [3], "AAA="]}, {"$nd": ["object", [1], "AA=="]},
+    {"$nd": ["int8", [-1], ""]}, {"$nd": ["int8", [1.0], "AA=="]}, {"$nd": ["int8", 1, "AA=="]},
+    {"$nd": ["int8", [2**40, 2**40], ""]}, {"$nd": ["int8", [65536] * 33, ""]}, {"$nd": ["int8", [1], "!!"]},
+    {"$nd": ["float64", [1 << 17], "A" * (4 * (1 << 17))]}, {"$nd": ["int8", [1]]},
     # Python objects that JSON never yields
     {1: 2}, b"bytes", {1, 2}, (1, 2), float, pickle,
 ]
@@ -337,7 +355,7 @@ def test_hostile_skeleton_is_refused(skeleton: Any) -> None:
 
 
 TAGS = ["$d", "$od", "$meta", "$tuple", "$t", "$p", "$o", "$f", "$i", "$b", "$c", "$dtype", "$size",
-        "$device", "$np"]
+        "$device", "$np", "$nd"]
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=3),
               st.sampled_from(["nan", "-inf", "0x10", "float32", "cpu", "AA==", "nan:fff8000000000000"])),

@@ -605,13 +605,15 @@ class Metrics:
         self.best, self.seen = np.float64(0.0), np.int64(0)
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "seen": self.seen, "history": [np.float32(0.5), np.float32(0.75)]}
+        return {"best": self.best, "seen": self.seen, "history": [np.float32(0.5), np.float32(0.75)],
+                "confusion": np.array([[3, 1], [0, 4]], dtype=np.int64)}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.seen, self.history = state["best"], state["seen"], state["history"]
+        self.confusion = state["confusion"]
 
 
-def test_registered_numpy_scalars_load_with_the_default_config(tmp_path, make_setup):
+def test_registered_numpy_values_load_with_the_default_config(tmp_path, make_setup):
     """Stock accelerate loads registered objects with weights_only=False, so numpy scalars in their
     state load; checkrun pickled them and refused them at load_state (UnsafeLoadError) unless allowed
     by name. They are plain data now (dtype and bytes), loaded bit for bit under weights_only=True."""
@@ -626,4 +628,5 @@ def test_registered_numpy_scalars_load_with_the_default_config(tmp_path, make_se
     assert type(metrics.best) is np.float64 and metrics.best == 0.8125
     assert type(metrics.seen) is np.int64 and metrics.seen == 41
     assert [type(h) for h in metrics.history] == [np.float32, np.float32] and metrics.history == [0.5, 0.75]
+    assert metrics.confusion.dtype == np.int64 and metrics.confusion.tolist() == [[3, 1], [0, 4]]
     ckpt.close()
