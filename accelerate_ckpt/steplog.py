@@ -74,7 +74,12 @@ class AccelerateStepLog:
                 f"{len(acc._schedulers)} scheduler(s); the step log follows exactly one optimizer and at "
                 "most one scheduler (set step_log.enabled: false, or prepare one of each)")
         optimizer = _inner(acc._optimizers[0], "optimizer")
-        scheduler = _inner(acc._schedulers[0], "scheduler") if acc._schedulers else _registered(acc, optimizer)
+        registered = _registered(acc, (acc._optimizers[0], optimizer))
+        if acc._schedulers and registered is not None:
+            raise StepLogSetupError("step_log.enabled: the Accelerator has a prepared scheduler and a registered one "
+                                    "(register_for_checkpointing) of the same optimizer; the step log follows at "
+                                    "most one scheduler (set step_log.enabled: false, or keep one)")
+        scheduler = _inner(acc._schedulers[0], "scheduler") if acc._schedulers else registered
         self._count(optimizer)
         return optimizer, scheduler
 
@@ -149,12 +154,13 @@ class AccelerateStepLog:
             slog.close()
 
 
-def _registered(acc: Any, optimizer: Any) -> Any:
-    """An LR scheduler of ``optimizer`` registered with ``register_for_checkpointing`` instead of
-    prepared (it is saved and loaded with the checkpoint, so the log must step it too: unlogged, the
-    replay left it at the checkpoint's step, silently); None if there is none."""
-    found = [o for o in acc._custom_objects
-             if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and getattr(o, "optimizer", None) is optimizer]
+def _registered(acc: Any, optimizers: tuple) -> Any:
+    """An LR scheduler of the logged optimizer (``optimizers``: the prepared one and the torch one
+    inside it, either may be the scheduler's) registered with ``register_for_checkpointing`` (it is
+    saved and loaded with the checkpoint, so the log must step it too: unlogged, the replay left it
+    at the checkpoint's step, silently); None if there is none."""
+    found = [o for o in acc._custom_objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)
+             and any(getattr(o, "optimizer", None) is opt for opt in optimizers)]
     if len(found) > 1:
         raise StepLogSetupError(f"step_log.enabled: {len(found)} LR schedulers of the optimizer are registered "
                                 "with register_for_checkpointing; the step log follows at most one scheduler "

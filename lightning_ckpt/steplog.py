@@ -143,6 +143,12 @@ def _shift(progress: Any, n: int, current: bool = True) -> None:
                 setattr(tracker, name, getattr(tracker, name) + n)
 
 
+def _last_dirs(trainer: Any) -> set[str]:
+    """The directories of the trainer's ``ModelCheckpoint``s that keep a ``last.ckpt`` (``save_last``)."""
+    return {parent_dir(f"{cb.dirpath}/x") for cb in getattr(trainer, "checkpoint_callbacks", ())
+            if getattr(cb, "save_last", None) and getattr(cb, "dirpath", None)}
+
+
 class LightningStepLog:
     """The step log of one ``CheckrunCheckpointIO``: started at a save, replayed after a load."""
 
@@ -155,16 +161,19 @@ class LightningStepLog:
 
     def before_save(self, engine: CheckpointEngine, strategy: Any, url: str) -> None:
         """Rank 0, before saving ``url``: log into its directory from now on (so the save marks it),
-        unless the log is open elsewhere and ``url`` is not a ``last*.ckpt``: the log stays with the
-        checkpoints that ``ckpt_path="last"`` resumes from (a second ``ModelCheckpoint`` saving top-k
-        files into another directory took the log there, and a resume from ``last`` lost every step
-        logged after that save)."""
+        unless the log is open elsewhere and ``url`` is neither a ``last*.ckpt`` nor a save into the
+        directory of a ``ModelCheckpoint`` with ``save_last`` (``"link"`` makes last.ckpt a link, not a
+        save): the log stays with the checkpoints that ``ckpt_path="last"`` resumes from (a second
+        ``ModelCheckpoint`` saving top-k files into another directory took the log there, and a resume
+        from ``last`` lost every step logged after that save)."""
         directory = parent_dir(url)
-        if self.log is not None and (self.directory == directory
-                                     or not fnmatch.fnmatch(url.rpartition("/")[2], LAST_PATTERN)):
+        if self.log is not None and self.directory == directory:
             return
         trainer = find_trainer(strategy)
         if trainer is None or not trainer.optimizers:  # e.g. trainer.save_checkpoint before fit
+            return
+        if self.log is not None and not (fnmatch.fnmatch(url.rpartition("/")[2], LAST_PATTERN)
+                                         or directory in _last_dirs(trainer)):
             return
         optimizer, scheduler = targets(trainer)
         self.close()

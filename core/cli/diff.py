@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .composite import View, open_view
@@ -182,9 +183,18 @@ def _value_diffs(va: dict, vb: dict, names: dict) -> list[dict]:
 
 
 def _equal(x: Any, y: Any) -> bool:
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+    """Equal plain values of the same type; NaN equals NaN (numpy's too); arrays elementwise."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, np.ndarray):
+        return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind in "fc")
+    if isinstance(x, (float, complex, np.inexact)) and _nan(x) and _nan(y):
         return True
-    return type(x) is type(y) and x == y
+    return bool(x == y)
+
+
+def _nan(x: Any) -> bool:
+    return x != x  # a nan in any float or complex part
 
 
 def _row(d: dict) -> list:

@@ -19,6 +19,7 @@ import struct
 from functools import lru_cache
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .composite import open_view
@@ -208,6 +209,21 @@ def safetensors_payload(state: Any, values: dict) -> tuple[dict, dict, list[str]
     return tensors, meta, dropped
 
 
+def numpy_values(state: Any, limit: int = 100) -> list[str]:
+    """Dotted keys of the numpy scalars and arrays in ``state`` (dicts, lists, tuples; at most ``limit``)."""
+    out: list[str] = []
+    todo = [(state, "")]
+    while todo and len(out) < limit:
+        value, key = todo.pop()
+        if isinstance(value, (np.generic, np.ndarray)):
+            out.append(key or "_")
+        elif isinstance(value, dict):
+            todo.extend((v, f"{key}.{k}" if key else str(k)) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            todo.extend((v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(value))
+    return sorted(out)
+
+
 def cmd_export(ctx: Context) -> int:
     args = ctx.args
     fmt = _format(args.out, args.format)
@@ -241,10 +257,15 @@ def cmd_export(ctx: Context) -> int:
                 f.write(data[i:i + _BLOCK])
     else:
         n_tensors = len(flatten(state).tensors)
+        pickled = numpy_values(state)  # plain data in a checkpoint, pickled objects in a torch file
 
         def produce(f):
             torch.save(state, f)
     written = write_file(ctx, args.out, produce, "writing")
+    if fmt != "safetensors" and pickled:
+        log.warning("checkrun: %s: %d numpy value(s) (%s) are pickled in a torch file: torch.load(weights_only=True) "
+                    "refuses them (weights_only=False, or torch.serialization.add_safe_globals for numpy's types; "
+                    "checkrun import --unsafe)", args.out, len(pickled), ", ".join(pickled[:5]))
     for key in dropped:
         log.warning("checkrun: %s: value %r needs pickle or has a dtype safetensors cannot hold; dropped",
                     args.out, key)

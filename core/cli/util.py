@@ -373,6 +373,8 @@ def jsonable(value: Any) -> Any:
         return {k if isinstance(k, str) else repr(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):  # numpy scalars and arrays: as numbers
+        return jsonable(value.tolist())
     return repr(value)
 
 

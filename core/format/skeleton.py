@@ -65,24 +65,25 @@ def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
         elif tag == T_SIZE and t is list and all(type(d) is int and -_INT64 <= d < _INT64 for d in v):
             return torch.Size(v)
         elif (tag == T_NUMPY and t is list and len(v) == 2 and v[0] in NUMPY_SCALARS and type(v[1]) is str
-              and len(v[1]) == 2 * np.dtype(v[0]).itemsize):
-            return np.frombuffer(bytes.fromhex(v[1]), np.dtype(v[0]).newbyteorder("<")).astype(v[0])[0]
-        elif tag == T_NDARRAY and t is list and len(v) == 3:
-            return _ndarray(*v)
-    except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError):
+              and len(raw := bytes.fromhex(v[1])) == np.dtype(v[0]).itemsize):  # fromhex skips spaces: count bytes
+            return np.frombuffer(raw, np.dtype(v[0]).newbyteorder("<")).astype(v[0])[0]
+        elif tag == T_NDARRAY and t is list and len(v) == 3 and (array := _ndarray(*v)) is not None:
+            return array
+    except (binascii.Error, RuntimeError, ValueError, TypeError, OverflowError, IndexError):
         pass
     _fail(path, f"bad {tag} value {_short(v)}")
 
 
-def _ndarray(dtype: Any, shape: Any, data: Any) -> np.ndarray:
-    """A ``$nd`` value: a numeric array of at most ``NDARRAY_MAX_BYTES``, its size checked before decoding."""
+def _ndarray(dtype: Any, shape: Any, data: Any) -> np.ndarray | None:
+    """A ``$nd`` value: a numeric array of at most ``NDARRAY_MAX_BYTES``, its size checked before
+    decoding; None for a malformed one (a binascii.Error of its base64 is left to the caller)."""
     if (dtype not in NUMPY_SCALARS or type(shape) is not list or len(shape) > 32 or type(data) is not str
             or not all(type(d) is int and 0 <= d <= NDARRAY_MAX_BYTES for d in shape)
             or len(data) > 4 * (NDARRAY_MAX_BYTES // 3 + 1)):
-        raise ValueError("bad array")
+        return None
     raw = base64.b64decode(data, validate=True)
     if len(raw) != math.prod(shape) * np.dtype(dtype).itemsize:
-        raise ValueError("array bytes do not match its shape")
+        return None
     return np.frombuffer(raw, np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(shape)
 
 

@@ -46,7 +46,7 @@ T_DICT, T_ODICT, T_META, T_TUPLE = "$d", "$od", "$meta", "$tuple"
 T_TENSOR, T_PARAM, T_OBJECT = "$t", "$p", "$o"
 T_FLOAT, T_INT, T_BYTES, T_COMPLEX = "$f", "$i", "$b", "$c"
 T_DTYPE, T_SIZE, T_DEVICE, T_NUMPY, T_NDARRAY = "$dtype", "$size", "$device", "$np", "$nd"
-_KEY_FORBIDDEN = frozenset({T_TENSOR, T_PARAM, T_OBJECT, T_DICT, T_ODICT})
+_KEY_FORBIDDEN = frozenset({T_TENSOR, T_PARAM, T_OBJECT, T_DICT, T_ODICT, T_NDARRAY})  # unhashable
 
 # Beyond 2**53, JSON tools that read numbers as doubles (jq, JavaScript) would corrupt ints.
 _SAFE_INT, _INT64 = 2**53, 2**63

@@ -68,6 +68,27 @@ def test_diff_compares_pickled_values_by_their_blob(capsys, tmp_path):
     assert {v["key"]: v["status"] for v in data["values"]} == {"c": "changed", "s": "removed"}
 
 
+def test_numpy_values_in_diff_inspect_and_export(capsys, tmp_path, caplog):
+    """numpy scalars and small arrays are plain data (since 2026-12-06): diff compared them with ``==``
+    (a numpy nan differed from itself; an array raised), the JSON of inspect showed their repr, and an
+    export to .pt pickles them where torch.load(weights_only=True) refuses them: it says so (found by
+    an independent check)."""
+    import numpy as np
+
+    state = {"w": torch.ones(3), "nan": np.float32("nan"), "cnan": np.complex64(complex("nan")),
+             "arr": np.arange(3), "n": np.int64(3), "flag": np.bool_(True)}
+    ckpt_core.save(state, tmp_path / "A.ckpt")
+    ckpt_core.save(state, tmp_path / "B.ckpt")
+    ckpt_core.save({**state, "arr": np.arange(1, 4)}, tmp_path / "C.ckpt")
+    assert run(capsys, "diff", str(tmp_path / "A.ckpt"), str(tmp_path / "B.ckpt"), "--exit-code")[0] == 0
+    code, data = run_json(capsys, "diff", str(tmp_path / "A.ckpt"), str(tmp_path / "C.ckpt"))
+    assert {v["key"]: v["status"] for v in data["values"]} == {"arr": "changed"}
+    code, doc = run_json(capsys, "inspect", str(tmp_path / "A.ckpt"))
+    assert code == 0 and "np." not in json.dumps(doc), doc
+    assert run(capsys, "export", str(tmp_path / "A.ckpt"), str(tmp_path / "a.pt"))[0] == 0
+    assert "5 numpy value(s) (arr, cnan, flag, n, nan) are pickled in a torch file" in caplog.text
+
+
 def test_config_section_typo_and_nan_grace_are_usage_errors(capsys, tmp_path):
     """A misspelt ``--config-section`` silently used the defaults (a gc grace of 3600 s became 0);
     ``--grace nan`` passed (found by a check of the CLI)."""

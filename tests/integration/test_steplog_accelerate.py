@@ -93,14 +93,18 @@ def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_cha
     assert_bit_equal(at_13, _reference(kind, 13), "against an uninterrupted run")
 
 
-def test_a_scheduler_registered_instead_of_prepared_is_replayed_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("built_on", ["torch optimizer", "prepared optimizer"])
+def test_a_scheduler_registered_instead_of_prepared_is_replayed_too(tmp_path: Path, built_on: str) -> None:
     """An LR scheduler registered with register_for_checkpointing (not prepared) is saved and loaded
     with the checkpoint, but the log did not step it: after load_state() it stayed at the checkpoint's
-    step while the optimizer was at the replayed one, silently (found by an independent check)."""
+    step while the optimizer was at the replayed one, silently (found by independent checks; built
+    on the prepared optimizer, after prepare, it was missed too)."""
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "proj"),
                                                                     automatic_checkpoint_naming=True))
     net, opt, sched = make("adam")
     net, opt = acc.prepare(net, opt)
+    if built_on == "prepared optimizer":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)  # as make() builds it
     acc.register_for_checkpointing(sched)
     ckpt = AcceleratorCheckpointer(acc, CONFIG).attach()
     for step in range(1, 11):
@@ -112,6 +116,17 @@ def test_a_scheduler_registered_instead_of_prepared_is_replayed_too(tmp_path: Pa
     assert ckpt.replayed_steps == 6 and sched.last_epoch == 10
     assert_bit_equal(_state(net, opt, sched), at_10, "after the replay")
     ckpt.close()
+
+
+def test_a_prepared_and_a_registered_scheduler_are_refused(tmp_path: Path) -> None:
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    net, opt, sched = make("adam")
+    extra = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    net, opt, sched = acc.prepare(net, opt, sched)
+    acc.register_for_checkpointing(extra)
+    with pytest.raises(StepLogSetupError, match="a prepared scheduler and a registered one"):
+        AcceleratorCheckpointer(acc, CONFIG).attach()
 
 
 def test_without_the_log_nothing_is_replayed_and_a_checkpoint_without_markers_warns(tmp_path: Path) -> None:

@@ -108,11 +108,13 @@ def test_manual_optimization_resumed_from_segments_closed_at_step_hooks_has_exac
     assert_bit_equal(state, torch.load(tmp_path / "reference.pt", weights_only=False), f"resumed at {resumed}")
 
 
-def test_a_second_model_checkpoint_in_another_directory_leaves_the_log_with_last(tmp_path):
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_a_second_model_checkpoint_in_another_directory_leaves_the_log_with_last(tmp_path, save_last):
     """Two ModelCheckpoints: A (every 6 steps, save_last) and B (every 5 steps, top-k only, another
     directory). B's save at step 20 took the log to B, so a resume from A's last.ckpt (step 18) replayed
     only up to step 20 and lost the steps after it (found by an independent check, killed runs resumed
-    34 steps back). The log stays with last.ckpt; saves elsewhere are not marked."""
+    34 steps back). The log stays with last.ckpt; saves elsewhere are not marked. ``save_last="link"``:
+    last.ckpt is a link made after A's top-k save, never saved itself: A's saves keep the log."""
     from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -126,7 +128,7 @@ def test_a_second_model_checkpoint_in_another_directory_leaves_the_log_with_last
 
     def fit(ckpt_path=None) -> int:
         started = StartedAt()
-        callbacks = [started, ModelCheckpoint(dirpath=a, every_n_train_steps=6, save_last=True),
+        callbacks = [started, ModelCheckpoint(dirpath=a, every_n_train_steps=6, save_last=save_last),
                      ModelCheckpoint(dirpath=b, every_n_train_steps=5, save_top_k=-1)]
         trainer = _trainer(plugins=[CheckrunCheckpointIO(step_log=True)], callbacks=callbacks, max_steps=22)
         trainer.fit(Lit("adam"), ckpt_path=ckpt_path)
