@@ -57,10 +57,15 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
     index = read_index(log_store(store))
-    marker = _start(engine, store, index, after, storage_options)
+    marker, manifest = _start(engine, store, index, after, storage_options)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
                        scaler, model)
     where = store.url(marker.checkpoint)
+    lossy = sum(1 for r in manifest.tensors if r.quant)
+    if lossy and pos.replayed:  # the replay starts from the checkpoint's values, exactly as loaded
+        warnings.warn(f"checkrun: {where} stores {lossy} tensor(s) quantized (lossy): the {pos.replayed} replayed "
+                      "step(s) start from the quantized values, so the state is not the uninterrupted run's bit "
+                      "for bit", RuntimeWarning, stacklevel=3)
     if model is not None:
         warn_forward_state(model, pos.replayed, where, pos.buffers_set)
     elif pos.buffers_left:
@@ -76,7 +81,8 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     return pos.replayed
 
 
-def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: dict | None) -> Any:
+def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: dict | None) -> tuple[Any, Any]:
+    """The marker to replay after, and its checkpoint's manifest."""
     if after is not None:
         name = os.fspath(after).replace("\\", "/").rstrip("/").rpartition("/")[2]
         manifest = engine.read_manifest(store.url(name), storage_options)
@@ -88,11 +94,11 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
                    "saved by another engine, or before engine.step_log was called")
             raise NoMarkerError(f"the step log of {store.url('')} has no marker for checkpoint {store.url(name)} "
                                f"({why})")
-        return marker
+        return marker, manifest
     for entry in reversed(engine.list(store.url(""), storage_options)):
         if entry.manifest is None:
             continue
         marker = find_marker(index, entry.name, entry.manifest.commit, strict=True)
         if marker is not None:
-            return marker
+            return marker, entry.manifest
     raise CheckpointNotFoundError(f"{store.url('')}: no committed checkpoint that the step log marks")

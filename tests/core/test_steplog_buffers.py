@@ -263,3 +263,22 @@ def test_export_of_a_log_without_statistics_says_so(tmp_path, caplog):
     _logged(directory, model=False)
     assert main(["export", directory, str(tmp_path / "s11.pt"), "--step", "11"]) == 0
     assert "holds no running statistics for step 11" in caplog.text
+
+
+def test_a_replay_after_a_quantized_checkpoint_says_it_is_not_exact(tmp_path):
+    """A checkpoint saved with a lossy quantization rule loads with quantized values; the replayed
+    steps start from those, so the bit-exact promise does not hold: replay says so (the docs did not)."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = _make()
+    cfg = {"step_log": {"flush_every_steps": 3},
+           "quantization": [{"pattern": "model.inp.weight", "bits": 8, "min_numel": 1}]}
+    with CheckpointEngine(cfg) as engine:
+        slog = engine.step_log(directory, opt, sched, model=net)
+        for step in range(1, STEPS + 1):
+            _train(net, opt, sched, step)
+            if step == CKPT_AT:
+                engine.save(_state(net, opt, sched), f"{directory}/ck.ckpt").result()
+        slog.close()
+    with pytest.warns(RuntimeWarning, match=r"stores 1 tensor\(s\) quantized \(lossy\).*not the uninterrupted run's"):
+        n, _ = _resume(directory)
+    assert n == STEPS - CKPT_AT
