@@ -126,6 +126,13 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
         _shift(loop.manual_optimization.optim_step_progress, steps, current=not at_end)
         loop._batches_that_stepped += batches
     _shift(loop.batch_progress, batches, current=not at_end)
+    if not at_end and isinstance(epoch, int) and loop.batch_progress.current.ready == epoch:
+        # the replay ended on the epoch's last batch: as a checkpoint Lightning saves there, whose restore
+        # finishes the epoch (FitLoop.reset ran before this replay, on the checkpoint's mid-epoch state).
+        # Without it, the resumed fit ran that whole epoch again (found by an independent check)
+        loop.batch_progress.is_last_batch = True
+        trainer.fit_loop.epoch_progress.increment_processed()
+        trainer.fit_loop.epoch_progress.increment_completed()
     if at_end:
         log.info("lightning_ckpt: the checkpoint was saved at an epoch end: the %d replayed step(s) count in "
                  "the totals; the next epoch starts at its first batch", steps)

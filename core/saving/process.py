@@ -288,7 +288,7 @@ def serve(fd: int, parent: int | None = None) -> None:
     conn = Connection(fd)
     try:
         config, directory = pickle.loads(conn.recv_bytes())
-    except EOFError:  # the engine ended while this process started: nothing to write (no traceback)
+    except (EOFError, OSError):  # the engine ended while this process started: nothing to write (no traceback)
         return
     lifecycle.lower_thread_priority(config.saving.thread_nice)
     torch.set_num_threads(1)
@@ -302,7 +302,11 @@ def serve(fd: int, parent: int | None = None) -> None:
     def receive() -> Any:
         """The next message other than a notice (handled here); EOFError when the engine is gone."""
         while True:
-            message = _Unpickler(io.BytesIO(conn.recv_bytes()), directory, maps).load()
+            try:
+                raw = conn.recv_bytes()
+            except OSError:  # the training process died mid-message (connection reset): gone, as EOF
+                raise EOFError from None
+            message = _Unpickler(io.BytesIO(raw), directory, maps).load()
             if message is None or message[0] not in ("unmap", "adopt", "forget"):
                 return message
             kind, *args = message

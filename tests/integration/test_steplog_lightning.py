@@ -138,6 +138,27 @@ def test_a_second_model_checkpoint_in_another_directory_leaves_the_log_with_last
     assert fit(ckpt_path="last") == 22  # last.ckpt (18) + the 4 logged steps
 
 
+@pytest.mark.parametrize("kill_at", [10, 20])
+def test_a_replay_that_ends_on_an_epochs_last_batch_goes_on_with_the_next_epoch(tmp_path, kill_at):
+    """last.ckpt at step 7, steps 8-10 logged, killed after step 10, the last batch of epoch 0: the
+    resumed fit ran epoch 0 again (40 steps in a 30-step fit, silently), because Lightning decides
+    whether the epoch is finished before the replay (found by an independent check). Now it goes on
+    with epoch 1, as from a checkpoint Lightning saves at that batch (20: last.ckpt at 14, epoch 1's end)."""
+    child = [sys.executable, "-m", "tests.integration.steplog_epoch_child"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    directory, out, ref = str(tmp_path / "ckpts"), str(tmp_path / "resumed.pt"), str(tmp_path / "ref.pt")
+    killed = subprocess.run([*child, "train", directory, str(kill_at)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    for args in (["resume", directory, out], ["reference", ref]):
+        done = subprocess.run([*child, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    resumed, reference = torch.load(out, weights_only=False), torch.load(ref, weights_only=False)
+    assert resumed["started"] == (kill_at, kill_at // 10)
+    assert resumed["global_step"] == reference["global_step"] == 30
+    assert_bit_equal({k: resumed[k] for k in ("model", "opt")}, {k: reference[k] for k in ("model", "opt")})
+
+
 def test_step_log_argument_sets_the_config_key() -> None:
     assert CheckrunCheckpointIO(step_log=True).config.step_log.enabled
     assert not CheckrunCheckpointIO().config.step_log.enabled
