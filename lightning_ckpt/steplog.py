@@ -101,46 +101,142 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
 
 
 def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) -> None:
-    """Move the training epoch loop's progress on by ``steps`` optimizer steps, as if Lightning had run
-    them. Automatic optimization: batches (``accumulate_grad_batches`` each), optimizer steps and
-    zero_grads, step-interval scheduler steps and the logging step counter (once per step). Manual
-    optimization, where the module decides when to step: ``batches`` batches (up to the one of the
-    last replayed step, as logged), the optimizer steps, and the logging step counter (once per batch,
-    as Lightning counts it there); Lightning leaves the schedulers to the module, so their progress
-    stays. From a checkpoint saved at an epoch end, the replayed steps belong to the next epoch, which
-    Lightning starts at batch 0 of its dataloader: only the totals move then (``global_step``
-    included)."""
+    """Move the fit loop's progress on by ``steps`` optimizer steps, as if Lightning had run them.
+    Automatic optimization: batches (``accumulate_grad_batches`` each), optimizer steps and
+    zero_grads, scheduler updates and the logging step counter (once per step). Manual optimization,
+    where the module decides when to step: ``batches`` batches (up to the one of the last replayed
+    step, as logged), the optimizer steps, and the logging step counter (once per batch, as Lightning
+    counts it there); Lightning leaves the schedulers to the module, so their progress stays.
+
+    Where the replayed batches end decides the rest (``_position``): within the checkpoint's epoch,
+    its counters move on; at or past an epoch's end (a checkpoint saved at an epoch end, as
+    ``ModelCheckpoint`` does by default, or replayed steps that cross one), the loops stand as in a
+    checkpoint Lightning saves at that batch's end (``_enter``): the rest of that epoch runs next, its
+    dataloader from the start, as Lightning resumes a dataloader without state mid-epoch."""
     loop = trainer.fit_loop.epoch_loop
-    epoch = trainer.num_training_batches
-    at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
-    if trainer.lightning_module.automatic_optimization:
-        batches = steps * max(1, int(trainer.accumulate_grad_batches))
-        progress = loop.automatic_optimization.optim_progress.optimizer
-        _shift(progress.step, steps, current=not at_end)
-        _shift(progress.zero_grad, steps, current=not at_end)
-        if any(c.interval == "step" for c in trainer.lr_scheduler_configs):
-            _shift(loop.scheduler_progress, steps, current=not at_end)
-        loop._batches_that_stepped += steps
+    automatic = trainer.lightning_module.automatic_optimization
+    acc = max(1, int(trainer.accumulate_grad_batches))
+    if automatic:
+        batches = steps * acc
+        optim = loop.automatic_optimization.optim_progress.optimizer
+        per_step = [optim.step, optim.zero_grad]
     else:
         batches = steps if batches is None else batches
-        _shift(loop.manual_optimization.optim_step_progress, steps, current=not at_end)
-        loop._batches_that_stepped += batches
-    _shift(loop.batch_progress, batches, current=not at_end)
-    if not at_end and isinstance(epoch, int) and loop.batch_progress.current.ready == epoch:
-        # the replay ended on the epoch's last batch: as a checkpoint Lightning saves there, whose restore
-        # finishes the epoch (FitLoop.reset ran before this replay, on the checkpoint's mid-epoch state).
-        # Without it, the resumed fit ran that whole epoch again (found by an independent check)
-        loop.batch_progress.is_last_batch = True
-        trainer.fit_loop.epoch_progress.increment_processed()
-        trainer.fit_loop.epoch_progress.increment_completed()
-    if at_end:
-        log.info("lightning_ckpt: the checkpoint was saved at an epoch end: the %d replayed step(s) count in "
-                 "the totals; the next epoch starts at its first batch", steps)
-    elif isinstance(epoch, int) and loop.batch_progress.current.ready > epoch:
-        warnings.warn(f"checkrun: the {steps} replayed step(s) run past the end of the epoch the checkpoint was "
-                      "saved in; model and optimizer state are exact, the epoch counters are not. Save a checkpoint "
-                      "at every epoch end (ModelCheckpoint does by default) to resume within the epoch",
-                      RuntimeWarning, stacklevel=2)
+        per_step = [loop.manual_optimization.optim_step_progress]
+    updates = _step_updates(trainer, steps) if automatic else 0
+    stepped = _bts_after_reset(loop) + (steps if automatic else batches)
+    position = _position(trainer, steps, batches)
+    if position is None:  # within the checkpoint's epoch, or counters Lightning's loops cannot take exactly
+        epoch = trainer.num_training_batches
+        at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
+        for progress in (*per_step, loop.batch_progress, loop.scheduler_progress):
+            n = batches if progress is loop.batch_progress else updates if progress is loop.scheduler_progress else steps
+            _shift(progress, n, current=not at_end)
+        loop._batches_that_stepped += steps if automatic else batches
+        if at_end:
+            log.info("lightning_ckpt: the checkpoint was saved at an epoch end: the %d replayed step(s) count in "
+                     "the totals; the next epoch starts at its first batch", steps)
+        elif isinstance(epoch, int) and loop.batch_progress.current.ready > epoch:
+            warnings.warn(f"checkrun: the {steps} replayed step(s) run past the end of the epoch the checkpoint was "
+                          "saved in; model and optimizer state are exact, the epoch counters are not",
+                          RuntimeWarning, stacklevel=2)
+        return
+    finished, into, begun, batches = position
+    first = trainer.fit_loop.epoch_progress.current.processed  # the first epoch the replay finishes
+    for progress in per_step:  # manual optimization: Lightning never sets the current count back
+        _shift(progress, steps, current=not (begun and automatic))
+    _shift(loop.batch_progress, batches, current=False)
+    if automatic:
+        _shift(loop.scheduler_progress, updates + _epoch_updates(trainer, first, finished - (not into)),
+               current=not begun)
+    if begun:  # the counters of the epoch the replay ends in, which Lightning sets to 0 at its start
+        steps_in = -(-(into or trainer.num_training_batches) // acc)
+        for progress in per_step if automatic else ():
+            _set_current(progress, steps_in)
+        if automatic:
+            _set_current(loop.scheduler_progress, _step_updates(trainer, steps_in))
+        loop.val_loop.batch_progress.total.reset()
+    _enter(trainer, finished, into or trainer.num_training_batches, stepped)
+
+
+def _position(trainer: Any, steps: int, batches: int) -> Optional[tuple[int, int, int, int]]:
+    """Where the replayed steps (``batches`` batches in manual optimization) end, if at or past an
+    epoch's end: (epochs they finish, batches into the epoch after those, epochs begun after the
+    checkpoint's, batches replayed); None within the checkpoint's epoch, or where the loops cannot be
+    set exactly (an epoch of unknown length, a Lightning without restart stages). Automatic
+    optimization steps at every ``accumulate_grad_batches``-th batch and at an epoch's last one."""
+    fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    n = trainer.num_training_batches
+    if not isinstance(n, int) or n <= 0 or not hasattr(fit, "_restart_stage") or not hasattr(loop, "_restart_stage"):
+        return None
+    at = loop.batch_progress.current.ready
+    epoch = fit.epoch_progress.current
+    ended = at >= n and epoch.ready == epoch.started == epoch.processed  # the checkpoint's epoch is over
+    left = 0 if ended else n - at  # batches left in the checkpoint's epoch
+    if trainer.lightning_module.automatic_optimization:
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        steps_left = -(-left // acc)
+        if steps < steps_left or (steps == 0 and not ended):
+            return None
+        finished, rest = divmod(steps - steps_left, -(-n // acc))
+        into = rest * acc
+    else:
+        if batches < left:
+            return None
+        finished, into = divmod(batches - left, n)
+    finished += 0 if ended else 1
+    return finished, into, finished + (into > 0) - (not ended), left + (finished - (not ended)) * n + into
+
+
+def _enter(trainer: Any, finished: int, at: int, stepped: int) -> None:
+    """Stand the loops as Lightning's restore of a checkpoint saved at the end of batch ``at`` (its
+    ``on_train_batch_end``, where ``ModelCheckpoint`` saves) leaves them, ``finished`` epochs after the
+    checkpoint's: restarting mid-epoch, the batch processed but not completed (the epoch loop's
+    ``reset`` completes it and counts its step in ``stepped``, the logging step counter); at an epoch's
+    last batch that epoch is processed (``FitLoop.reset`` did it) and the next starts."""
+    from lightning.pytorch.loops import _Loop
+    from lightning.pytorch.loops.fit_loop import RestartStage as FitStage
+    from lightning.pytorch.loops.training_epoch_loop import RestartStage as EpochStage
+
+    fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    last = at >= trainer.num_training_batches
+    for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
+        tracker.processed += finished
+        tracker.completed = tracker.processed
+        tracker.ready = tracker.started = tracker.processed + (not last)
+    progress = loop.batch_progress
+    _set_current(progress, at, at - 1)
+    progress.total.completed = progress.total.processed - 1
+    progress.is_last_batch = last
+    loop._batches_that_stepped = stepped - 1
+    _Loop.restarting.fset(fit, True)  # and its child loops (the setter would say no for a processed epoch)
+    fit._restart_stage, loop._restart_stage = FitStage.RESTARTED_MID_EPOCH, EpochStage.RESTARTED_ON_TRAIN_BATCH_END
+
+
+def _step_updates(trainer: Any, steps: int) -> int:
+    """Scheduler updates of ``steps`` optimizer steps: one per step-interval scheduler every
+    ``frequency`` steps."""
+    return sum(steps // max(1, c.frequency) for c in trainer.lr_scheduler_configs if c.interval == "step")
+
+
+def _epoch_updates(trainer: Any, first: int, epochs: int) -> int:
+    """Scheduler updates at the ends of ``epochs`` epochs from epoch ``first``."""
+    return sum(1 for c in trainer.lr_scheduler_configs if c.interval == "epoch"
+               for e in range(first, first + max(0, epochs)) if (e + 1) % max(1, c.frequency) == 0)
+
+
+def _set_current(progress: Any, value: int, completed: Optional[int] = None) -> None:
+    for name in _COUNTERS:
+        if hasattr(progress.current, name):
+            setattr(progress.current, name, value if completed is None or name != "completed" else completed)
+
+
+def _bts_after_reset(loop: Any) -> int:
+    """The logging step counter as the epoch loop's ``reset`` leaves it (it adds the step of a checkpoint
+    saved at a batch end)."""
+    adds = (loop.restarting and not loop._should_accumulate()
+            and (getattr(loop, "restarted_on_train_batch_end", False) or not getattr(loop, "restarted_on_last", True)))
+    return loop._batches_that_stepped + int(adds)
 
 
 def _shift(progress: Any, n: int, current: bool = True) -> None:

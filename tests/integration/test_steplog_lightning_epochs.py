@@ -1,0 +1,149 @@
+"""The step log in the Lightning plugin across epoch ends: a run stopped at step K (the log flushed, no
+save at the end, as after a kill) resumes with ``fit(ckpt_path="last")`` from a checkpoint saved at an
+epoch end (``ModelCheckpoint``'s default) or from one whose replayed steps cross an epoch end. The
+resumed fit must go on exactly as Lightning's own resume of a checkpoint saved at step K does (stock
+``TorchCheckpointIO``, ``ModelCheckpoint(every_n_train_steps=K)``): the fit loop's whole state when
+training starts, and after the fit the model, the loop state and ``global_step``.
+
+Before 2026-12-05 the replayed steps of an epoch-end checkpoint counted in the totals only and the
+next epoch started at its first batch again (33 steps in a 30-step fit), and replayed steps that
+crossed an epoch end warned that the epoch counters were not exact."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt import CheckrunCheckpointIO
+
+
+class Net(LightningModule):
+    def __init__(self, scheduler: str | None = None, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+        self.scheduler = scheduler
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        if self.automatic_optimization:
+            return loss
+        if batch_idx % 2 == 0:  # manual optimization: a step every 2nd batch
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        if self.scheduler is None:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.scheduler}}
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 1, generator=g)), batch_size=8)
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stop(Callback):
+    """Stops the fit before the batch after step ``at`` (after that step's saves; the log flushed)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            io = trainer.strategy.checkpoint_io
+            if isinstance(io, CheckrunCheckpointIO):
+                io.wait()
+                io.step_log.flush()
+            raise _Stopped
+
+
+class _AtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.loops = _loops(trainer)
+
+
+def _loops(trainer: Trainer) -> dict:
+    fit = trainer.fit_loop
+    return {"state": json.loads(json.dumps(fit.state_dict(), default=str)), "global_step": trainer.global_step,
+            "stages": (fit._restart_stage, fit.epoch_loop._restart_stage)}
+
+
+def _fit(callbacks: list, plugins: list, module: dict, validate: bool, ckpt_path=None, **trainer_kwargs):
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=callbacks, plugins=plugins, **trainer_kwargs)
+    model = Net(**module)
+    try:
+        trainer.fit(model, _data(), _data() if validate else None, ckpt_path=ckpt_path)
+    except _Stopped:
+        pass
+    return trainer, model
+
+
+CASES = {  # name: (stop at step K, checkrun's ModelCheckpoint arguments, module, validate, Trainer arguments)
+    "epoch_end_checkpoint": (13, {}, {}, False, {}),
+    "replay_crosses_an_epoch_end": (13, {"every_n_train_steps": 7}, {}, False, {}),
+    "replay_of_more_than_an_epoch": (35, {"every_n_epochs": 2}, {}, False, {"max_epochs": 5}),
+    "epoch_scheduler": (13, {}, {"scheduler": "epoch"}, False, {}),
+    "step_scheduler_crossing": (13, {"every_n_train_steps": 7}, {"scheduler": "step"}, False, {}),
+    "checkpoint_at_validation_end": (13, {}, {}, True, {}),
+    "validation_replayed_over": (13, {"every_n_train_steps": 7}, {}, True, {}),
+    "accumulate_grad_batches": (11, {}, {}, False, {"accumulate_grad_batches": 3}),
+    # 10 batches, a step every 3rd and at the last: an epoch's last step takes one batch
+    "accumulation_crossing": (5, {"every_n_train_steps": 3}, {}, False, {"accumulate_grad_batches": 3}),
+    "accumulation_over_an_epoch": (15, {"every_n_epochs": 2}, {}, False, {"accumulate_grad_batches": 3,
+                                                                          "max_epochs": 5}),
+    "manual_optimization": (7, {}, {"manual": True}, False, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_resume_across_an_epoch_end_goes_on_as_lightnings_own_checkpoint_at_that_step(tmp_path, name):
+    stop, checkpointing, module, validate, kwargs = CASES[name]
+    kwargs = {"max_epochs": 3, "default_root_dir": str(tmp_path), **kwargs}
+    # Lightning alone: a checkpoint at step `stop`, resumed
+    stock_dir = str(tmp_path / "stock")
+    _fit([ModelCheckpoint(dirpath=stock_dir, filename="k", every_n_train_steps=stop, save_top_k=-1), _Stop(stop)],
+         [], module, validate, **kwargs)
+    stock_start = _AtStart()
+    stock, stock_model = _fit([stock_start], [], module, validate, ckpt_path=f"{stock_dir}/k.ckpt", **kwargs)
+    # checkrun: the newest checkpoint before `stop`, then the logged steps replayed
+    directory = str(tmp_path / "ckpts")
+
+    def io() -> CheckrunCheckpointIO:
+        return CheckrunCheckpointIO(step_log=True)
+
+    _fit([ModelCheckpoint(dirpath=directory, save_last=True, **checkpointing), _Stop(stop)], [io()], module, validate,
+         **kwargs)
+    start = _AtStart()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="checkrun", category=RuntimeWarning)
+        resumed, model = _fit([start, ModelCheckpoint(dirpath=directory, save_last=True, **checkpointing)], [io()],
+                              module, validate, ckpt_path="last", **kwargs)
+    assert start.loops["global_step"] == stop
+    if name == "validation_replayed_over":  # the validation run at epoch 0's end was replayed over, not run:
+        for loops in (start.loops, stock_start.loops):  # its counters are the checkpoint's (docs/lightning.md)
+            loops["state"].pop("epoch_loop.val_loop.batch_progress")
+    assert start.loops == stock_start.loops
+    assert resumed.global_step == stock.global_step
+    assert _loops(resumed) == _loops(stock)
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
