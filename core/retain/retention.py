@@ -112,8 +112,28 @@ def list_checkpoints(store: Store, config: EngineConfig) -> list[CheckpointEntry
     for entry in store.map(read, files):
         if entry is not None:
             entries.append(entry)
-    entries.sort(key=lambda e: (e.created, e.mtime, e.name))
-    return entries
+    return _oldest_first(entries)
+
+
+def _oldest_first(entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+    """By commit time (``created``), except that one process's checkpoints keep the order of their
+    capture (the commit stamp's sequence, as the commit fence compares them): a step back of that
+    process's clock (an NTP step, a VM restored) made the checkpoints saved after it older than the
+    ones before, so retention deleted the newest and ``latest()`` answered an older one (found by an
+    independent check; local files' times come from the same clock, so they could not tell). Each
+    checkpoint of a process counts as no older than its predecessor in that order."""
+    runs: dict[str, list[CheckpointEntry]] = {}
+    for e in entries:
+        commit = e.manifest.commit if e.manifest is not None else None
+        if commit is not None:
+            runs.setdefault(commit["writer"], []).append(e)
+    floor: dict[str, tuple[float, int]] = {}
+    for run in runs.values():
+        latest = float("-inf")
+        for e in sorted(run, key=lambda e: e.manifest.commit["seq"]):
+            latest = max(latest, e.created)
+            floor[e.name] = (latest, e.manifest.commit["seq"])
+    return sorted(entries, key=lambda e: (*floor.get(e.name, (e.created, 0)), e.mtime, e.name))
 
 
 def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[CheckpointEntry]:

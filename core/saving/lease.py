@@ -16,8 +16,10 @@ from every chunk they store) once a quarter of ``lease_seconds`` has passed sinc
 thread of its own, since starting and ending threads behind the training loop's back races its forks
 (DataLoader workers; ``lifecycle.retiring``). The writer counts its lease as valid until
 ``lease_seconds * 3 / 4`` after the start of its latest write (a quarter of ``lease_seconds`` kept for
-clock differences with collectors, which compare the written expiry with their own clock). If no
-renewal happened for that long (one operation took minutes, the storage was unreachable),
+clock differences with collectors, which compare the written expiry with their own clock), by
+``time.monotonic`` and by the wall clock alike: a step of the host's clock (a VM resumed, an NTP step)
+moves only the latter, and collectors on the host read the lease by it. If no renewal happened for
+that long (one operation took minutes, the storage was unreachable, the clock stepped forward),
 ``intact()`` says so and the writer calls ``refresh()`` and checks every blob of the save again before
 it commits: a collection may have taken some meanwhile. So a slow save is never cut short, only
 checked again. Only a dead writer's lease runs out, after ``lease_seconds``.
@@ -62,6 +64,7 @@ class SaveLease:
         self._io = threading.Lock()  # one write of the lease object at a time
         self._valid_until: float | None = None  # monotonic
         self._written_at = 0.0  # monotonic start of the latest write
+        self._wall_until = 0.0  # the same validity by the wall clock (time.time), which collectors compare
         self._lapsed = False
         self._ended = False
 
@@ -97,11 +100,11 @@ class SaveLease:
 
     def _write(self, expired: bool = False) -> None:
         """Write the lease (caller holds ``_io``); a write starting after the validity ran out is a lapse."""
-        started = _now()
+        started, wall = _now(), time.time()
         self.dir.write(record(self.name, "save", self.seconds, frozenset(self._published), expired=expired))
-        if self._valid_until is not None and started > self._valid_until:
+        if self._valid_until is not None and (started > self._valid_until or wall > self._wall_until):
             self._lapsed = True
-        self._valid_until = started + 0.75 * self.seconds
+        self._valid_until, self._wall_until = started + 0.75 * self.seconds, wall + 0.75 * self.seconds
         self._written_at = started
 
     def _wait_for_collections(self) -> None:
@@ -129,20 +132,30 @@ class SaveLease:
         Any thread; never waits for another thread's write."""
         if self._valid_until is None or self._ended:
             return
-        if _now() - self._written_at < self.seconds / 4 or not self._io.acquire(blocking=False):
+        if not self._due() or not self._io.acquire(blocking=False):
             return
         try:
-            if not self._ended and _now() - self._written_at >= self.seconds / 4:
+            if not self._ended and self._due():
                 self._write()
         except CheckrunError as exc:
             log.warning("checkrun: renewing lease %s failed (retrying): %s", self.dir.url(self.name), exc)
         finally:
             self._io.release()
 
+    def _due(self) -> bool:
+        """A quarter of ``lease_seconds`` since the last write, by either clock."""
+        return (_now() - self._written_at >= self.seconds / 4
+                or time.time() >= self._wall_until - 0.5 * self.seconds)
+
     def intact(self) -> bool:
-        """Whether the lease has been valid without a gap since its first write (any thread)."""
+        """Whether the lease has been valid without a gap since its first write (any thread), by the
+        monotonic clock and by the wall clock: a step of the host's clock (a VM resumed, an NTP step)
+        makes a collection on this host read the lease by the wall clock, which ``time.monotonic``
+        does not see (found by an independent check: a collection deleted the blobs of a save in
+        flight after a forward step, and the save committed without checking them again)."""
         with self._io:
-            return not self._lapsed and (self._valid_until is None or _now() <= self._valid_until)
+            return not self._lapsed and (self._valid_until is None
+                                         or (_now() <= self._valid_until and time.time() <= self._wall_until))
 
     def refresh(self) -> None:
         """After a lapse: write the lease again and wait for collections; the caller then checks every

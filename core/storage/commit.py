@@ -26,7 +26,7 @@ import fsspec
 
 from ..config import StorageConfig
 from . import atomic
-from .paths import BLOB_DIR, LEASE_DIR, FileInfo, is_local_fs, is_s3_fs, is_temp_name, join, mtime
+from .paths import BLOB_DIR, LEASE_DIR, FileInfo, find_shards, is_local_fs, is_s3_fs, is_temp_name, join, mtime
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
 # s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
@@ -127,11 +127,11 @@ class RenameCommit(CommitStrategy):
     def scan_temp_files(self, root: str) -> list[FileInfo]:
         root = root.rstrip("/")
         out = []
-        for base, finder in ((root, self.fs.ls), (join(root, BLOB_DIR), self.fs.find),
-                             (join(root, LEASE_DIR), self.fs.ls)):
+        for base, finder in ((root, lambda d: self.fs.ls(d, detail=True)), (join(root, BLOB_DIR), lambda d: find_shards(self.fs, d)),
+                             (join(root, LEASE_DIR), lambda d: self.fs.ls(d, detail=True))):
             self.fs.invalidate_cache(base)
             try:
-                found = finder(base, detail=True, **({"on_error": "raise"} if finder == self.fs.find else {}))
+                found = finder(base)
             except FileNotFoundError:
                 continue
             for info in found.values() if isinstance(found, dict) else found:

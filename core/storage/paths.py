@@ -8,6 +8,7 @@ looks at protocols or filesystem classes.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import re
 import time
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from typing import Any, Optional
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
-from ..errors import UnsafePathError
+from ..errors import ConfigError, UnsafePathError
 from .options import merge_options, open_options, options_key
 
 META_DIR = ".checkrun"
@@ -84,6 +86,12 @@ def resolve(text: str, storage_options: Optional[dict],
         fs, fspath = fsspec.filesystem("file", **opened), LocalFileSystem._strip_protocol(text)
     else:
         fs, fspath = url_to_fs(text, **opened)
+    if isinstance(fs, CachingFileSystem):
+        # a cache kept serving the manifest it read first (a resume got an old last.ckpt, silently), and
+        # saves through one failed (found by an independent check)
+        raise ConfigError(f"{text!r}: fsspec caching filesystems ({protocols(fs)[0]}::) are not supported for "
+                          "checkpoints: manifests change in place and a cache would keep serving old ones; use "
+                          "the URL without the cache")
     # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
     # for plain local files: those are shown as absolute paths.
     scheme = text[: text.index("://")] if "://" in text else ""
@@ -137,6 +145,27 @@ def _to_epoch(value: Any) -> Optional[float]:
             value = value.replace(tzinfo=_dt.timezone.utc)
         return value.timestamp()
     return None
+
+
+def find_shards(fs: fsspec.AbstractFileSystem, base: str) -> dict[str, dict]:
+    """The entries of ``base`` and of each directory in it (the blob layout: ``base/<shard>/<key>``),
+    ``{path: info}`` as fsspec's ``find(detail=True)`` gives them, listed with ``fs.ls``. A shard
+    whose listing fails raises: ``find`` omits it silently, even with ``on_error="raise"`` (fsspec's
+    walk does not pass that on below the top), and a blob missing from a listing made
+    ``latest(verify=False)`` skip the newest checkpoint. A shard that vanished meanwhile (gc) is
+    skipped; FileNotFoundError if ``base`` itself is missing, NotADirectoryError if it is a file."""
+    out = {}
+    for info in fs.ls(base, detail=True):
+        if info["name"].rstrip("/") == base.rstrip("/"):  # base is a file: every blob would look missing
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", base)
+        if info.get("type") != "directory":
+            out[info["name"]] = info
+            continue
+        try:
+            out.update((entry["name"], entry) for entry in fs.ls(info["name"], detail=True))
+        except FileNotFoundError:  # deleted meanwhile
+            continue
+    return out
 
 
 def mtime(info: dict) -> float:

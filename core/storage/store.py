@@ -32,7 +32,7 @@ from ..format.dtypes import is_blob_key
 from . import commit as _commit
 from .atomic import temp_prefix
 from .options import options_key
-from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root,
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root, find_shards,
                     in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry
@@ -191,11 +191,8 @@ class Store:
         path = self.blob_path(key)
 
         def read() -> memoryview:
-            try:
-                f = self.fs.open(path, "rb")
-            except IsADirectoryError as exc:  # not a blob: missing, as get_blob says
-                raise FileNotFoundError(str(exc)) from exc
-            with f:
+            self._file_size(path)  # a regular file: opening a FIFO (or a link to one) would block for ever
+            with self.fs.open(path, "rb") as f:
                 got = 0
                 while got < buf.nbytes:
                     n = f.readinto(buf[got:got + READ_PIECE])
@@ -244,9 +241,8 @@ class Store:
 
         def scan() -> dict:
             self.fs.invalidate_cache(base)
-            try:
-                # on_error: fsspec's walk would omit a directory whose listing failed (transiently)
-                return self.fs.find(base, detail=True, **({"on_error": "raise"} if self.is_local else {}))
+            try:  # local: fsspec's find would omit a directory whose listing failed
+                return find_shards(self.fs, base) if self.is_local else self.fs.find(base, detail=True)
             except FileNotFoundError:
                 return {}
 

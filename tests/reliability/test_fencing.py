@@ -466,3 +466,28 @@ def test_a_checkpoint_from_the_future_neither_stays_newest_nor_fences_its_name(t
         engine.save({"step": 4, "w": torch.full((4,), 4.0)}, fenced / "last.ckpt").result()
         assert engine.load(fenced / "last.ckpt")["step"] == 4
     assert "ahead of this host's clock" in caplog.text
+
+
+@pytest.mark.parametrize("ahead", [3600, 60])
+def test_a_clock_stepped_back_keeps_one_processs_checkpoints_in_capture_order(tmp_path, monkeypatch, ahead) -> None:
+    """One process saves steps 1-3 with its host's clock ``ahead`` seconds fast (the files' times too:
+    the kernel's clock), the clock is then set right and it saves steps 4-6 with ``keep_last=2``.
+    Ordered by commit time, steps 1-3 stayed the newest: retention deleted step 4, then 5, and
+    ``latest()`` answered step 3 with step 6 committed (found by an independent check; 60 s, under
+    the 5-minute future slack, the same). One process's checkpoints keep their capture order now."""
+    import torch
+
+    real = time.time
+    directory = tmp_path / "run"
+    with CheckpointEngine({"retention": {"keep_last": 2}, "saving": {"asynchronous": False}}) as engine:
+        monkeypatch.setattr(time, "time", lambda: real() + ahead)
+        for step in (1, 2, 3):
+            path = directory / f"step{step}.ckpt"
+            engine.save({"step": step, "w": torch.full((4,), float(step))}, path).result()
+            os.utime(path, (real() + ahead, real() + ahead))
+        monkeypatch.setattr(time, "time", real)
+        for step in (4, 5, 6):
+            engine.save({"step": step, "w": torch.full((4,), float(step))}, directory / f"step{step}.ckpt").result()
+        names = sorted(e.name for e in engine.list(directory) if e.manifest is not None)
+        assert names == ["step5.ckpt", "step6.ckpt"], names
+        assert engine.load(engine.latest(directory))["step"] == 6

@@ -97,6 +97,35 @@ def test_blobs_of_a_save_held_at_its_commit_survive_a_concurrent_gc(tmp_path):
     assert not list((root / ".checkrun" / "leases").iterdir())  # released at the commit
 
 
+def test_a_forward_step_of_the_clock_during_a_save_never_commits_collected_blobs(tmp_path, monkeypatch):
+    """One host: a save is held at its commit (blobs and lease written); the host's clock steps forward
+    past the lease (a VM resumed, an NTP step); a collection then reads the lease as expired and deletes
+    the save's new blobs. The save's lease ran on time.monotonic only, which a step of the clock does
+    not move: it committed a checkpoint whose blobs were gone (found by an independent check). Now the
+    wall clock lapses the lease too: the save fails, nothing of it is committed, the rest verifies."""
+    from ckpt_core.errors import BackgroundSaveError
+
+    root = tmp_path / "run"
+    url = f"faultfile://{root}"
+    with CheckpointEngine(config()) as a, CheckpointEngine(config()) as b:
+        a.save(state(1), f"{url}/a1.ckpt").result()
+        gate = Gate("open", "manifest", 1)
+        FaultFS.policy = gate
+        handle = a.save(state(2, frozen_seed=5), f"{url}/a2.ckpt")
+        assert gate.entered.wait(WATCHDOG)
+        fresh = set(stored(str(root))) - set(referenced(b, str(root)))
+        assert fresh
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 10 * LEASE)  # the step: every clock reader sees it
+        report = b.gc(root)
+        assert report.leases == 0 and fresh <= set(report.deleted)  # the lease reads as expired now
+        gate.release()
+        with pytest.raises(BackgroundSaveError, match="collected while its lease had lapsed"):
+            handle.result()
+    FaultFS.policy = None
+    assert verify_all(str(root)) == ["a1.ckpt"]
+
+
 @pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_blob_written_before_a_held_write_survives_gc(backend, tmp_path, request):
     """A (another process) is inside a save: its first blobs written, the next write held. B's

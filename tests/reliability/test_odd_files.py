@@ -1,0 +1,83 @@
+"""Odd files where a checkpoint directory holds regular files: a blob replaced by a FIFO (or a link
+to one), a blob shard directory that cannot be listed. Each is named in a clear error; none hangs a
+load or makes a resume go back to an older checkpoint silently."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from ckpt_core import CheckpointEngine
+from ckpt_core.errors import CorruptCheckpointError, StorageError
+
+WATCHDOG = 120  # seconds; only bounds a wait that would otherwise hang on a bug
+
+
+def _blob_files(directory) -> list[str]:
+    blobs = os.path.join(directory, ".checkrun", "blobs")
+    return sorted(os.path.join(root, f) for root, _, files in os.walk(blobs) for f in files)
+
+
+def _in_thread(fn):
+    """fn's result or exception, from a daemon thread (a hang fails the test instead of CI)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(WATCHDOG)
+    assert not t.is_alive(), "hung"
+    return out
+
+
+@pytest.mark.parametrize("how", ["fifo", "link_to_fifo"])
+def test_a_blob_replaced_by_a_fifo_is_named_not_waited_on(tmp_path, how):
+    """The local read opened a FIFO in the blob's place and waited for a writer for ever (found by an
+    independent check); verify and latest already called it missing."""
+    directory = tmp_path / "run"
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.arange(1000.0), "step": 1}, directory / "s1.ckpt").result()
+        blob = _blob_files(directory)[0]
+        os.remove(blob)
+        if how == "fifo":
+            os.mkfifo(blob)
+        else:
+            os.mkfifo(tmp_path / "pipe")
+            os.symlink(tmp_path / "pipe", blob)
+        out = _in_thread(lambda: engine.load(directory / "s1.ckpt"))
+    assert isinstance(out.get("error"), CorruptCheckpointError), out
+    assert os.path.basename(blob) in str(out["error"])
+
+
+def test_a_blob_shard_that_cannot_be_listed_is_an_error_not_an_older_checkpoint(tmp_path, monkeypatch):
+    """A shard directory whose listing fails (EACCES: searchable, not readable; or EIO): fsspec's
+    find skipped it silently, so latest(verify=False) called the newest checkpoint's blob missing and
+    answered the older one (found by an independent check). It raises now; the blob is there."""
+    directory = tmp_path / "run"
+    with CheckpointEngine({"incremental": {"enabled": False}}) as engine:
+        engine.save({"w": torch.full((1000,), 1.0)}, directory / "s1.ckpt").result()
+        engine.save({"w": torch.full((1000,), 2.0)}, directory / "s2.ckpt").result()
+        key = next(iter(engine.read_manifest(directory / "s2.ckpt").blobs())).key
+        shard = os.path.join(directory, ".checkrun", "blobs", key[:2])
+        real = os.scandir
+
+        def scandir(path="."):
+            if os.fspath(path).rstrip("/") == shard:
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return real(path)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+        with pytest.raises(StorageError, match="Permission denied"):
+            engine.latest(directory, verify=False)
+        with pytest.raises(StorageError, match="Permission denied"):
+            engine.gc(directory)
+        monkeypatch.setattr(os, "scandir", real)
+        assert engine.latest(directory, verify=False).endswith("s2.ckpt")
