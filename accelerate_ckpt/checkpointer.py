@@ -470,8 +470,8 @@ class AcceleratorCheckpointer:
             raise CheckpointExistsError(
                 f"{layout.join(target.base, later[0]) if later else target.folder} holds a checkpoint accelerate's own "
                 "save_state wrote: save_state() with automatic checkpoint naming does not replace it, as accelerate "
-                "does not. load_state() it (the newest checkpoint), or set accelerator.project_configuration.iteration "
-                "past it")
+                "does not. load_state() that folder by its path to resume from it (load_state() without one loads the "
+                "newest checkrun checkpoint), or set accelerator.project_configuration.iteration past it")
         if found:
             raise CheckpointExistsError(
                 f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's, or "
@@ -496,7 +496,10 @@ class AcceleratorCheckpointer:
             return NoCheckpointError(f"{local} is a file, not a checkpoint folder: load_state() takes the folder "
                                      "save_state() returned")
         try:
-            return paths.index_for(self._engine, path, root, self.storage_options)
+            index = paths.index_for(self._engine, path, root, self.storage_options)
+            if (path is None or path == "latest") and self.options.fallback_to_accelerate:
+                _warn_newer_native(index, paths.native_folder(path, root))
+            return index
         except CheckpointNotFoundError as exc:
             native = paths.native_folder(path, root) if self.options.fallback_to_accelerate else None
             return NoCheckpointError(str(exc)) if native is None else native
@@ -573,3 +576,15 @@ def _home(path: Any) -> Any:
     if isinstance(path, pathlib.PurePath):
         return path.expanduser()
     return os.path.expanduser(path) if isinstance(path, str) and "://" not in path else path
+
+
+def _warn_newer_native(index: str, native: paths.NativeFolder | None) -> None:
+    """``load_state()`` takes the newest checkrun checkpoint; say so when accelerate's own ``save_state``
+    wrote a later ``checkpoint_N`` (a project where checkrun was turned off and on again: that newer
+    folder was skipped without a word, found by an independent check)."""
+    ours = re.search(r"checkpoint_(\d+)(?=/|$)", index.replace("\\", "/"))
+    theirs = None if native is None else re.search(r"checkpoint_(\d+)$", native.path.rstrip("/"))
+    if ours is not None and theirs is not None and int(theirs.group(1)) > int(ours.group(1)):
+        warnings.warn(f"checkrun: {native.path} (written by accelerate's own save_state) is newer than the newest "
+                      f"checkrun checkpoint {index}, which load_state() loads; load_state({native.path!r}) resumes "
+                      "from accelerate's", RuntimeWarning, stacklevel=4)

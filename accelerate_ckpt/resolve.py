@@ -132,11 +132,16 @@ def native_folder(path: str | os.PathLike | None, default_root: str | None) -> N
 
 
 def _is_native(folder: str) -> bool:
+    """A folder accelerate's own ``save_state`` wrote: its file names and the RNG states every such
+    save writes. A folder holding only what a save hook wrote (``model.safetensors`` of a
+    ``save_pretrained``) before the checkrun save that started it committed is not one: it was taken
+    for one, and ``load_state()`` loaded its weights, then failed on the missing optimizer.bin (found
+    by an independent check)."""
     try:
         names = os.listdir(folder)
     except OSError:
         return False
-    return INDEX_NAME not in names and bool(_native_names(names))
+    return INDEX_NAME not in names and any(_RNG_NAME.fullmatch(n) for n in names) and bool(_native_names(names))
 
 
 def _native_names(names: list[str]) -> list[str]:

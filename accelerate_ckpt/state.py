@@ -15,6 +15,7 @@ run on the training thread; they read or write the Accelerator's objects and do 
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -149,10 +150,22 @@ def model_weights(accelerator: Any, cache: dict | None = None) -> list[dict]:
         ref = cache.get(model)
         unwrapped = ref() if ref is not None else None
         if unwrapped is None:
-            unwrapped = accelerator.unwrap_model(model)
+            unwrapped = _unwrap(accelerator, model)
             cache[model] = weakref.ref(unwrapped)
         out.append(unwrapped.state_dict())
     return out
+
+
+def _unwrap(accelerator: Any, model: Any) -> Any:
+    """``accelerator.unwrap_model(model)``; where no ``torch.compile`` ran in this process (it imports
+    ``torch._dynamo``), only the DDP/DataParallel wrappers, without accelerate's check for a compiled
+    module, whose import of ``torch._dynamo`` blocked the first ``save_state()`` for ~0.5 s (accelerate's
+    own ``save_state`` does not unwrap)."""
+    if "torch._dynamo" in sys.modules:
+        return accelerator.unwrap_model(model)
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def apply_replicated(accelerator: Any, tree: dict, models: list, model_kwargs: dict) -> None:

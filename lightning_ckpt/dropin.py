@@ -138,7 +138,20 @@ of their own), where installed (``lightning`` installs them)."""
 
 def _targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """(owner, attribute, wrapper factory) of every hook, in every package of ``PACKAGES`` that imports.
-    A package's three loader names share one wrapper."""
+    A package's three loader names share one wrapper. Importing a package points Lightning's shared
+    rank-zero logger (``lightning_utilities``) at that package's: it is pointed back afterwards, so a
+    user who silenced ``lightning.pytorch`` does not see its messages again under ``pytorch_lightning``'s
+    logger (found by an independent check)."""
+    shared = sys.modules.get("lightning_utilities.core.rank_zero")
+    before = getattr(shared, "log", None)
+    try:
+        return _import_targets()
+    finally:
+        if before is not None:
+            shared.log = before
+
+
+def _import_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     targets = []
     for fabric, pytorch in PACKAGES:
         try:

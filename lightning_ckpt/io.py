@@ -262,13 +262,14 @@ class CheckrunCheckpointIO(CheckpointIO):
                     handle.wait()
             if not all(handle.done() for handle in saves):
                 continue
-            del self._deferred[key]
             failed = next((handle.path for handle in saves if handle.failed()), None)
             if failed is not None:
+                del self._deferred[key]
                 log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed",
                             url, failed)
                 continue
-            self._remove_now(url)
+            self._remove_now(url)  # dropped only once done: an error or ^C in it leaves it to the next call
+            self._deferred.pop(key, None)
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, before the engines are flushed: the removals still waiting (a ddp_spawn
@@ -313,7 +314,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         (Lightning tears down while handling the user's error): then it is logged, never masking it.
         The plugin stays usable: the next save or load creates a fresh engine.
         """
-        propagating = sys.exc_info()[1] is not None
+        propagating = _propagating()
         errors: list[BaseException] = []
         try:
             self._check_caller()
@@ -329,6 +330,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         except CheckrunError as exc:
             errors.append(exc)
         for engine in self._open_engines():
+            engine.raise_while_handling = not propagating  # an exception the caller handles is not ours to keep
             errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
         inflight.wait_job()  # DDP: every rank waits for global rank 0's saves (the next fit may look for them)
         self._reset_runtime(keep_callbacks=True)
@@ -444,6 +446,20 @@ def _close(engine: CheckpointEngine, removed_dirs: set[str]) -> list[BaseExcepti
     except CheckrunError as exc:
         errors.append(exc)
     return errors
+
+
+def _propagating() -> bool:
+    """Whether teardown runs because an exception propagates out of the Trainer's entry point: the
+    trainer says so (``_interrupt`` marks it interrupted before its teardown). ``sys.exc_info()`` also
+    holds an exception the caller merely handles around ``fit`` (retry code: ``except ...: fit()``),
+    where a failed background save was then only logged and ``fit`` returned as if it had saved
+    (found by an independent check); it decides only without a trainer (Fabric, a direct call)."""
+    trainer = find_trainer(calling_strategy())
+    if trainer is None:
+        return sys.exc_info()[1] is not None
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    return trainer.state.status == TrainerStatus.INTERRUPTED
 
 
 def _warn_artifact_loggers(trainer: Any) -> None:

@@ -126,7 +126,7 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
     updates = _step_updates(trainer, steps) if automatic else 0
     stepped = _bts_after_reset(loop) + (steps if automatic else batches)
     position = _position(trainer, steps, batches)
-    if position is None:  # within the checkpoint's epoch, or counters Lightning's loops cannot take exactly
+    if position is None:  # counters Lightning's loops cannot take exactly (see _position)
         epoch = trainer.num_training_batches
         at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
         for progress in (*per_step, loop.batch_progress, loop.scheduler_progress):
@@ -160,29 +160,36 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
 
 
 def _position(trainer: Any, steps: int, batches: int) -> Optional[tuple[int, int, int, int]]:
-    """Where the replayed steps (``batches`` batches in manual optimization) end, if at or past an
-    epoch's end: (epochs they finish, batches into the epoch after those, epochs begun after the
-    checkpoint's, batches replayed); None within the checkpoint's epoch, or where the loops cannot be
-    set exactly (an epoch of unknown length, a Lightning without restart stages). Automatic
-    optimization steps at every ``accumulate_grad_batches``-th batch and at an epoch's last one."""
+    """Where the replayed steps (``batches`` batches in manual optimization) end: (epochs they finish,
+    batches into the epoch after those (or into the checkpoint's own, if none), epochs begun after the
+    checkpoint's, batches replayed); None where the loops cannot be set exactly (a Lightning without
+    restart stages; an epoch of unknown length, unless the checkpoint ended one: the replayed steps are
+    then taken to lie in the next one, not past its end). Automatic optimization steps at every
+    ``accumulate_grad_batches``-th batch and at an epoch's last one."""
     fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
     n = trainer.num_training_batches
-    if not isinstance(n, int) or n <= 0 or not hasattr(fit, "_restart_stage") or not hasattr(loop, "_restart_stage"):
+    if not hasattr(fit, "_restart_stage") or not hasattr(loop, "_restart_stage"):
         return None
     at = loop.batch_progress.current.ready
     epoch = fit.epoch_progress.current
+    if not isinstance(n, int):  # an epoch of unknown length: only a checkpoint at an epoch end says where
+        # the replayed steps are (in the next epoch: it ran that epoch again, found by an independent check)
+        over = epoch.ready == epoch.started == epoch.processed and loop.batch_progress.is_last_batch
+        return (0, batches, 1, batches) if over and batches else None
+    if n <= 0:
+        return None
     ended = at >= n and epoch.ready == epoch.started == epoch.processed  # the checkpoint's epoch is over
     left = 0 if ended else n - at  # batches left in the checkpoint's epoch
     if trainer.lightning_module.automatic_optimization:
         acc = max(1, int(trainer.accumulate_grad_batches))
         steps_left = -(-left // acc)
-        if steps < steps_left or (steps == 0 and not ended):
-            return None
+        if steps < steps_left:  # within the checkpoint's epoch
+            return 0, at + steps * acc, 0, steps * acc
         finished, rest = divmod(steps - steps_left, -(-n // acc))
         into = rest * acc
     else:
         if batches < left:
-            return None
+            return 0, at + batches, 0, batches
         finished, into = divmod(batches - left, n)
     finished += 0 if ended else 1
     return finished, into, finished + (into > 0) - (not ended), left + (finished - (not ended)) * n + into
@@ -232,10 +239,15 @@ def _set_current(progress: Any, value: int, completed: Optional[int] = None) -> 
 
 
 def _bts_after_reset(loop: Any) -> int:
-    """The logging step counter as the epoch loop's ``reset`` leaves it (it adds the step of a checkpoint
-    saved at a batch end)."""
-    adds = (loop.restarting and not loop._should_accumulate()
-            and (getattr(loop, "restarted_on_train_batch_end", False) or not getattr(loop, "restarted_on_last", True)))
+    """The logging step counter as Lightning's restore leaves it: the epoch loop's ``reset`` adds the
+    step of a checkpoint saved at a batch end, and finishing the batch of one saved at a validation's end
+    within the epoch (``ModelCheckpoint`` with a validation loop) adds it there (an independent check
+    found the logger's step one behind after replays from such checkpoints)."""
+    epoch = loop.trainer.fit_loop.epoch_progress.current
+    at_validation = getattr(loop, "restarted_on_last", False) and epoch.processed < epoch.started
+    adds = loop.restarting and not loop._should_accumulate() and (
+        getattr(loop, "restarted_on_train_batch_end", False) or not getattr(loop, "restarted_on_last", True)
+        or at_validation)
     return loop._batches_that_stepped + int(adds)
 
 
@@ -244,6 +256,17 @@ def _shift(progress: Any, n: int, current: bool = True) -> None:
         for name in _COUNTERS:
             if hasattr(tracker, name):
                 setattr(tracker, name, getattr(tracker, name) + n)
+
+
+def _warn_averaging(trainer: Any, steps: int) -> None:
+    """Weight-averaging callbacks (``EMAWeightAveraging``, ``StochasticWeightAveraging``) update their
+    average in batch and epoch hooks, which a replay does not run: say so (an independent check found
+    the EMA average of a resumed run behind the uninterrupted run's, silently)."""
+    averaging = [type(cb).__name__ for cb in trainer.callbacks if "WeightAveraging" in type(cb).__name__]
+    if steps and averaging:
+        warnings.warn(f"checkrun: {', '.join(averaging)} did not see the {steps} replayed step(s): its averaged "
+                      "weights are those of the checkpoint (the model and optimizer are the resumed step's)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _last_dirs(trainer: Any) -> set[str]:
@@ -311,6 +334,7 @@ class LightningStepLog:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=2)
         self.replayed_steps = steps
+        _warn_averaging(trainer, steps)
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)

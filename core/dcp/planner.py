@@ -22,12 +22,14 @@ import math
 from typing import Any, Sequence
 
 import torch
+import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (ReadItem, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
+from ..codecs._common import tensor_bytes
 from ..format.objects import deserialize_object
 
 __all__ = ["CheckrunSavePlanner", "CheckrunLoadPlanner", "spread_save_plans"]
@@ -64,30 +66,63 @@ def _split(item: WriteItem, holders: int, min_piece_bytes: int) -> list[WriteIte
     return pieces
 
 
-def spread_save_plans(all_plans: list[SavePlan], min_piece_bytes: int) -> list[SavePlan]:
+def spread_save_plans(all_plans: list[SavePlan], min_piece_bytes: int,
+                      fingerprints: Sequence[dict] | None = None) -> list[SavePlan]:
     """Deduplicate the ranks' plans so each replicated item (or piece of it) is written by one rank,
-    balancing the planned bytes per rank. Items only one rank has stay with it. Deterministic."""
+    balancing the planned bytes per rank. Items only one rank has stay with it. Deterministic.
+
+    An item the ranks hold with different shapes, or (``fingerprints``: per rank, fqn -> a digest of
+    the content of each item large enough to be cut) different content, is not replicated: the lowest
+    rank holding it writes its own whole, as DCP's deduplication does (pieces cut from each rank's
+    copy wrote a tensor that never existed on any rank, silently; another shape failed the save:
+    found by an independent check)."""
     holders: dict[MetadataIndex, list[int]] = {}
-    first: dict[MetadataIndex, WriteItem] = {}
+    items: dict[MetadataIndex, list[WriteItem]] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(rank)
-            first.setdefault(item.index, item)
+            items.setdefault(item.index, []).append(item)
     load = [0] * len(all_plans)
     assigned: list[list[WriteItem]] = [[] for _ in all_plans]
     shared: list[tuple[WriteItem, list[int]]] = []
     for index, ranks in holders.items():
+        item = items[index][0]
+        if len(ranks) > 1 and not _replicated(index, items[index], ranks, fingerprints):
+            ranks = ranks[:1]
         if len(ranks) == 1:
-            assigned[ranks[0]].append(first[index])
-            load[ranks[0]] += _chunk_bytes(first[index])
+            assigned[ranks[0]].append(item)
+            load[ranks[0]] += _chunk_bytes(item)
         else:
-            shared.extend((piece, ranks) for piece in _split(first[index], len(ranks), min_piece_bytes))
+            shared.extend((piece, ranks) for piece in _split(item, len(ranks), min_piece_bytes))
     shared.sort(key=lambda pr: -_chunk_bytes(pr[0]))  # stable: equal sizes keep state-dict order
     for piece, ranks in shared:
         rank = min(ranks, key=lambda r: (load[r], r))
         assigned[rank].append(piece)
         load[rank] += _chunk_bytes(piece)
     return [dataclasses.replace(plan, items=items) for plan, items in zip(all_plans, assigned)]
+
+
+def _replicated(index: MetadataIndex, held: list[WriteItem], ranks: list[int],
+                fingerprints: Sequence[dict] | None) -> bool:
+    """Whether every rank holds item ``index`` alike: the same chunk, dtype and (where digested) content."""
+    if any(h.tensor_data != held[0].tensor_data for h in held[1:]):
+        return False
+    if fingerprints is None or held[0].tensor_data is None:
+        return True
+    digests = {repr(fingerprints[r].get(index.fqn)) for r in ranks}
+    return len(digests) == 1
+
+
+def fingerprint(tensor: torch.Tensor) -> tuple:
+    """A digest of a tensor's bytes: xxh3 on the CPU; on a device, sums of its 32-bit words per 64 MiB
+    (computed there, no copy to the host), enough to tell ranks' different copies apart."""
+    t = tensor.detach().contiguous()
+    if t.device.type == "cpu":
+        return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
+    flat = t.reshape(-1).view(torch.uint8)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    step = 16 << 20
+    return ("sum32", tuple(int(words[i:i + step].sum(dtype=torch.int64)) for i in range(0, words.numel(), step)))
 
 
 class CheckrunSavePlanner(DefaultSavePlanner):
@@ -114,15 +149,23 @@ class CheckrunSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         self._local, self._local_boxes = {}, set()
+        digests = {}
         for item in self.plan.items:
             if item.tensor_data is not None:
                 self._local.setdefault(item.index.fqn, []).append(item)
                 self._local_boxes.add(_box(item))
+                if self.spread_replicated and _chunk_bytes(item) >= 2 * self.min_piece_bytes:
+                    digests[item.index.fqn] = fingerprint(self.lookup_object(item.index))
+        if self.spread_replicated:  # carried to the coordinator with the plan, unwrapped there
+            plan = dataclasses.replace(plan, planner_data=_Digests(plan.planner_data, digests))
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]):
         if self.spread_replicated:
-            all_plans = spread_save_plans(all_plans, self.min_piece_bytes)
+            digests = [p.planner_data.digests if isinstance(p.planner_data, _Digests) else {} for p in all_plans]
+            all_plans = [dataclasses.replace(p, planner_data=p.planner_data.inner)
+                         if isinstance(p.planner_data, _Digests) else p for p in all_plans]
+            all_plans = spread_save_plans(all_plans, self.min_piece_bytes, digests)
         return super().create_global_plan(all_plans)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -144,6 +187,15 @@ class CheckrunSavePlanner(DefaultSavePlanner):
                 return cand
         raise ValueError(f"no local tensor of {item.index.fqn!r} holds the piece at {list(box.offsets)}: "
                          "every rank must save with CheckrunSavePlanner")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Digests:
+    """A local plan's ``planner_data`` (DCP's flattening mappings) with the content digests of its
+    large tensors (``fingerprint``), for the coordinator's ``spread_save_plans``."""
+
+    inner: Any
+    digests: dict
 
 
 def _box(item: WriteItem) -> tuple:

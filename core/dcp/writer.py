@@ -116,6 +116,12 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         self._name = ""
         self._lease: SaveLease | None = None
 
+    def __getstate__(self) -> dict:
+        """Picklable: DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``) sends the
+        writer to its saving process, which opens its own store and lease (pickling failed on a lock:
+        found by an independent check)."""
+        return {**self.__dict__, "_store": None, "_lease": None}
+
     # -- StorageWriter ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.release_lease(committed=False)  # a lease still held: of a save that failed, or raw dcp.save

@@ -87,6 +87,14 @@ class RuleMatcher:
         self._used: set[int] = set()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """Picklable (DCP's process-based ``async_save`` pickles the storage writer that holds one)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def select(self, key: str, tensor: torch.Tensor) -> QuantRule | None:
         """The rule for this tensor (see ``match_rule``), or None to store it lossless."""
         return self.choose(key, tensor.dtype, tensor.numel(), tensor.dim())

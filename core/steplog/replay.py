@@ -117,7 +117,14 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 continue
             if stop_at is not None and event > stop_at:
                 return
-            nbuf = apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler, buffers)
+            try:
+                nbuf = apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler, buffers)
+            except GroupsChanged as exc:  # from here on the log holds another optimizer layout
+                _stop(pos, f"checkrun: {exc}: the optimizer's parameter groups changed in the logged run (a callback "
+                           "such as BackboneFinetuning adds one when it unfreezes); replay stopped after step "
+                           f"{pos.step} (event {pos.event}): {pos.replayed} step(s) replayed after the checkpoint, "
+                           "training goes on from there")
+                return
             pos.event = event
             if ev.get("counters") is not None:
                 pos.counters = dict(ev["counters"])
@@ -160,11 +167,21 @@ def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> t
     return header, payload
 
 
-def _stop(pos: Position, where: str, why: str) -> None:
+class GroupsChanged(StepLogError):
+    """A logged event names more parameter groups or parameters than the optimizer has. The replay
+    stops before it, with a warning: a callback added a group mid-run (``BackboneFinetuning``), and the
+    resumed training adds it again where it did (it raised, and ``fit(ckpt_path="last")`` failed for
+    good; found by an independent check)."""
+
+
+def _stop(pos: Position, where: str, why: str = "") -> None:
+    """End the replay here with a warning: a damaged or missing segment ``where`` (``why``), or the
+    whole message as ``where``."""
     pos.stopped = True
-    msg = (f"checkrun: step log segment {where} is damaged or missing ({why}); replay stopped after "
-           f"step {pos.step} (event {pos.event}) of the log's run, counted from its start: {pos.replayed} "
-           "step(s) replayed after the checkpoint")
+    msg = where if not why else (
+        f"checkrun: step log segment {where} is damaged or missing ({why}); replay stopped after "
+        f"step {pos.step} (event {pos.event}) of the log's run, counted from its start: {pos.replayed} "
+        "step(s) replayed after the checkpoint")
     log.warning(msg)
     warnings.warn(msg, UserWarning, stacklevel=4)
 
@@ -219,7 +236,7 @@ def apply_event(ev: dict, payload: Payload, optimizer: Any, scheduler: Any, wher
     grads: dict[int, torch.Tensor] = {}
     for g in ev["grads"]:
         if g["p"] >= len(params):
-            raise StepLogError(f"{what}: gradient of parameter {g['p']}, the optimizer has {len(params)}")
+            raise GroupsChanged(f"{what}: gradient of parameter {g['p']}, the optimizer has {len(params)}")
         if g["k"] != "none":
             grads[g["p"]] = _grad(g, params[g["p"]], payload, f"{what}, parameter {g['p']}", max_bytes)
     # every buffer is checked and decoded before the step: a mismatch changes nothing
@@ -251,8 +268,8 @@ def _buffer(b: dict, buffers: dict, payload: Payload, what: str) -> tuple[torch.
 def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
     """Set the logged hyperparameters of each group and the scheduler's logged state."""
     if len(ev["groups"]) != len(optimizer.param_groups):
-        raise StepLogError(f"{where}: logged for {len(ev['groups'])} parameter groups, the optimizer has "
-                           f"{len(optimizer.param_groups)}")
+        raise GroupsChanged(f"{where}: logged for {len(ev['groups'])} parameter groups, the optimizer has "
+                            f"{len(optimizer.param_groups)}")
     for group, values in zip(optimizer.param_groups, ev["groups"]):
         for k, v in values.items():
             if k not in group:

@@ -86,18 +86,27 @@ def resolve(text: str, storage_options: Optional[dict],
         fs, fspath = fsspec.filesystem("file", **opened), LocalFileSystem._strip_protocol(text)
     else:
         fs, fspath = url_to_fs(text, **opened)
-    if isinstance(fs, CachingFileSystem):
+    if _caches(fs):
         # a cache kept serving the manifest it read first (a resume got an old last.ckpt, silently), and
         # saves through one failed (found by an independent check)
-        raise ConfigError(f"{text!r}: fsspec caching filesystems ({protocols(fs)[0]}::) are not supported for "
-                          "checkpoints: manifests change in place and a cache would keep serving old ones; use "
-                          "the URL without the cache")
+        raise ConfigError(f"{text!r}: fsspec caching filesystems (simplecache::, filecache::, blockcache::) are not "
+                          "supported for checkpoints: manifests change in place and a cache would keep serving old "
+                          "ones; use the URL without the cache")
     # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
     # for plain local files: those are shown as absolute paths.
     scheme = text[: text.index("://")] if "://" in text else ""
     if is_local_fs(fs) and scheme in ("", "file", "local"):
         return fs, fspath, "", key
     return fs, fspath, f"{scheme or protocols(fs)[0]}://", key
+
+
+def _caches(fs: Any, depth: int = 8) -> bool:
+    """Whether ``fs`` or a filesystem it wraps (``dir::simplecache::...``) is an fsspec cache."""
+    for _ in range(depth):
+        if fs is None or isinstance(fs, CachingFileSystem):
+            return fs is not None
+        fs = getattr(fs, "fs", None)
+    return False
 
 
 def _local_with_colons(text: str) -> bool:

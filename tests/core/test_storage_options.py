@@ -210,16 +210,16 @@ def test_s3_saves_stay_incremental_when_botocore_rewrites_the_options(s3_root, s
         assert _same(engine.load(f"{s3_root}/2.ckpt", storage_options=opts), state)
 
 
-@pytest.mark.parametrize("cache", ["simplecache", "filecache", "blockcache"])
+@pytest.mark.parametrize("cache", ["simplecache", "filecache", "blockcache", "cached", "dir::simplecache"])
 def test_caching_filesystems_are_refused_by_name(tmp_path, cache) -> None:
     """Through simplecache:: a reader kept loading the last.ckpt it had read first, silently, while
     another engine replaced it; saves through the caches failed (found by an independent check)."""
     from ckpt_core.errors import ConfigError
 
-    url = f"{cache}::file://{tmp_path}/run/last.ckpt"
+    url = f"{cache}::file://{tmp_path}/run/last.ckpt"  # dir::simplecache::: a cache below another layer
     with CheckpointEngine() as engine:
         engine.save({"w": torch.ones(3)}, tmp_path / "run" / "last.ckpt").result()
         for call in (lambda: engine.load(url), lambda: engine.save({"w": torch.ones(3)}, url).result(),
                      lambda: engine.latest(url.rsplit("/", 1)[0])):
-            with pytest.raises(ConfigError, match=f"caching filesystems \\({cache}::\\) are not supported"):
+            with pytest.raises(ConfigError, match="caching filesystems .* are not supported"):
                 call()

@@ -119,3 +119,7 @@ def test_every_rank_loads_what_rank_0_is_still_saving(tmp_path) -> None:
     """Plain DDP habit: rank 0 saves, dist.barrier(), every rank loads (Lightning's DDP does the same
     with save_checkpoint then validate(ckpt_path=...)): rank 1 waits for rank 0's commit."""
     assert run_ranks(workers.rank0_saves_every_rank_loads, 2, str(tmp_path)) == [{"same": True}, {"same": True}]
+
+
+def test_per_rank_tensors_of_one_name_are_not_spread_and_process_async_save_works(tmp_path) -> None:
+    assert run_ranks(workers.per_rank_buffers, 2, str(tmp_path / "ranks")) == [{"ok": True}, {"ok": True}]

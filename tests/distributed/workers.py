@@ -325,3 +325,26 @@ def inflight_count_follows_its_process_group(rank: int, world: int) -> dict:
         inflight.end(url)
     dist.barrier()
     return {"during": list(during), "after": int(new.add(f"checkrun-inflight/{url}", 0))}
+
+
+def per_rank_buffers(rank: int, world: int, root: str) -> dict:
+    """A plain tensor of one name whose content (``buf``) or shape (``odd``) differs per rank (a DDP buffer
+    not broadcast, a per-rank statistic): not replicated. Spreading cut ``buf`` into rows from each rank's
+    copy (a tensor no rank held) and failed the save on ``odd`` (found by an independent check); DCP
+    stores the lowest rank's copy. Then ``AsyncCheckpointerType.PROCESS``: the writer is pickled to DCP's
+    saving process (it failed on a lock)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = {"buf": torch.full((4096, 16), float(rank)), "odd": torch.full((100 - 50 * rank, 4), float(rank)),
+             "same": torch.ones(4096, 16)}
+    cdcp.save(state, f"{root}/spread.dcp", min_piece_bytes=16 << 10)
+    got = cdcp.load_state_dict(f"{root}/spread.dcp")
+    assert torch.equal(got["buf"], torch.zeros(4096, 16)) and torch.equal(got["odd"], torch.zeros(100, 4))
+    assert torch.equal(got["same"], state["same"])
+    future = dcp.async_save({"w": torch.arange(12.0) + rank * 0, "step": 7},
+                            storage_writer=CheckrunStorageWriter(f"{root}/process.dcp"),
+                            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    future.result()
+    back = cdcp.load_state_dict(f"{root}/process.dcp")
+    assert torch.equal(back["w"], torch.arange(12.0)) and back["step"] == 7
+    return {"ok": True}

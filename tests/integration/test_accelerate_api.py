@@ -630,3 +630,42 @@ def test_registered_numpy_values_load_with_the_default_config(tmp_path, make_set
     assert [type(h) for h in metrics.history] == [np.float32, np.float32] and metrics.history == [0.5, 0.75]
     assert metrics.confusion.dtype == np.int64 and metrics.confusion.tolist() == [[3, 1], [0, 4]]
     ckpt.close()
+
+
+def test_a_first_save_that_never_committed_is_no_checkpoint_even_with_a_hooks_file(tmp_path, make_setup):
+    """A save pre-hook wrote model.safetensors (as a save_pretrained hook does) into checkpoint_0, then
+    the process died before the save committed. The folder was taken for one accelerate's own save_state
+    wrote: latest() named it and load_state() loaded the hook's weights, then failed on the missing
+    optimizer.bin (found by an independent check). Accelerate's own saves always write RNG states."""
+    from safetensors.torch import save_file
+
+    from accelerate_ckpt import NoCheckpointError
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    ckpt = attach(acc)
+    folder = tmp_path / "checkpoints" / "checkpoint_0"
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in acc.unwrap_model(model).state_dict().items()},
+              str(folder / "model.safetensors"))
+    before = copy.deepcopy(acc.unwrap_model(model).state_dict())
+    assert ckpt.latest() is None
+    with pytest.raises(NoCheckpointError):
+        acc.load_state()
+    assert all(torch.equal(v, before[k]) for k, v in acc.unwrap_model(model).state_dict().items())
+
+
+def test_load_state_warns_when_accelerates_own_save_is_newer_than_checkruns(tmp_path, make_setup):
+    """A project where checkrun saved checkpoint_0, then a run without it saved checkpoint_1: load_state()
+    loads checkpoint_0, the newest checkrun checkpoint (documented), and said nothing about the newer
+    folder (found by an independent check). It warns, naming the path to load instead."""
+    acc, *objs = make_setup(tmp_path)
+    ckpt = attach(acc)
+    acc.save_state()
+    ckpt.close()
+    acc, *objs = make_setup(tmp_path)  # checkrun not attached: accelerate's own save_state
+    acc.project_configuration.iteration = 1
+    acc.save_state()
+    acc, *objs = make_setup(tmp_path)
+    attach(acc)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint_1 \(written by accelerate's own save_state\) is newer"):
+        acc.load_state()

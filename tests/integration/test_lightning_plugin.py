@@ -145,6 +145,20 @@ def test_teardown_logs_background_error_while_user_error_propagates(tmp_path, fa
     assert plugin._engine is None  # teardown still closed the engine
 
 
+def test_a_fit_run_while_the_caller_handles_an_exception_still_raises_a_failed_save(tmp_path, failing_writes) -> None:
+    """Retry code: ``except SomeError: trainer.fit(...)``. Teardown took the exception being handled
+    for one propagating out of fit and only logged the failed save: fit returned as if it had saved
+    (found by an independent check). Lightning's own interrupted teardown is told apart by the trainer."""
+    plugin = make_io()
+    bad = f"gatefile://{tmp_path}/bad/x.ckpt"
+    t = trainer(str(tmp_path), plugin, callbacks=[FailingSave(bad, step=2)], max_steps=2)
+    try:
+        raise KeyError("an earlier attempt failed")
+    except KeyError:
+        with pytest.raises(BackgroundSaveError, match="injected write failure"):
+            t.fit(TinyModel())
+
+
 def test_pickle_drops_engine_and_second_fit_works(tmp_path) -> None:
     plugin = make_io(keep_last=3)
     plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "a.ckpt"))
@@ -271,3 +285,58 @@ def test_a_logger_that_uploads_checkpoint_files_gets_a_warning(tmp_path) -> None
         hits = [w for w in seen if "uploads each checkpoint file as an artifact" in str(w.message)]
         assert len(hits) == (1 if expected else 0), [str(w.message) for w in seen]
         assert not expected or "Uploading" in str(hits[0].message)
+
+
+def test_a_deferred_removal_interrupted_midway_is_made_at_the_next_call(tmp_path) -> None:
+    """A removal waiting for a save in flight (ModelCheckpoint's top-k replacement) was dropped from
+    the waiting list before it ran: a ^C or an error inside it left the checkpoint for good (found by
+    an independent check: 4 top-k files kept with save_top_k=2). It stays waiting until made."""
+    import threading
+
+    gate = threading.Event()
+    FaultyFS.reset()
+    FaultyFS.gate = gate
+    plugin = make_io()
+    d = f"gatefile://{tmp_path}/ckpts"
+    try:
+        gate.set()
+        plugin.save_checkpoint({"w": torch.ones(3)}, f"{d}/a.ckpt")
+        plugin.wait()
+        gate.clear()
+        plugin.save_checkpoint({"w": torch.full((3,), 2.0)}, f"{d}/b.ckpt")  # held at the gate
+        plugin.remove_checkpoint(f"{d}/a.ckpt")  # waits for b's save
+        gate.set()
+        real, calls = plugin.engine.remove, []
+
+        def remove(url, *args, **kwargs):
+            calls.append(url)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(url, *args, **kwargs)
+
+        plugin.engine.remove = remove
+        with pytest.raises(KeyboardInterrupt):
+            plugin.wait()
+        plugin.wait()
+        assert len(calls) == 2 and not (tmp_path / "ckpts" / "a.ckpt").exists()
+        assert plugin.load_checkpoint(f"{d}/b.ckpt")["w"][0] == 2.0
+    finally:
+        gate.set()
+        FaultyFS.reset()
+        plugin.teardown()
+
+
+def test_importing_the_plugin_keeps_lightnings_rank_zero_logger() -> None:
+    """Hooking the standalone pytorch_lightning package imported it, which points Lightning's shared
+    rank-zero logger at pytorch_lightning's: a user who silenced "lightning.pytorch" saw its messages
+    again (found by an independent check)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, lightning.pytorch\n"
+            "import lightning_utilities.core.rank_zero as r\n"
+            "name = r.log.name\n"
+            "import lightning_ckpt\n"
+            "assert r.log.name == name == 'lightning.pytorch.utilities.rank_zero', (name, r.log.name)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -52,9 +52,20 @@ class Net(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.scheduler}}
 
 
-def _data() -> DataLoader:
+def _data(iterable: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 1, generator=g)), batch_size=8)
+    data = TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 1, generator=g))
+    return DataLoader(_Stream(data) if iterable else data, batch_size=8)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset without ``__len__``: Lightning does not know the epoch's length."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
 
 
 class _Stopped(Exception):
@@ -87,12 +98,13 @@ def _loops(trainer: Trainer) -> dict:
             "stages": (fit._restart_stage, fit.epoch_loop._restart_stage)}
 
 
-def _fit(callbacks: list, plugins: list, module: dict, validate: bool, ckpt_path=None, **trainer_kwargs):
+def _fit(callbacks: list, plugins: list, module: dict, validate: bool, ckpt_path=None, iterable=False,
+         **trainer_kwargs):
     trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=callbacks, plugins=plugins, **trainer_kwargs)
     model = Net(**module)
     try:
-        trainer.fit(model, _data(), _data() if validate else None, ckpt_path=ckpt_path)
+        trainer.fit(model, _data(iterable), _data() if validate else None, ckpt_path=ckpt_path)
     except _Stopped:
         pass
     return trainer, model
@@ -112,6 +124,7 @@ CASES = {  # name: (stop at step K, checkrun's ModelCheckpoint arguments, module
     "accumulation_over_an_epoch": (15, {"every_n_epochs": 2}, {}, False, {"accumulate_grad_batches": 3,
                                                                           "max_epochs": 5}),
     "manual_optimization": (7, {}, {"manual": True}, False, {}),
+    "iterable_dataset_without_len": (13, {}, {}, False, {"iterable": True}),
 }
 
 
@@ -147,3 +160,74 @@ def test_a_resume_across_an_epoch_end_goes_on_as_lightnings_own_checkpoint_at_th
     assert _loops(resumed) == _loops(stock)
     for key, value in stock_model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+class _Backbone(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Linear(4, 4)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.layer(self.backbone(batch[0])), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+
+
+def test_a_parameter_group_added_mid_log_ends_the_replay_before_it(tmp_path):
+    """BackboneFinetuning adds the backbone's parameter group when it unfreezes it (epoch 1 here):
+    the steps logged after that name two groups, the restored optimizer has one until the callback
+    adds it again at that epoch's start. fit(ckpt_path="last") raised StepLogError ("logged for 2
+    parameter groups, the optimizer has 1") on every try (found by an independent check). The replay
+    stops before the first such step with a warning; the fit goes on from there as Lightning's own
+    resume of that step's checkpoint does (2 epochs: from a checkpoint at an epoch's last batch,
+    Lightning skips the next epoch's on_train_epoch_start, so BackboneFinetuning fails at epoch 2 after
+    either resume; docs/lightning.md)."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def fit(plugins, checkpoint, stop=None, ckpt_path=None):
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1), checkpoint]
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_epochs=2, default_root_dir=str(tmp_path), plugins=plugins,
+                          callbacks=callbacks + ([_Stop(stop)] if stop else []))
+        model = _Backbone()
+        try:
+            trainer.fit(model, _data(), ckpt_path=ckpt_path)
+        except _Stopped:
+            pass
+        return trainer, model
+
+    stock_dir, ours = str(tmp_path / "stock"), str(tmp_path / "ours")
+    fit([], ModelCheckpoint(dirpath=stock_dir, filename="k", every_n_train_steps=10, save_top_k=-1), stop=13)  # at 10
+    stock, stock_model = fit([], ModelCheckpoint(dirpath=stock_dir, filename="k2"), ckpt_path=f"{stock_dir}/k.ckpt")
+    fit([CheckrunCheckpointIO(step_log=True)], ModelCheckpoint(dirpath=ours, every_n_train_steps=7, save_last=True),
+        stop=13)  # last.ckpt at step 7; steps 8-10 logged with one group, 11-13 (epoch 1) with two
+    with pytest.warns(UserWarning, match="parameter groups changed in the logged run"):
+        resumed, model = fit([CheckrunCheckpointIO(step_log=True)], ModelCheckpoint(dirpath=ours, save_last=True),
+                             ckpt_path="last")
+    assert resumed.global_step == stock.global_step == 20
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_steps(tmp_path):
+    """EMAWeightAveraging updates its average in on_train_batch_end, which a replay does not run: the
+    resumed average stayed at the checkpoint's, silently (found by an independent check)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    def fit(stop=None, ckpt_path=None):
+        callbacks = [EMAWeightAveraging(), ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=7,
+                                                            save_last=True)]
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_epochs=2, default_root_dir=str(tmp_path), plugins=[CheckrunCheckpointIO(step_log=True)],
+                          callbacks=callbacks + ([_Stop(stop)] if stop else []))
+        try:
+            trainer.fit(Net(), _data(), ckpt_path=ckpt_path)
+        except _Stopped:
+            pass
+
+    fit(stop=12)  # last.ckpt at 7, steps 8-12 logged
+    with pytest.warns(RuntimeWarning, match=r"EMAWeightAveraging did not see the 5 replayed step\(s\)"):
+        fit(ckpt_path="last")
