@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import weakref
 from typing import Any, Callable
@@ -48,7 +47,6 @@ PathLike = str | os.PathLike
 class CheckpointEngine:
     """Asynchronous, incremental, optionally quantized checkpoints on any fsspec storage. Use as a
     context manager or call ``close()``; a forgotten engine is flushed at interpreter exit."""
-    raise_while_handling = False  # True: a background error is raised even while an exception is handled
 
     def __init__(self, config: EngineConfig | dict | PathLike | None = None) -> None:
         self.config = coerce_config(config)
@@ -63,7 +61,8 @@ class CheckpointEngine:
         self._coord = Coordinator(self.config, self._process, RuleMatcher(self.config.quantization), self._pool,
                                   budget, self._copier, self._stores, self._callbacks)
         self._trackers: list = []
-        self._closed, self._pid = False, os.getpid()
+        self._closed = False
+        self._pid = os.getpid()
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -390,10 +389,7 @@ class CheckpointEngine:
                 continue
             wrapped = BackgroundSaveError(f"checkpoint save to {handle.path} failed: {err}")
             wrapped.__cause__ = err
-            if sys.exc_info()[1] is not None and not self.raise_while_handling:  # never replace one being handled
-                log.error("checkrun: %s", wrapped)
-                continue
-            raise wrapped
+            raise wrapped  # also inside an except block (chained): logging it there lost it (retry code)
 
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                  storage_options: dict | None = None, *, scaler: Any = None, model: Any = None,

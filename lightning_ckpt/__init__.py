@@ -13,13 +13,21 @@ and Lightning's ``ModelCheckpoint`` counts a save in flight as an existing file.
 ``CheckpointMetrics`` (save figures to the loggers), ``CheckrunModelCheckpoint`` (``last`` on remote
 filesystems) and ``load_from_checkpoint`` (with engine ``config``/``storage_options``). See docs/lightning.md.
 """
-from .callbacks import CheckpointMetrics, CheckrunModelCheckpoint, find_plugin
-from .config import build_config
-from .dropin import install as _install_dropin_hooks
-from .io import CheckrunCheckpointIO
-from .loading import is_checkrun_file, load_checkpoint_dict, load_from_checkpoint
-from .steplog import StepLogSetupError
-from .strategies import UnsupportedStrategyError, check_strategy
+import sys as _sys
+
+# Importing a Lightning package points Lightning's shared rank-zero logger at that package's own: the one
+# in use before this import is put back at its end (``_restore_rank_zero_logger``), so logging levels a
+# user set keep applying (found by an independent check: silenced messages came back)
+_SHARED_RANK_ZERO = _sys.modules.get("lightning_utilities.core.rank_zero")
+_RANK_ZERO_LOG = getattr(_SHARED_RANK_ZERO, "log", None)
+
+from .callbacks import CheckpointMetrics, CheckrunModelCheckpoint, find_plugin  # noqa: E402
+from .config import build_config  # noqa: E402
+from .dropin import install as _install_dropin_hooks  # noqa: E402
+from .io import CheckrunCheckpointIO  # noqa: E402
+from .loading import is_checkrun_file, load_checkpoint_dict, load_from_checkpoint  # noqa: E402
+from .steplog import StepLogSetupError  # noqa: E402
+from .strategies import UnsupportedStrategyError, check_strategy  # noqa: E402
 
 __all__ = [
     "CheckrunCheckpointIO", "CheckpointMetrics", "CheckrunModelCheckpoint", "load_from_checkpoint",
@@ -42,3 +50,5 @@ def _register_standalone() -> None:
 
 
 _register_standalone()
+if _RANK_ZERO_LOG is not None:
+    _SHARED_RANK_ZERO.log = _RANK_ZERO_LOG

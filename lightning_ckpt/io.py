@@ -240,7 +240,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         """
         self._check_caller()
         url = normalize_path(path)
-        self._remove_ready()
+        try:
+            self._remove_ready()
+        finally:  # an earlier removal that fails (raised after this one is taken) must not lose this one
+            self._remove_or_defer(url)
+
+    def _remove_or_defer(self, url: str) -> None:
         key, directory = path_key(url), path_key(parent_dir(url))
         saves = [h for k, h in self._pending.items()
                  if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
@@ -330,7 +335,6 @@ class CheckrunCheckpointIO(CheckpointIO):
         except CheckrunError as exc:
             errors.append(exc)
         for engine in self._open_engines():
-            engine.raise_while_handling = not propagating  # an exception the caller handles is not ours to keep
             errors.extend(_close(engine, self._removed_dirs if engine is self._engine else set()))
         inflight.wait_job()  # DDP: every rank waits for global rank 0's saves (the next fit may look for them)
         self._reset_runtime(keep_callbacks=True)

@@ -120,7 +120,8 @@ def fingerprint(tensor: torch.Tensor) -> tuple:
     if t.device.type == "cpu":
         return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
     flat = t.reshape(-1).view(torch.uint8)
-    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    aligned = flat.numel() % 4 == 0 and flat.storage_offset() % 4 == 0  # view(int32) needs both
+    words = flat.view(torch.int32) if aligned else flat
     step = 16 << 20
     return ("sum32", tuple(int(words[i:i + step].sum(dtype=torch.int64)) for i in range(0, words.numel(), step)))
 

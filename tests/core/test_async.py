@@ -135,6 +135,24 @@ def test_error_at_wait_and_close_not_masking_user_exception(tmp_path):
             raise KeyError("user error")  # the background error is logged, not raised over this
 
 
+def test_a_background_error_is_raised_inside_an_except_block_too(tmp_path):
+    """Retry code (``except OSError: train_again()``): the next wait/save inside the handler logged a
+    failed save and dropped it for good (found by an independent check). It is raised, chained to the
+    exception being handled."""
+    root = f"gatefile://{tmp_path}"
+    FaultyFS.fail_writes = OSError(errno.EIO, "injected I/O error")
+    engine = CheckpointEngine()
+    try:
+        raise KeyError("an earlier attempt failed")
+    except KeyError as handled:
+        engine.save({"w": torch.randn(3)}, f"{root}/a.ckpt")
+        with pytest.raises(BackgroundSaveError, match="injected I/O error") as info:
+            engine.wait()
+        assert info.value.__context__ is handled
+    FaultyFS.fail_writes = None
+    engine.close()
+
+
 def test_load_and_remove_wait_for_pending_save_to_path(tmp_path):
     root = _gated(tmp_path)
     engine = CheckpointEngine({"saving": {"max_pending": 3}})
