@@ -302,6 +302,7 @@ class AcceleratorCheckpointer:
         first = self._load_part(urls[0], own=self.rank == 0, weights_only=safe)
         mine = first if self.rank == 0 else (
             self._load_part(urls[self.rank], own=True, weights_only=safe) if self.rank < len(urls) else None)
+        state.check_parts(first, mine, (urls[0], urls[min(self.rank, len(urls) - 1)]))
         replicated = first["replicated"]
         models = list(acc._models)
         folder = layout.folder_of(url)

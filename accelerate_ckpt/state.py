@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ckpt_core.errors import FormatError
 
 FORMAT = 1
 """Version of the trees below (stored in every checkpoint's index)."""
@@ -168,6 +169,47 @@ def _unwrap(accelerator: Any, model: Any) -> Any:
     return model
 
 
+def check_parts(first: Any, mine: Any, where: tuple[str, str]) -> None:
+    """Before anything is applied: FormatError naming the part file (``where``: rank 0's part URL,
+    this rank's) when a loaded part (``mine``: None when this rank has none) is not what a save
+    writes (forged, or damaged before its checksums were computed). The RNG and generator states
+    are tried on scratch generators, so one that cannot be restored fails here, not halfway through."""
+    counted = ("models", "optimizers", "schedulers", "custom")
+    replicated = first.get("replicated") if isinstance(first, dict) else None
+    if (not isinstance(replicated, dict) or any(not isinstance(replicated.get(k), list) for k in counted)
+            or any(not isinstance(replicated.get(k), int) for k in ("step", "iteration"))
+            or not isinstance(replicated.get("scaler", {}), (dict, type(None)))):
+        raise FormatError(f"{where[0]}: the replicated state is not what accelerate_ckpt saves "
+                          f"(lists {', '.join(counted)} and the step/iteration counters)")
+    if mine is None:
+        return
+    try:
+        problem = _rank_problem(mine["rank"])
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise FormatError(f"{where[1]}: invalid RNG/dataloader state: {problem}")
+
+
+def _rank_problem(rank: dict) -> str | None:
+    """What is wrong with a per-rank tree, or None; restoring its states on scratch generators
+    raises for states that cannot be restored."""
+    rng = rank["rng"]
+    random.Random().setstate(rng["python"])
+    key = rng["numpy"]["key"]
+    if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or bool(((key < 0) | (key >= 2**32)).any()):
+        return "the numpy key is not 32-bit words"  # astype(uint32) would wrap silently
+    np.random.RandomState().set_state(_numpy_state(rng["numpy"]))
+    torch.Generator().set_state(rng["torch"])
+    for st in rank["dataloaders"]:
+        if not isinstance(st["iteration"], int) or not all(isinstance(st["sampler"][k], int) for k in (
+                "epoch", "initial_seed") if "sampler" in st):
+            return f"dataloader counters {st!r}"[:200]
+        if "generator" in st:
+            torch.Generator().set_state(st["generator"])
+    return None
+
+
 def apply_replicated(accelerator: Any, tree: dict, models: list, model_kwargs: dict) -> None:
     """Load the replicated tree into the Accelerator's objects (``models``: left after pre-hooks)."""
     _check_counts(accelerator, tree, models)
@@ -235,14 +277,16 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["key"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
+    np.random.set_state(_numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     device = state.get("device")
     device_type, module = _device_rng()
     if device is not None and device_type == device["type"]:
         restore_device_states(module, device_type, device["states"])
+
+
+def _numpy_state(st: dict) -> tuple:
+    return (st["name"], st["key"].numpy().astype(np.uint32), st["pos"], st["has_gauss"], st["gauss"])
 
 
 def restore_device_states(module: Any, device_type: str, states: list) -> None:

@@ -26,6 +26,7 @@ from .util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, safe, sa
 from ..format.manifest import TensorRecord
 
 _BLOCK_ELEMS = 1 << 22
+_BITWISE = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 
 def _same_blobs(a: TensorRecord, b: TensorRecord) -> bool:
@@ -36,7 +37,8 @@ def _same_blobs(a: TensorRecord, b: TensorRecord) -> bool:
 
 
 def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Changed rows/elements and the max abs difference of two same-shaped tensors (blockwise)."""
+    """Changed rows/elements and the max abs difference of two same-shaped tensors (blockwise);
+    the difference is None for packed dtypes (``float4_e2m1fn_x2``), compared bit for bit."""
     rows = a.shape[0] if a.dim() else 1
     if a.numel() == 0:  # reshape(rows, -1) is undefined for empty tensors; nothing can differ
         return {"rows": rows, "changed_rows": 0, "elements": 0, "changed_elements": 0, "max_abs_diff": 0.0}
@@ -50,6 +52,9 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
         if x.dtype == torch.bool:
             ne = x != y
             diff = ne.to(torch.float64)
+        elif x.dtype in _BITWISE:  # packed values torch cannot convert: compared bit for bit, no difference
+            ne = x.view(torch.uint8) != y.view(torch.uint8)
+            diff = None
         else:
             wide = torch.complex128 if x.is_complex() else torch.float64
             x, y = x.to(wide), y.to(wide)
@@ -57,7 +62,9 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> dict:
             diff = (x - y).abs()  # real for complex inputs too
         changed_rows += int(ne.any(dim=1).sum()) if ne.numel() else 0
         changed_elems += int(ne.sum())
-        if ne.any():
+        if diff is None:
+            max_diff = None
+        elif ne.any() and max_diff is not None:
             block_max = float(diff[ne].max())
             max_diff = block_max if math.isnan(block_max) else max(max_diff, block_max)
     return {"rows": rows, "changed_rows": changed_rows, "elements": a.numel(), "changed_elements": changed_elems,

@@ -38,7 +38,7 @@ from .format import FORMAT
 from .planner import CheckrunLoadPlanner, CheckrunSavePlanner, spread_save_plans
 from .reader import CheckrunStorageReader
 from .writer import CheckrunStorageWriter, DcpSaveInfo
-from ..errors import CheckrunError
+from ..errors import CheckrunError, FormatError
 from ..loading.reader import read_manifest
 from ..storage.store import Store
 
@@ -51,9 +51,10 @@ ConfigLike = EngineConfig | dict | str | None
 
 
 @contextlib.contextmanager
-def _checkrun_errors() -> Iterator[None]:
+def _checkrun_errors(reader: CheckrunStorageReader | None = None) -> Iterator[None]:
     """DCP reports every rank's failure as one CheckpointException (a BaseException); when a checkrun
-    error (corrupt blob, unsafe value, missing checkpoint) caused it, raise that error instead."""
+    error (corrupt blob, unsafe value, missing checkpoint) caused it, raise that error instead. A
+    failed metadata read reaches DCP's exception only as text: ``reader`` keeps the error itself."""
     try:
         yield
     except CheckpointException as exc:
@@ -62,6 +63,8 @@ def _checkrun_errors() -> Iterator[None]:
         for _, (err, _trace) in failures:
             if isinstance(err, CheckrunError):
                 raise err from exc
+        if reader is not None and reader.metadata_error is not None:
+            raise reader.metadata_error from exc
         raise
 
 
@@ -115,9 +118,10 @@ def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
     cfg = coerce_config(config)
     planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals,
                                   allow_partial_load=allow_partial_load)
-    with _checkrun_errors():
-        _dcp.load(state_dict, checkpoint_id=path, storage_reader=CheckrunStorageReader(path, cfg, storage_options),
-                  planner=planner, process_group=process_group)
+    reader = CheckrunStorageReader(path, cfg, storage_options)
+    with _checkrun_errors(reader):
+        _dcp.load(state_dict, checkpoint_id=path, storage_reader=reader, planner=planner,
+                  process_group=process_group)
 
 
 def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_options: dict | None = None,
@@ -128,22 +132,35 @@ def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_option
     cfg = coerce_config(config)
     reader = CheckrunStorageReader(path, cfg, storage_options)
     metadata = reader.read_metadata()
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    planned = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    paths = {fqn: _key_path(planned, fqn, reader.path) for fqn in metadata.state_dict_metadata}
     flat: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        path_ = tuple(paths.get(fqn, (fqn,)))
+        path_ = paths[fqn]
         if keys is not None and not any(".".join(map(str, path_[:i + 1])) in keys for i in range(len(path_))):
             continue
         flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) \
             else None
     planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals)
-    with _checkrun_errors(), warnings.catch_warnings():
+    with _checkrun_errors(reader), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         _dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
     state: dict[str, Any] = {}
-    for fqn, value in flat.items():
-        set_element(state, tuple(paths.get(fqn, (fqn,))), value)
+    try:
+        for fqn, value in flat.items():
+            set_element(state, paths[fqn], value)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:  # paths that cross each other
+        raise FormatError(f"{reader.path}: DCP planner_data: key paths do not nest: {exc}") from None
     return state
+
+
+def _key_path(planned: dict, fqn: str, where: str | None) -> tuple:
+    """Where ``fqn`` goes in the nested state (DCP's planner_data), checked: keys are str or int."""
+    path = planned.get(fqn, (fqn,))
+    if not isinstance(path, (list, tuple)) or not path or not all(
+            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**31) for k in path):
+        raise FormatError(f"{where}: DCP planner_data: the key path of {fqn!r} is not a list of keys: {path!r}"[:400])
+    return tuple(path)
 
 
 def is_dcp_checkpoint(path: PathLike, *, config: ConfigLike = None, storage_options: dict | None = None) -> bool:

@@ -198,4 +198,5 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    return t.contiguous()
+    # A conjugate or negative view keeps its values behind a flag that byte views cannot carry.
+    return t.resolve_conj().resolve_neg().contiguous()

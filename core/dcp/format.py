@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import torch
@@ -213,21 +213,27 @@ def build_manifest(metadata: Metadata, results: list[ItemResult], world_size: in
                    indices: list[MetadataIndex]) -> Manifest:
     """The manifest committing one DCP save: records, skeleton, the JSON metadata and stats.
 
-    ``indices[i]`` is the MetadataIndex of ``results[i]`` (from the WriteResult). Raises FormatError
-    when two items would get the same record key."""
+    ``indices[i]`` is the MetadataIndex of ``results[i]`` (from the WriteResult). A record key
+    taken already (a state key that reads like another's chunk name: ``"w@2,0"`` beside a sharded
+    ``"w"``) gets a ``#n`` suffix: the stored index names each item's record, so any unique name
+    serves."""
     tensors, objects, skeleton, items, seen = [], [], [], [], set()
     rank_written = [0] * world_size
     for index, res in zip(indices, results):
-        key = res.record.key
-        if key in seen:
-            raise FormatError(f"two DCP items map to the record key {key!r}")
+        record, key = res.record, res.record.key
+        n = 1
+        while key in seen:
+            n += 1
+            key = f"{record.key}#{n}"
+        if key != record.key:
+            record = replace(record, key=key)
         seen.add(key)
-        if isinstance(res.record, TensorRecord):
+        if isinstance(record, TensorRecord):
             skeleton += [key, {"$t": len(tensors)}]
-            tensors.append(res.record)
+            tensors.append(record)
         else:
             skeleton += [key, {"$o": len(objects)}]
-            objects.append(res.record)
+            objects.append(record)
         items.append((index, key, res.rank))
         if 0 <= res.rank < world_size:
             rank_written[res.rank] += res.written

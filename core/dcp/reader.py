@@ -27,7 +27,7 @@ from .format import CheckpointIdMixin, decode_metadata
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError, ResourceLimitError
 from ..format.limits import memory_limit
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
-from ..loading.reader import decode_chunk, fetch_blob, read_manifest
+from ..loading.reader import check_structure, decode_chunk, fetch_blob, read_manifest
 from ..storage.store import Store
 
 __all__ = ["CheckrunStorageReader"]
@@ -56,6 +56,8 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         self.storage_options = storage_options
         self.storage_data: dict[MetadataIndex, str] = {}
         self.manifest: Manifest | None = None
+        self.metadata_error: CheckrunError | None = None
+        """What made the last ``read_metadata`` fail (a checkrun error), or None."""
         self._store: Store | None = None
         self._name = ""
 
@@ -67,15 +69,23 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """(every rank) Read and validate the manifest; DCP's Metadata comes from its JSON, no pickle."""
-        if kwargs.get("rank") is not None:
-            raise CheckrunError("checkrun DCP checkpoints have one global manifest, no per-rank metadata")
-        store, name = self._resolve()
-        manifest = read_manifest(store, name, self.config)
-        dcp = manifest.meta.get("dcp")
-        if not isinstance(dcp, dict):
-            raise NotACheckpointError(f"{store.url(name)} is a checkrun checkpoint but was not written through "
-                                      "torch.distributed.checkpoint: load it with ckpt_core.load")
-        metadata, storage = decode_metadata(dcp, manifest, store.url(name))
+        if kwargs.get("rank") is not None:  # DCP's fallback after a failed global read: that failure stands
+            raise self.metadata_error or CheckrunError(
+                "checkrun DCP checkpoints have one global manifest, no per-rank metadata")
+        self.metadata_error = None
+        try:
+            store, name = self._resolve()
+            manifest = read_manifest(store, name, self.config)
+            dcp = manifest.meta.get("dcp")
+            if not isinstance(dcp, dict):
+                raise NotACheckpointError(f"{store.url(name)} is a checkrun checkpoint but was not written "
+                                          "through torch.distributed.checkpoint: load it with ckpt_core.load")
+            check_structure(manifest, store.url(name))  # unused by DCP, checked as verify does
+            metadata, storage = decode_metadata(dcp, manifest, store.url(name))
+        except CheckrunError as exc:
+            # dcp.load keeps only this error's text (in an AssertionError); ckpt_core.dcp.load raises it
+            self.metadata_error = exc
+            raise
         self.manifest, self.storage_data = manifest, storage
         return metadata
 
@@ -109,7 +119,11 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         payloads = store.map(lambda ref: fetch_blob(store, ref), fetched)
         for key, data in zip(byte_keys, payloads):
             for req in by_record[key]:
-                planner.load_bytes(req, io.BytesIO(data))
+                try:
+                    planner.load_bytes(req, io.BytesIO(data))
+                except CheckrunError as exc:  # name the checkpoint and blob
+                    blob = store.blob_path(_object(objects, key, where).blob.key)
+                    raise type(exc)(f"{where}: {exc} ({blob})") from exc
         batch, size = [], 0
         for key, reqs in by_record.items():
             if reqs[0].type == LoadItemType.BYTE_IO:

@@ -343,6 +343,9 @@ def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION
         raise FormatError(f"{what}: invalid shape {list(shape)!r}")
     isz = _itemsize(dtype)
     codecs = tuple(_req(d, "codecs", list, what))
+    if len(codecs) > 64 or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                   and all(isinstance(k, str) for k in c) for c in codecs):
+        raise FormatError(f"{what}: invalid codec pipeline (a list of objects with a 'name')")
     parts = version >= 2 and bool(codecs) and isinstance(codecs[0], dict) and codecs[0].get("name") == "raw"
     base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes, parts) for c in _req(d, "base", list, what))
     deltas = []

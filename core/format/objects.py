@@ -311,3 +311,8 @@ def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_loca
                                      f"blob: {exc}") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is truncated") from exc
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, zipfile.BadZipFile) as exc:
+        # what torch.load raises on a well-formed zip with malformed records (a damaged byte order
+        # or storage alignment record, say), whose blob checksum was forged or computed after the damage
+        raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
+                                     f"blob: {type(exc).__name__}: {exc}") from exc

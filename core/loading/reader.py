@@ -17,7 +17,8 @@ import torch
 
 from ..codecs import Pipeline
 from ..config import EngineConfig
-from ..errors import CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError
+from ..errors import (CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError,
+                      UnsafeLoadError)
 from ..storage.retry import is_outage
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
 from ..format.limits import check_load_bytes, limits_for, memory_limit
@@ -326,10 +327,32 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     if report.ok and decode:
         try:
             check_structure(manifest, report.path)
+            if isinstance(manifest.meta.get("dcp"), dict):  # what a DCP load reads instead of the skeleton
+                from ..dcp.format import decode_metadata
+                decode_metadata(manifest.meta["dcp"], manifest, report.path)
             load_tensors(store, manifest, report.path, max_total_bytes=config.load.max_total_bytes)
+            _check_objects(store, manifest, report.path, config)
         except CheckrunError as exc:
             report.add(str(exc), is_outage(exc))
     return report
+
+
+def _check_objects(store: Store, manifest: Manifest, where: str, config: EngineConfig) -> None:
+    """Unpickle every pickled value as a load does (restricted): a blob whose checksum matches yet
+    fails to load (damaged before it was checksummed) fails verify as it fails the load. A value
+    torch's restricted unpickler refuses is not damage (allowing it is the caller's choice); DCP's byte
+    values are the planner's to read."""
+    for rec in manifest.objects:
+        if rec.type == "dcp.bytes":
+            continue
+        data = fetch_blob(store, rec.blob)
+        try:
+            object_load_bytes(data, key=rec.key, type_name=rec.type, max_bytes=memory_limit(config.load.max_total_bytes))
+            deserialize_object(data, key=rec.key, type_name=rec.type, weights_only=True, map_location="cpu")
+        except UnsafeLoadError:
+            continue
+        except CheckrunError as exc:
+            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
 
 
 def _copied_hint(store: Store) -> str:

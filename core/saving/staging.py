@@ -67,7 +67,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 def empty_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(numel, dtype=dtype)`` on the host, on huge pages where offered
     (``advise_huge_pages``): load outputs, load scratch and staging buffers are made with it."""
-    t = torch.empty(numel, dtype=dtype)
+    # Bytes viewed as dtype: the same memory, without torch's "experimental" warning on complex32.
+    t = torch.empty(numel * dtype.itemsize, dtype=torch.uint8).view(dtype)
     advise_huge_pages(t)
     return t
 

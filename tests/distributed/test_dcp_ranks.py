@@ -123,3 +123,7 @@ def test_every_rank_loads_what_rank_0_is_still_saving(tmp_path) -> None:
 
 def test_per_rank_tensors_of_one_name_are_not_spread_and_process_async_save_works(tmp_path) -> None:
     assert run_ranks(workers.per_rank_buffers, 2, str(tmp_path / "ranks")) == [{"ok": True}, {"ok": True}]
+
+
+def test_a_key_that_reads_like_a_chunk_name_saves_and_loads(tmp_path) -> None:
+    assert run_ranks(workers.chunk_like_keys, 2, str(tmp_path)) == [{"ok": True}, {"ok": True}]

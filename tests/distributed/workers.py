@@ -348,3 +348,19 @@ def per_rank_buffers(rank: int, world: int, root: str) -> dict:
     back = cdcp.load_state_dict(f"{root}/process.dcp")
     assert torch.equal(back["w"], torch.arange(12.0)) and back["step"] == 7
     return {"ok": True}
+
+
+def chunk_like_keys(rank: int, world: int, root: str) -> dict:
+    """A state key that reads like checkrun's name for another key's chunk ("w@2,0" beside a sharded
+    "w"): the save failed in finish() with "two DCP items map to the record key" (stock DCP saves it;
+    found by an independent check). Both load back as saved."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(8.0).reshape(4, 2)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "w@2,0": torch.full((3,), 7.0)}
+    cdcp.save(state, f"{root}/at.dcp")
+    target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]), "w@2,0": torch.zeros(3)}
+    cdcp.load(target, f"{root}/at.dcp")
+    whole = cdcp.load_state_dict(f"{root}/at.dcp")
+    ok = (torch.equal(target["w"].full_tensor(), full) and torch.equal(target["w@2,0"], torch.full((3,), 7.0))
+          and torch.equal(whole["w"], full) and torch.equal(whole["w@2,0"], torch.full((3,), 7.0)))
+    return {"ok": ok}

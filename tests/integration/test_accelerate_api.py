@@ -669,3 +669,56 @@ def test_load_state_warns_when_accelerates_own_save_is_newer_than_checkruns(tmp_
     attach(acc)
     with pytest.warns(RuntimeWarning, match=r"checkpoint_1 \(written by accelerate's own save_state\) is newer"):
         acc.load_state()
+
+
+def _entry(node, key: str) -> tuple[list, int]:
+    """(the ``$d`` list, index of the value) of the first ``key`` in a manifest skeleton."""
+    if isinstance(node, dict):
+        items = node.get("$d")
+        if isinstance(items, list):
+            for i in range(0, len(items) - 1, 2):
+                if items[i] == key:
+                    return items, i + 1
+        for v in node.values():
+            found = _entry(v, key)
+            if found:
+                return found
+    if isinstance(node, list):
+        for v in node:
+            found = _entry(v, key)
+            if found:
+                return found
+    return ()
+
+
+@pytest.mark.parametrize("forgery", ["rng word", "rng type", "counters", "no models"])
+def test_a_forged_part_is_refused_naming_it_before_anything_is_applied(tmp_path, make_setup, forgery) -> None:
+    """A part whose RNG or replicated tree is not what a save writes (forged with a valid checksum, or
+    damaged before it was checksummed) raised a bare OverflowError/TypeError/KeyError halfway through
+    load_state(), after the model's weights were replaced (found by an independent fuzzer)."""
+    from ckpt_core.format.manifest import _body_checksum
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach():
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+    part = next((tmp_path / "checkpoints" / ".checkrun" / "parts").glob("checkpoint_0.*.rank0.ckpt"))
+    body = json.loads(part.read_bytes())
+    if forgery.startswith("rng"):
+        items, i = _entry(body["skeleton"], "python")
+        items[i]["$tuple"][1]["$tuple"][5] = -2 ** 63 if forgery == "rng word" else "x"
+    elif forgery == "counters":
+        items, i = _entry(body["skeleton"], "step")
+        items[i] = "7"
+    else:
+        items, i = _entry(body["skeleton"], "models")
+        items[i - 1] = "modelz"
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    body["checksum"] = _body_checksum(body)
+    part.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    acc2, model2, *_ = make_setup(tmp_path)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with AcceleratorCheckpointer(acc2).attach():
+        with pytest.raises(ckpt_core.errors.FormatError, match=r"checkpoint_0\..*rank0\.ckpt"):
+            acc2.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())

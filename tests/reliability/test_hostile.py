@@ -128,7 +128,8 @@ def refused(env: Env, data: bytes, expected: type = CheckrunError, match: str | 
     ``latest()`` must skip it when its manifest or its blobs' checksums are bad; a manifest that
     is consistent with its blobs and fails only when decoded may be returned by ``latest()``
     (which checks checksums, not decoding): ``load`` is what refuses it then. ``verify`` checks
-    everything but unpickling object values (``verify_detects=False`` for pickle payloads)."""
+    everything; it unpickles values with torch's restricted unpickler, and one that unpickler
+    refuses is not damage (``verify_detects=False`` for such pickle payloads)."""
     (env.root / "evil.ckpt").write_bytes(data)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with audited() as (audit, opened):
@@ -213,6 +214,9 @@ CASES = {
     "dtype-lie": (_set("tensors.1.dtype", "float64"), CorruptCheckpointError),
     "unknown-dtype": (_set("tensors.1.dtype", "float128"), FormatError),
     "unknown-codec": (_set("tensors.1.codecs.0", {"name": "evil", "version": 1}), FormatError),
+    "codec-not-an-object": (_set("tensors.1.codecs.1", 0), FormatError),
+    "codec-a-list": (_set("tensors.1.codecs.1", [["name", "zstd"]]), FormatError),
+    "codec-nameless": (_set("tensors.1.codecs.1", {"level": 1}), FormatError),
     "codec-version": (_set("tensors.1.codecs.1.version", 99), FormatError),
     "codec-bad-param": (_set("tensors.1.codecs.1.itemsize", 10 ** 9), FormatError),
     "codec-extra-param": (_set("tensors.1.codecs.0.exec", "import os"), FormatError),
@@ -235,6 +239,20 @@ CASES = {
 def test_fields_that_do_not_match_the_data(env, case):
     mutate, expected = CASES[case]
     refused(env, mutate(env.body(), env), expected)
+
+
+@pytest.mark.parametrize("codec", [0, [["name", "zstd"]], "zstd", {"level": 1}])
+def test_cli_names_a_codec_entry_that_is_not_an_object(env, capsys, codec):
+    """``checkrun inspect`` built the pipeline's text from a forged entry: a bare TypeError or
+    AttributeError, where load/verify said FormatError (found by an independent fuzzer)."""
+    from ckpt_core.cli import main
+
+    (env.root / "evil.ckpt").write_bytes(_set("tensors.1.codecs.1", codec)(env.body(), env))
+    for argv in (["inspect", f"{env.root}/evil.ckpt"], ["ls", str(env.root)]):
+        capsys.readouterr()
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 1 and "invalid codec pipeline" in out + err and "Error:" not in err, (argv, out, err)
 
 
 # Small tensors stored together: each chunk is a byte range ("part") of one pack blob (format 2).
@@ -447,10 +465,32 @@ def test_raw_pickle_in_an_object_blob_does_not_execute(env):
     import pickle
 
     raw = pickle.dumps(_Payload(env.marker), protocol=2)
-    refused(env, _object_manifest(env, raw), CorruptCheckpointError, verify_detects=False)
+    refused(env, _object_manifest(env, raw), CorruptCheckpointError)
     legacy = io.BytesIO()
     torch.save(_Payload(env.marker), legacy, _use_new_zipfile_serialization=False)
-    refused(env, _object_manifest(env, legacy.getvalue()), CorruptCheckpointError, verify_detects=False)
+    refused(env, _object_manifest(env, legacy.getvalue()), CorruptCheckpointError)
+
+
+def _record_start(data: bytes, suffix: str) -> int:
+    """Offset of the content of the zip record whose name ends with ``suffix``."""
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if i.filename.endswith(suffix))
+    h = info.header_offset
+    return h + 30 + int.from_bytes(data[h + 26:h + 28], "little") + int.from_bytes(data[h + 28:h + 30], "little")
+
+
+@pytest.mark.parametrize("record", ["/.storage_alignment", "/byteorder"])
+def test_a_well_formed_zip_with_a_damaged_record_is_corruption_and_verify_finds_it(env, record):
+    """A value blob damaged before its checksum was computed (or forged): torch.load raised a bare
+    ValueError/... through load and export, and verify, which did not unpickle values, said OK
+    (found by an independent fuzzer)."""
+    buf = io.BytesIO()
+    torch.save({"x": torch.arange(4)}, buf)
+    data = bytearray(buf.getvalue())
+    data[_record_start(bytes(data), record)] = 0
+    err = refused(env, _object_manifest(env, bytes(data)), CorruptCheckpointError, match="not a valid torch.save")
+    assert ".checkrun/blobs/" in str(err)
 
 
 def test_malicious_pickle_behind_an_allowed_type_name_does_not_execute(env):
