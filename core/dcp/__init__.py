@@ -21,6 +21,7 @@ or the helpers below (same thing, safe unpickling on load): ``save``, ``async_sa
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from concurrent.futures import Future
@@ -54,7 +55,14 @@ ConfigLike = EngineConfig | dict | str | None
 def _checkrun_errors(reader: CheckrunStorageReader | None = None) -> Iterator[None]:
     """DCP reports every rank's failure as one CheckpointException (a BaseException); when a checkrun
     error (corrupt blob, unsafe value, missing checkpoint) caused it, raise that error instead. A
-    failed metadata read reaches DCP's exception only as text: ``reader`` keeps the error itself."""
+    failed metadata read reaches DCP's exception only as text: ``reader`` keeps the error itself (and
+    DCP's warnings about it, tracebacks of the fallback it tries, are left out: the error says it)."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (reader is not None and reader.metadata_error is not None
+                    and str(record.msg).startswith(("Global metadata is not found", "Rank local metadata")))
+
+    root = logging.getLogger()  # where torch's state_dict_loader logs them
+    root.addFilter(keep)
     try:
         yield
     except CheckpointException as exc:
@@ -66,6 +74,8 @@ def _checkrun_errors(reader: CheckrunStorageReader | None = None) -> Iterator[No
         if reader is not None and reader.metadata_error is not None:
             raise reader.metadata_error from exc
         raise
+    finally:
+        root.removeFilter(keep)
 
 
 def _planner(spread_replicated: bool, min_piece_bytes: int | None) -> CheckrunSavePlanner:

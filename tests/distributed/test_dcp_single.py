@@ -197,10 +197,11 @@ def _forge(path: str, edit) -> None:
     open(path, "wb").write(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def test_load_raises_checkrun_errors_for_metadata_and_values_naming_the_files(tmp_path) -> None:
+def test_load_raises_checkrun_errors_for_metadata_and_values_naming_the_files(tmp_path, caplog) -> None:
     """From an independent fuzzer: a missing or truncated manifest reached cdcp.load's caller as
     DCP's CheckpointException (an AssertionError holding the text only: not an Exception); a forged
     planner_data path a bare TypeError; a damaged value blob named neither checkpoint nor blob;
+    DCP logged its fallback's tracebacks first;
     verify did not check the DCP metadata that loads read."""
     from ckpt_core.errors import CheckpointNotFoundError
 
@@ -214,6 +215,7 @@ def test_load_raises_checkrun_errors_for_metadata_and_values_naming_the_files(tm
     open(path, "wb").write(data[:100])
     with pytest.raises(FormatError, match="t.dcp.*truncated"):
         cdcp.load(target, path)
+    assert "metadata is not found" not in caplog.text  # DCP's fallback warnings: the error says it all
 
     path = str(tmp_path / "p.dcp")
     cdcp.save(state, path)
