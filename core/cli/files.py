@@ -169,11 +169,12 @@ def _drop_objects(skeleton: Any, kept: dict[int, int]) -> Any:
 
 @lru_cache(maxsize=None)
 def storable(dtype: torch.dtype) -> bool:
-    """Whether safetensors can hold tensors of ``dtype`` (it has no complex128, for one)."""
-    from safetensors.torch import save as st_save
+    """Whether safetensors can hold tensors of ``dtype`` (it has no complex128, for one) and read them
+    back from bytes as ``checkrun import`` does (0.8 writes float8_e8m0fnu and float4 it cannot)."""
+    from safetensors.torch import load as st_load, save as st_save
 
     try:
-        st_save({"x": torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype)})  # no complex32 warning
+        st_load(st_save({"x": torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype)}))  # no complex32 warning
     except Exception:  # noqa: BLE001 - KeyError today; whatever a safetensors release raises
         return False
     return True

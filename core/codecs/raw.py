@@ -41,7 +41,7 @@ class RawCodec(ArrayCodec):
         rows, cols = check_shape(shape)
         format_guard(memoryview(data).nbytes, rows * cols * dtype_itemsize(dtype), self.name)
         if rows * cols == 0:
-            return torch.empty((rows, cols), dtype=dtype)
+            return torch.empty(0, dtype=torch.uint8).view(dtype).view(rows, cols)  # no complex32 warning
         return bytes_to_uint8(data).view(dtype).view(rows, cols)
 
     def encoded_itemsize(self, dtype: torch.dtype) -> int:

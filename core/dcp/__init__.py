@@ -41,6 +41,7 @@ from .reader import CheckrunStorageReader
 from .writer import CheckrunStorageWriter, DcpSaveInfo
 from ..errors import CheckrunError, FormatError
 from ..loading.reader import read_manifest
+from ..saving.staging import empty_host
 from ..storage.store import Store
 
 __all__ = ["CheckrunStorageWriter", "CheckrunStorageReader", "CheckrunSavePlanner", "CheckrunLoadPlanner",
@@ -149,8 +150,8 @@ def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_option
         path_ = paths[fqn]
         if keys is not None and not any(".".join(map(str, path_[:i + 1])) in keys for i in range(len(path_))):
             continue
-        flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) \
-            else None
+        tensor = isinstance(md, TensorStorageMetadata)
+        flat[fqn] = empty_host(md.size.numel(), md.properties.dtype).view(md.size) if tensor else None
     planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals)
     with _checkrun_errors(reader), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -116,7 +116,7 @@ def _replicated(index: MetadataIndex, held: list[WriteItem], ranks: list[int],
 def fingerprint(tensor: torch.Tensor) -> tuple:
     """A digest of a tensor's bytes: xxh3 on the CPU; on a device, sums of its 32-bit words per 64 MiB
     (computed there, no copy to the host), enough to tell ranks' different copies apart."""
-    t = tensor.detach().contiguous()
+    t = tensor.detach().resolve_conj().resolve_neg().contiguous()  # byte views refuse those flags
     if t.device.type == "cpu":
         return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
     flat = t.reshape(-1).view(torch.uint8)

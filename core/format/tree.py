@@ -160,7 +160,7 @@ def _text(value: Any, convert: Any = str) -> str:
 
 def _stored_as_tensor(t: torch.Tensor) -> bool:
     """Whether a tensor is stored as a tensor (chunks, row deltas): a dense (strided) one of a dtype
-    the format names. Sparse, nested and quantized tensors and other dtypes (``bits8``, ``uint1``)
+    the format names. Sparse, nested and quantized tensors and other dtypes (``bits8``)
     are pickled values, exactly as ``torch.save`` writes them (``objects``)."""
     return t.layout is torch.strided and t.dtype in _STORED_DTYPES and not t.is_nested
 
