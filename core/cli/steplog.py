@@ -77,6 +77,9 @@ def chain_of(index: LogIndex, marker: Marker) -> Chain:
     """The segments a replay from ``marker`` reads, in order (as ``steplog.replay.replay_chain``
     walks them: the run's segments after the marker, then the newest run continuing it)."""
     out, run, event = Chain(marker), marker.run, marker.event
+    if (looped := index.cycle(run, event)) is not None:
+        out.gap = f"the parent of run {looped} closes a cycle of runs (a damaged or forged run object)"
+        return out
     while True:
         target = next(iter(index.children(run, event)), None)
         stop_at = None if target is None else target.parent[1]

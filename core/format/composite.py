@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,11 @@ INDEX_KEY = "accelerate_ckpt"
 FORMAT = 2
 PARTS_DIR = ".checkrun/parts"
 """Where the parts of the checkpoints of a directory live, relative to that directory."""
+LEGACY_PARTS_DIR = "parts"
+"""Where earlier releases kept the parts, relative to the root."""
+PART_REL = re.compile(r"(?:\.\./)?" + re.escape(PARTS_DIR) + r"/[^/]+|" + LEGACY_PARTS_DIR + r"/[^/]+")
+"""The part names an index may list: a file directly in the parts directory (``../.checkrun/parts/<name>``
+from a checkpoint folder, ``.checkrun/parts/<name>`` from an ``output_dir``, ``parts/<name>`` in format 1)."""
 
 
 def join(root: str, rel: str) -> str:
@@ -98,6 +104,8 @@ def _check_rel(rel: str, where: str) -> None:
     if "://" in rel or "\\" in rel or rel.startswith("/") or any(p in ("", ".", "..") for p in pieces):
         raise UnsafePathError(f"{where}: part {rel!r} is not a relative path inside the checkpoint's "
                               "directory or its parent")
+    if not PART_REL.fullmatch(rel):  # another checkpoint, the index itself: verify passed what load refused
+        raise FormatError(f"{where}: part {rel!r} is not a file of the parts directory ({PARTS_DIR}/)")
 
 
 def part_urls(index_url: str, index: dict) -> list[str]:

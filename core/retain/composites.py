@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
 from ..format import composite
-from ..format.composite import INDEX_NAME, PARTS_DIR, Composite, index_of, join
+from ..format.composite import INDEX_NAME, LEGACY_PARTS_DIR, PART_REL, PARTS_DIR, Composite, index_of, join
 from ..loading.reader import read_manifest
 from ..format.manifest import parse_manifest
 from ..format.limits import limits_for
@@ -31,12 +30,6 @@ from .retention import list_checkpoints
 
 log = logging.getLogger("ckpt_core")
 
-LEGACY_PARTS_DIR = "parts"
-"""Where earlier releases kept the parts, relative to the root."""
-_PART_REL = re.compile(r"(?:\.\./)?" + re.escape(PARTS_DIR) + r"/[^/]+|" + LEGACY_PARTS_DIR + r"/[^/]+")
-"""The part names an index may list for retention to delete: a file directly in the parts directory
-(``../.checkrun/parts/<name>`` from a checkpoint folder, ``.checkrun/parts/<name>`` from an
-``output_dir``, ``parts/<name>`` in format 1)."""
 MIN_ORPHAN_GRACE_SECONDS = 3600.0
 """Age below which a part no index lists is kept: it may belong to a save whose other ranks are still
 writing (their blobs are protected by leases, the committed part manifests only by this age; it was
@@ -131,7 +124,7 @@ class Composites:
         parts = []
         if entry.index is not None:
             for rel, url in zip(entry.index["parts"], composite.part_urls(entry.url, entry.index)):
-                if _PART_REL.fullmatch(rel) and url not in kept:
+                if PART_REL.fullmatch(rel) and url not in kept:
                     parts.append(url)
                 else:
                     log.warning("checkrun: retention of %s: not deleting its part %r (%s)", entry.url, rel,

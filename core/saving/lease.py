@@ -43,6 +43,9 @@ from ..storage.store import Store
 log = logging.getLogger("ckpt_core")
 
 _POLL_FIRST, _POLL_MAX = 0.005, 0.5
+_WAITED_OUT: set[tuple[str, float]] = set()
+"""(lease URL, its ``written``) of the collection leases declaring an overlong window that a save of
+this process waited out (they hold no later save back)."""
 _now = time.monotonic
 """The clock of renewals, validity and waits (module-level so that tests can move it)."""
 
@@ -108,18 +111,31 @@ class SaveLease:
         self._written_at = started
 
     def _wait_for_collections(self) -> None:
-        """Wait until no collection that may have missed the version just written can still delete."""
+        """Wait until no collection that may have missed the version just written can still delete.
+
+        A collection's window is at most a quarter of ``lease_seconds`` (it starts shorter and only
+        widens to that); a lease object declaring more is not one a collection of this configuration
+        wrote (forged or damaged: a window of 1e9 s blocked every save): its window counts as that
+        bound, with a warning, and once waited out in this process it holds no later save back."""
         first_seen: dict[str, float] = {}
         delay, t0 = _POLL_FIRST, _now()
         while True:
             now_wall, now = time.time(), _now()
             busy = []
             for rec in self.dir.read_all(prefix="gc-"):
-                if not rec.live(now_wall):
+                identity = (self.dir.url(rec.name), rec.written)
+                if not rec.live(now_wall) or identity in _WAITED_OUT:
                     continue
+                window = min(rec.window, self.seconds / 4)
+                if window < rec.window and rec.name not in first_seen:
+                    log.warning("checkrun: %s declares a deletion window of %.0f s, longer than a collection "
+                                "with retention.lease_seconds=%.0f uses: waiting %.0f s at most",
+                                self.dir.url(rec.name), rec.window, self.seconds, 2 * window)
                 seen = first_seen.setdefault(rec.name, now)
-                if now < seen + 2 * rec.window:
-                    busy.append(seen + 2 * rec.window - now)
+                if now < seen + 2 * window:
+                    busy.append(seen + 2 * window - now)
+                elif window < rec.window:
+                    _WAITED_OUT.add(identity)
             if not busy:
                 self.waited_seconds += _now() - t0
                 return

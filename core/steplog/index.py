@@ -26,6 +26,17 @@ class LogIndex:
         out = [r for r in self.runs.values() if r.parent is not None and r.parent[0] == run and r.parent[1] >= after]
         return sorted(out, key=lambda r: r.created, reverse=True)
 
+    def cycle(self, run: str, event: int) -> str | None:
+        """The run whose parent closes a cycle on the chain continuing ``run`` after ``event`` (each
+        run continues an older one; a cycle is a damaged or forged run object), or None."""
+        seen = {run}
+        while (target := next(iter(self.children(run, event)), None)) is not None:
+            if target.run in seen:
+                return target.run
+            seen.add(target.run)
+            run, event = target.run, target.parent[1]
+        return None
+
 
 def read_index(segs: Store) -> LogIndex:
     """List and read the step log of one directory. A malformed run or marker object raises

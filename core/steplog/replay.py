@@ -26,7 +26,7 @@ from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import TENSOR_LIST, flat_params, forward_buffers
-from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, split_segment
+from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, run_name, split_segment
 from .index import LogIndex
 from .log import StepLogError, active_log
 
@@ -70,6 +70,9 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
                  max_bytes: int, scaler: Any = None, model: Any = None) -> Position:
     """Apply every logged event after ``start`` (and the logged forward-pass state to ``model``'s
     buffers, if given); returns where it ended."""
+    if (looped := index.cycle(start.run, start.event)) is not None:  # before anything is applied
+        raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
+                                 "(each run continues an older one): a damaged or forged run object")
     pos = Position(start.run, start.event, start.step)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
@@ -286,10 +289,15 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
         full = scheduler.state_dict()
         for k, skeleton in ev["sched"].items():
             try:
-                full[k] = _tensor_list(skeleton) if isinstance(skeleton, dict) and TENSOR_LIST in skeleton \
+                value = _tensor_list(skeleton) if isinstance(skeleton, dict) and TENSOR_LIST in skeleton \
                     else unflatten(skeleton, (), ())
             except FormatError as exc:
                 raise StepLogFormatError(f"{where}: scheduler state {k!r}: {exc}") from None
+            # load_state_dict sets every key as an attribute: only the scheduler's own, numbers as numbers
+            if k not in full or not _sched_kind(full[k], value):
+                raise StepLogFormatError(f"{where}: logged scheduler state {k!r} is {str(value)[:40]}, which "
+                                         f"{type(scheduler).__name__}'s state does not hold there")
+            full[k] = value
         try:
             scheduler.load_state_dict(full)
         except Exception as exc:  # noqa: BLE001 - a log of another scheduler: say which segment
@@ -318,6 +326,16 @@ def _same_kind(held: Any, logged: Any) -> bool:
     if isinstance(held, (int, float)) or (isinstance(held, torch.Tensor) and held.numel() == 1):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)
     return True  # anything else: not among what the log records (group_scalars), so never logged
+
+
+def _sched_kind(held: Any, logged: Any) -> bool:
+    """Whether a logged scheduler value may replace the scheduler's: a number for a number, a list
+    for a list (their contents are the scheduler's own to check)."""
+    if isinstance(held, (int, float)) and not isinstance(held, bool):
+        return isinstance(logged, (int, float)) and not isinstance(logged, bool)
+    if isinstance(held, (list, tuple)):
+        return isinstance(logged, (list, tuple))
+    return True
 
 
 def _apply_scaler(state: dict, scaler: Any, where: str) -> None:

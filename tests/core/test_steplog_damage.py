@@ -124,6 +124,12 @@ def _dense(h: dict) -> dict:
     (lambda h: _step(h).__setitem__("extra", 1), "exactly step, grads"),
     (lambda h: h["events"].append({"kind": "exec", "code": "rm -rf /"}), "hi - lo"),
     (lambda h: h["events"][1].__setitem__("sched", [1, 2]), "'sched'"),
+    # found by an independent fuzzer: load_state_dict set these as attributes, and the next
+    # scheduler.step() failed with a bare AttributeError naming no file
+    (lambda h: next(e for e in h["events"] if e["kind"] == "state")["sched"].__setitem__("optimizer", 5),
+     "scheduler state 'optimizer'"),
+    (lambda h: next(e for e in h["events"] if e["kind"] == "state")["sched"].__setitem__("last_epoch", "x"),
+     "scheduler state 'last_epoch'"),
     (lambda h: h.__setitem__("hi", h["hi"] + 1), "hi - lo"),
     (lambda h: h.__setitem__("run", "../x"), "field 'run'"),
 ])
@@ -187,3 +193,20 @@ def test_hostile_marker_is_refused(logged):
     _rewrite(mark, lambda _: json.dumps(body).encode())
     with pytest.raises(StepLogFormatError, match=os.path.basename(mark)):
         _resume(logged)
+
+
+def test_a_cycle_of_step_log_runs_is_refused_before_anything_is_applied(logged, capsys):
+    """A run object whose parent is itself (or closes a longer cycle) made replay, `checkrun export
+    --step` and Lightning's resume loop for ever (found by an independent fuzzer)."""
+    from ckpt_core.cli import main
+
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    run = os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("run-")))
+    body = json.loads(open(run).read())
+    body["parent"] = {"run": body["run"], "event": STEPS}
+    _rewrite(run, lambda _: json.dumps(body).encode())
+    with pytest.raises(StepLogFormatError, match=os.path.basename(run)):
+        _resume(logged)
+    capsys.readouterr()
+    assert main(["verify", logged]) == 1
+    assert "closes a cycle of runs" in capsys.readouterr().out

@@ -722,3 +722,32 @@ def test_a_forged_part_is_refused_naming_it_before_anything_is_applied(tmp_path,
         with pytest.raises(ckpt_core.errors.FormatError, match=r"checkpoint_0\..*rank0\.ckpt"):
             acc2.load_state(str(tmp_path / "checkpoints" / "checkpoint_0"))
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+
+
+@pytest.mark.parametrize("parts", [["checkrun.ckpt"], ["../other.ckpt"], ["../checkpoint_1/checkrun.ckpt"]])
+def test_an_index_listing_files_that_are_not_parts_fails_verify_and_load_alike(tmp_path, make_setup, capsys,
+                                                                               parts) -> None:
+    """A forged index naming itself, an ordinary checkpoint or another index as its parts: `checkrun
+    verify` said OK (and export wrote 0 tensors) while load_state() refused it (found by an
+    independent fuzzer). Parts are files of the parts directory."""
+    from ckpt_core.cli import main
+    from ckpt_core.format.manifest import _body_checksum
+
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach():
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+    index = tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt"
+    body = json.loads(index.read_bytes())
+    items, i = _entry(body["skeleton"], "parts")
+    items[i] = parts
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    body["checksum"] = _body_checksum(body)
+    index.write_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    capsys.readouterr()
+    assert main(["verify", str(index.parent)]) == 1
+    assert "not a file of the parts directory" in capsys.readouterr().out
+    acc2, *_ = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc2).attach():
+        with pytest.raises(ckpt_core.errors.FormatError, match="not a file of the parts directory"):
+            acc2.load_state(str(index.parent))

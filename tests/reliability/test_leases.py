@@ -323,6 +323,24 @@ def test_a_hostile_collection_object_fails_a_save_naming_it(tmp_path):
     assert verify_all(str(root)) == ["a1.ckpt"]
 
 
+def test_a_collection_object_declaring_an_endless_window_holds_saves_back_once_and_bounded(tmp_path, caplog):
+    """A forged (or damaged) gc lease declaring a deletion window of 1e9 s made every save wait 2e9 s
+    (found by an independent fuzzer). A collection widens its window to a quarter of lease_seconds at
+    most: a save waits twice that at most, warns naming the object, and later saves do not wait again."""
+    root = tmp_path / "run"
+    path = root / ".checkrun" / "leases" / f"gc-{'0e' * 8}-1.json"
+    path.parent.mkdir(parents=True)
+    now = time.time()
+    path.write_bytes(LeaseRecord(path.name, "gc", "0e" * 8, 4242, 1, "another-host/boot/1", now, now + 1e9, 1e9,
+                                 frozenset()).to_bytes())
+    with CheckpointEngine(config()) as engine:
+        for step in (1, 2):
+            engine.save(state(step), root / f"a{step}.ckpt").result(timeout=120)
+    warned = [r.getMessage() for r in caplog.records if "deletion window" in r.getMessage()]
+    assert len(warned) == 1 and path.name in warned[0], warned
+    assert verify_all(str(root)) == ["a1.ckpt", "a2.ckpt"]
+
+
 # ------------------------------------------------------------------------------ prompt collection
 def test_nothing_unreferenced_is_left_after_each_commit_with_keep_last_3(any_root):
     url, opts = any_root
