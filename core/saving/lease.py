@@ -43,6 +43,8 @@ from ..storage.store import Store
 log = logging.getLogger("ckpt_core")
 
 _POLL_FIRST, _POLL_MAX = 0.005, 0.5
+MAX_COLLECTION_WINDOW = 3600.0
+"""No collection's deletion window is longer (it would need ``retention.lease_seconds`` over 4 h)."""
 _WAITED_OUT: set[tuple[str, float]] = set()
 """(lease URL, its ``written``) of the collection leases declaring an overlong window that a save of
 this process waited out (they hold no later save back)."""
@@ -113,10 +115,11 @@ class SaveLease:
     def _wait_for_collections(self) -> None:
         """Wait until no collection that may have missed the version just written can still delete.
 
-        A collection's window is at most a quarter of ``lease_seconds`` (it starts shorter and only
-        widens to that); a lease object declaring more is not one a collection of this configuration
-        wrote (forged or damaged: a window of 1e9 s blocked every save): its window counts as that
-        bound, with a warning, and once waited out in this process it holds no later save back."""
+        A collection's window is at most a quarter of its own ``lease_seconds`` (it starts shorter and
+        only widens to that), which its object declares as ``expires - written``; an object declaring
+        a longer window, or one over ``MAX_COLLECTION_WINDOW``, is not one a collection wrote (forged or
+        damaged: a window of 1e9 s blocked every save): its window counts as that bound, with a
+        warning, and once waited out in this process it holds no later save back."""
         first_seen: dict[str, float] = {}
         delay, t0 = _POLL_FIRST, _now()
         while True:
@@ -126,11 +129,12 @@ class SaveLease:
                 identity = (self.dir.url(rec.name), rec.written)
                 if not rec.live(now_wall) or identity in _WAITED_OUT:
                     continue
-                window = min(rec.window, self.seconds / 4)
+                own = max(self.seconds, rec.expires - rec.written)  # the collector's lease_seconds
+                window = min(rec.window, own / 4, MAX_COLLECTION_WINDOW)
                 if window < rec.window and rec.name not in first_seen:
                     log.warning("checkrun: %s declares a deletion window of %.0f s, longer than a collection "
-                                "with retention.lease_seconds=%.0f uses: waiting %.0f s at most",
-                                self.dir.url(rec.name), rec.window, self.seconds, 2 * window)
+                                "uses (a quarter of its lease, at most %.0f s): waiting %.0f s at most",
+                                self.dir.url(rec.name), rec.window, MAX_COLLECTION_WINDOW, 2 * window)
                 seen = first_seen.setdefault(rec.name, now)
                 if now < seen + 2 * window:
                     busy.append(seen + 2 * window - now)

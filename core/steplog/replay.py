@@ -293,8 +293,8 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
                     else unflatten(skeleton, (), ())
             except FormatError as exc:
                 raise StepLogFormatError(f"{where}: scheduler state {k!r}: {exc}") from None
-            # load_state_dict sets every key as an attribute: only the scheduler's own, numbers as numbers
-            if k not in full or not _sched_kind(full[k], value):
+            # load_state_dict sets every key as an attribute: none of its methods or its optimizer
+            if not _sched_key(scheduler, k) or (k in full and not _sched_kind(full[k], value)):
                 raise StepLogFormatError(f"{where}: logged scheduler state {k!r} is {str(value)[:40]}, which "
                                          f"{type(scheduler).__name__}'s state does not hold there")
             full[k] = value
@@ -328,9 +328,20 @@ def _same_kind(held: Any, logged: Any) -> bool:
     return True  # anything else: not among what the log records (group_scalars), so never logged
 
 
+def _sched_key(scheduler: Any, key: Any) -> bool:
+    """Whether ``load_state_dict`` may set ``key`` as an attribute: any name of the scheduler's state
+    (one a scheduler sets only later too), not its optimizer, a dunder or what its class defines as
+    a method or property."""
+    return (isinstance(key, str) and key.isidentifier() and key != "optimizer" and not key.startswith("__")
+            and not isinstance(getattr(type(scheduler), key, None), (property, type(_sched_key), classmethod,
+                                                                     staticmethod)))
+
+
 def _sched_kind(held: Any, logged: Any) -> bool:
-    """Whether a logged scheduler value may replace the scheduler's: a number for a number, a list
-    for a list (their contents are the scheduler's own to check)."""
+    """Whether a logged scheduler value may replace the scheduler's: a number or None for a number,
+    a list or None for a list (their contents are the scheduler's own to check)."""
+    if logged is None:
+        return True
     if isinstance(held, (int, float)) and not isinstance(held, bool):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)
     if isinstance(held, (list, tuple)):

@@ -210,3 +210,58 @@ def test_a_cycle_of_step_log_runs_is_refused_before_anything_is_applied(logged, 
     capsys.readouterr()
     assert main(["verify", logged]) == 1
     assert "closes a cycle of runs" in capsys.readouterr().out
+
+
+class _DropOnce(torch.optim.lr_scheduler.LRScheduler):
+    """A user's scheduler: ``pending_drop`` a number until the drop, then None; ``warm_done_at`` set
+    only on the first step after warm-up (absent from a state saved before)."""
+
+    def __init__(self, opt, at):
+        self.pending_drop = at
+        super().__init__(opt)
+
+    def get_lr(self):
+        if self.last_epoch >= 4 and not hasattr(self, "warm_done_at"):
+            self.warm_done_at = self.last_epoch
+        if self.pending_drop is not None and self.last_epoch >= self.pending_drop:
+            self.pending_drop = None
+            return [g["lr"] * 0.1 for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+def test_a_users_scheduler_whose_state_grows_or_goes_none_replays_exactly(tmp_path):
+    """The refusal of forged scheduler keys must not refuse a legitimate scheduler's later state (a
+    key it sets lazily, a number that becomes None): found by an independent check of that refusal."""
+    directory = str(tmp_path / "run")
+
+    def make_all():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return net, opt, _DropOnce(opt, at=7)
+
+    def step(net, opt, sched, i):
+        g = torch.Generator().manual_seed(i)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.randn(8, 4, generator=g)), torch.randn(8, 2, generator=g)).backward()
+        opt.step()
+        sched.step()
+
+    net, opt, sched = make_all()
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        log = engine.step_log(directory, opt, sched)
+        for i in range(1, 11):
+            step(net, opt, sched, i)
+            if i == 2:
+                engine.save({"model": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},
+                            f"{directory}/c.ckpt")
+        log.close()
+    net2, opt2, sched2 = make_all()
+    with CheckpointEngine() as engine:
+        saved = engine.load(f"{directory}/c.ckpt")
+        net2.load_state_dict(saved["model"])
+        opt2.load_state_dict(saved["opt"])
+        sched2.load_state_dict(saved["sched"])
+        assert "warm_done_at" not in saved["sched"] and engine.replay(directory, opt2, sched2) == 8
+    assert sched2.state_dict() == sched.state_dict() and sched2.pending_drop is None
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), net2.state_dict().values()))

@@ -325,13 +325,15 @@ def test_a_hostile_collection_object_fails_a_save_naming_it(tmp_path):
 
 def test_a_collection_object_declaring_an_endless_window_holds_saves_back_once_and_bounded(tmp_path, caplog):
     """A forged (or damaged) gc lease declaring a deletion window of 1e9 s made every save wait 2e9 s
-    (found by an independent fuzzer). A collection widens its window to a quarter of lease_seconds at
-    most: a save waits twice that at most, warns naming the object, and later saves do not wait again."""
+    (found by an independent fuzzer). A collection widens its window to a quarter of its own lease
+    (``expires - written``) at most: a save waits twice that at most, warns naming the object, and
+    later saves do not wait again. (An object declaring a lease of 1e9 s too is bounded by
+    MAX_COLLECTION_WINDOW, one hour: not waited for here.)"""
     root = tmp_path / "run"
     path = root / ".checkrun" / "leases" / f"gc-{'0e' * 8}-1.json"
     path.parent.mkdir(parents=True)
     now = time.time()
-    path.write_bytes(LeaseRecord(path.name, "gc", "0e" * 8, 4242, 1, "another-host/boot/1", now, now + 1e9, 1e9,
+    path.write_bytes(LeaseRecord(path.name, "gc", "0e" * 8, 4242, 1, "another-host/boot/1", now, now + LEASE, 1e9,
                                  frozenset()).to_bytes())
     with CheckpointEngine(config()) as engine:
         for step in (1, 2):
@@ -339,6 +341,25 @@ def test_a_collection_object_declaring_an_endless_window_holds_saves_back_once_a
     warned = [r.getMessage() for r in caplog.records if "deletion window" in r.getMessage()]
     assert len(warned) == 1 and path.name in warned[0], warned
     assert verify_all(str(root)) == ["a1.ckpt", "a2.ckpt"]
+
+
+def test_a_save_waits_out_the_window_of_a_collection_with_a_longer_lease_than_its_own(tmp_path, monkeypatch):
+    """``checkrun gc`` with the default lease (300 s: windows of 15 s) beside a trainer configured with
+    a short one: the save must wait for the collector's window, not a quarter of its own lease (the cap
+    of the commit before read it so; found by an independent check)."""
+    from ckpt_core.saving import lease as lease_mod
+
+    root = tmp_path / "run"
+    path = root / ".checkrun" / "leases" / f"gc-{'0e' * 8}-1.json"
+    path.parent.mkdir(parents=True)
+    now = time.time()
+    path.write_bytes(LeaseRecord(path.name, "gc", "0e" * 8, 4242, 1, "another-host/boot/1", now, now + 40.0, 2.0,
+                                 frozenset()).to_bytes())
+    clock = [0.0]  # a monotonic clock that only sleeping advances
+    monkeypatch.setattr(lease_mod, "_now", lambda: clock[0])
+    monkeypatch.setattr(lease_mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    lease_mod.SaveLease(store_of(str(root)), config(lease_seconds=2.0))._wait_for_collections()
+    assert clock[0] >= 2 * 2.0  # the collector's window (2 s) twice, not twice a quarter of its own 2 s
 
 
 # ------------------------------------------------------------------------------ prompt collection
