@@ -17,8 +17,10 @@ than it as well: set it while a writer of a version without leases may still wri
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +31,7 @@ from ..storage.retry import is_outage
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
 from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
+from ..storage.paths import META_DIR
 from ..storage.store import BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -182,6 +185,8 @@ class GCReport:
     """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
     step_log: list[str] = field(default_factory=list)
     """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
+    checkpoints: int = 0
+    """Checkpoints (manifests) found in the directory."""
 
 
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
@@ -224,7 +229,21 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     finally:
         gc.end()
     _collect_steplog(store, config, report, dry_run)
+    if not report.checkpoints and not report.leases and not report.pending and not report.problems:
+        _prune_empty(store)
     return report
+
+
+def _prune_empty(store: Store) -> None:
+    """A local directory left without checkpoints, saves in flight or blobs keeps no empty ``.checkrun``
+    folders (Lightning's tuner saves and removes a temporary checkpoint: the directory is as before).
+    Only empty folders go (``rmdir``); a writer that loses its folder meanwhile makes it again."""
+    if not store.is_local:
+        return
+    top = os.path.join(store.root, META_DIR)
+    for base, _, _ in os.walk(top, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
 
 
 def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection,
@@ -238,6 +257,7 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
         log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
         return None
     entries = list_checkpoints(store, config)
+    report.checkpoints = len(entries)
     broken = [e for e in entries if e.manifest is None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)
