@@ -26,6 +26,7 @@ from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundE
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight, lifecycle
 from ckpt_core.saving.composite import CompositeCommitter
+from ckpt_core.saving.fence import CommitStamp, new_stamp
 from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 
 from . import layout, resolve as paths, state
@@ -59,14 +60,16 @@ class _Routed:
     engines) stays with the original."""
 
     def __init__(self, method: Any, accelerator: Any, name: str) -> None:
-        self.method, self.accelerator, self.name = method, accelerator, name
+        # the Accelerator holds this object: a strong reference back would make a cycle that keeps a
+        # dropped Accelerator (its models, optimizers) alive until the cyclic GC runs
+        self.method, self.accelerator, self.name = method, weakref.ref(accelerator), name
         functools.update_wrapper(self, method)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.method(*args, **kwargs)
 
     def __reduce__(self) -> tuple:
-        return _own_method, (self.accelerator, self.name)
+        return _own_method, (self.accelerator(), self.name)
 
 
 def _own_method(accelerator: Any, name: str) -> Any:
@@ -83,7 +86,7 @@ class AcceleratorCheckpointer:
 
     def __init__(self, accelerator: Any, config: EngineConfig | dict | str | os.PathLike | None = None, *,
                  directory: str | os.PathLike | None = None, storage_options: dict | None = None) -> None:
-        self.accelerator = accelerator
+        self._accelerator = weakref.ref(accelerator)
         self.config, self.options, self.config_source = resolve(config)
         if directory is not None:
             self.options = AdapterOptions(**{**vars(self.options), "directory": os.fspath(directory)})
@@ -100,6 +103,7 @@ class AcceleratorCheckpointer:
         self._seq = 0
         self._unwrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._closed = False
+        self._close_lock = threading.Lock()  # a second close() waits for the first (exit vs a dropped Accelerator)
         self._steplog: AccelerateStepLog | None = None
         if self.unsupported:
             return
@@ -122,6 +126,14 @@ class AcceleratorCheckpointer:
         if self.config.step_log.enabled:  # docs/accelerate.md "Per-step recovery"
             self._steplog = AccelerateStepLog(accelerator, self._engine, self.rank, storage_options)
         lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
+        # an Accelerator dropped without end_training() (a trial function that returns, a notebook cell
+        # run again): its pending checkpoints commit and the engines' threads and memory go
+        weakref.finalize(accelerator, _closer, self).atexit = False  # at exit: the exit hook above
+
+    @property
+    def accelerator(self) -> Any:
+        """The Accelerator (held weakly: dropping it frees it and closes this checkpointer); None once gone."""
+        return self._accelerator()
 
     # -- attach / detach ------------------------------------------------------------------------
     def attach(self) -> "AcceleratorCheckpointer":
@@ -147,6 +159,9 @@ class AcceleratorCheckpointer:
     def detach(self) -> None:
         """Give the Accelerator back its own ``save_state`` / ``load_state`` (pending saves continue)."""
         acc = self.accelerator
+        if acc is None:
+            self._originals = {}
+            return
         for name, original in self._originals.items():
             if original is _MISSING:
                 acc.__dict__.pop(name, None)
@@ -226,7 +241,8 @@ class AcceleratorCheckpointer:
                 if step is not None:
                     meta["global_step"] = int(step)
                 index = composite.make_index(target.name, rel_index, meta)
-                finish = lambda outcomes: self._finish(target, index, outcomes, blocking, started, stale)  # noqa: E731
+                stamp = new_stamp()  # orders this index by when save_state was called, as accelerate's own saves are
+                finish = lambda outcomes: self._finish(target, index, outcomes, blocking, started, stale, stamp)  # noqa: E731
             job = Job(handle, finish, lambda: self._end(target.name, key), key=round_key)
             self._group.submit(job)  # from here on, the job's verdict ends the registration
             queued = True
@@ -242,9 +258,9 @@ class AcceleratorCheckpointer:
         return self._shown(output_dir, target)
 
     def _finish(self, target: Target, index: dict, outcomes: list, blocking: float, started: float,
-                stale: list[tuple[str, tuple]]) -> Any:
+                stale: list[tuple[str, tuple]], stamp: CommitStamp) -> Any:
         """Rank 0's commit; once committed, the files accelerate's own save left in the folder go."""
-        verdict = self._committer.finish(target, index, outcomes, blocking, started)
+        verdict = self._committer.finish(target, index, outcomes, blocking, started, stamp)
         if stale and verdict.error is None:
             paths.remove_native(stale)
         return verdict
@@ -333,21 +349,23 @@ class AcceleratorCheckpointer:
 
     # -- close -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for pending checkpoints, restore the Accelerator's methods, release threads. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.detach()
-        if self.unsupported:
-            return
-        try:
-            if self._steplog is not None:
-                self._steplog.close()
-            self._group.close()
-        finally:
-            self._engine.close()
-            if self._committer is not None:
-                self._committer.close()
+        """Wait for pending checkpoints, restore the Accelerator's methods, release threads. Idempotent;
+        a call while another thread closes returns once that close is done."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.detach()
+            if self.unsupported:
+                return
+            try:
+                if self._steplog is not None:
+                    self._steplog.close()
+                self._group.close()
+            finally:
+                self._engine.close()
+                if self._committer is not None:
+                    self._committer.close()
         self._before_call()
 
     def __enter__(self) -> "AcceleratorCheckpointer":
@@ -391,7 +409,7 @@ class AcceleratorCheckpointer:
         for figures in self._group.take_figures():
             m = figures.as_metrics()
             self.history.append(m)
-            if getattr(self.accelerator, "trackers", None):
+            if getattr(self.accelerator, "trackers", None):  # None once the Accelerator is gone
                 self.accelerator.log({k: v for k, v in m.items() if isinstance(v, (int, float))
                                       and not (isinstance(v, float) and math.isinf(v))})
         errors = self._group.take_errors()
@@ -562,6 +580,14 @@ class AcceleratorCheckpointer:
             self.close()
         except Exception as exc:  # noqa: BLE001 - nobody can catch it at exit
             log.error("accelerate_ckpt: pending checkpoint failed at interpreter exit: %s", exc)
+
+
+def _closer(checkpointer: AcceleratorCheckpointer) -> None:
+    """The Accelerator of ``checkpointer`` was collected: close it on a thread of its own (a finalizer may
+    run on any thread, one of the engine's own included, where waiting for its saves would never end).
+    At exit, the exit hook's ``close`` waits for this one."""
+    if not checkpointer._closed:
+        threading.Thread(target=checkpointer._close_at_exit, name="accelerate-ckpt-close", daemon=True).start()
 
 
 def attach(accelerator: Any, config: EngineConfig | dict | str | os.PathLike | None = None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ class AccelerateStepLog:
 
     def __init__(self, accelerator: Any, engine: CheckpointEngine, rank: int,
                  storage_options: dict | None) -> None:
-        self.accelerator, self.engine, self.rank = accelerator, engine, rank
+        self._accelerator, self.engine, self.rank = weakref.ref(accelerator), engine, rank
         self.storage_options = storage_options
         self.log: Any = None  # the engine's StepLog (rank 0, once a save or load started it)
         self.directory: str | None = None
@@ -62,6 +63,11 @@ class AccelerateStepLog:
         self._counted: Any = None
         self._hook: Any = None
         self._replaying = False
+
+    @property
+    def accelerator(self) -> Any:
+        """The Accelerator, held weakly as by the checkpointer (None once it is gone)."""
+        return self._accelerator()
 
     # -- the prepared objects ---------------------------------------------------------------------
     def targets(self) -> tuple[Any, Any]:

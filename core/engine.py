@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from .saving import inflight, lifecycle
 from .saving.capture import new_stamp, take_snapshot
+from .saving.fence import CommitStamp
 from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
@@ -66,21 +67,24 @@ class CheckpointEngine:
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
-    def save(self, state: Any, path: PathLike, storage_options: dict | None = None) -> SaveHandle:
+    def save(self, state: Any, path: PathLike, storage_options: dict | None = None, *,
+             stamp: CommitStamp | None = None) -> SaveHandle:
         """Snapshot ``state`` and write it to ``path`` in the background; returns at once after the copy.
 
         Raises a pending background error from an earlier save first (once). With
-        ``saving.asynchronous = False`` the save is committed before this returns."""
+        ``saving.asynchronous = False`` the save is committed before this returns. ``stamp``: the
+        commit stamp ordering saves of one name (``saving.fence``; default: taken now); an adapter
+        that commits later what its caller asked for earlier passes ``new_stamp()`` of that moment."""
         self._check_open()
         self._raise_pending_error()
-        started, stamp = time.perf_counter(), new_stamp()  # stamped when asked for, not after waiting for a slot
+        started, stamp = time.perf_counter(), stamp or new_stamp()  # stamped when asked for, not after waiting
         store, name = self._store(path, storage_options)
         if self._process is not None:
             check_store(store)
         handle = SaveHandle(store.url(name))
         dirstate = self._dirstate(store)
         keep_recent_streams(self._dirs.values(), dirstate, self._pool.free_host)
-        snap = repeat_snapshot(state, dirstate, self._coord.release_staging, self._copier)  # no slot/copy/wait
+        snap = repeat_snapshot(state, dirstate, self._coord.release_staging, self._copier, stamp)  # no slot/copy/wait
         slot = snap is None
         if slot:
             self._coord.acquire_slot()

@@ -51,7 +51,10 @@ class CommitRefusedError(CheckrunError):
 
 class SupersededError(CommitRefusedError):
     """The save is older than the manifest of the same name already committed (by another engine or
-    process): the newer checkpoint is kept and this save is not committed."""
+    process): the newer checkpoint is kept and this save is not committed. ``same_process``: the newer
+    one was asked for later in this same process (another engine's save)."""
+
+    same_process: bool = False
 
 
 class OrphanedWriterError(CommitRefusedError):

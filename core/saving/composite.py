@@ -20,6 +20,7 @@ from ..format import composite
 from ..format.manifest import Manifest
 from ..retain import Memory, after_commit, collect
 from ..retain.composites import Composites
+from .fence import CommitStamp
 from .group import GroupFigures, PartOutcome, Verdict
 from .handles import SaveHandle
 
@@ -29,7 +30,8 @@ log = logging.getLogger("ckpt_core")
 class IndexEngine(Protocol):
     """What the committer needs of a synchronous ``CheckpointEngine`` (its own, never retaining)."""
 
-    def save(self, state: Any, path: str, storage_options: dict | None = None) -> SaveHandle: ...
+    def save(self, state: Any, path: str, storage_options: dict | None = None, *,
+             stamp: CommitStamp | None = None) -> SaveHandle: ...
 
     def read_manifest(self, path: str, storage_options: dict | None = None) -> Manifest: ...
 
@@ -63,10 +65,13 @@ class CompositeCommitter:
         self._memory: dict[str, Memory] = {}  # parts directory URL -> what its collections carry over
 
     def finish(self, where: Placement, index: dict, outcomes: list[PartOutcome | None], blocking: float,
-               started: float) -> Verdict:
+               started: float, stamp: CommitStamp | None = None) -> Verdict:
         """The verdict on one checkpoint: commit its index when every part is durable, else clean up.
         A None outcome: that rank did not save this checkpoint; the index then lists rank 0's part
-        alone (a part in the index stands for its rank), and the others' parts are removed."""
+        alone (a part in the index stands for its rank), and the others' parts are removed. ``stamp``:
+        taken when the checkpoint was asked for; an index of this process asked for later, committed
+        first (another checkpointer's, saving the same folder), stays: this one counts as replaced by
+        it, as a synchronous save would have been (its parts are removed, no error)."""
         index_url = where.index_url
         parts = composite.part_urls(index_url, index)
         if any(o is None for o in outcomes):
@@ -78,9 +83,12 @@ class CompositeCommitter:
             return Verdict(f"checkpoint {where.folder} not committed: " + "; ".join(failed))
         try:
             previous = self._previous_parts(index_url)
-            info = self.engine.save(index, index_url, storage_options=self.storage_options).result()
+            info = self.engine.save(index, index_url, storage_options=self.storage_options, stamp=stamp).result()
         except Exception as exc:  # noqa: BLE001 - becomes the verdict on every rank
             self._remove(where, parts, collect_now=True)
+            if getattr(exc.__cause__, "same_process", False):  # replaced by a later save_state of this process
+                log.info("checkrun: %s: replaced by a later save of this process that committed first", index_url)
+                return Verdict(None)
             return Verdict(f"checkpoint {where.folder} not committed: {exc}")
         self._remove(where, [p for p in previous if p not in parts])
         self._retain(where)

@@ -192,6 +192,7 @@ class Coordinator:
                     job = None
                 if job is not None:
                     self._run(job, workers)
+                    job = None  # not held while idle: the job's handle reaches the caller's objects
                     continue
                 with self._cond:
                     if not self._queue.empty():  # a save came in meanwhile (queued under _cond)
@@ -226,7 +227,9 @@ class Coordinator:
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
             job.dir.invalidate()
             error = exc
-            log.error("checkrun: save to %s failed: %s", job.handle.path, exc)
+            # superseded by a later save of this process (another engine's, same name): its caller decides
+            log.log(logging.INFO if getattr(exc, "same_process", False) else logging.ERROR,
+                    "checkrun: save to %s failed: %s", job.handle.path, exc)
         finally:
             job.handle.finish(info, error)
             with self._cond:

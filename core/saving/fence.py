@@ -120,10 +120,12 @@ def commit_guard(store: "Store", name: str, stamp: CommitStamp) -> Callable[[], 
     def check() -> None:
         existing = _existing_stamp(store, name)
         if existing is not None and existing.newer_than(stamp):
-            raise SupersededError(
+            error = SupersededError(
                 f"{store.url(name)} not committed: a newer checkpoint of that name was committed by "
                 f"another writer meanwhile (its stamp {existing.to_json()}, this save's {stamp.to_json()}); "
                 "it is kept. Two writers save to one name, or this host's clock is behind theirs")
+            error.same_process = existing.writer == stamp.writer
+            raise error
 
     return check
 

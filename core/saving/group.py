@@ -256,6 +256,7 @@ class GroupCommitter:
             if job is None:
                 return
             self._record(job, self._process(job))
+            del job  # not held while waiting: its callbacks reach the adapter (an Accelerator, its models)
 
     def _record(self, job: Job, verdict: Verdict) -> None:
         try:

@@ -26,7 +26,7 @@ import torch
 
 from ..format.tree import flatten, gc_paused
 from .capture import Snapshot, StagedTensor, _device_objects, _meta, _sources, _stage_objects
-from .fence import new_stamp
+from .fence import CommitStamp, new_stamp
 from .copier import Copier
 from .streams import DirState, Share
 
@@ -35,7 +35,7 @@ BLOCK_BYTES = 8 << 20
 
 
 def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot], None],
-                    copier: Copier) -> Snapshot | None:
+                    copier: Copier, stamp: CommitStamp | None = None) -> Snapshot | None:
     """A snapshot of ``state`` sharing the staging of the save in flight to ``dirstate``'s directory,
     or None (no save in flight there, or ``state`` differs from it). ``release``: the coordinator's
     ``release_staging`` (gives the staging back if the save in flight finished meanwhile);
@@ -62,7 +62,7 @@ def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot]
             objects, _ = _stage_objects(flat.objects, {}, None, False)  # no device values: none later
             meta, _ = _meta(state, lambda t: None)
             return Snapshot(flat.skeleton, staged, objects, tuple(leaves), None, snap.charged, created, meta,
-                            new_stamp(), snap.hold)
+                            stamp or new_stamp(), snap.hold)
     except BaseException:
         release(snap)
         raise

@@ -6,7 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
+import sys
+import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -751,3 +755,97 @@ def test_an_index_listing_files_that_are_not_parts_fails_verify_and_load_alike(t
     with AcceleratorCheckpointer(acc2).attach():
         with pytest.raises(ckpt_core.errors.FormatError, match="not a file of the parts directory"):
             acc2.load_state(str(index.parent))
+
+
+def _trial(folder: Path, make_setup, step_log: bool) -> tuple:
+    """A hyperparameter trial as users write it: build, attach, train, save_state, return (no end_training)."""
+    acc, model, opt, sched, counter = make_setup()
+    attach(acc, {"step_log": {"enabled": True}} if step_log else None)
+    _train(acc, model, opt, sched, counter)
+    acc.save_state(str(folder))
+    weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    return weakref.ref(acc), weakref.ref(model), weights
+
+
+@pytest.mark.parametrize("step_log", [False, True])
+def test_a_dropped_accelerator_is_freed_and_its_checkpoint_committed(tmp_path: Path, make_setup, step_log) -> None:
+    """Before: the Accelerator (its models, optimizers) stayed alive after the trial returned, for ever once
+    it had saved (the commit thread held its last job), with the checkpointer's threads and staging memory;
+    accelerate's own test_ensure_dataloader_gets_cleaned_up failed with checkrun attached."""
+    before = set(threading.enumerate())
+    acc_ref, model_ref, weights = _trial(tmp_path / "trial", make_setup, step_log)
+    assert acc_ref() is None and model_ref() is None  # freed by reference counting, as accelerate's own
+    for t in set(threading.enumerate()) - before:
+        if t.name == "accelerate-ckpt-close":
+            t.join()  # commits the pending checkpoint, then ends the checkpointer's threads
+    assert [t.name for t in set(threading.enumerate()) - before] == []
+    acc, model, *_ = make_setup()
+    attach(acc)
+    acc.load_state(str(tmp_path / "trial"))
+    assert_same(acc.unwrap_model(model).state_dict(), weights)
+
+
+_EXIT_AFTER_RETURN = """
+import sys, torch
+from accelerate import Accelerator
+import accelerate_ckpt
+
+def main(folder):
+    acc = Accelerator(cpu=True)
+    accelerate_ckpt.attach(acc)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 256)).sum()); opt.step()
+    acc.save_state(folder)
+    torch.save(acc.unwrap_model(model).state_dict(), folder + ".expected.pt")
+
+main(sys.argv[1])  # the Accelerator is dropped here, its save still in flight; then the script ends
+"""
+
+
+def test_a_script_ending_after_its_accelerator_was_dropped_commits_the_checkpoint(tmp_path: Path, make_setup) -> None:
+    folder = str(tmp_path / "ck")
+    subprocess.run([sys.executable, "-c", _EXIT_AFTER_RETURN, folder], check=True, timeout=600)
+    acc = Accelerator(cpu=True)
+    model = nn.Linear(256, 256)
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    attach(acc)
+    acc.load_state(folder)
+    assert_same(acc.unwrap_model(model).state_dict(), torch.load(folder + ".expected.pt"))
+
+
+def test_two_accelerators_saving_one_folder_keep_the_later_save(tmp_path: Path, make_setup) -> None:
+    """acc1.save_state(folder) returns, then acc2.save_state(folder): the folder must hold acc2's state, as
+    with accelerate's synchronous saves, whichever commit finishes first. Before, the index was stamped at
+    its commit: acc1's, held back here, replaced acc2's newer checkpoint with the older state."""
+    from ckpt_core.testing.faults import Gate
+
+    FaultyFS.reset()
+    folder = f"gatefile://{tmp_path}/ck"
+    acc1, model1, opt1, sched1, counter1 = make_setup()
+    ck1 = attach(acc1)
+    _train(acc1, model1, opt1, sched1, counter1)
+    gate = Gate("open", "manifest", 1, match=composite.INDEX_NAME)  # acc1's index commit, held
+    FaultyFS.policy = gate
+    try:
+        acc1.save_state(folder)
+        assert gate.entered.wait(120)
+        acc2, model2, opt2, sched2, counter2 = make_setup()
+        ck2 = attach(acc2)
+        _train(acc2, model2, opt2, sched2, counter2, steps=3)
+        acc2.save_state(folder)
+        ck2.wait()  # acc2's index committed first
+        gate.release()
+        ck1.wait()  # acc1's commit meets the newer index of this process: replaced, not an error
+    finally:
+        FaultyFS.reset()
+    expected = {k: v.clone() for k, v in acc2.unwrap_model(model2).state_dict().items()}
+    ck1.close(), ck2.close()
+    acc3, model3, *_ = make_setup()
+    attach(acc3)
+    acc3.load_state(str(tmp_path / "ck"))
+    assert_same(acc3.unwrap_model(model3).state_dict(), expected)
+    parts = _parts(str(tmp_path / "ck"))
+    assert len(parts) == 1  # acc1's parts are gone with its replaced checkpoint
