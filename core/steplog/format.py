@@ -34,12 +34,16 @@ from .checks import (_HEX16, MAX_EVENTS, MAX_GRADS, NoMarkerError, StepLogError,
 from .meta import check_optimizer, check_owner, check_param_names
 
 FORMAT_VERSION = 5
-"""Written by this checkrun. Versions 1-4 are read too: version 1 (checkrun before 2026-12-04)
+"""Written by this checkrun for segments. Versions 1-4 are read too: version 1 (checkrun before 2026-12-04)
 lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``); segments before
 version 3 have no ``packs`` (every gradient is a payload range of its own); before version 4 no
 sparse gradient is folded (``u``/``runs``); before version 5 no step holds the forward-pass state
 (``bufs``, named by the header's ``buffers``)."""
-READ_VERSIONS = (1, 2, 3, 4, 5)
+OBJECT_VERSION = 6
+"""Run and marker objects: version 6 (2026-12-05) carries a ``checksum`` (xxh3-64 of the object's
+canonical JSON without it), so a damaged one is refused instead of read as another valid one;
+versions 1-5 of them, without, are read too."""
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 PLAIN_VERSION = 3
 """Written for what format 4 did not change (run and marker objects, segments without a folded
 gradient), so that a checkrun that reads up to version 3 still replays such a log."""
@@ -128,17 +132,23 @@ def _dump(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _sealed(body: dict) -> bytes:
+    """A run or marker object's bytes: ``OBJECT_VERSION``, with its checksum."""
+    body = {**body, "format_version": OBJECT_VERSION}
+    return _dump({**body, "checksum": xxhash.xxh3_64_hexdigest(_dump(body))})
+
+
 def run_to_bytes(info: RunInfo) -> bytes:
     parent = None if info.parent is None else {"run": info.parent[0], "event": info.parent[1]}
     names = None if info.param_names is None else [list(g) for g in info.param_names]
-    return _dump({"_checkrun": "steplog-run", "format_version": _written(False), "run": info.run,
+    return _sealed({"_checkrun": "steplog-run", "run": info.run,
                   "created": info.created, "start": info.start, "start_step": info.start_step,
                   "parent": parent, "optimizer": info.optimizer, "param_names": names, "owner": info.owner,
                   "closed": info.closed})
 
 
 def marker_to_bytes(m: Marker) -> bytes:
-    return _dump({"_checkrun": "steplog-marker", "format_version": _written(False), "run": m.run,
+    return _sealed({"_checkrun": "steplog-marker", "run": m.run,
                   "event": m.event, "step": m.step, "checkpoint": m.checkpoint, "commit": m.commit})
 
 
@@ -154,10 +164,16 @@ def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: s
     body = _json(data, where)
     if not isinstance(body, dict) or body.get("_checkrun") != magic:
         raise StepLogFormatError(f"{where}: not a checkrun {magic} object")
-    allowed = keys | (optional if _version(body, where) >= 2 else set())
+    version = _version(body, where)
+    keys = keys | ({"checksum"} if version >= OBJECT_VERSION else set())
+    allowed = keys | (optional if version >= 2 else set())
     if not keys <= set(body) <= allowed:
         raise StepLogFormatError(f"{where}: keys {sorted(body)[:20]}, expected {sorted(keys)}"
                                  + (f" and optionally {sorted(allowed - keys)}" if allowed != keys else ""))
+    if version >= OBJECT_VERSION:
+        rest = {k: v for k, v in body.items() if k != "checksum"}
+        if body["checksum"] != xxhash.xxh3_64_hexdigest(_dump(rest)):
+            raise StepLogFormatError(f"{where}: checksum mismatch (damaged {magic} object)")
     return body
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +39,23 @@ from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_byte
 log = logging.getLogger("ckpt_core")
 STEPLOG_DIR = ".checkrun/steplog"
 _ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
+# torch's wrapper that runs the step hooks around a class's step(): a subclass whose step() calls
+# super().step() runs the hooks once per class, nested (found by checking a step that raises)
+_HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def _inner_call(optimizer: Any) -> bool:
+    """Whether the step hook being run belongs to a ``step()`` called inside another ``step()`` of
+    ``optimizer`` (a subclass's ``super().step()``): only the outermost one is logged, as replay
+    calls it. Walks the caller's frames (a few microseconds per step)."""
+    outer, frame = 0, sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _HOOK_WRAPPER and frame.f_locals.get("self") is optimizer:
+            outer += 1
+            if outer > 1:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def log_store(store: Store) -> Store:
@@ -86,7 +104,9 @@ class StepLog:
         self._thread.stop = self.close  # type: ignore[attr-defined]  # a harness stopping leftover threads
         self._thread.start()
         self._last_state: dict | None = None
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_hook)]
+        self._held: Any = None  # the record captured by the pre-hook of the step() in progress
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
+                       optimizer.register_step_post_hook(self._post_hook)]
         _ACTIVE[optimizer] = self
         lifecycle.register_owner(self._close_at_exit)
 
@@ -94,6 +114,7 @@ class StepLog:
     def flush(self) -> None:
         """Commit everything logged so far as a segment and wait for it (training thread)."""
         self._check()
+        self._drop_held()
         self._state_event()
         done = threading.Event()
         self._queue.put(("flush", done))
@@ -147,6 +168,7 @@ class StepLog:
         if store.url("") != self.store.url("") or self._stop.is_set() or os.getpid() != self._pid:
             return
         try:  # the marker is written here, not by the encoder: it lands before the checkpoint commits
+            self._drop_held()
             self._state_event()
             self._mark_seq += 1
             commit = stamp.to_json() if stamp is not None else None
@@ -173,7 +195,7 @@ class StepLog:
         return True
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._paused or self._stop.is_set() or os.getpid() != self._pid:
+        if self._paused or self._stop.is_set() or os.getpid() != self._pid or _inner_call(optimizer):
             return
         # torch calls step pre-hooks with args = (optimizer, *step's args), before step() runs the
         # closure: the gradients here would be the previous step's. Refused, not logged wrong.
@@ -182,6 +204,7 @@ class StepLog:
                                "torch runs the step pre-hook that captures the gradients before the closure "
                                "computes them. Call the closure yourself, then optimizer.step() without it")
         self._check()
+        self._drop_held()
         if self._unflushed >= self.config.step_log.flush_every_steps:
             # flushed at the start of the next step, so the scheduler step after the last one is in
             self._state_event()  # the scheduler's step after the last logged step goes with it
@@ -195,10 +218,25 @@ class StepLog:
         except BaseException:
             self._staging.give(slot)
             raise
+        self._held = rec
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """``step()`` returned: its record counts. A step that raised (an out-of-memory error the loop
+        skips) consumed nothing and is not logged: its record is dropped at the next step or flush."""
+        if self._held is None or _inner_call(optimizer):
+            return
+        rec, self._held = self._held, None
         self.step += 1
         self.event += 1
         self._unflushed += 1
         self._queue.put(("step", rec))
+
+    def _drop_held(self) -> None:
+        rec, self._held = self._held, None
+        if rec is not None:
+            self._staging.give(rec.slot)
+            log.warning("checkrun: step log of %s: optimizer step %d raised; it is not logged",
+                        self.store.url(""), rec.step)
 
     def _state_event(self) -> None:
         """Log the groups' hyperparameters and the scheduler's state if they changed since logged:

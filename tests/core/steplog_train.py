@@ -95,3 +95,10 @@ def assert_bit_equal(a: Any, b: Any, where: str = "state") -> None:
             assert_bit_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def forged(body: dict) -> bytes:
+    """A run or marker object as a forger who recomputes its checksum rewrites it (format version 6)."""
+    from ckpt_core.steplog import format as fmt
+
+    return fmt._sealed({k: v for k, v in body.items() if k not in ("checksum", "format_version")})

@@ -12,7 +12,7 @@ import torch
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.steplog import NoMarkerError, StepLogError
 
-from .steplog_train import OPTIMIZERS, ROWS, DIM, assert_bit_equal, batch, load_into, make, state, train_step
+from .steplog_train import OPTIMIZERS, ROWS, DIM, assert_bit_equal, batch, forged, load_into, make, state, train_step
 
 STEPS, CKPT_AT = 14, 5
 
@@ -258,11 +258,11 @@ def test_two_optimizers_cannot_log_into_one_directory(tmp_path):
     body = json.loads(open(os.path.join(logdir, mark)).read())
     twin = "f" * 16
     body["run"] = twin
-    with open(os.path.join(logdir, mark.replace(run, twin)), "w") as f:
-        json.dump(body, f)
+    with open(os.path.join(logdir, mark.replace(run, twin)), "wb") as f:
+        f.write(forged(body))
     head = json.loads(open(os.path.join(logdir, f"run-{run}.json")).read())
-    with open(os.path.join(logdir, f"run-{twin}.json"), "w") as f:
-        json.dump({**head, "run": twin}, f)
+    with open(os.path.join(logdir, f"run-{twin}.json"), "wb") as f:
+        f.write(forged({**head, "run": twin}))
     net3, opt3, sched3 = make("adam")
     with CheckpointEngine() as engine:
         load_into(engine.load(f"{directory}/ck.ckpt"), net3, opt3, sched3)
@@ -415,3 +415,73 @@ def test_a_checkpoint_saved_again_without_the_log_says_why_it_has_no_marker(tmp_
         engine.save(state(net, opt, sched), f"{directory}/step{CKPT_AT}.ckpt").result()
         with pytest.raises(NoMarkerError, match="1 marker.* of that name, none of this save's commit stamp"):
             engine.replay(directory, opt, sched, after=f"{directory}/step{CKPT_AT}.ckpt")
+
+
+
+class _FlakyAdam(torch.optim.Adam):
+    """Adam whose 3rd ``step()`` raises after the step hooks' pre-step part (an out-of-memory error)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return super().step(closure)
+
+
+def _skipping_run(directory: str | None, optimizer: type = _FlakyAdam) -> tuple:
+    """6 batches; the one whose step() raised is skipped, as OOM handling does (scheduler not stepped)."""
+    net, _, _ = make("adam")
+    opt = optimizer(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        slog = engine.step_log(directory, opt, sched) if directory else None
+        if directory:
+            engine.save(state(net, opt, sched), f"{directory}/s0.ckpt")
+        for step in range(1, 7):
+            ids, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(ids), y).backward()
+            try:
+                opt.step()
+            except RuntimeError:
+                continue
+            sched.step()
+        if slog is not None:
+            slog.close()
+    return net, opt, sched
+
+
+def test_a_step_that_raises_is_not_logged(tmp_path, caplog):
+    """A loop that skips a batch whose ``step()`` raised consumed nothing there. Before, the pre-hook
+    had logged its gradients and replay applied that step: the resumed state had a step more than
+    training had (silently)."""
+    directory = _dir(tmp_path, "file")
+    with caplog.at_level("WARNING", logger="ckpt_core"):
+        _skipping_run(directory)
+    assert "optimizer step 3 raised; it is not logged" in caplog.text
+    assert caplog.text.count("raised; it is not logged") == 1  # super().step()'s nested hooks: not steps
+    reference = state(*_skipping_run(None))
+    n, resumed = _resume(directory, "adam", after=f"{directory}/s0.ckpt")
+    assert n == 5
+    assert_bit_equal(state(*resumed), reference)
+
+
+class _CountingAdam(torch.optim.Adam):
+    """A user's optimizer subclass whose step() calls super().step(): torch runs the step hooks twice."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_a_subclass_calling_super_step_is_logged_once_per_step(tmp_path):
+    """Before: both hook runs captured the gradients, so each step was logged twice and replay applied
+    it twice (a silently wrong state)."""
+    directory = _dir(tmp_path, "file")
+    _skipping_run(directory, _CountingAdam)
+    n, resumed = _resume(directory, "adam", after=f"{directory}/s0.ckpt")
+    assert n == 6
+    assert_bit_equal(state(*resumed), state(*_skipping_run(None, torch.optim.Adam)))

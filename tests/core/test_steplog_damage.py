@@ -15,7 +15,7 @@ from ckpt_core.config import CompressionConfig
 from ckpt_core.steplog import StepLogFormatError
 from ckpt_core.steplog.format import pack_segment, split_segment
 
-from .steplog_train import assert_bit_equal, load_into, make, state, train_step
+from .steplog_train import assert_bit_equal, forged, load_into, make, state, train_step
 from .test_steplog import _reference
 
 STEPS, CKPT_AT, EVERY = 12, 3, 3
@@ -190,7 +190,7 @@ def test_hostile_marker_is_refused(logged):
     mark = os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("mark-")))
     body = json.loads(open(mark).read())
     body["checkpoint"] = "../../other.ckpt"
-    _rewrite(mark, lambda _: json.dumps(body).encode())
+    _rewrite(mark, lambda _: forged(body))  # a forger recomputes the checksum
     with pytest.raises(StepLogFormatError, match=os.path.basename(mark)):
         _resume(logged)
 
@@ -204,7 +204,7 @@ def test_a_cycle_of_step_log_runs_is_refused_before_anything_is_applied(logged, 
     run = os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("run-")))
     body = json.loads(open(run).read())
     body["parent"] = {"run": body["run"], "event": STEPS}
-    _rewrite(run, lambda _: json.dumps(body).encode())
+    _rewrite(run, lambda _: forged(body))  # a forger recomputes the checksum
     with pytest.raises(StepLogFormatError, match=os.path.basename(run)):
         _resume(logged)
     capsys.readouterr()
@@ -265,3 +265,25 @@ def test_a_users_scheduler_whose_state_grows_or_goes_none_replays_exactly(tmp_pa
         assert "warm_done_at" not in saved["sched"] and engine.replay(directory, opt2, sched2) == 8
     assert sched2.state_dict() == sched.state_dict() and sched2.pending_drop is None
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), net2.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", ["run-", "mark-"])
+def test_every_bit_flip_of_a_run_object_or_marker_is_refused_naming_it(logged, kind):
+    """Before: run and marker objects had no checksum, and a flipped bit could read as another valid
+    object (a parent event 41 read as 51: replay stopped early without a warning; 41 as 40: it stopped
+    at a state that was not its step's). Every single-bit flip now fails with the file named, or reads
+    as the very same object (the last digit of a 17-digit float that rounds to the same number)."""
+    from ckpt_core.steplog.format import parse_marker, parse_run
+
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    name = next(f for f in sorted(os.listdir(segdir)) if f.startswith(kind))
+    data = open(os.path.join(segdir, name), "rb").read()
+    parse = (lambda d: parse_run(d, name, name[4:-5])) if kind == "run-" else (lambda d: parse_marker(d, name, name))
+    intact = parse(data)
+    for bit in range(len(data) * 8):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        try:
+            assert parse(bytes(flipped)) == intact, f"bit {bit} flipped reads as another object"
+        except StepLogFormatError as exc:
+            assert name in str(exc)

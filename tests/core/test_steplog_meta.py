@@ -28,7 +28,7 @@ from ckpt_core.steplog.format import (MARK_RE, RUN_RE, SEG_RE, pack_segment, par
                                       split_segment)
 from ckpt_core.storage import owner
 
-from .steplog_train import assert_bit_equal, batch, load_into, make, state, train_step
+from .steplog_train import assert_bit_equal, batch, forged, load_into, make, state, train_step
 
 CKPT_AT, STEPS = 4, 12
 
@@ -80,7 +80,7 @@ def test_run_header_records_optimizer_class_and_names(tmp_path):
     names = [["emb.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]]
     for d, want in ((d1, names), (d2, names), (d3, None)):
         body = _run_json(d)
-        assert body["format_version"] == fmt.PLAIN_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
+        assert body["format_version"] == fmt.OBJECT_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
         assert body["param_names"] == want and body["closed"] is True
         assert body["owner"]["pid"] == owner.identity()["pid"]
 
@@ -134,7 +134,7 @@ def _to_v1(directory: str) -> None:
     """Rewrite a log as checkrun before format version 2 wrote it (no metadata, no scaler)."""
     for p in _objects(directory, RUN_RE) + _objects(directory, MARK_RE):
         body = json.loads(p.read_bytes())
-        for k in ("optimizer", "param_names", "owner", "closed"):
+        for k in ("optimizer", "param_names", "owner", "closed", "checksum"):
             body.pop(k, None)
         body["format_version"] = 1
         p.write_bytes(json.dumps(body).encode())
@@ -553,17 +553,17 @@ def test_gc_takes_runs_of_dead_processes_only(tmp_path):
     (run,) = _objects(directory, RUN_RE)
     body = json.loads(run.read_bytes())
     body["closed"] = False  # as if its process had crashed: only the owner decides now
-    run.write_bytes(json.dumps(body).encode())
+    run.write_bytes(forged(body))
     with CheckpointEngine() as engine:
         deleted = engine.gc(directory).step_log
         assert run.name not in deleted and run.exists()  # alive (this process): kept, markers too
         assert _objects(directory, MARK_RE) and all(n.startswith("seg-") for n in deleted)
         ident = owner.identity()
         body["owner"] = {**ident, "pid": 4_194_303, "start": 1}  # no such process on this host
-        run.write_bytes(json.dumps(body).encode())
+        run.write_bytes(forged(body))
         gone = engine.gc(directory).step_log
     assert run.name in gone and not _logdir(directory).exists()  # no empty folders left either
-    body.pop("owner"), body.pop("closed")
+    body.pop("owner"), body.pop("closed"), body.pop("checksum")
     body.pop("optimizer"), body.pop("param_names")
     body["format_version"] = 1
     run.parent.mkdir(parents=True)
