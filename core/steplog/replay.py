@@ -73,6 +73,7 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
     if (looped := index.cycle(start.run, start.event)) is not None:  # before anything is applied
         raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
                                  "(each run continues an older one): a damaged or forged run object")
+    _warn_superseded(segs, index, start)
     pos = Position(start.run, start.event, start.step)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
@@ -92,6 +93,20 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
         for p in flat_params(optimizer):
             p.grad = None
     return pos
+
+
+def _warn_superseded(segs: Store, index: LogIndex, start: Marker) -> None:
+    """A run that resumed from an earlier point of ``start``'s run after ``start``'s checkpoint was
+    captured: that checkpoint was committed late by a trainer the restart superseded (paused, then
+    woken), and the newer run's logged steps are not on this replay's path (docs/steplog.md)."""
+    taken = start.commit["ns"] / 1e9 if isinstance(start.commit, dict) else None
+    newer = [r for r in index.runs.values() if taken is not None and r.parent is not None
+             and r.parent[0] == start.run and r.parent[1] < start.event and r.created > taken]
+    if newer:
+        log.warning("checkrun: checkpoint %s was captured before step-log run %s resumed from an earlier step of "
+                    "its run: it was committed late by a superseded trainer; the newer run's logged steps are not "
+                    "replayed after it (resume from the checkpoint that run resumed from to replay them)",
+                    start.checkpoint, newer[0].run)
 
 
 def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_bytes: int,
