@@ -499,13 +499,13 @@ def test_a_stale_checkpoint_committed_late_is_warned_about(tmp_path, caplog):
     net, opt, sched = make("adam")
     with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:  # trainer A
         slog = engine.step_log(directory, opt, sched)
-        for step in range(1, 11):
-            train_step(net, opt, sched, step)
-            if step == 5:
-                engine.save(state(net, opt, sched), f"{directory}/step5.ckpt").result()
+        for first, last in ((1, 5), (6, 10)):
+            for step in range(first, last + 1):
+                train_step(net, opt, sched, step)
+            engine.save(state(net, opt, sched), f"{directory}/step{last}.ckpt").result()
+            if last == 5:
                 slog.flush()
                 held = set(os.listdir(logdir))
-        engine.save(state(net, opt, sched), f"{directory}/step10.ckpt").result()
         slog.close()
     parked = tmp_path / "parked"  # what A had not committed when B started: its later segments, step10
     parked.mkdir()
