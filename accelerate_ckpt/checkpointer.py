@@ -87,6 +87,7 @@ class AcceleratorCheckpointer:
     def __init__(self, accelerator: Any, config: EngineConfig | dict | str | os.PathLike | None = None, *,
                  directory: str | os.PathLike | None = None, storage_options: dict | None = None) -> None:
         self._accelerator = weakref.ref(accelerator)
+        self._project_config = accelerator.project_configuration  # for commits after the Accelerator is gone
         self.config, self.options, self.config_source = resolve(config)
         if directory is not None:
             self.options = AdapterOptions(**{**vars(self.options), "directory": os.fspath(directory)})
@@ -445,11 +446,19 @@ class AcceleratorCheckpointer:
         with self._names_lock:
             return self._resumed | set(self._writing)
 
+    def _project(self) -> Any:
+        """The Accelerator's ``project_configuration``; once the Accelerator is gone (its pending
+        checkpoints commit after it was dropped), the last one seen."""
+        acc = self.accelerator
+        if acc is not None:
+            self._project_config = acc.project_configuration
+        return self._project_config
+
     def _keep_last(self) -> int | None:
-        return self.config.retention.keep_last or self.accelerator.project_configuration.total_limit
+        return self.config.retention.keep_last or self._project().total_limit
 
     def _default_root(self) -> str | None:
-        pc = self.accelerator.project_configuration
+        pc = self._project()
         if self.options.directory:
             return self.options.directory
         if pc.automatic_checkpoint_naming and pc.project_dir:

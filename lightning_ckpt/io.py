@@ -12,6 +12,7 @@ the latter.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from ckpt_core import (CheckpointEngine, CheckpointNotFoundError, CheckrunError,
                        EngineConfig, NotACheckpointError, SaveHandle, SaveInfo)
 from ckpt_core.saving import inflight, lifecycle
 from ckpt_core.storage.options import open_options
+from ckpt_core.storage.paths import META_DIR
 
 from .config import build_config, lossless_config
 from .loading import is_checkrun_file, torch_load
@@ -109,6 +111,7 @@ class CheckrunCheckpointIO(CheckpointIO):
         """Removals waiting for the saves in flight in their directory: path key -> (url, those saves)."""
         self._save_steps: dict[str, Optional[int]] = {}
         self._removed_dirs: set[str] = set()
+        self._fresh_meta: set[str] = set()  # local directories whose .checkrun/ a temporary checkpoint made
         self._steplog = LightningStepLog() if self.config.step_log.enabled else None
 
     # -- engines ------------------------------------------------------------------------------
@@ -187,6 +190,8 @@ class CheckrunCheckpointIO(CheckpointIO):
         if self.saves == 1:
             _warn_artifact_loggers(find_trainer(calling_strategy()))
         if checkpoint_kind(url) != "regular":
+            if checkpoint_kind(url) == "temporary" and not is_remote(url) and not os.path.exists(_meta_dir(url)):
+                self._fresh_meta.add(parent_dir(url))  # this save makes the directory's .checkrun/
             self.lossless_engine.save(checkpoint, url, storage_options=options).result()
             return
         if self._steplog is not None:  # before the save, so that it marks its position in the log
@@ -412,8 +417,11 @@ class CheckrunCheckpointIO(CheckpointIO):
         blobs; saves in flight are protected by their leases)."""
         try:
             engine.gc(directory, full=False)
+            if directory in self._fresh_meta and not engine.list(directory):
+                _remove_empty_dirs(_meta_dir(os.path.join(directory, "x")))  # as Lightning's tuner leaves it
         except CheckrunError as exc:
             log.warning("lightning_ckpt: cleaning up after a temporary checkpoint in %s failed: %s", directory, exc)
+        self._fresh_meta.discard(directory)
 
     def _open_engines(self) -> list[CheckpointEngine]:
         return [e for e in (self._engine, self._lossless) if e is not None]
@@ -428,8 +436,20 @@ class CheckrunCheckpointIO(CheckpointIO):
             self._remove_ready(block=True)
         state = self.__dict__.copy()
         state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _deferred={}, _save_steps={},
-                     _removed_dirs=set(), _steplog=LightningStepLog() if self._steplog is not None else None)
+                     _removed_dirs=set(), _fresh_meta=set(), _steplog=LightningStepLog() if self._steplog is not None else None)
         return state
+
+
+def _meta_dir(url: str) -> str:
+    """The ``.checkrun/`` folder beside the local checkpoint ``url``."""
+    return os.path.join(parent_dir(url), META_DIR)
+
+
+def _remove_empty_dirs(top: str) -> None:
+    """The empty folders of ``top`` (itself included), deepest first; ``rmdir`` never removes a file."""
+    for base, _, _ in os.walk(top, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
 
 
 def _close(engine: CheckpointEngine, removed_dirs: set[str]) -> list[BaseException]:

@@ -17,10 +17,8 @@ than it as well: set it while a writer of a version without leases may still wri
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +29,6 @@ from ..storage.retry import is_outage
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
 from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
-from ..storage.paths import META_DIR
 from ..storage.store import BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -229,21 +226,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     finally:
         gc.end()
     _collect_steplog(store, config, report, dry_run)
-    if not report.checkpoints and not report.leases and not report.pending and not report.problems:
-        _prune_empty(store)
     return report
-
-
-def _prune_empty(store: Store) -> None:
-    """A local directory left without checkpoints, saves in flight or blobs keeps no empty ``.checkrun``
-    folders (Lightning's tuner saves and removes a temporary checkpoint: the directory is as before).
-    Only empty folders go (``rmdir``); a writer that loses its folder meanwhile makes it again."""
-    if not store.is_local:
-        return
-    top = os.path.join(store.root, META_DIR)
-    for base, _, _ in os.walk(top, topdown=False):
-        with contextlib.suppress(OSError):
-            os.rmdir(base)
 
 
 def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection,

@@ -96,8 +96,8 @@ class RenameCommit(CommitStrategy):
         # and the rename.
         directory = os.path.dirname(path)
         for again in (False, True):
-            self._makedirs(directory)
             try:
+                self._makedirs(directory)
                 atomic.write_atomic(path, lambda f: f.write(data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
                                     opener=lambda tmp: self.fs.open(tmp, "wb"), before_replace=guard,
                                     replace=lambda tmp, dst: self._apply(dst, data, resolve,
@@ -105,8 +105,9 @@ class RenameCommit(CommitStrategy):
                 break
             except FileNotFoundError as exc:
                 # The temp file (or its directory) vanished before the rename: a collection took it
-                # while this writer was stopped for longer than retention.lease_seconds. Written again;
-                # the save's lapsed lease then has every blob checked before the commit (lease.py).
+                # while this writer was stopped for longer than retention.lease_seconds, or the folder
+                # was removed meanwhile (Lightning's tuner cleanup, a user). Written again; the save's
+                # lapsed lease then has every blob checked before the commit (lease.py).
                 if again:
                     raise
                 _LOG.warning("checkrun: %s: its temp file was deleted before the rename (%s); writing it again",

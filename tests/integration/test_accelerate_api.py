@@ -849,3 +849,28 @@ def test_two_accelerators_saving_one_folder_keep_the_later_save(tmp_path: Path, 
     assert_same(acc3.unwrap_model(model3).state_dict(), expected)
     parts = _parts(str(tmp_path / "ck"))
     assert len(parts) == 1  # acc1's parts are gone with its replaced checkpoint
+
+
+def test_a_dropped_accelerators_checkpoints_commit_with_its_total_limit(tmp_path: Path, make_setup, caplog) -> None:
+    """Its retention runs at each commit, after the Accelerator may be gone: before, reading total_limit
+    from the dropped Accelerator failed the commit's retention ('checkpoint not committed: AttributeError'
+    at exit, although the checkpoints had committed) and total_limit was not applied (found by a check of
+    the weak reference, h44)."""
+    def trial() -> None:
+        acc, model, opt, sched, counter = make_setup(tmp_path / "proj")
+        acc.project_configuration.total_limit = 1
+        attach(acc)
+        for _ in range(3):
+            _train(acc, model, opt, sched, counter)
+            acc.save_state()  # returns without end_training()
+
+    before = set(threading.enumerate())
+    with caplog.at_level("WARNING"):
+        trial()
+        for t in set(threading.enumerate()) - before:
+            if t.name == "accelerate-ckpt-close":
+                t.join()
+    assert "not committed" not in caplog.text and "AttributeError" not in caplog.text
+    assert _names(str(tmp_path / "proj" / "checkpoints")) == ["checkpoint_2"]
+    assert sorted(p.name for p in (tmp_path / "proj" / "checkpoints").iterdir() if not p.name.startswith(".")) \
+        == ["checkpoint_2"]
