@@ -182,8 +182,6 @@ class GCReport:
     """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
     step_log: list[str] = field(default_factory=list)
     """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
-    checkpoints: int = 0
-    """Checkpoints (manifests) found in the directory."""
 
 
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
@@ -240,7 +238,6 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
         log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
         return None
     entries = list_checkpoints(store, config)
-    report.checkpoints = len(entries)
     broken = [e for e in entries if e.manifest is None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)
