@@ -129,7 +129,7 @@ class AcceleratorCheckpointer:
         lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
         # an Accelerator dropped without end_training() (a trial function that returns, a notebook cell
         # run again): its pending checkpoints commit and the engines' threads and memory go
-        weakref.finalize(accelerator, _closer, self).atexit = False  # at exit: the exit hook above
+        weakref.finalize(accelerator, _closer, self, os.getpid()).atexit = False  # at exit: the exit hook above
 
     @property
     def accelerator(self) -> Any:
@@ -591,11 +591,12 @@ class AcceleratorCheckpointer:
             log.error("accelerate_ckpt: pending checkpoint failed at interpreter exit: %s", exc)
 
 
-def _closer(checkpointer: AcceleratorCheckpointer) -> None:
+def _closer(checkpointer: AcceleratorCheckpointer, pid: int) -> None:
     """The Accelerator of ``checkpointer`` was collected: close it on a thread of its own (a finalizer may
     run on any thread, one of the engine's own included, where waiting for its saves would never end).
-    At exit, the exit hook's ``close`` waits for this one."""
-    if not checkpointer._closed:
+    At exit, the exit hook's ``close`` waits for this one. Not in a forked child (a DataLoader worker),
+    which inherits no saves to finish."""
+    if not checkpointer._closed and os.getpid() == pid:
         threading.Thread(target=checkpointer._close_at_exit, name="accelerate-ckpt-close", daemon=True).start()
 
 
