@@ -81,7 +81,8 @@ def cmd_verify(ctx: Context) -> int:
             print_log_report(step_log)
         bad = sum(1 for r in results if not r["ok"])
         print(f"\n{len(results) - bad} intact, {bad} corrupt"
-              + ("" if step_log is None else f"; step log {'intact' if step_log['ok'] else 'damaged'}"))
+              + ("" if step_log is None else "; step log " + ("intact" if step_log["ok"] else "unreadable"
+                                                            if step_log.get("unreadable") else "damaged")))
     return EXIT_OK if ok else EXIT_PROBLEM
 
 

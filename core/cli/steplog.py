@@ -18,6 +18,7 @@ from ..format.dtypes import DTYPES
 from ..steplog.format import (
     PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name)
 from ..steplog.index import LogIndex, read_index
+from ..storage.retry import is_outage
 from ..steplog.log import STEPLOG_DIR, log_store
 from ..steplog.replay import Payload, find_marker, read_segment, unfold
 from ..storage.store import Store
@@ -106,6 +107,8 @@ def chain_steps(segs: Store, chain: Chain, cache: dict) -> tuple[int, int, str |
             try:
                 cache[seg.name] = read_header(segs, seg.name)
             except (SegmentDamaged, CheckrunError) as exc:
+                if is_outage(exc):  # the storage failed: not where the log ends (the command fails)
+                    raise
                 cache[seg.name] = exc
         header = cache[seg.name]
         if isinstance(header, BaseException):
@@ -240,6 +243,11 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
                          else "no committed checkpoint's replay reads it; a replay")
                 result["problems"].append(f"{one_line(exc)}: the log ends early here: {whose} stops at step {step}")
             except CheckrunError as exc:
+                if is_outage(exc):  # not damage: the segment could not be read (reliability.md)
+                    result["unreadable"] = True
+                    result["problems"].append(f"{one_line(exc)} (the storage failed, not a damaged segment: "
+                                              "verify again when it answers)")
+                    continue
                 result["problems"].append(f"{one_line(exc)} (hostile or invalid segment: replay raises)")
     for gap, (chain, needed_by) in gaps.items():  # a segment missing between two that are there
         step = chain_steps(segs, chain, dict(good))[1]
@@ -257,7 +265,7 @@ def print_log_report(rep: dict) -> None:
     if rep["ok"]:
         print(f"OK       {safe(rep['url'])}  (step log: {what}, {human_size(rep['bytes_checked'])})")
         return
-    print(f"DAMAGED  {safe(rep['url'])}  (step log: {what} intact)")
+    print(f"{'UNREADABLE' if rep.get('unreadable') else 'DAMAGED':8} {safe(rep['url'])}  (step log: {what} intact)")
     for p in rep["problems"]:
         print(f"  - {safe(p)}")
 

@@ -66,6 +66,6 @@ def read_index(segs: Store) -> LogIndex:
 
 def _read(segs: Store, name: str, limit: int) -> bytes | None:
     try:
-        return segs.read_manifest(name, limit + 1)
+        return segs.read_manifest(name, limit + 1, "step-log object")
     except CheckpointNotFoundError:  # deleted since the listing (gc): as if never listed
         return None

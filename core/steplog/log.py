@@ -105,6 +105,7 @@ class StepLog:
         self._thread.start()
         self._last_state: dict | None = None
         self._held: Any = None  # the record captured by the pre-hook of the step() in progress
+        self._due: list[Marker] = []  # markers whose write failed at their save: written again (_write_due)
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         _ACTIVE[optimizer] = self
@@ -113,6 +114,7 @@ class StepLog:
     # -- training thread ----------------------------------------------------------------------
     def flush(self) -> None:
         """Commit everything logged so far as a segment and wait for it (training thread)."""
+        self._write_due()
         self._check()
         self._drop_held()
         self._state_event()
@@ -167,6 +169,7 @@ class StepLog:
         surfaces at the log's next hook, ``flush`` or ``close``."""
         if store.url("") != self.store.url("") or self._stop.is_set() or os.getpid() != self._pid:
             return
+        marker = None
         try:  # the marker is written here, not by the encoder: it lands before the checkpoint commits
             self._drop_held()
             self._state_event()
@@ -177,9 +180,25 @@ class StepLog:
             self._queue.put(("flush", None))  # the segment ends at the checkpoint (gc drops it whole)
             self._unflushed = 0
             self._segs.write_manifest(marker.name, marker_to_bytes(marker), what="step-log marker")
-        except Exception as exc:  # noqa: BLE001 - the save goes on; replay falls back to an older marker
+        except Exception as exc:  # noqa: BLE001 - the save goes on; the marker is tried again (_write_due)
             log.error("checkrun: step log of %s: marker of %s not written: %s", self.store.url(""), name, exc)
             self._error = self._error or exc
+            if marker is not None:
+                self._due.append(marker)
+
+    def _write_due(self) -> None:
+        """Training thread: write again the markers whose write failed at their save (the checkpoint may
+        have committed without one: the steps logged after it are reachable once it lands)."""
+        while self._due:
+            marker = self._due[0]
+            try:
+                self._segs.write_manifest(marker.name, marker_to_bytes(marker), what="step-log marker")
+            except Exception as exc:  # noqa: BLE001 - tried again at the next step
+                self._error = self._error or exc
+                return
+            log.warning("checkrun: step log of %s: marker of %s written on a later try", self.store.url(""),
+                        marker.checkpoint)
+            self._due.pop(0)
 
     def continue_chain(self, parent: tuple[str, int, int]) -> bool:
         """Training thread, after ``engine.replay`` into this log's optimizer: if nothing was logged
@@ -203,6 +222,7 @@ class StepLog:
             raise StepLogError(f"step log of {self.store.url('')}: optimizer.step(closure) is not supported: "
                                "torch runs the step pre-hook that captures the gradients before the closure "
                                "computes them. Call the closure yourself, then optimizer.step() without it")
+        self._write_due()
         self._check()
         self._drop_held()
         if self._unflushed >= self.config.step_log.flush_every_steps:

@@ -159,10 +159,10 @@ def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryvi
     as blobs are; ``SegmentDamaged`` when the second read fails too (damaged at rest)."""
     where = segs.url(name)
     try:
-        return split_segment(segs.read_manifest(name, max_bytes), where)
+        return split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
     except SegmentDamaged as exc:
         first = exc
-    out = split_segment(segs.read_manifest(name, max_bytes), where)
+    out = split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
     log.warning("checkrun: step log segment %s failed its check once (%s); read again, it matched", where, first)
     return out
 

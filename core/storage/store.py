@@ -290,12 +290,12 @@ class Store:
                                         guard=guard, resolve=True),
                     f"write {what} {self._display(path)}")
 
-    def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX) -> bytes:
-        """Read a manifest; CheckpointNotFoundError if absent, CorruptCheckpointError if huge."""
+    def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX, what: str = "manifest") -> bytes:
+        """Read a manifest (``what``: how errors name it, e.g. a step-log segment); CheckpointNotFoundError
+        if absent, CorruptCheckpointError if huge."""
         path = self._manifest_path(name)
         try:
-            return self.retry(lambda: self._read(path, max_bytes, "manifest"),
-                               f"read manifest {self._display(path)}")
+            return self.retry(lambda: self._read(path, max_bytes, what), f"read {what} {self._display(path)}")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
 

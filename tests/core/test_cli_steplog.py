@@ -341,3 +341,34 @@ def test_export_step_needs_param_names(tmp_path, capsys):
         slog.close()
     code, _, err = _run(capsys, "export", directory, str(tmp_path / "x.pt"), "--step", "2", "--optimizer", "SGD")
     assert code == 1 and "param_names" in err and "named_parameters" in err
+
+
+class _SegmentReadsFail:
+    """Every read of a step-log segment fails as an unreachable storage does (after the retries)."""
+
+    def on(self, op, kind, path):
+        if op in ("read", "open") and "/steplog/seg-" in str(path) and ".tmp-" not in str(path):
+            raise ConnectionResetError(104, "injected: connection reset by peer")
+
+    def data(self, kind, path, buf, write):
+        write(buf)
+
+
+def test_a_storage_outage_is_not_reported_as_a_damaged_step_log(logged, capsys):
+    """Before: `verify DIR` called an unreadable segment 'hostile or invalid', and `ls` exited 0 saying the
+    log ends early (found by a fault program on S3): an outage is not damage, and fails the command."""
+    from ckpt_core.testing.faults import FaultFS
+
+    url = f"faultfile://{logged}"
+    config = Path(logged).parent / "retry-once.yaml"
+    config.write_text("storage:\n  retry:\n    max_attempts: 1\n")
+    FaultFS.reset()
+    FaultFS.policy = _SegmentReadsFail()
+    try:
+        code, out, _ = _run(capsys, "verify", url, "--config", str(config))
+        assert code == 1 and "UNREADABLE" in out and "the storage failed, not a damaged segment" in out
+        assert "hostile" not in out and "step log unreadable" in out
+        code, out, err = _run(capsys, "ls", url, "--config", str(config))
+        assert code == 1 and "the log ends early" not in out
+    finally:
+        FaultFS.reset()

@@ -252,3 +252,30 @@ def test_a_segment_damaged_in_transit_is_read_again(tmp_path, monkeypatch, caplo
     assert flipped and n == 9
     assert_bit_equal(resumed, _reference(12), "resumed through a segment damaged in transit")
     assert "failed its check once" in caplog.text
+
+
+def test_a_marker_whose_write_failed_is_written_again_so_the_later_steps_stay_reachable(tmp_path):
+    """The marker write failed at its save (an outage beyond the retries) while the checkpoint committed:
+    before, the steps logged after that checkpoint could never be replayed from it (NoMarkerError; the
+    adapters then resumed at the checkpoint: committed steps lost; found by a fault program on S3)."""
+    directory = f"faultfile://{tmp_path}/run"
+    model = make(KIND)
+    FaultFS.reset()
+    try:
+        with CheckpointEngine({"step_log": {"flush_every_steps": 2}, "storage": {"retry": {"max_attempts": 1}}}) as engine:
+            slog = engine.step_log(directory, model[1], model[2])
+            _train(engine, directory, model, range(1, 3))
+            FaultFS.fail_writes, FaultFS.fail_match = OSError(errno.EIO, "injected"), "mark-"
+            engine.save(state(*model), f"{directory}/step2.ckpt").result()  # committed, its marker not
+            FaultFS.reset()
+            with pytest.raises(StepLogError, match="marker"):  # surfaces at the next step (not taken)...
+                train_step(*model, 3)
+            model[1].step()  # ... which the loop takes again
+            model[2].step()
+            _train(engine, directory, model, range(4, 6))
+            slog.close()
+    finally:
+        FaultFS.reset()
+    n, resumed = _resume(directory)
+    assert n == 3
+    assert_bit_equal(resumed, _reference(5))
