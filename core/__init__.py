@@ -28,7 +28,7 @@ _EXPORTS = {
                "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
     "saving.handles": ("SaveHandle", "SaveInfo"),
     "saving.inflight": ("save_in_flight", "wait_for_save"),
-    "loading.reader": ("VerifyReport",),
+    "loading.reader": ("VerifyCache", "VerifyReport"),
     "retain.retention": ("CheckpointEntry", "GCReport"),
     "saving.tracking": ("EmbeddingTracker",),
 }
@@ -37,7 +37,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = [
     "CheckpointEngine", "save", "load", "save_in_flight", "wait_for_save", "EngineConfig", "CompressionConfig", "StorageConfig",
     "RetryConfig", "SavingConfig", "IncrementalConfig", "QuantRule", "RetentionConfig", "LoadConfig",
-    "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
+    "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyCache", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
     "ConfigError", "StorageError", "CheckpointNotFoundError", "NotACheckpointError",
     "CorruptCheckpointError", "UnsafePathError", "FormatError", "UnsafeLoadError", "BackgroundSaveError",
     "CommitRefusedError", "SupersededError", "OrphanedWriterError", "LossyRefusedError",
@@ -74,6 +74,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
                          OrphanedWriterError, StorageError, SupersededError, UnsafeLoadError, UnsafePathError)
     from .saving.handles import SaveHandle, SaveInfo
     from .saving.inflight import save_in_flight, wait_for_save
-    from .loading.reader import VerifyReport
+    from .loading.reader import VerifyCache, VerifyReport
     from .retain.retention import CheckpointEntry, GCReport
     from .saving.tracking import EmbeddingTracker

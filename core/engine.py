@@ -29,8 +29,8 @@ from .saving.handles import SaveHandle, SaveInfo
 from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
 from .loading.references import ReferenceBuild, supersede
-from .loading.reader import (
-    VerifyReport, load_manifest_state, map_location_tensor, read_manifest, require_readable, verify_manifest)
+from .loading.reader import (VerifyCache, VerifyReport, load_manifest_state, map_location_tensor, read_manifest,
+                             require_readable, verify_manifest)
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
@@ -188,12 +188,12 @@ class CheckpointEngine:
         return None
 
     def verify(self, path: PathLike, storage_options: dict | None = None, decode: bool = True,
-               progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Check the manifest and every blob (size, checksum, and decoding unless ``decode=False``)."""
+               progress: Callable[[int], None] | None = None, cache: VerifyCache | None = None) -> VerifyReport:
+        """Check the manifest and every blob (size, checksum, decoding unless ``decode=False``), not ``cache``'s."""
         self._check_open()
         store, name = self._store(path, storage_options, follow_link=True)
         self._wait_path(store.url(name))
-        return verify_manifest(store, name, self.config, decode=decode, progress=progress)
+        return verify_manifest(store, name, self.config, decode=decode, progress=progress, cache=cache)
 
     def gc(self, directory: PathLike, grace_seconds: float | None = None, dry_run: bool = False,
            storage_options: dict | None = None, full: bool = True) -> GCReport:

@@ -126,10 +126,10 @@ def resolve_checkpoint(ctx: Context, url: str) -> str:
     return chosen
 
 
-def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None) -> dict:
+def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None, cache: Any = None) -> dict:
     """Verify a checkpoint and, for an index, every part: ``{"path", "ok", "problems", "parts",
-    "blobs_checked", "bytes_checked"}``."""
-    rep = ctx.engine.verify(url, storage_options=ctx.storage_options, decode=decode, progress=progress)
+    "blobs_checked", "bytes_checked"}``; ``cache``: a ``VerifyCache`` shared with other checkpoints."""
+    rep = ctx.engine.verify(url, storage_options=ctx.storage_options, decode=decode, progress=progress, cache=cache)
     out = {"path": url, "ok": rep.ok, "problems": list(rep.problems), "parts": None,
            "blobs_checked": rep.blobs_checked, "bytes_checked": rep.bytes_checked}
     if not rep.ok:
@@ -144,7 +144,8 @@ def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None) -> d
     out["parts"] = []
     for part in composite.part_urls(url, index):
         try:
-            prep = ctx.engine.verify(part, storage_options=ctx.storage_options, decode=decode, progress=progress)
+            prep = ctx.engine.verify(part, storage_options=ctx.storage_options, decode=decode, progress=progress,
+                                     cache=cache)
             problems, blobs, nbytes = list(prep.problems), prep.blobs_checked, prep.bytes_checked
         except CheckpointNotFoundError as exc:
             problems, blobs, nbytes = [f"missing part: {exc}"], 0, 0

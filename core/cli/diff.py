@@ -26,6 +26,9 @@ from .util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, safe, sa
 from ..format.manifest import TensorRecord
 
 _BLOCK_ELEMS = 1 << 22
+_WHOLE_LIST = 256
+"""A list or tuple of more scalars than this is one value (a sampler's indices, a history): item by
+item, 65,536 ints cost ``diff`` ~1 KB each (15 such lists: 2.3 GB)."""
 _BITWISE = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 
@@ -75,8 +78,16 @@ Leaf = tuple
 """Identity of a leaf: its view prefix, then (type name, repr) of every key from the root."""
 
 
-def _leaf(prefix: str, keys: tuple) -> Leaf:
-    return (prefix,) + tuple((type(k).__name__, safe_repr(k)) for k in keys)
+def _leaf(prefix: str, keys: tuple, memo: dict) -> Leaf:
+    """``memo``: ``id(key) -> (key, its identity)``; the leaves under one container share its keys'
+    objects, so a deep tree costs a tuple of pointers per leaf, not its keys' reprs again."""
+    out = [prefix]
+    for k in keys:
+        hit = memo.get(id(k))
+        if hit is None or hit[0] is not k:
+            hit = memo[id(k)] = (k, (type(k).__name__, safe_repr(k)))
+        out.append(hit[1])
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -96,17 +107,18 @@ def _leaves(view: View) -> tuple[dict[Leaf, tuple], dict[Leaf, tuple]]:
     tensors: dict[Leaf, tuple] = {}
     values: dict[Leaf, tuple] = {}
     seen: set[int] = set()
+    memo: dict[int, tuple] = {}
     sources = [("checkpoint.", view.url, view.manifest)] if view.composite else []
     for prefix, url, manifest in sources + [(p.prefix, p.url, p.manifest) for p in view.pieces]:
-        for node in walk(manifest, url, collapse=0):
+        for node in walk(manifest, url, collapse=0, lists=_WHOLE_LIST):
             if node.kind == "value":
-                values[_leaf(prefix, node.keys)] = (prefix, node.keys, node.value)
+                values[_leaf(prefix, node.keys, memo)] = (prefix, node.keys, node.value)
             elif node.kind == "object" and node.record is not None:  # pickled: equal iff its blob is
-                values[_leaf(prefix, node.keys)] = (prefix, node.keys, Pickled(node.record.type, node.record.blob.key))
+                values[_leaf(prefix, node.keys, memo)] = (prefix, node.keys, Pickled(node.record.type, node.record.blob.key))
             elif node.kind == "tensor" and node.record is not None and prefix != "checkpoint.":
                 if id(node.record) not in seen:
                     seen.add(id(node.record))
-                    tensors[_leaf(prefix, node.keys)] = (prefix, node.keys, node.record)
+                    tensors[_leaf(prefix, node.keys, memo)] = (prefix, node.keys, node.record)
     return tensors, values
 
 
@@ -130,12 +142,13 @@ def _names(*maps: dict[Leaf, tuple]) -> dict[Leaf, str]:
 
 
 def _load_tensors(ctx: Context, view: View, unsafe: bool) -> dict[Leaf, torch.Tensor]:
-    out = {}
+    out: dict[Leaf, torch.Tensor] = {}
+    memo: dict[int, tuple] = {}
     for piece in view.pieces:
         state = ctx.engine.load(piece.url, map_location="cpu", weights_only=not unsafe,
                                 storage_options=ctx.storage_options)
         for keys, tensor in tensor_items(state):
-            out.setdefault(_leaf(piece.prefix, keys), tensor)
+            out.setdefault(_leaf(piece.prefix, keys, memo), tensor)
     return out
 
 
@@ -195,6 +208,8 @@ def _equal(x: Any, y: Any) -> bool:
         return False
     if isinstance(x, np.ndarray):
         return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind in "fc")
+    if isinstance(x, (list, tuple)):  # of many scalars (_WHOLE_LIST): compared whole, item by item
+        return len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
     if isinstance(x, (float, complex, np.inexact)) and _nan(x) and _nan(y):
         return True
     return bool(x == y)

@@ -213,15 +213,16 @@ def safetensors_payload(state: Any, values: dict) -> tuple[dict, dict, list[str]
 def numpy_values(state: Any, limit: int = 100) -> list[str]:
     """Dotted keys of the numpy scalars and arrays in ``state`` (dicts, lists, tuples; at most ``limit``)."""
     out: list[str] = []
-    todo = [(state, "")]
+    todo: list[tuple] = [(state, None, None)]  # (value, its parent's key, its own key): keys made when reached
     while todo and len(out) < limit:
-        value, key = todo.pop()
+        value, parent, k = todo.pop()
+        key = "" if parent is None else f"{parent}.{k}" if parent else str(k)
         if isinstance(value, (np.generic, np.ndarray)):
             out.append(key or "_")
         elif isinstance(value, dict):
-            todo.extend((v, f"{key}.{k}" if key else str(k)) for k, v in value.items())
+            todo.extend((v, key, k) for k, v in value.items())
         elif isinstance(value, (list, tuple)):
-            todo.extend((v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(value))
+            todo.extend((v, key, i) for i, v in enumerate(value))
     return sorted(out)
 
 
@@ -244,7 +245,7 @@ def cmd_export(ctx: Context) -> int:
         with ctx.bar(1, "loading", unit="ckpt") as bar:
             state = view.load(ctx, weights_only=not args.unsafe)
             bar.update(1)
-        values = view.values()
+        values = view.values() if fmt == "safetensors" else {}  # only safetensors' metadata holds them
     dropped: list[str] = []
     if fmt == "safetensors":
         from safetensors.torch import save as st_save

@@ -8,6 +8,7 @@ from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_siz
 from ..format.composite import INDEX_NAME, PARTS_DIR, join
 from ..retain.composites import Composites
 from ..errors import CheckrunError
+from ..loading.reader import VerifyCache
 
 # ----------------------------------------------------------------------------- verify
 
@@ -46,13 +47,14 @@ def cmd_verify(ctx: Context) -> int:
     is_dir, targets = _targets(ctx, args.path)
     results = []
     total = sum(t["stored"] or 0 for t in targets) if is_dir else targets[0]["stored"]
+    cache = VerifyCache()  # blobs and tensors the checkpoints share are checked once
     with ctx.bar(total, "verifying") as bar:
         for t in targets:
             if t["error"] is not None:  # a manifest list() could not parse: nothing more to check
                 results.append({"path": t["url"], "ok": False, "problems": [one_line(t["error"])],
                                 "blobs_checked": 0, "bytes_checked": 0, "parts": None})
                 continue
-            rep = verify_view(ctx, t["url"], decode=not args.no_decode, progress=bar.update)
+            rep = verify_view(ctx, t["url"], decode=not args.no_decode, progress=bar.update, cache=cache)
             if is_dir and not rep["ok"] and ctx.kind(t["url"]) == "missing":
                 # Removed since the listing (retention of another writer): gone, not corrupt.
                 log.debug("checkrun: %s was removed while verifying", t["url"])

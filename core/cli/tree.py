@@ -65,7 +65,29 @@ def _items(value: Any) -> list[tuple[Any, Any]]:
     return list(value.items()) if isinstance(value, dict) else list(enumerate(value))
 
 
-def _plain(value: Any, by_ptr: dict) -> bool:
+def _small(value: Any, limit: int) -> bool:
+    """Whether ``value`` has few enough items anywhere inside for its repr to fit ``limit`` chars
+    (each item takes 2 or more); stops counting there, so a deep or long tree is not walked whole
+    at each of its levels."""
+    stack, budget = [value], limit // 2
+    while stack:
+        v = stack.pop()
+        if _is_container(v):
+            budget -= len(v)
+            if budget < 0:
+                return False
+            stack.extend(x for _, x in _items(v))
+    return True
+
+
+def _collapsible(value: Any, by_ptr: dict, limit: int) -> bool:
+    """Plain containers with a short repr, and plain lists/tuples of scalars (shortened), are one row."""
+    if _scalars(value):
+        return True
+    return _small(value, limit) and _plain(value) and len(repr(value)) <= limit
+
+
+def _plain(value: Any) -> bool:
     """True if ``value`` holds no tensor and no pickled object (iterative: no recursion limit)."""
     stack = [value]
     while stack:
@@ -77,50 +99,57 @@ def _plain(value: Any, by_ptr: dict) -> bool:
     return True
 
 
-def _collapsible(value: Any, by_ptr: dict, limit: int) -> bool:
-    """Plain containers with a short repr, and plain lists/tuples of scalars (shortened), are one row."""
-    if not _plain(value, by_ptr):
-        return False
-    if isinstance(value, (list, tuple)) and not any(_is_container(v) for v in value):
-        return True
-    return len(repr(value)) <= limit
+def _scalars(value: Any) -> bool:
+    """A list or tuple of plain scalars only (no container, tensor or pickled object in it)."""
+    return isinstance(value, (list, tuple)) and not any(
+        _is_container(v) or isinstance(v, (torch.Tensor, ObjectRef)) for v in value)
 
 
-def walk(manifest: Manifest, where: str, collapse: int = 72) -> Iterator[Node]:
+def walk(manifest: Manifest, where: str, collapse: int = 72, lists: int = 0) -> Iterator[Node]:
     """Pre-order rows of the state tree. Plain containers whose repr fits ``collapse`` chars and
-    plain lists of scalars become one "value" row; ``collapse=0`` expands every container."""
+    plain lists of scalars become one "value" row; ``collapse=0`` expands every container, except
+    lists and tuples of more than ``lists`` scalars (if ``lists``: one value each)."""
     state, by_ptr = skeleton_state(manifest, where)
-    stack: list[tuple[Any, str | None, str, int, tuple]] = [(state, None, "<root>", -1, ())]
+    # A pending item holds its parent's (path, keys), made once per container, and its own key: its
+    # path is built when it is reached. Built for every pending item, a skeleton of 218 KB (100,000
+    # list items under 240 dicts with 80-character keys) took gigabytes before its first row.
+    stack: list[tuple[Any, tuple | None, Any, str, int]] = [(state, None, None, "<root>", -1)]
     while stack:
-        value, path, label, depth, keys = stack.pop()
+        value, parent, key, label, depth = stack.pop()
+        path, keys = (None, ()) if parent is None else (
+            text(key) if parent[0] is None else f"{parent[0]}.{text(key)}", parent[1] + (key,))
         if isinstance(value, torch.Tensor):
             rec = by_ptr.get(value.untyped_storage().data_ptr())
             grad = value.requires_grad if isinstance(value, torch.nn.Parameter) else None
             yield Node(path or "", label, depth, "tensor", record=rec, requires_grad=grad, keys=keys)
         elif isinstance(value, ObjectRef):
             yield Node(path or "", label, depth, "object", record=value.record, keys=keys)
-        elif _is_container(value) and not (collapse and _collapsible(value, by_ptr, collapse)):
+        elif _is_container(value) and not ((collapse and _collapsible(value, by_ptr, collapse))
+                                           or (lists and len(value) > lists and _scalars(value))):
             items = _items(value)
             if depth >= 0:
                 yield Node(path or "", label, depth, "container", value=type(value).__name__,
                            size=len(items), keys=keys)
-            for key, child in reversed(items):
-                child_path = text(key) if path is None else f"{path}.{text(key)}"
-                stack.append((child, child_path, _label(key, value), depth + 1, keys + (key,)))
+            frame = (path, keys)
+            stack.extend((child, frame, k, _label(k, value), depth + 1) for k, child in reversed(items))
         else:
             yield Node(path or "", label, depth, "value", value=value, keys=keys)
+
+
+_NO_KEY = object()
 
 
 def tensor_items(state: Any) -> Iterator[tuple[tuple, torch.Tensor]]:
     """``(keys, tensor)`` of every tensor in a loaded state, pre-order, with the keys :func:`walk`
     gives the same tensor's node (the same containers are descended: dict, OrderedDict, list, tuple)."""
-    stack: list[tuple[Any, tuple]] = [(state, ())]
+    stack: list[tuple[Any, tuple, Any]] = [(state, (), _NO_KEY)]  # keys made when reached, as in walk
     while stack:
-        value, keys = stack.pop()
+        value, parent, key = stack.pop()
+        keys = parent if key is _NO_KEY else parent + (key,)
         if isinstance(value, torch.Tensor):
             yield keys, value
         elif _is_container(value):
-            stack.extend((child, keys + (key,)) for key, child in reversed(_items(value)))
+            stack.extend((child, keys, k) for k, child in reversed(_items(value)))
 
 
 def _label(key: Any, parent: Any) -> str:

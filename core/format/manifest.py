@@ -285,6 +285,13 @@ def _canonical_bytes(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _brief(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: a message must not echo a hostile
+    manifest's 200,000-dimension shape (600 KB of error text) or megabyte key."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
+
+
 def _req(d: Any, name: str, typ: type | tuple, what: str) -> Any:
     if not isinstance(d, dict) or name not in d:
         raise FormatError(f"{what}: missing field {name!r}")
@@ -334,13 +341,13 @@ def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int, parts: bool = 
 def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION,
                       max_deltas: int = MIN_DELTAS) -> TensorRecord:
     key = _req(d, "key", str, "tensor")
-    what = f"tensor {key!r}"
+    what = f"tensor {_brief(key)}"
     dtype = _req(d, "dtype", str, what)
     if dtype not in DTYPES:
-        raise FormatError(f"{what}: unknown dtype {dtype!r}")
+        raise FormatError(f"{what}: unknown dtype {_brief(dtype)}")
     shape = tuple(_req(d, "shape", list, what))
     if len(shape) > 64 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise FormatError(f"{what}: invalid shape {list(shape)!r}")
+        raise FormatError(f"{what}: invalid shape {_brief(list(shape))}")
     isz = _itemsize(dtype)
     codecs = tuple(_req(d, "codecs", list, what))
     if len(codecs) > 64 or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
@@ -395,8 +402,8 @@ def _manifest_from_json(body: dict, limits: ManifestLimits) -> Manifest:
     objects = []
     for o in _req(body, "objects", list, "manifest"):
         key = _req(o, "key", str, "object")
-        objects.append(ObjectRecord(key, _req(o, "type", str, f"object {key!r}"),
-                                    _blob(o.get("blob"), f"object {key!r}", max_blob_bytes)))
+        objects.append(ObjectRecord(key, _req(o, "type", str, f"object {_brief(key)}"),
+                                    _blob(o.get("blob"), f"object {_brief(key)}", max_blob_bytes)))
     stats = body.get("stats") or {}
     meta = body.get("meta") or {}
     if not isinstance(stats, dict) or not isinstance(meta, dict):

@@ -12,7 +12,7 @@ import binascii
 import math
 import struct
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from ..errors import FormatError
 from .dtypes import ALL_DTYPES
 from .tree import (_FINISH, _HEX_INT, _INT64, _KEY_FORBIDDEN, _NAN_BITS, NDARRAY_MAX_BYTES, NUMPY_SCALARS, T_BYTES,
                    T_COMPLEX, T_DEVICE, T_DICT, T_DTYPE, T_FLOAT, T_INT, T_META, T_NDARRAY, T_NUMPY, T_OBJECT, T_ODICT,
-                   T_PARAM, T_SIZE, T_TENSOR, T_TUPLE, _join, _text, gc_paused)
+                   T_PARAM, T_SIZE, T_TENSOR, T_TUPLE, _text, gc_paused)
 
 __all__ = ["unflatten", "validate_skeleton"]
 
@@ -31,19 +31,34 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _fail(path: str | None, message: str) -> None:
-    where = path or "<root>"
-    where = where if len(where) <= 200 else "..." + where[-197:]
-    raise FormatError(f"skeleton at {where}: {message}")
+#: A key path while decoding: None (the root) or (parent path, key or index), made into text only
+#: for an error (``_where``). A string per pending item cost depth x key length each: a 218 KB
+#: hostile skeleton (100,000 items 240 dicts deep) took 2 GB to load.
+Path = Optional[tuple]
 
 
-def _djoin(path: str | None, component: Any) -> str:
-    # Truncated components bound what a hostile skeleton's long keys cost in path strings.
-    text = _text(component)
-    return _join(path, text if len(text) <= 80 else text[:77] + "...")
+def _where(path: Path) -> str:
+    """The dotted text of ``path`` (each key cut to 80 characters), its last 200 characters."""
+    parts: list[str] = []
+    size = 0
+    while path is not None and size <= 200:
+        path, component = path
+        text = _text(component)
+        parts.append(text if len(text) <= 80 else text[:77] + "...")
+        size += len(parts[-1]) + 1
+    where = "..." + ".".join(reversed(parts)) if path is not None else ".".join(reversed(parts)) or "<root>"
+    return where if len(where) <= 200 else "..." + where[-197:]
 
 
-def _decode_scalar(tag: str, v: Any, path: str | None) -> Any:
+def _fail(path: Path, message: str) -> None:
+    raise FormatError(f"skeleton at {_where(path)}: {message}")
+
+
+def _djoin(path: Path, component: Any) -> Path:
+    return (path, component)
+
+
+def _decode_scalar(tag: str, v: Any, path: Path) -> Any:
     """Decode a scalar tag's value; every malformed value ends in one FormatError."""
     t = type(v)
     try:
@@ -87,7 +102,7 @@ def _ndarray(dtype: Any, shape: Any, data: Any) -> np.ndarray | None:
     return np.frombuffer(raw, np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(shape)
 
 
-def _complex_part(p: Any, path: str | None) -> float:
+def _complex_part(p: Any, path: Path) -> float:
     if type(p) is float or type(p) is int:
         return float(p)
     if type(p) is dict and len(p) == 1 and T_FLOAT in p:
@@ -99,7 +114,7 @@ _SCALAR_TAGS = frozenset({T_FLOAT, T_INT, T_BYTES, T_COMPLEX, T_DTYPE, T_DEVICE,
 _ONE_KEY_TAGS = frozenset(_SCALAR_TAGS) | {T_TENSOR, T_PARAM, T_OBJECT, T_TUPLE, T_DICT, T_ODICT}
 
 
-def _tag_of(node: dict, path: str | None) -> str:
+def _tag_of(node: dict, path: Path) -> str:
     if len(node) == 1:
         (tag,) = node
         if tag in _ONE_KEY_TAGS:
@@ -133,7 +148,7 @@ class _Decoder:
         self.max_depth = max_depth
         self._params: dict[tuple[int, bool], torch.nn.Parameter] = {}
 
-    def run(self, root: Any, depth: int = 0, path: str | None = None, key_mode: bool = False) -> Any:
+    def run(self, root: Any, depth: int = 0, path: Path = None, key_mode: bool = False) -> Any:
         holder = [None]
         stack: list[tuple] = [(root, holder, 0, path, depth)]
         while stack:
@@ -145,11 +160,11 @@ class _Decoder:
                 self._visit(*item, stack, key_mode)
         return holder[0]
 
-    def _check(self, depth: int, path: str | None) -> None:
+    def _check(self, depth: int, path: Path) -> None:
         if depth > self.max_depth:
             _fail(path, f"nesting deeper than max_depth={self.max_depth}")
 
-    def _visit(self, node: Any, out: Any, slot: Any, path: str | None, depth: int, stack: list,
+    def _visit(self, node: Any, out: Any, slot: Any, path: Path, depth: int, stack: list,
                key_mode: bool) -> None:
         t = type(node)
         if node is None or t is bool or t is int or t is float or t is str:
@@ -179,11 +194,11 @@ class _Decoder:
             out[slot] = self._leaf(tag, node[tag], path)
 
     @staticmethod
-    def _push(node: list, items: list, path: str | None, depth: int, stack: list) -> None:
+    def _push(node: list, items: list, path: Path, depth: int, stack: list) -> None:
         for i in range(len(node) - 1, -1, -1):
             stack.append((node[i], items, i, _djoin(path, i), depth))
 
-    def _mapping(self, node: dict, tag: str, path: str | None, depth: int, stack: list) -> dict:
+    def _mapping(self, node: dict, tag: str, path: Path, depth: int, stack: list) -> dict:
         flat = node[tag]
         if type(flat) is not list or len(flat) % 2:
             _fail(path, f"{tag} needs a flat [key, value, ...] list")
@@ -201,7 +216,7 @@ class _Decoder:
             stack.append((node[T_META], _AttrSlot(target), "_metadata", _djoin(path, "_metadata"), depth))
         return target
 
-    def _leaf(self, tag: str, v: Any, path: str | None) -> Any:
+    def _leaf(self, tag: str, v: Any, path: Path) -> Any:
         if tag == T_OBJECT:
             if type(v) is not int or not 0 <= v < self.n_objects:
                 _fail(path, f"object ref {_short(v)} out of range (have {self.n_objects})")
@@ -226,7 +241,7 @@ class _Decoder:
             self._params[(v, grad)] = param  # tied parameters stay one object
         return param
 
-    def _grad_tensor(self, v: int, path: str | None) -> torch.Tensor:
+    def _grad_tensor(self, v: int, path: Path) -> torch.Tensor:
         """Tensor ``v`` as a leaf that requires grad (one object for every ref to it)."""
         tensor = self._params.get((v, "tensor"))
         if tensor is None:

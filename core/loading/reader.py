@@ -8,6 +8,8 @@ every decoder is bounded by the size the manifest declares (already validated ag
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 import warnings
@@ -21,7 +23,8 @@ from ..config import EngineConfig
 from ..errors import (CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError,
                       UnsafeLoadError)
 from ..storage.retry import is_outage
-from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord, parse_manifest
+from ..format.manifest import (DTYPES, SNIFF_BYTES, BlobRef, ChunkRef, Manifest, TensorRecord, is_manifest_head,
+                               looks_damaged, parse_manifest)
 from ..format.limits import check_load_bytes, limits_for, memory_limit
 from ..format.objects import deserialize_object, object_load_bytes
 from .decode import Pass, decode_limit, fetch_blob, pack_limit
@@ -37,7 +40,12 @@ log = logging.getLogger("ckpt_core")
 
 def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
     """Read and validate the manifest ``name`` of ``store`` (errors name its URL)."""
-    data = store.read_manifest(name)
+    try:
+        data = store.read_manifest(name)
+    except CorruptCheckpointError:  # larger than any manifest: a big file of another kind says so
+        if not is_manifest_head(head := store.read_head(name, SNIFF_BYTES)) and not looks_damaged(head):
+            parse_manifest(head, store.url(name))  # NotACheckpointError, as for a small such file
+        raise
     return parse_manifest(data, store.url(name), limits=limits_for(config))
 
 
@@ -295,9 +303,27 @@ def require_readable(unreadable: bool, url: str, error: str | None) -> None:
                            "retry when the storage answers")
 
 
+@dataclass
+class VerifyCache:
+    """What verifying earlier checkpoints of a directory found intact, so that checkpoints sharing
+    blobs and tensors (incremental saves) check each once: a ``checkrun verify DIR`` of 200
+    checkpoints of 200 tensors opened 40,000 blob files for 399 distinct blobs. Only what was found
+    intact is kept (a damaged blob is reported for every checkpoint that needs it)."""
+
+    blobs: set[BlobRef] = field(default_factory=set)
+    tensors: set[str] = field(default_factory=set)
+    """Records (all but their key) that decoded."""
+
+
+#: A verify decodes the tensors in groups of about this many bytes, each freed before the next: a
+#: checkpoint larger than the machine's memory can be verified.
+VERIFY_GROUP_BYTES = 256 << 20
+
+
 def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,
-                    progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check the manifest, then every blob's presence, size and checksum (and decodability)."""
+                    progress: Callable[[int], None] | None = None, cache: VerifyCache | None = None) -> VerifyReport:
+    """Check the manifest, then every blob's presence, size and checksum (and decodability);
+    ``cache``: skip what an earlier verify with it found intact."""
     report = VerifyReport(store.url(name))
     try:
         manifest = read_manifest(store, name, config)
@@ -307,6 +333,13 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     # Every distinct reference, not one per key: references to one blob that disagree (size or
     # checksum) cannot all match it, so such a manifest fails.
     unique = list(dict.fromkeys(manifest.blobs()))
+    cache = cache if cache is not None else VerifyCache()
+    for ref in (r for r in unique if r in cache.blobs):
+        report.blobs_checked += 1
+        report.bytes_checked += ref.size
+        if progress is not None:
+            progress(ref.size)
+    unique = [r for r in unique if r not in cache.blobs]
 
     def check(ref: BlobRef) -> CheckrunError | None:
         try:
@@ -323,6 +356,8 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         report.bytes_checked += ref.size
         if problem:
             report.add(str(problem), is_outage(problem))
+        else:
+            cache.blobs.add(ref)
     if not report.ok and (hint := _copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
@@ -331,11 +366,35 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             if isinstance(manifest.meta.get("dcp"), dict):  # what a DCP load reads instead of the skeleton
                 from ..dcp.format import decode_metadata
                 decode_metadata(manifest.meta["dcp"], manifest, report.path)
-            load_tensors(store, manifest, report.path, max_total_bytes=config.load.max_total_bytes)
+            _decode_all(store, manifest, report.path, config, cache)
             _check_objects(store, manifest, report.path, config)
         except CheckrunError as exc:
             report.add(str(exc), is_outage(exc))
     return report
+
+
+def _decode_all(store: Store, manifest: Manifest, where: str, config: EngineConfig, cache: VerifyCache) -> None:
+    """Decode every tensor the cache has not seen decode, in groups of ``VERIFY_GROUP_BYTES``."""
+    group: list[TensorRecord] = []
+    size = 0
+    for rec in manifest.tensors + (None,):
+        if rec is not None:
+            sig = _signature(rec)
+            if sig in cache.tensors:
+                continue
+        if group and (rec is None or size + rec.nbytes > VERIFY_GROUP_BYTES):
+            load_tensors(store, dataclasses.replace(manifest, tensors=tuple(group)), where,
+                         max_total_bytes=config.load.max_total_bytes)
+            cache.tensors.update(_signature(r) for r in group)
+            group, size = [], 0
+        if rec is not None:
+            group.append(rec)
+            size += rec.nbytes
+
+
+def _signature(rec: TensorRecord) -> str:
+    """What decoding a record depends on: all but its key and what its save wrote."""
+    return repr(dataclasses.replace(rec, key="", written=0))
 
 
 def _check_objects(store: Store, manifest: Manifest, where: str, config: EngineConfig) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -184,6 +185,22 @@ class GCReport:
     """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
 
 
+def _linked_blobs(store: Store) -> str | None:
+    """Why a local directory's blobs must not be collected from it: its ``.checkrun`` (or the blobs
+    folder in it) is a symbolic link, so the blobs may be those of another directory's checkpoints,
+    which this collection does not see (a gc there deleted blobs another directory's committed
+    checkpoints needed: found by a check of hostile layouts)."""
+    if not store.is_local:
+        return None
+    for sub in (".checkrun", ".checkrun/blobs"):
+        path = os.path.join(store.root, sub)
+        if os.path.islink(path):
+            return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): its blobs may belong to "
+                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted "
+                    "(collect where the blobs are, with every checkpoint that uses them beside them)")
+    return None
+
+
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
                     dry_run: bool = False, candidates: dict[str, int] | None = None) -> GCReport:
     """Delete the blobs no manifest references and no live lease protects.
@@ -196,6 +213,10 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     report = GCReport(store.url(""), dry_run)
     if not candidates and not store.is_directory():
         return report  # nothing to collect, and no lease object to leave in a directory never made
+    linked = _linked_blobs(store)
+    if linked:
+        report.problems.append(linked)
+        return report
     floor = config.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
     gc = Collection(store, config.retention.lease_seconds)
     try:

@@ -218,6 +218,53 @@ def test_verify_local_intact_then_corrupt(capsys, local_run):
     assert code == 1 and "broken.ckpt" in err and "truncated" in err and err.count("\n") == 1
 
 
+def test_verify_of_a_directory_checks_each_shared_blob_and_tensor_once(capsys, tmp_path, monkeypatch):
+    """Incremental checkpoints share most blobs: ``verify DIR`` read each shared blob once per
+    checkpoint (an independent check: 40,000 blob reads for 399 distinct blobs) and decoded each
+    shared tensor again. Intact ones are now checked once per command; a damaged shared blob is
+    still reported for every checkpoint that needs it."""
+    from ckpt_core.loading import decode, reader
+
+    state = {f"t{i}": torch.randn(100_000) for i in range(6)}  # a blob each (not packed)
+    with CheckpointEngine() as engine:
+        for step in range(5):
+            state[f"t{step}"] += 1
+            engine.save({"model": state, "step": step}, tmp_path / f"step={step}.ckpt").result()
+        distinct = {b.key for step in range(5) for b in engine.read_manifest(tmp_path / f"step={step}.ckpt").blobs()}
+    fetched, decoded = [], []
+    real_fetch, real_decode = reader.fetch_blob, decode.Pass.add
+    monkeypatch.setattr(reader, "fetch_blob", lambda store, ref, *a: fetched.append(ref.key) or real_fetch(store, ref, *a))
+    monkeypatch.setattr(decode.Pass, "add", lambda self, loaded, *a: decoded.append(loaded.record.key)
+                        or real_decode(self, loaded, *a))
+    code, data = run_json(capsys, "verify", str(tmp_path))
+    assert code == 0 and data["ok"] and len(data["checkpoints"]) == 5
+    assert sorted(fetched) == sorted(distinct)  # once each (5 x 6 + 5 without the cache)
+    assert len(decoded) == len(distinct) == 6 + 4  # each version of a tensor decoded once
+    with CheckpointEngine() as engine:
+        records = {r.key: r for r in engine.read_manifest(tmp_path / "step=4.ckpt").tensors}
+    shared = records["model.t1"].base[0].blob  # t1 last changed at step 1: steps 1-4 need it
+    (tmp_path / ".checkrun" / "blobs" / shared.key[:2] / shared.key[2:]).write_bytes(b"x" * shared.size)
+    code, data = run_json(capsys, "verify", str(tmp_path), "--no-decode")
+    bad = [Path(r["path"]).name for r in data["checkpoints"] if not r["ok"]]
+    assert code == 1 and sorted(bad) == [f"step={s}.ckpt" for s in range(1, 5)]
+
+
+def test_verify_decodes_a_checkpoint_larger_than_the_memory_limit_in_groups(tmp_path, monkeypatch):
+    """``verify`` decoded every tensor of a checkpoint at once: one larger than the machine's memory
+    (``load.max_total_bytes``) could not be verified. It decodes them in groups now."""
+    from ckpt_core.errors import ResourceLimitError
+    from ckpt_core.loading import reader
+
+    monkeypatch.setattr(reader, "VERIFY_GROUP_BYTES", 64 << 10)
+    config = {"load": {"max_total_bytes": 200 << 10}}
+    with CheckpointEngine(config) as engine:
+        engine.save({f"t{i}": torch.randn(8192) for i in range(10)}, tmp_path / "big.ckpt").result()  # 320 KiB
+        with pytest.raises(ResourceLimitError, match="max_total_bytes"):
+            engine.load(tmp_path / "big.ckpt")
+        report = engine.verify(tmp_path / "big.ckpt")
+    assert report.ok and report.problems == []
+
+
 def test_progress_bar_only_on_a_tty(capsys, local_run, monkeypatch):
     root, _ = local_run
     assert "verifying" not in run(capsys, "verify", root)[2]

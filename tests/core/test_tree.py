@@ -432,3 +432,57 @@ def test_flatten_output_always_validates_at_the_same_depth(state: Any, limit: in
     except FormatError:
         return
     validate_skeleton(flat.skeleton, len(flat.tensors), len(flat.objects), max_depth=limit)
+
+
+def _deep(items: int, depth: int, leaf: Any = 0) -> dict:
+    """A skeleton of ``depth`` dicts, each with one 80-character key, over a list of ``items``."""
+    skel: Any = [leaf] * items
+    for _ in range(depth):
+        skel = {"$d": ["k" * 80, skel]}
+    return skel
+
+
+def test_a_deep_skeleton_with_many_items_decodes_in_memory_its_size_bounds() -> None:
+    """Each pending item of the decoder held its whole dotted key path as text: 100,000 list items
+    under 240 dicts with 80-character keys (a 218 KB manifest) took 2 GB to load. Paths are now made
+    into text only for an error, which still names where (its last 200 characters)."""
+    import tracemalloc
+
+    skel = _deep(5000, 200)
+    tracemalloc.start()
+    try:
+        validate_skeleton(skel, 0, 0)
+        state = unflatten(skel, [], [])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 2**20:.0f} MiB"  # the paths as text: 81 MB
+    for _ in range(200):
+        state = state["k" * 80]
+    assert state == [0] * 5000
+    with pytest.raises(FormatError, match=r"^skeleton at \.\.\.[k.]+\.0: tensor ref 7 out of range") as info:
+        validate_skeleton(_deep(5000, 200, {"$t": 7}), 1, 0)
+    assert len(str(info.value)) < 300
+    with pytest.raises(FormatError, match=r"^skeleton at <root>: "):
+        validate_skeleton({"$t": 7}, 1, 0)
+    with pytest.raises(FormatError, match=r"^skeleton at a\.0\.b: "):
+        validate_skeleton({"$d": ["a", [{"$d": ["b", {"$t": 7}]}]]}, 1, 0)
+
+
+def test_flattening_a_deep_state_makes_text_keys_only_for_its_leaves() -> None:
+    """The encoder (every save) held each pending item's dotted path as text too: 78 MB for a list of
+    5,000 ints under 200 dicts with 80-character keys. A tensor's key is still its whole path."""
+    import tracemalloc
+
+    state: Any = {"w": torch.ones(2), 3: {"x": torch.zeros(1)}, "ids": list(range(5000))}
+    for _ in range(200):
+        state = {"k" * 80: state}
+    tracemalloc.start()
+    try:
+        flat = flatten(state)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 2**20:.0f} MiB"
+    prefix = ".".join(["k" * 80] * 200)
+    assert [t.key for t in flat.tensors] == [f"{prefix}.w", f"{prefix}.3.x"]

@@ -315,6 +315,16 @@ def test_huge_declared_tensor_is_refused_without_allocating_it(env):
     refused(env, forge(body), CheckrunError, max_blob_bytes=1 << 34)
 
 
+@pytest.mark.parametrize("fields", [{"shape": [1] * 200_000}, {"key": "k" * 1_000_000, "dtype": "nope"},
+                                    {"dtype": "d" * 1_000_000}])
+def test_an_error_does_not_echo_a_huge_field(env, fields):
+    """A shape of 200,000 dimensions came back as 600 KB of error text in load, verify and ls."""
+    body = env.body()
+    body["tensors"][1].update(fields)
+    err = refused(env, forge(body), FormatError)
+    assert len(str(err)) < 1000 and "characters)" in str(err), str(err)[:300]
+
+
 def test_huge_files_are_not_read(env):
     big = env.root / "evil.ckpt"
     with open(big, "wb") as f:  # a sparse 65 MiB "manifest": refused by its size, unread
@@ -322,6 +332,12 @@ def test_huge_files_are_not_read(env):
         f.truncate(65 << 20)
     with CheckpointEngine(config()) as engine, pytest.raises(CorruptCheckpointError, match="more than"):
         engine.load(big)
+    other = env.root / "data.bin"
+    with open(other, "wb") as f:  # a big file of another kind: said so, not "too large a manifest"
+        f.write(b"PK\x03\x04")
+        f.truncate(65 << 20)
+    with CheckpointEngine(config()) as engine, pytest.raises(NotACheckpointError, match="not a checkrun checkpoint"):
+        engine.load(other)
     body = env.body()
     ref = body["objects"][0]["blob"] = env.put_blob(b"x" * 100)
     blob = env.root / ".checkrun" / "blobs" / ref["key"][:2] / ref["key"][2:]

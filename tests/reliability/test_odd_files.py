@@ -81,3 +81,26 @@ def test_a_blob_shard_that_cannot_be_listed_is_an_error_not_an_older_checkpoint(
             engine.gc(directory)
         monkeypatch.setattr(os, "scandir", real)
         assert engine.latest(directory, verify=False).endswith("s2.ckpt")
+
+
+@pytest.mark.parametrize("linked", [".checkrun", ".checkrun/blobs"])
+def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, linked):
+    """Two directories sharing one blob folder through a symbolic link: a gc in one saw only its own
+    checkpoints and deleted blobs the other's committed checkpoints needed (found by a check of
+    hostile layouts). A collection beside a linked ``.checkrun`` (or blobs folder) now deletes
+    nothing and says why, by hand or after a save with retention."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.arange(1000.0)}, a / "a.ckpt").result()
+    target = a / linked
+    (b / linked).parent.mkdir(parents=True)
+    os.symlink(os.path.relpath(target, (b / linked).parent), b / linked)
+    config = {"retention": {"keep_last": 1}}
+    with CheckpointEngine(config) as engine:
+        for step in range(3):  # each save removes the one before it and collects after it
+            engine.save({"w": torch.full((1000,), float(step))}, b / f"b{step}.ckpt").result()
+        engine.wait()
+        report = engine.gc(b)
+        assert report.problems and "symbolic link" in report.problems[0] and not report.deleted
+        assert engine.verify(a / "a.ckpt").ok and engine.verify(b / "b2.ckpt").ok
+    assert sorted(p.name for p in b.glob("*.ckpt")) == ["b2.ckpt"]
