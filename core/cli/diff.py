@@ -26,9 +26,6 @@ from .util import EXIT_OK, EXIT_PROBLEM, Context, emit_json, fmt_float, safe, sa
 from ..format.manifest import TensorRecord
 
 _BLOCK_ELEMS = 1 << 22
-_WHOLE_LIST = 256
-"""A list or tuple of more scalars than this is one value (a sampler's indices, a history): item by
-item, 65,536 ints cost ``diff`` ~1 KB each (15 such lists: 2.3 GB)."""
 _BITWISE = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 
@@ -110,7 +107,7 @@ def _leaves(view: View) -> tuple[dict[Leaf, tuple], dict[Leaf, tuple]]:
     memo: dict[int, tuple] = {}
     sources = [("checkpoint.", view.url, view.manifest)] if view.composite else []
     for prefix, url, manifest in sources + [(p.prefix, p.url, p.manifest) for p in view.pieces]:
-        for node in walk(manifest, url, collapse=0, lists=_WHOLE_LIST):
+        for node in walk(manifest, url, collapse=0, lists=True):
             if node.kind == "value":
                 values[_leaf(prefix, node.keys, memo)] = (prefix, node.keys, node.value)
             elif node.kind == "object" and node.record is not None:  # pickled: equal iff its blob is
@@ -197,9 +194,23 @@ def _value_diffs(va: dict, vb: dict, names: dict) -> list[dict]:
             out.append({"key": key, "status": "removed", "a": va[leaf][2]})
         elif leaf not in va:
             out.append({"key": key, "status": "added", "b": vb[leaf][2]})
-        elif not _equal(va[leaf][2], vb[leaf][2]):
-            out.append({"key": key, "status": "changed", "a": va[leaf][2], "b": vb[leaf][2]})
+        elif not _equal(x := va[leaf][2], y := vb[leaf][2]):
+            out.append({"key": key, "status": "changed", "a": x, "b": y})
+            if isinstance(x, (list, tuple)):  # where they part: the first item that differs
+                out[-1]["index"] = next((i for i, (p, q) in enumerate(zip(x, y)) if not _equal(p, q)),
+                                        min(len(x), len(y)))
     return out
+
+
+def _shown(v: dict, side: str) -> str | None:
+    """A value as the table shows it; a list that changed from its first differing item on."""
+    if side not in v:
+        return None
+    value, i = v[side], v.get("index")
+    if i is None:
+        return short_repr(value, 40)
+    item = short_repr(value[i], 20) if i < len(value) else "(ends)"
+    return f"[{i}] {item} of {len(value)} items"
 
 
 def _equal(x: Any, y: Any) -> bool:
@@ -208,7 +219,7 @@ def _equal(x: Any, y: Any) -> bool:
         return False
     if isinstance(x, np.ndarray):
         return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind in "fc")
-    if isinstance(x, (list, tuple)):  # of many scalars (_WHOLE_LIST): compared whole, item by item
+    if isinstance(x, (list, tuple)):  # of scalars (walk(lists=True)): compared whole, item by item
         return len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
     if isinstance(x, (float, complex, np.inexact)) and _nan(x) and _nan(y):
         return True
@@ -256,8 +267,7 @@ def cmd_diff(ctx: Context) -> int:
             print()
         if values:
             print(table(["VALUE", "STATUS", "A", "B"],
-                        [[v["key"], v["status"], short_repr(v["a"], 40) if "a" in v else None,
-                          short_repr(v["b"], 40) if "b" in v else None] for v in values]))
+                        [[v["key"], v["status"], _shown(v, "a"), _shown(v, "b")] for v in values]))
             print()
         print(f"{len(tensors)} tensors: {counts['changed']} changed, {counts['added']} added, "
               f"{counts['removed']} removed, {counts['retyped']} reshaped/retyped, {counts['same']} identical "

@@ -105,10 +105,10 @@ def _scalars(value: Any) -> bool:
         _is_container(v) or isinstance(v, (torch.Tensor, ObjectRef)) for v in value)
 
 
-def walk(manifest: Manifest, where: str, collapse: int = 72, lists: int = 0) -> Iterator[Node]:
+def walk(manifest: Manifest, where: str, collapse: int = 72, lists: bool = False) -> Iterator[Node]:
     """Pre-order rows of the state tree. Plain containers whose repr fits ``collapse`` chars and
     plain lists of scalars become one "value" row; ``collapse=0`` expands every container, except
-    lists and tuples of more than ``lists`` scalars (if ``lists``: one value each)."""
+    lists and tuples of plain scalars with ``lists=True`` (one value each)."""
     state, by_ptr = skeleton_state(manifest, where)
     # A pending item holds its parent's (path, keys), made once per container, and its own key: its
     # path is built when it is reached. Built for every pending item, a skeleton of 218 KB (100,000
@@ -125,7 +125,7 @@ def walk(manifest: Manifest, where: str, collapse: int = 72, lists: int = 0) -> 
         elif isinstance(value, ObjectRef):
             yield Node(path or "", label, depth, "object", record=value.record, keys=keys)
         elif _is_container(value) and not ((collapse and _collapsible(value, by_ptr, collapse))
-                                           or (lists and len(value) > lists and _scalars(value))):
+                                           or (lists and _scalars(value))):
             items = _items(value)
             if depth >= 0:
                 yield Node(path or "", label, depth, "container", value=type(value).__name__,

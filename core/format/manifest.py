@@ -259,7 +259,7 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
         raise NotACheckpointError(f"{where}: not a checkrun manifest")
     version = body.get("format_version")
     if version not in SUPPORTED_VERSIONS:
-        raise FormatError(f"{where}: manifest format version {version!r} is not supported "
+        raise FormatError(f"{where}: manifest format version {_brief(version)} is not supported "
                           f"(this checkrun reads {SUPPORTED_VERSIONS})")
     try:
         canonical = _canonical_bytes(body)
@@ -304,7 +304,7 @@ def _req(d: Any, name: str, typ: type | tuple, what: str) -> Any:
 def _nonneg(d: dict, name: str, what: str, limit: int | None = None) -> int:
     v = _req(d, name, int, what)
     if v < 0 or (limit is not None and v > limit):
-        raise FormatError(f"{what}: field {name!r} out of range ({v})")
+        raise FormatError(f"{what}: field {name!r} out of range ({_brief(v)})")
     return v
 
 
@@ -331,7 +331,7 @@ def _chunk(d: Any, what: str, itemsize: int, max_blob_bytes: int, parts: bool = 
             raise FormatError(f"{what}: field 'part' must be [start, total], two non-negative integers")
         start, total = part
         if total > max_blob_bytes or total % itemsize or start % itemsize or start + rows * cols * itemsize > total:
-            raise FormatError(f"{what}: part {part} does not fit in a pack of {total} bytes of "
+            raise FormatError(f"{what}: part {_brief(part)} does not fit in a pack of {total} bytes of "
                               f"{itemsize}-byte elements (limit {max_blob_bytes})")
         part = (start, total)
     return ChunkRef(_nonneg(d, "off", what), rows, cols, _blob(d.get("blob"), what + ".blob", max_blob_bytes),

@@ -310,9 +310,11 @@ class VerifyCache:
     checkpoints of 200 tensors opened 40,000 blob files for 399 distinct blobs. Only what was found
     intact is kept (a damaged blob is reported for every checkpoint that needs it)."""
 
-    blobs: set[BlobRef] = field(default_factory=set)
-    tensors: set[str] = field(default_factory=set)
-    """Records (all but their key) that decoded."""
+    blobs: set[tuple[str, BlobRef]] = field(default_factory=set)
+    """(the store's URL, reference) of each blob found intact: another store (a composite's parts, a
+    linked manifest's directory) holds its own copy, checked there."""
+    tensors: set[tuple[str, str]] = field(default_factory=set)
+    """(the store's URL, record without its key) of each tensor that decoded."""
 
 
 #: A verify decodes the tensors in groups of about this many bytes, each freed before the next: a
@@ -333,13 +335,13 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     # Every distinct reference, not one per key: references to one blob that disagree (size or
     # checksum) cannot all match it, so such a manifest fails.
     unique = list(dict.fromkeys(manifest.blobs()))
-    cache = cache if cache is not None else VerifyCache()
-    for ref in (r for r in unique if r in cache.blobs):
+    cache, here = cache if cache is not None else VerifyCache(), store.url("")
+    for ref in (r for r in unique if (here, r) in cache.blobs):
         report.blobs_checked += 1
         report.bytes_checked += ref.size
         if progress is not None:
             progress(ref.size)
-    unique = [r for r in unique if r not in cache.blobs]
+    unique = [r for r in unique if (here, r) not in cache.blobs]
 
     def check(ref: BlobRef) -> CheckrunError | None:
         try:
@@ -357,7 +359,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         if problem:
             report.add(str(problem), is_outage(problem))
         else:
-            cache.blobs.add(ref)
+            cache.blobs.add((here, ref))
     if not report.ok and (hint := _copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
@@ -376,16 +378,14 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
 def _decode_all(store: Store, manifest: Manifest, where: str, config: EngineConfig, cache: VerifyCache) -> None:
     """Decode every tensor the cache has not seen decode, in groups of ``VERIFY_GROUP_BYTES``."""
     group: list[TensorRecord] = []
-    size = 0
+    size, here = 0, store.url("")
     for rec in manifest.tensors + (None,):
-        if rec is not None:
-            sig = _signature(rec)
-            if sig in cache.tensors:
-                continue
+        if rec is not None and (here, _signature(rec)) in cache.tensors:
+            continue
         if group and (rec is None or size + rec.nbytes > VERIFY_GROUP_BYTES):
             load_tensors(store, dataclasses.replace(manifest, tensors=tuple(group)), where,
                          max_total_bytes=config.load.max_total_bytes)
-            cache.tensors.update(_signature(r) for r in group)
+            cache.tensors.update((here, _signature(r)) for r in group)
             group, size = [], 0
         if rec is not None:
             group.append(rec)

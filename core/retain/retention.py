@@ -196,8 +196,9 @@ def _linked_blobs(store: Store) -> str | None:
         path = os.path.join(store.root, sub)
         if os.path.islink(path):
             return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): its blobs may belong to "
-                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted "
-                    "(collect where the blobs are, with every checkpoint that uses them beside them)")
+                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted. "
+                    "A blob folder shared through links is not supported: a gc where it lies deletes the blobs "
+                    "that only this directory's checkpoints need (move them into one directory)")
     return None
 
 

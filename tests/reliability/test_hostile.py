@@ -325,6 +325,14 @@ def test_an_error_does_not_echo_a_huge_field(env, fields):
     assert len(str(err)) < 1000 and "characters)" in str(err), str(err)[:300]
 
 
+def test_an_unknown_format_version_is_not_echoed_whole(env):
+    """Checked before the checksum, so no forging needed: 10 MB of version came back as 10 MB of error."""
+    body = env.body()
+    body["format_version"] = "9" * 1_000_000
+    err = refused(env, json.dumps(body).encode(), FormatError)
+    assert len(str(err)) < 1000 and "is not supported" in str(err), str(err)[:300]
+
+
 def test_huge_files_are_not_read(env):
     big = env.root / "evil.ckpt"
     with open(big, "wb") as f:  # a sparse 65 MiB "manifest": refused by its size, unread
