@@ -145,6 +145,8 @@ def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
     part_bytes = {e.url: e.size for d in sorted(part_dirs)
                   for e in ctx.engine.list(d, storage_options=ctx.storage_options)}
     rows = [_checked_row(i, users, part_bytes) for i in items]
+    for item in items:  # the rows hold what is shown: the gc dry run below reads the manifests again
+        item.manifests = None
     manifests = sum(i.size for i in items) + sum(part_bytes.get(u, 0) for i in items for u in i.parts or ())
     blobs = sum(sizes.values())
     totals = {"checkpoints": len(items), "corrupt": sum(1 for r in rows if r["status"] != "committed"),
