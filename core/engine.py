@@ -168,19 +168,18 @@ class CheckpointEngine:
         store = self._dir_store(directory, storage_options)
         self._wait_dir(store)
         sizes = None
-        for entry in reversed(list_checkpoints(store, self.config)):
-            if entry.manifest is None:
+        for entry in reversed(list_checkpoints(store, self.config, heads=True)):  # each parsed when tried
+            if entry.error is not None:
                 require_readable(entry.unreadable, entry.url, entry.error)
                 log.warning("checkrun: skipping corrupt checkpoint %s: %s", entry.url, entry.error)
                 continue
-            if verify:
-                report = verify_manifest(store, entry.name, self.config, decode=False)
-                problems = report.problems
-                require_readable(report.unreadable, entry.url, problems[0] if problems else "")
-            else:
+            report = verify_manifest(store, entry.name, self.config, decode=False, blobs=verify)
+            problems = report.problems
+            require_readable(report.unreadable, entry.url, problems[0] if problems else "")
+            if not verify and not problems:
                 sizes = sizes if sizes is not None else {b.key: b.size for b in store.list_blobs()}
                 problems = [f"missing or truncated blob {store.blob_path(b.key)}"
-                            for b in entry.manifest.blobs() if sizes.get(b.key) != b.size]
+                            for b in report.manifest.blobs() if sizes.get(b.key) != b.size]
             if problems:
                 log.warning("checkrun: skipping checkpoint %s: %s", entry.url, problems[0])
                 continue

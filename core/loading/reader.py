@@ -288,6 +288,8 @@ class VerifyReport:
     bytes_checked: int = 0
     unreadable: bool = False
     """Some problem is the storage's (a ``StorageError`` after retries): the checkpoint may be intact."""
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    """The parsed manifest (None if it could not be read)."""
 
     def add(self, problem: str, unreadable: bool = False) -> None:
         self.ok = False
@@ -323,14 +325,17 @@ VERIFY_GROUP_BYTES = 256 << 20
 
 
 def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,
-                    progress: Callable[[int], None] | None = None, cache: VerifyCache | None = None) -> VerifyReport:
-    """Check the manifest, then every blob's presence, size and checksum (and decodability);
-    ``cache``: skip what an earlier verify with it found intact."""
+                    progress: Callable[[int], None] | None = None, cache: VerifyCache | None = None,
+                    blobs: bool = True) -> VerifyReport:
+    """Check the manifest, then (unless ``blobs=False``) every blob's presence, size and checksum
+    (and decodability); ``cache``: skip what an earlier verify with it found intact."""
     report = VerifyReport(store.url(name))
     try:
-        manifest = read_manifest(store, name, config)
+        manifest = report.manifest = read_manifest(store, name, config)
     except CheckrunError as exc:
         report.add(str(exc), is_outage(exc))
+        return report
+    if not blobs:
         return report
     # Every distinct reference, not one per key: references to one blob that disagree (size or
     # checksum) cannot all match it, so such a manifest fails.
