@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import torch
+import xxhash
 
 from ..codecs import Pipeline
 from ..config import EngineConfig
@@ -312,11 +313,20 @@ class VerifyCache:
     checkpoints of 200 tensors opened 40,000 blob files for 399 distinct blobs. Only what was found
     intact is kept (a damaged blob is reported for every checkpoint that needs it)."""
 
-    blobs: set[tuple[str, BlobRef]] = field(default_factory=set)
-    """(the store's URL, reference) of each blob found intact: another store (a composite's parts, a
-    linked manifest's directory) holds its own copy, checked there."""
-    tensors: set[tuple[str, str]] = field(default_factory=set)
-    """(the store's URL, record without its key) of each tensor that decoded."""
+    blobs: set[bytes] = field(default_factory=set)
+    """A digest of (the store's URL, reference) of each blob found intact: another store (a composite's
+    parts, a linked manifest's directory) holds its own copy, checked there."""
+    tensors: set[bytes] = field(default_factory=set)
+    """A digest of (the store's URL, record without its key) of each tensor that decoded. Digests, 16
+    bytes each, keep the cache small beside a directory of full (not incremental) saves."""
+
+    def blob(self, here: str, ref: BlobRef) -> bytes:
+        return xxhash.xxh3_128_digest(f"{here}\0{ref.key}\0{ref.size}\0{ref.csum}".encode("utf-8", "surrogatepass"))
+
+    def tensor(self, here: str, rec: TensorRecord) -> bytes:
+        """What decoding a record depends on: all but its key and what its save wrote."""
+        text = f"{here}\0{dataclasses.replace(rec, key='', written=0)!r}"
+        return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
 
 
 #: A verify decodes the tensors in groups of about this many bytes, each freed before the next: a
@@ -341,12 +351,13 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
     # checksum) cannot all match it, so such a manifest fails.
     unique = list(dict.fromkeys(manifest.blobs()))
     cache, here = cache if cache is not None else VerifyCache(), store.url("")
-    for ref in (r for r in unique if (here, r) in cache.blobs):
+    known = {ref for ref in unique if cache.blob(here, ref) in cache.blobs}
+    for ref in known:
         report.blobs_checked += 1
         report.bytes_checked += ref.size
         if progress is not None:
             progress(ref.size)
-    unique = [r for r in unique if (here, r) not in cache.blobs]
+    unique = [r for r in unique if r not in known]
 
     def check(ref: BlobRef) -> CheckrunError | None:
         try:
@@ -364,7 +375,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         if problem:
             report.add(str(problem), is_outage(problem))
         else:
-            cache.blobs.add((here, ref))
+            cache.blobs.add(cache.blob(here, ref))
     if not report.ok and (hint := _copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
@@ -385,21 +396,16 @@ def _decode_all(store: Store, manifest: Manifest, where: str, config: EngineConf
     group: list[TensorRecord] = []
     size, here = 0, store.url("")
     for rec in manifest.tensors + (None,):
-        if rec is not None and (here, _signature(rec)) in cache.tensors:
+        if rec is not None and cache.tensor(here, rec) in cache.tensors:
             continue
         if group and (rec is None or size + rec.nbytes > VERIFY_GROUP_BYTES):
             load_tensors(store, dataclasses.replace(manifest, tensors=tuple(group)), where,
                          max_total_bytes=config.load.max_total_bytes)
-            cache.tensors.update((here, _signature(r)) for r in group)
+            cache.tensors.update(cache.tensor(here, r) for r in group)
             group, size = [], 0
         if rec is not None:
             group.append(rec)
             size += rec.nbytes
-
-
-def _signature(rec: TensorRecord) -> str:
-    """What decoding a record depends on: all but its key and what its save wrote."""
-    return repr(dataclasses.replace(rec, key="", written=0))
 
 
 def _check_objects(store: Store, manifest: Manifest, where: str, config: EngineConfig) -> None:
