@@ -118,8 +118,7 @@ class Manifest:
     meta: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     commit: dict | None = None
-    """The commit stamp (``fence.CommitStamp.to_json``: ns, seq, writer) that fences commits of one
-    name. Optional, and ignored by readers that do not know it: no new format version."""
+    """The commit stamp fencing commits of one name (``fence.CommitStamp.to_json``); optional."""
 
     def blobs(self) -> list[BlobRef]:
         out = [b for t in self.tensors for b in t.blobs()]
@@ -177,8 +176,7 @@ _CHECKSUM_AT = re.compile(rb'"checksum":"([0-9a-f]{32})"')
 
 
 def checksum_matches(data: bytes) -> bool:
-    """Whether ``data`` carries a manifest checksum that matches its bytes (no JSON parsing: a
-    cheap intactness check, not a validation)."""
+    """Whether ``data`` carries a checksum that matches its bytes (no parsing: intact, not validated)."""
     m = _CHECKSUM_AT.match(data, len(_HEAD))
     rest = _without_checksum(data, m.group(1).decode()) if m and data.startswith(_HEAD) else None
     return rest is not None and xxhash.xxh3_128_hexdigest(rest) == m.group(1).decode()
@@ -269,7 +267,7 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
     # parse to the same body (the 17th digit of a float, "e" vs "E" in an exponent).
     rest = _without_checksum(canonical, body.get("checksum")) if canonical == data.strip() else None
     if rest is None or body.get("checksum") != xxhash.xxh3_128_hexdigest(rest):
-        raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted)")
+        raise FormatError(f"{where}: manifest checksum mismatch (tampered or corrupted){_duplicated(data)}")
     try:
         return _manifest_from_json(body, limits)
     except UnsafePathError as exc:
@@ -278,6 +276,21 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
         raise FormatError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise FormatError(f"{where}: malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def _duplicated(data: bytes) -> str:
+    """Why a manifest may not match its checksum: a key twice in one object (JSON keeps the last)."""
+    found: list[str] = []
+
+    def pairs(items: list) -> dict:
+        out = dict(items)
+        if len(out) < len(items) and not found:
+            seen: set[str] = set()
+            found.append(next(k for k, _ in items if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+        return out
+
+    json.loads(data, object_pairs_hook=pairs, parse_constant=_no_constants)  # parsed once already: cannot fail
+    return f": key {_brief(found[0])} appears twice in one object" if found else ""
 
 
 def _canonical_bytes(body: dict) -> bytes:
@@ -289,9 +302,7 @@ _PIPELINES: dict[str, tuple] = {}
 
 
 def _shared(codecs: tuple) -> tuple:
-    """One tuple for every record with the same pipeline, across manifests: most tensors share a
-    few, and each record's own codec dicts were a quarter of a parsed manifest's memory (listing a
-    directory holds them all). Read only, like the records."""
+    """One tuple per pipeline, across manifests (records' own codec dicts: a quarter of their memory)."""
     key = repr(codecs)
     found = _PIPELINES.get(key)
     if found is None:
@@ -302,8 +313,7 @@ def _shared(codecs: tuple) -> tuple:
 
 
 def _brief(value: Any, limit: int = 200) -> str:
-    """``repr(value)``, cut to about ``limit`` characters: a message must not echo a hostile
-    manifest's 200,000-dimension shape (600 KB of error text) or megabyte key."""
+    """``repr(value)`` cut to about ``limit`` characters (a hostile 200,000-dimension shape: 600 KB)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
 

@@ -325,6 +325,17 @@ def test_an_error_does_not_echo_a_huge_field(env, fields):
     assert len(str(err)) < 1000 and "characters)" in str(err), str(err)[:300]
 
 
+@pytest.mark.parametrize("where", ["top", "tensor"])
+def test_a_key_repeated_in_one_object_is_named(env, where):
+    """JSON keeps the last of repeated keys, so such a manifest fails its checksum, which was all the
+    error said ("checksum mismatch") though the file is not damaged but odd: the key is named."""
+    text = forge(env.body()).decode()
+    text = (text.replace('"created":', '"created":1,"created":', 1) if where == "top"
+            else text.replace('"dtype":"float32"', '"dtype":"float32","dtype":"float32"', 1))
+    err = refused(env, text.encode(), FormatError)
+    assert "checksum mismatch" in str(err) and ("key 'created'" if where == "top" else "key 'dtype'") in str(err)
+
+
 def test_an_unknown_format_version_is_not_echoed_whole(env):
     """Checked before the checksum, so no forging needed: 10 MB of version came back as 10 MB of error."""
     body = env.body()
