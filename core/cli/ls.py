@@ -157,7 +157,10 @@ def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
         # What gc would free with no grace period: blobs the listing above does not account for.
         reports = [ctx.engine.gc(d, grace_seconds=0, dry_run=True, storage_options=ctx.storage_options)
                    for d in [directory, *sorted(part_dirs)]]
-        if not any(r.problems for r in reports):
+        problems = [p for r in reports for p in r.problems]
+        if problems:  # why the unreferenced total is unknown (a lease, the blob folder, ...)
+            totals["unreferenced_unknown"] = one_line(problems[0])
+        else:
             totals["unreferenced_bytes"] = sum(r.freed_bytes for r in reports)
             totals["unreferenced_blobs"] = sum(len(r.deleted) for r in reports)
             totals["temp_files"] = sum(len(r.temp_files) for r in reports)
@@ -246,7 +249,7 @@ def _print_logged(rows: list[dict], step_log: dict) -> None:
 
 def _print_totals(t: dict) -> None:
     unref = t["unreferenced_bytes"]
-    garbage = ("unknown (a manifest is unreadable)" if unref is None
+    garbage = (f"unknown ({safe(t.get('unreferenced_unknown', 'a manifest is unreadable'))})" if unref is None
                else f"{human_size(unref)} in {t['unreferenced_blobs']} blob(s)"
                + (f" and {t['temp_files']} temp file(s) of interrupted writes" if t["temp_files"] else ""))
     less = f" ({fmt_less(t['logical_bytes'], t['used_bytes'])} than the tensor bytes)" if t["dedup_ratio"] else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 
 import pytest
@@ -84,7 +85,7 @@ def test_a_blob_shard_that_cannot_be_listed_is_an_error_not_an_older_checkpoint(
 
 
 @pytest.mark.parametrize("linked", [".checkrun", ".checkrun/blobs"])
-def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, linked):
+def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, capsys, linked):
     """Two directories sharing one blob folder through a symbolic link: a gc in one saw only its own
     checkpoints and deleted blobs the other's committed checkpoints needed (found by a check of
     hostile layouts). A collection beside a linked ``.checkrun`` (or blobs folder) now deletes
@@ -104,3 +105,9 @@ def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, linked):
         assert report.problems and "symbolic link" in report.problems[0] and not report.deleted
         assert engine.verify(a / "a.ckpt").ok and engine.verify(b / "b2.ckpt").ok
     assert sorted(p.name for p in b.glob("*.ckpt")) == ["b2.ckpt"]
+    from ckpt_core.cli import main
+
+    capsys.readouterr()
+    assert main(["ls", str(b)]) == 0
+    out = capsys.readouterr().out  # the unreferenced total is unknown, and ls says why
+    assert re.search(r"unreferenced unknown \(\S+ is a symbolic link", out), out
