@@ -29,7 +29,8 @@ from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
-from ..format.manifest import FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, is_manifest_head, looks_damaged, parse_manifest
+from ..format.manifest import (FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, checksum_matches, is_manifest_head,
+                               looks_damaged, parse_manifest)
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
 from ..storage.store import BlobInfo, Store
@@ -88,21 +89,21 @@ _HEAD_RE = re.compile(rb'\{"_checkrun":"manifest","checksum":"[0-9a-f]{32}",(?:"
                       rb'"created":(-?[0-9]{1,20}(?:\.[0-9]{1,20})?(?:[eE][-+]?[0-9]{1,3})?)[,}]')
 
 
-def _head(store: Store, name: str) -> tuple[float, dict | None] | None:
-    """``(created, commit stamp)`` from the first bytes of manifest ``name``; None if they do not read so."""
-    data = store.read_head(name, HEAD_BYTES)
+def _head(data: bytes) -> tuple[float, dict | None] | None:
+    """``(created, commit stamp)`` from the first bytes of an intact manifest's ``data`` (its checksum
+    matches: a damaged one must not order the others, h49); None if it is not so (parse it)."""
     m = _HEAD_RE.match(data)
-    if m is None:
+    if m is None or not checksum_matches(data):
         return None
-    stamp = read_stamp(data)
+    stamp = read_stamp(data[:HEAD_BYTES])
     return float(m.group(1)), stamp.to_json() if stamp is not None else None
 
 
 def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False) -> list[CheckpointEntry]:
-    """Every checkrun manifest in the directory, oldest first (other files are ignored). ``heads``:
-    a manifest whose first bytes give its time and stamp is not read further (``CheckpointEntry.head``):
-    ``latest()`` parses only the candidates it tries, newest first (2,000 manifests were all held parsed:
-    1 GB)."""
+    """Every checkrun manifest in the directory, oldest first (other files are ignored). ``heads``: an
+    intact manifest (its checksum matches) whose first bytes give its time and stamp is not parsed
+    (``CheckpointEntry.head``): ``latest()`` parses only the candidates it tries, newest first (2,000
+    manifests were all held parsed: 1 GB)."""
     entries = []
     files = [f for f in store.list_files() if f.size > 0]
     if not files:
@@ -126,10 +127,10 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False) ->
                                    f"{store.url(info.name)}: damaged manifest header {head[:16]!r}: not a checkrun "
                                    "manifest's, but close to one")
         try:
-            top = _head(store, info.name) if heads else None
+            data = store.read_manifest(info.name)
+            top = _head(data) if heads else None
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
-            data = store.read_manifest(info.name)
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
         except CheckpointNotFoundError:

@@ -1,7 +1,9 @@
 """Engine behaviour on every backend (memory://, local, S3 via moto): round trip, format, bad input."""
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections import OrderedDict
 
 import pytest
@@ -254,6 +256,31 @@ def test_latest_parses_only_the_checkpoints_it_tries(tmp_path, monkeypatch):
         parsed.clear()
         assert engine.latest(tmp_path).endswith("s10.ckpt") and sorted(parsed) == ["s05.ckpt", "s10.ckpt",
                                                                                    "s11.ckpt"]
+
+
+def test_latest_is_not_reordered_by_a_damaged_manifest(tmp_path):
+    """Ordered by their first bytes alone, a damaged manifest's stamp counted in its writer's order:
+    a1 damaged to claim a later time lifted a2 (same writer) above b1, committed after it by another
+    writer, and ``latest()`` answered a2 (an independent check of the first version). Only intact
+    manifests (checksum) are ordered by their heads."""
+    from ckpt_core.format.manifest import _body_checksum
+
+    t = time.time() - 600
+    with CheckpointEngine({"incremental": {"enabled": False}}) as engine:
+        for name in ("a1", "a2", "b1"):
+            engine.save({"w": torch.zeros(4)}, tmp_path / f"{name}.ckpt").result()
+    for name, created in (("a1", t), ("a2", t + 1), ("b1", t + 10)):
+        body = json.loads((tmp_path / f"{name}.ckpt").read_bytes())
+        body["created"] = created
+        if name == "b1":
+            body["commit"] = {"ns": int(created * 1e9), "seq": 1, "writer": "b" * 16}
+        body["checksum"] = _body_checksum(body)
+        (tmp_path / f"{name}.ckpt").write_text(json.dumps(body, sort_keys=True, separators=(",", ":")))
+    a1 = tmp_path / "a1.ckpt"
+    a1.write_bytes(a1.read_bytes().replace(f'"created":{t!r}'.encode(), f'"created":{t + 90!r}'.encode()))
+    with CheckpointEngine() as engine:
+        assert engine.latest(tmp_path).endswith("b1.ckpt")
+        assert engine.latest(tmp_path, verify=False).endswith("b1.ckpt")
 
 
 def test_a_symlink_to_a_checkpoint_elsewhere_reads_its_target(tmp_path):
