@@ -433,6 +433,8 @@ def _copied_hint(store: Store) -> str:
     copied or downloaded alone: ``torch.hub``, ``cp last.ckpt elsewhere``)."""
     try:
         alone = not store.fs.isdir(join(store.root, BLOB_DIR))
+        if alone and store.fs.isfile(first := join(store.root, BLOB_DIR.split("/")[0])):
+            return f" ({first} is a file, not the folder of the blobs)"
     except Exception:  # noqa: BLE001 - only a hint: the error it adds to stands
         return ""
     return (f" (there is no {BLOB_DIR} folder beside the manifest: a checkrun .ckpt file holds no tensors, the "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import threading
 
 import pytest
@@ -111,3 +112,15 @@ def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, capsys, linked
     assert main(["ls", str(b)]) == 0
     out = capsys.readouterr().out  # the unreferenced total is unknown, and ls says why
     assert re.search(r"unreferenced unknown \(\S+ is a symbolic link", out), out
+
+
+def test_verify_says_when_the_blob_folder_is_a_file(tmp_path):
+    """A ``.checkrun`` that is a plain file: verify said "there is no .checkrun/blobs folder beside the
+    manifest" (a manifest copied alone), which misled (found by a check of odd layouts)."""
+    with CheckpointEngine() as engine:
+        engine.save({"w": torch.ones(3)}, tmp_path / "a.ckpt").result()
+        shutil.rmtree(tmp_path / ".checkrun")
+        (tmp_path / ".checkrun").write_bytes(b"")
+        report = engine.verify(tmp_path / "a.ckpt")
+    assert not report.ok and any(p.endswith(".checkrun is a file, not the folder of the blobs") for p in report.problems)
+    assert not any("beside the manifest" in p for p in report.problems), report.problems
