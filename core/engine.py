@@ -408,14 +408,15 @@ class CheckpointEngine:
 
     def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None,
-               counters: dict | None = None, model: Any = None) -> int:
+               counters: dict | None = None, model: Any = None, rng: bool = True) -> int:
         """After loading checkpoint ``after`` (default: the newest one the log marks) into ``model``,
         ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
-        ``counters`` receives the logged counters; ``model`` the logged running statistics (BatchNorm)."""
+        ``counters`` receives the logged counters; ``model`` the logged running statistics (BatchNorm);
+        ``rng``: the RNGs end as logged with the last step replayed (docs/steplog.md)."""
         from .steplog import replay
 
         return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
-                      counters=counters, model=model)
+                      counters=counters, model=model, rng=rng)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:

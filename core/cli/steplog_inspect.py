@@ -50,7 +50,16 @@ def describe(header: dict) -> dict:
             "payload_bytes": header["payload_bytes"], "payload_csum": header["payload_csum"],
             "packs": {name: {"chunks": len(chunks), "numel": sum(c["numel"] for c in chunks),
                              "encoded_bytes": sum(c["data"][1] for c in chunks), "codecs": chunks[0]["data"][2]}
-                      for name, chunks in header.get("packs", {}).items()}, "records": events}
+                      for name, chunks in header.get("packs", {}).items()}, "records": events,
+            "rng": _rng_info(header.get("rng"))}
+
+
+def _rng_info(r: dict | None) -> dict | None:
+    """The RNG states a segment holds (format 7): of which step and rank, which generators."""
+    if r is None:
+        return None
+    return {"step": r["step"], "rank": r["rank"], "generators": ["python", "numpy", "torch"]
+            + [f"cuda:{i}" for i in range(len(r["cuda"]))]}
 
 
 def examine(data: bytes, where: str) -> tuple[dict, str]:
@@ -111,9 +120,12 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
                 for i, g in enumerate(ev["grads"])]
         print(table(["STEP", "PARAM", "KIND", "SHAPE", "DTYPE", "ROWS", "ENCODED"], body, right=(0, 1, 5, 6)))
         if header.get("buffers"):
-            print(safe(f"\nrunning statistics of {len(header['buffers'])} buffer(s) with each step "
+            print("\n" + safe(f"running statistics of {len(header['buffers'])} buffer(s) with each step "
                        f"({', '.join(header['buffers'][:3])}{', ...' if len(header['buffers']) > 3 else ''}; "
                        "--json lists them)"))
+        if info["rng"]:
+            print("\n" + safe(f"RNG states of step {info['rng']['step']} (rank {info['rng']['rank']}): "
+                       f"{', '.join(info['rng']['generators'])}"))
         states = sum(1 for ev in header["events"] if ev["kind"] == "state")
         if states:
             print(f"\n{states} state record(s): optimizer hyperparameters and scheduler state (--json shows them)")

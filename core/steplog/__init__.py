@@ -9,7 +9,7 @@ from .api import open_log, replay
 from .format import NoMarkerError, StepLogFormatError
 from .gc import collect_segments
 from .log import StepLog, StepLogError
-from .replay import forward_state, warn_forward_state
+from .capture import forward_state, warn_forward_state
 
 __all__ = ["StepLog", "StepLogError", "NoMarkerError", "StepLogFormatError", "open_log", "replay", "collect_segments",
            "forward_state", "warn_forward_state"]

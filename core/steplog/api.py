@@ -14,8 +14,10 @@ from ..errors import CheckpointNotFoundError
 from ..storage.store import Store
 from .index import read_index
 from .format import NoMarkerError, StepLogError
+from . import rng as rng_states
 from .log import StepLog, active_log, log_store
-from .replay import find_marker, replay_chain, warn_forward_state
+from .capture import warn_forward_state
+from .replay import find_marker, replay_chain
 
 
 def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
@@ -47,12 +49,14 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
 
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
            after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
-           scaler: Any = None, counters: dict | None = None, model: Any = None) -> int:
+           scaler: Any = None, counters: dict | None = None, model: Any = None, rng: bool = True) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
     ``directory`` that the log marks); returns how many optimizer steps were replayed. ``scaler`` (a
     ``GradScaler``) ends in the logged state; ``counters`` (a dict) receives the logged counters of the
     last state record applied; ``model`` receives the logged forward-pass state (running statistics)
-    of the last step replayed, when the log has it (``step_log(model=)``); warns when it cannot."""
+    of the last step replayed, when the log has it (``step_log(model=)``); warns when it cannot. ``rng``:
+    set the RNG states (python, numpy, torch, CUDA) to those logged with the last step replayed, when
+    its segment holds them and this process has the logging process's rank (``steplog.rng``)."""
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
@@ -60,6 +64,8 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     marker, manifest = _start(engine, store, index, after, storage_options)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
                        scaler, model)
+    if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
+        rng_states.restore(pos.rng, pos.rng.where)
     where = store.url(marker.checkpoint)
     lossy = sum(1 for r in manifest.tensors if r.quant)
     if lossy and pos.replayed:  # the replay starts from the checkpoint's values, exactly as loaded

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,8 @@ class StepRecord:
     """Per dtype, the filled part of that dtype's pack (1-D, CPU)."""
     bufs: list[Grad] = field(default_factory=list)
     """The forward-pass state (``forward_buffers``) as the step found it, dense, ``p`` indexing its names."""
+    rng: Any = None
+    """The RNG states as the step found them (``rng.capture``); a segment stores its last step's."""
 
 
 @dataclass
@@ -393,3 +396,21 @@ def _rows(i: int, g: torch.Tensor, max_fraction: float, staging: Staging, step: 
     else:
         item.data, item.idx = rows.to("cpu").contiguous(), idx.to("cpu")
     return item
+
+
+def forward_state(model: Any) -> list[str]:
+    """Names of the buffers of ``model`` that its forward pass updates in training (running statistics
+    of BatchNorm/InstanceNorm layers that track them): logged with each step when the log has the
+    model (``step_log(model=)``), set by a replay given the model (``replay(model=)``)."""
+    return [name for name, _, _ in forward_buffers(model)]
+
+
+def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: bool = False) -> None:
+    """After ``replayed`` > 0 steps into ``model``: warn if it has ``forward_state`` buffers and the last
+    replayed step did not set them (``restored``: it did)."""
+    names = forward_state(model) if replayed and not restored else []
+    if names:
+        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, the last of them without "
+                      f"logged running statistics (a log opened without model=); {len(names)} buffer(s) "
+                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: those of the "
+                      "checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)

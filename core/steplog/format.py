@@ -32,26 +32,30 @@ from ..format.limits import ManifestLimits, check_json
 from .checks import (_HEX16, MAX_EVENTS, MAX_GRADS, NoMarkerError, StepLogError, StepLogFormatError, _hex16,
                      _index, check_event, check_packs)
 from .meta import check_optimizer, check_owner, check_param_names
+from .rng import check as check_rng
 
-FORMAT_VERSION = 5
-"""Written by this checkrun for segments. Versions 1-4 are read too: version 1 (checkrun before 2026-12-04)
+FORMAT_VERSION = 7
+"""Written by this checkrun for segments. Versions 1-5 are read too: version 1 (checkrun before 2026-12-04)
 lacks the run header's metadata and the ``scaler`` of ``state`` events (``meta``); segments before
 version 3 have no ``packs`` (every gradient is a payload range of its own); before version 4 no
 sparse gradient is folded (``u``/``runs``); before version 5 no step holds the forward-pass state
-(``bufs``, named by the header's ``buffers``)."""
+(``bufs``, named by the header's ``buffers``); before version 7 (2026-12-06) no header holds the RNG
+states of its last step (``rng``). No segment has version 6 (a version of run and marker objects), so
+a checkrun that reads up to 6 refuses a version 7 segment by its version."""
 OBJECT_VERSION = 6
 """Run and marker objects: version 6 (2026-12-05) carries a ``checksum`` (xxh3-64 of the object's
 canonical JSON without it), so a damaged one is refused instead of read as another valid one;
 versions 1-5 of them, without, are read too."""
-READ_VERSIONS = (1, 2, 3, 4, 5, 6)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 PLAIN_VERSION = 3
 """Written for what format 4 did not change (run and marker objects, segments without a folded
 gradient), so that a checkrun that reads up to version 3 still replays such a log."""
 
 
-def _written(folded: bool, buffers: bool = False) -> int:
-    """The lowest version that holds an object: 5 with forward-pass state, 4 with a folded gradient."""
-    return min(FORMAT_VERSION, FORMAT_VERSION if buffers else 4 if folded else PLAIN_VERSION)
+def _written(folded: bool, buffers: bool = False, states: bool = False) -> int:
+    """The lowest version that holds a segment: 7 with RNG states, 5 with forward-pass state, 4 with a
+    folded gradient."""
+    return min(FORMAT_VERSION, FORMAT_VERSION if states else 5 if buffers else 4 if folded else PLAIN_VERSION)
 SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects
@@ -165,6 +169,9 @@ def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: s
     if not isinstance(body, dict) or body.get("_checkrun") != magic:
         raise StepLogFormatError(f"{where}: not a checkrun {magic} object")
     version = _version(body, where)
+    if version > OBJECT_VERSION:  # versions past it are segments'
+        raise StepLogFormatError(f"{where}: unsupported {magic} format_version {version} (this checkrun reads 1 to "
+                                 f"{OBJECT_VERSION})")
     keys = keys | ({"checksum"} if version >= OBJECT_VERSION else set())
     allowed = keys | (optional if version >= 2 else set())
     if not keys <= set(body) <= allowed:
@@ -229,7 +236,8 @@ def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
         size += memoryview(part).nbytes
     folded = any("runs" in g for ev in header.get("events", ()) if isinstance(ev, dict)
                  for g in ev.get("grads", ()) if isinstance(g, dict))
-    header = {**header, "_checkrun": "steplog-segment", "format_version": _written(folded, "buffers" in header),
+    version = _written(folded, "buffers" in header, "rng" in header)
+    header = {**header, "_checkrun": "steplog-segment", "format_version": version,
               "payload_bytes": size, "payload_csum": h.hexdigest()}
     text = _dump(header)
     return b"".join([_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)),
@@ -293,7 +301,8 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     if not isinstance(h, dict) or h.get("_checkrun") != "steplog-segment":
         raise StepLogFormatError(f"{where}: not a checkrun step-log segment header")
     version = _version(h, where)
-    optional = {"packs", "buffers"} if version >= 5 else {"packs"} if version >= 3 else set()
+    optional = ({"packs", "buffers", "rng"} if version >= 7 else {"packs", "buffers"} if version >= 5
+                else {"packs"} if version >= 3 else set())
     if not _SEG_KEYS <= set(h) <= _SEG_KEYS | optional:
         raise StepLogFormatError(f"{where}: header keys {sorted(h)[:20]}, expected {sorted(_SEG_KEYS)}"
                                  + (f" and optionally {', '.join(sorted(optional))}" if optional else ""))
@@ -312,6 +321,8 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
         raise StepLogFormatError(f"{where}: field 'events' must list hi - lo = {hi - lo} events")
     payload = max(size, payload_len)
     packs = check_packs(h.get("packs", {}), where, payload)
+    if "rng" in h:
+        check_rng(h["rng"], where, payload)
     grads = 0
     for i, ev in enumerate(events):
         grads += check_event(ev, f"{where}: event {lo + i + 1}", payload, version, packs, len(buffers))

@@ -31,9 +31,9 @@ from .. import forksafe
 from ..saving import lifecycle
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
-from . import meta
+from . import meta, rng
 from .capture import Staging, StepRecord, capture_step, forward_buffers, group_scalars, sched_skeleton
-from .encode import StepEncoder
+from .encode import RAW_PIPELINE, StepEncoder
 from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
 log = logging.getLogger("ckpt_core")
@@ -235,6 +235,7 @@ class StepLog:
         try:
             rec = capture_step(optimizer, self.step + 1, self._staging, slot,
                                self.config.step_log.sparse_max_fraction, self._buffers)
+            rec.rng = rng.capture() if self.config.step_log.rng else None
         except BaseException:
             self._staging.give(slot)
             raise
@@ -349,6 +350,10 @@ class StepLog:
                   "packs": batch.packs}
         if any("bufs" in ev for ev in batch.events):  # what the steps' ``bufs`` entries index
             header["buffers"] = [name for name, _, _ in self._buffers]
+        if batch.rng is not None:  # the RNG states of its last step (a resume ends there)
+            entry = rng.encode(batch.rng[1], batch.rng[0], batch.payload, batch.size, RAW_PIPELINE.to_list())
+            if entry is not None:
+                header["rng"] = entry
         data = pack_segment(header, batch.payload)
         batch.payload.clear()  # the joined copy is all that is needed now
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
@@ -374,7 +379,9 @@ class _Batch:
         self._pack_numel: dict[str, int] = {}
         self.size = 0
         self.started = time.monotonic()
-        self.held: tuple[dict, list[bytes], list[list], dict] | None = None
+        self.held: tuple[dict, list[bytes], list[list], dict, Any] | None = None
+        self.rng: tuple[int, rng.RngState] | None = None
+        """The last step appended and its RNG states (``rng``), if it has them."""
 
     @property
     def empty(self) -> bool:
@@ -398,7 +405,7 @@ class _Batch:
         event = {"kind": "step", "step": rec.step, "grads": grads}
         if rec.bufs:
             event["bufs"] = self.pays.buffers(rec)
-        self.held = (event, parts, ranges, chunks)
+        self.held = (event, parts, ranges, chunks, rec.rng)
 
     def release(self) -> None:
         """Move the held step into the segment (its scheduler state is logged, or the training
@@ -413,7 +420,7 @@ class _Batch:
         nxt.held, self.held = self.held, None
         return nxt
 
-    def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict) -> None:
+    def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict, states: Any = None) -> None:
         for r in ranges:  # offsets were relative to the event's own bytes
             r[0] += self.size
         for g in [*event.get("grads", ()), *event.get("bufs", ())]:  # offsets were relative to the step's chunks
@@ -423,6 +430,8 @@ class _Batch:
         for name, (numel, r) in chunks.items():
             self.packs.setdefault(name, []).append({"numel": numel, "data": r})
             self._pack_numel[name] = self._pack_numel.get(name, 0) + numel
+        if event["kind"] == "step":
+            self.rng = None if states is None else (event["step"], states)
         self.events.append(event)
         self.payload.extend(parts)
         self.size += sum(len(p) for p in parts)

@@ -27,6 +27,7 @@ from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import TENSOR_LIST, flat_params, forward_buffers
 from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, run_name, split_segment
+from . import rng
 from .index import LogIndex
 from .log import StepLogError, active_log
 
@@ -49,6 +50,8 @@ class Position:
     logs all of it: then the model's running statistics are those of the last step)."""
     buffers_left: int = 0
     """Replayed steps whose logged forward-pass state was not set (replay without ``model``)."""
+    rng: Any = None
+    """The logged RNG states of the last step replayed (``rng.RngState``), if its segment holds them."""
 
 
 def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
@@ -129,6 +132,7 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
         if header is None:
             return
         data = Payload(header, payload, max_bytes)
+        states = header.get("rng")  # of the segment's last step
         for i, ev in enumerate(header["events"]):
             event = seg.lo + i + 1
             if event <= pos.event:
@@ -149,8 +153,16 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
             if ev["kind"] == "step":
                 pos.step = ev["step"]
                 pos.replayed += 1
+                last = states is not None and states["step"] == ev["step"]
+                pos.rng = _rng(states, payload, segs.url(seg.name), max_bytes) if last else None
                 pos.buffers_set = bool(nbuf)
                 pos.buffers_left += bool(ev.get("bufs")) and not nbuf
+
+
+def _rng(entry: dict, payload: memoryview, where: str, max_bytes: int) -> rng.RngState:
+    states = rng.decode(entry, lambda r, n: _decode(r, payload, n, torch.uint8, f"{where}: field 'rng'", max_bytes))
+    states.where = where
+    return states
 
 
 def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryview]:
@@ -429,21 +441,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def forward_state(model: Any) -> list[str]:
-    """Names of the buffers of ``model`` that its forward pass updates in training (running statistics
-    of BatchNorm/InstanceNorm layers that track them): logged with each step when the log has the
-    model (``step_log(model=)``), set by a replay given the model (``replay(model=)``)."""
-    return [name for name, _, _ in forward_buffers(model)]
-
-
-def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: bool = False) -> None:
-    """After ``replayed`` > 0 steps into ``model``: warn if it has ``forward_state`` buffers and the last
-    replayed step did not set them (``restored``: it did)."""
-    names = forward_state(model) if replayed and not restored else []
-    if names:
-        warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, the last of them without "
-                      f"logged running statistics (a log opened without model=); {len(names)} buffer(s) "
-                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: those of the "
-                      "checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)

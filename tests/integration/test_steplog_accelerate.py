@@ -93,6 +93,26 @@ def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_cha
     assert_bit_equal(at_13, _reference(kind, 13), "against an uninterrupted run")
 
 
+def test_load_state_ends_with_the_rng_states_of_the_last_replayed_step(tmp_path: Path) -> None:
+    """accelerate's ``save_state`` keeps the RNG states; a resume through the log ends with those of the
+    last replayed step, as a ``save_state()`` there would have them (before 2026-12-06: the checkpoint's)."""
+    import numpy as np
+
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")
+    for step in range(1, 11):
+        torch.rand(3), random.random(), np.random.rand()  # a forward pass's draws (dropout, augmentation)
+        _step(acc, net, opt, sched, step)
+        if step == 4:
+            acc.save_state()
+    at_10 = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)
+    acc.load_state()  # the checkpoint's states (step 4), then the replay's (step 10)
+    assert ckpt.replayed_steps == 6
+    assert torch.equal(torch.get_rng_state(), at_10[0]) and random.getstate() == at_10[1]
+    assert np.array_equal(np.random.get_state()[1], at_10[2])
+    ckpt.close()
+
+
 @pytest.mark.parametrize("built_on", ["torch optimizer", "prepared optimizer"])
 def test_a_scheduler_registered_instead_of_prepared_is_replayed_too(tmp_path: Path, built_on: str) -> None:
     """An LR scheduler registered with register_for_checkpointing (not prepared) is saved and loaded
