@@ -17,6 +17,7 @@ than it as well: set it while a writer of a version without leases may still wri
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -176,13 +177,35 @@ def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[
     if keep_last is None:
         return []
     protect = config.retention.protect
-    committed = [e for e in list_checkpoints(store, config)
-                 if e.manifest is not None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
-    removable = [e for e in committed[:-keep_last] if e.name not in keep] if len(committed) > keep_last else []
+    # ordered by their heads; parsed only where it counts, newest first (every save parsed every
+    # manifest: 2,000 checkpoints under keep_last 5000 or a protect pattern, 12 s per save)
+    listed = [e for e in list_checkpoints(store, config, heads=True)
+              if e.error is None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
+    if len(listed) <= keep_last:
+        return []
+    kept, removable = 0, []
+    for e in reversed(listed):  # a manifest that does not parse is not committed, as without heads
+        if kept >= keep_last and e.name in keep:
+            continue
+        e = e if e.manifest is not None else _parsed(store, config, e)
+        if e is not None and kept < keep_last:
+            kept += 1
+        elif e is not None:
+            removable.append(e)
+    removable.reverse()
     for e in removable:
         store.delete_manifest(e.name)
         log.info("checkrun: retention removed %s (keep_last=%d)", e.url, keep_last)
     return removable
+
+
+def _parsed(store: Store, config: EngineConfig, e: CheckpointEntry) -> CheckpointEntry | None:
+    """``e`` (listed by its head) with its manifest parsed; None if it is gone or does not parse."""
+    try:
+        return dataclasses.replace(e, manifest=parse_manifest(store.read_manifest(e.name), e.url,
+                                                              limits=limits_for(config)), head=None)
+    except CheckrunError:
+        return None
 
 
 def blob_sizes(entries: list[CheckpointEntry]) -> dict[str, int]:

@@ -224,6 +224,40 @@ def test_latest_skips_checkpoint_with_flipped_byte(tmp_path, caplog):
         assert engine.latest(tmp_path, verify=False).endswith("new.ckpt")  # quick check: sizes only
 
 
+def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
+    """Retention after each save parsed every manifest of the directory (2,000 checkpoints under a
+    ``protect`` pattern or a large ``keep_last``: 12 s per save). It orders them by their heads and
+    parses, newest first, the ``keep_last`` it keeps and the ones it removes; protected ones never.
+    A manifest that does not parse is not counted, as before: the newest intact ones are kept."""
+    from ckpt_core.retain import retention
+    from ckpt_core.storage.store import Store
+
+    cfg = {"incremental": {"enabled": False}, "retention": {"protect": ["p*.ckpt"]}}
+    with CheckpointEngine(cfg) as engine:
+        for step in range(10):
+            engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"p{step:02d}.ckpt").result()
+        for step in range(10, 14):
+            engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step:02d}.ckpt").result()
+    (tmp_path / "s13.ckpt").write_bytes(b'{"_checkrun":"manifest",' + b"x" * 600)  # damaged: not counted
+    parsed: list[str] = []
+    real = retention.parse_manifest
+
+    def counting(data, where, *a, **k):
+        parsed.append(str(where).rsplit("/", 1)[-1])
+        return real(data, where, *a, **k)
+
+    monkeypatch.setattr(retention, "parse_manifest", counting)
+    config = EngineConfig.from_dict({**cfg, "retention": {"keep_last": 2, "protect": ["p*.ckpt"]}})
+    store = Store.for_directory(str(tmp_path), None, config.storage)
+    removed = retention.apply_retention(store, config, keep=set())
+    assert [e.name for e in removed] == ["s10.ckpt"] and removed[0].manifest is not None
+    assert sorted(parsed) == ["s10.ckpt", "s11.ckpt", "s12.ckpt", "s13.ckpt"]  # s13: fails, not counted
+    assert sorted(p.name for p in tmp_path.glob("s*.ckpt")) == ["s11.ckpt", "s12.ckpt", "s13.ckpt"]
+    parsed.clear()
+    big = EngineConfig.from_dict({**cfg, "retention": {"keep_last": 20, "protect": ["p*.ckpt"]}})
+    assert retention.apply_retention(store, big, keep=set()) == [] and parsed == ["s13.ckpt"]
+
+
 def test_latest_parses_only_the_checkpoints_it_tries(tmp_path, monkeypatch):
     """``latest()`` parsed every manifest of the directory and held them all to find the newest (2,000
     manifests: 1 GB, 12.5 s at each resume). It orders them by the time and stamp in their first
