@@ -294,6 +294,7 @@ class StepLog:
             writer.start()
         pays = StepEncoder(self.config.compression)
         batch = _Batch(self.run, self._first, pays)
+        issued = self._first  # events the training thread has queued so far, as it numbered them
         seq = 0
         while True:
             # only committed events age: a held step alone waits for the next event, not the clock
@@ -305,9 +306,10 @@ class StepLog:
                 kind, item = "timeout", None
             try:
                 if kind == "rebase":  # nothing logged yet (continue_chain): the first segment starts there
-                    batch = _Batch(self.run, item, pays)
+                    batch, issued = _Batch(self.run, item, pays), item
                     continue
                 if kind in ("step", "state"):
+                    issued += 1
                     batch.add(kind, item, self.config, self._staging)
                     continue
                 if kind != "timeout":  # the training thread flushes: its last step is complete
@@ -321,7 +323,15 @@ class StepLog:
             except BaseException as exc:  # noqa: BLE001 - surfaced at the next hook/flush/close
                 log.error("checkrun: step log of %s: %s", self.store.url(""), exc)
                 self._error = exc
-                batch = _Batch(self.run, batch.hi, pays)  # what failed is lost; later events continue
+                # what failed is lost; the events before it (a step that failed to encode: its batch's) are
+                # written. Later events keep the numbers the training thread gave them, so the next segment
+                # starts after a gap that replay stops at (it started at the batch's end: a failed first
+                # event of a segment left no gap, and every later event was replayed one place off,
+                # silently; found by an independent check)
+                if kind in ("step", "state") and batch.events and batch.held is None:
+                    seq += 1
+                    writes.put((batch, seq))
+                batch = _Batch(self.run, issued, pays)
                 if isinstance(item, threading.Event):
                     item.set()
             if kind == "stop":

@@ -122,10 +122,15 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
             continue
         if stop_at is not None and pos.event >= stop_at:
             return
-        if seg.lo > pos.event:
-            missing = f"seg-{pos.run}-{prev + 1:08d}" + ("" if seg.seq == prev + 2 else f"..{seg.seq - 1:08d}")
-            _stop(pos, segs.url(missing), f"missing: events {pos.event + 1}..{seg.lo} of run {pos.run}, "
-                                          f"before {seg.name}")
+        if seg.lo > pos.event:  # segments missing by number, or events never written (a failed encoding)
+            gap = f"events {pos.event + 1}..{seg.lo} of run {pos.run}, before {seg.name}"
+            if seg.seq > prev + 1:
+                _stop(pos, segs.url(f"seg-{pos.run}-{prev + 1:08d}" + ("" if seg.seq == prev + 2 else
+                                                                       f"..{seg.seq - 1:08d}")), f"missing: {gap}")
+            else:
+                _stop(pos, f"checkrun: step log {segs.url('')}: {gap}, were never written (logging them failed: "
+                           f"the training saw a StepLogError); replay stopped after step {pos.step} (event "
+                           f"{pos.event}): {pos.replayed} step(s) replayed after the checkpoint")
             return
         prev = seg.seq
         header, payload = _read_segment(segs, seg, pos, max_bytes)

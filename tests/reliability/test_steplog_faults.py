@@ -279,3 +279,42 @@ def test_a_marker_whose_write_failed_is_written_again_so_the_later_steps_stay_re
     n, resumed = _resume(directory)
     assert n == 3
     assert_bit_equal(resumed, _reference(5))
+
+
+@pytest.mark.parametrize("fail_at", [6, 8])
+def test_a_step_whose_encoding_fails_leaves_a_gap_the_resume_stops_at(tmp_path, monkeypatch, fail_at):
+    """Encoding one step fails in the log's encoder thread (out of memory, a codec error): the training
+    sees a StepLogError at a later step (raised before that step changes anything: it is run again) and
+    goes on logging. The steps before the failed one are written; the events after it keep their
+    numbers, so the resume stops right before the lost step, exactly, and says it was never written. Step 6 is
+    the first event of a segment (the one after the checkpoint): the next segment started where the last
+    written one ended, no gap showed, and every later step was replayed one place off, silently
+    (replay claimed step 24 with the state of neither step 24 nor 25; found by an independent check)."""
+    from ckpt_core.steplog import encode
+
+    real = encode.StepEncoder.encode
+
+    def failing(self, rec, *a, **k):
+        if rec.step == fail_at:
+            raise MemoryError(f"injected while encoding step {fail_at}")
+        return real(self, rec, *a, **k)
+
+    monkeypatch.setattr(encode.StepEncoder, "encode", failing)
+    directory = str(tmp_path / "run")
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 4}}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        _train(engine, directory, (net, opt, sched), range(1, 6), save_at=5)
+        errors = []
+        for step in range(6, 26):
+            try:
+                train_step(net, opt, sched, step)
+            except StepLogError as exc:
+                errors.append(str(exc))
+                train_step(net, opt, sched, step)
+        slog.close()
+    assert len(errors) == 1 and f"injected while encoding step {fail_at}" in errors[0]
+    with pytest.warns(UserWarning, match=f"were never written .*replay stopped after step {fail_at - 1}"):
+        n, resumed = _resume(directory)
+    assert n == fail_at - 1 - 5
+    assert_bit_equal(resumed, _reference(fail_at - 1), "resumed before the step whose logging failed")
