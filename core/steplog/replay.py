@@ -99,17 +99,19 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
 
 
 def _warn_superseded(segs: Store, index: LogIndex, start: Marker) -> None:
-    """A run that resumed from an earlier point of ``start``'s run after ``start``'s checkpoint was
-    captured: that checkpoint was committed late by a trainer the restart superseded (paused, then
-    woken), and the newer run's logged steps are not on this replay's path (docs/steplog.md)."""
-    taken = start.commit["ns"] / 1e9 if isinstance(start.commit, dict) else None
-    newer = [r for r in index.runs.values() if taken is not None and r.parent is not None
-             and r.parent[0] == start.run and r.parent[1] < start.event and r.created > taken]
+    """A run that resumed from an earlier point of ``start``'s run than ``start``'s checkpoint: the
+    trainer that saved it was superseded by a restart (paused, then woken: it committed the checkpoint
+    late, or took it after the restart began), and the newer run's logged steps are not on this replay's
+    path (docs/steplog.md). A resume branches at the end of the log it found, so a checkpoint past that
+    point was not there yet. (Only runs created after the checkpoint's capture were looked for: a trainer
+    that woke and saved later was missed, found by an independent fault program.)"""
+    newer = [r for r in index.runs.values() if r.parent is not None and r.parent[0] == start.run
+             and r.parent[1] < start.event]
     if newer:
-        log.warning("checkrun: checkpoint %s was captured before step-log run %s resumed from an earlier step of "
-                    "its run: it was committed late by a superseded trainer; the newer run's logged steps are not "
-                    "replayed after it (resume from the checkpoint that run resumed from to replay them)",
-                    start.checkpoint, newer[0].run)
+        log.warning("checkrun: checkpoint %s was saved by step-log run %s after the step where run %s resumed from "
+                    "that run (a restart while its trainer was paused or still running, which committed the "
+                    "checkpoint late): the newer run's logged steps are not replayed after it (resume from the "
+                    "checkpoint that run resumed from to replay them)", start.checkpoint, start.run, newer[0].run)
 
 
 def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_bytes: int,
