@@ -22,14 +22,16 @@ import fnmatch
 import logging
 import os
 import re
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..storage import owner
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
+from .report import GCReport
 from ..format.manifest import (FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, checksum_matches, is_manifest_head,
                                looks_damaged, parse_manifest)
 from ..format.limits import limits_for
@@ -53,7 +55,11 @@ class CheckpointEntry:
     """``error`` is the storage's (a ``StorageError`` after retries), not the file's: it may be intact."""
     head: tuple[float, dict | None] | None = None
     """``(created, commit)`` from the manifest's first bytes (``list_checkpoints(heads=True)``, with
-    ``manifest`` None and no ``error``): ordered without parsing it, not checked yet."""
+    ``manifest`` None and no ``error``): ordered without parsing it, not checked yet; or, with ``keys``,
+    from the parsed manifest."""
+    keys: frozenset[str] | None = None
+    """``list_checkpoints(keys=True)``: the blob keys the parsed manifest references (``manifest`` None:
+    not held)."""
 
     @property
     def created(self) -> float:
@@ -100,11 +106,13 @@ def _head(data: bytes) -> tuple[float, dict | None] | None:
     return float(m.group(1)), stamp.to_json() if stamp is not None else None
 
 
-def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False) -> list[CheckpointEntry]:
+def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
+                     keys: bool = False) -> list[CheckpointEntry]:
     """Every checkrun manifest in the directory, oldest first (other files are ignored). ``heads``: an
     intact manifest (its checksum matches) whose first bytes give its time and stamp is not parsed
     (``CheckpointEntry.head``): ``latest()`` parses only the candidates it tries, newest first (2,000
-    manifests were all held parsed: 1 GB)."""
+    manifests were all held parsed: 1 GB). ``keys``: each is parsed and only its blob keys kept
+    (``CheckpointEntry.keys``; garbage collection)."""
     entries = []
     files = [f for f in store.list_files() if f.size > 0]
     if not files:
@@ -133,6 +141,9 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False) ->
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
+            if keys:  # one manifest parsed at a time per io thread, not all of them held
+                return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
+                                       head=(m.created, m.commit), keys=frozenset(map(sys.intern, m.blob_keys())))
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
         except CheckpointNotFoundError:
             # Removed between the listing and this read (retention of another writer): it is
@@ -213,32 +224,6 @@ def blob_sizes(entries: list[CheckpointEntry]) -> dict[str, int]:
     return {b.key: b.size for e in entries if e.manifest is not None for b in e.manifest.blobs()}
 
 
-@dataclass
-class GCReport:
-    """What garbage collection found and (unless ``dry_run``) deleted."""
-
-    directory: str
-    dry_run: bool
-    deleted: list[str] = field(default_factory=list)
-    freed_bytes: int = 0
-    kept_young: int = 0
-    """Unreferenced blobs kept because younger than the grace (directories of older versions, or an
-    explicit ``grace_seconds``)."""
-    referenced: int = 0
-    problems: list[str] = field(default_factory=list)
-    temp_files: list[str] = field(default_factory=list)
-    """Temp files of interrupted writes (deleted unless ``dry_run``): of a process that ended, or older
-    than ``lease_seconds`` (and the grace)."""
-    kept_leased: int = 0
-    """Unreferenced blobs kept because a live lease protects them (saves in flight)."""
-    leases: int = 0
-    """Live leases of saves in flight seen."""
-    pending: dict = field(default_factory=dict)
-    """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
-    step_log: list[str] = field(default_factory=list)
-    """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
-
-
 def _linked_blobs(store: Store) -> str | None:
     """Why a local directory's blobs must not be collected from it: its ``.checkrun`` (or the blobs
     folder in it) is a symbolic link, so the blobs may be those of another directory's checkpoints,
@@ -313,15 +298,15 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
         report.problems.append(str(exc))
         log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
         return None
-    entries = list_checkpoints(store, config)
-    broken = [e for e in entries if e.manifest is None]
+    entries = list_checkpoints(store, config, keys=True)
+    broken = [e for e in entries if e.error is not None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)
         log.warning("checkrun: gc skipped in %s: %d manifest(s) cannot be read", report.directory, len(broken))
         return None
     referenced: set[str] = set()
     for e in entries:
-        referenced |= e.manifest.blob_keys()
+        referenced |= e.keys
     report.referenced = len(referenced)
     report.leases = prot.leases
     return prot, referenced
@@ -445,6 +430,6 @@ def _collect_steplog(store: Store, config: EngineConfig, report: GCReport, dry_r
     from ..steplog.gc import collect_segments  # a later stage: imported where used
 
     try:
-        report.step_log = collect_segments(store, lambda: list_checkpoints(store, config), dry_run)
+        report.step_log = collect_segments(store, lambda: list_checkpoints(store, config, heads=True), dry_run)
     except CheckrunError as exc:  # a malformed step-log object: delete none of it, say why
         report.problems.append(f"step log: {exc}")

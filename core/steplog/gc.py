@@ -62,8 +62,8 @@ def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry
 
 
 def _live_markers(index: LogIndex, checkpoints: list[Any], finished: set[str]) -> dict[str, Marker]:
-    stamps = {(e.name, _key(e.manifest.commit)) for e in checkpoints if e.manifest is not None}
-    unreadable = {e.name for e in checkpoints if e.manifest is None}  # it may be a marked one: keep
+    stamps = {(e.name, _key(e.commit)) for e in checkpoints if e.error is None}  # parsed, or by its head
+    unreadable = {e.name for e in checkpoints if e.error is not None}  # it may be a marked one: keep
     retained = [m for m in index.markers
                 if (m.checkpoint, _key(m.commit)) in stamps or m.checkpoint in unreadable
                 or (m.commit is None and any(n == m.checkpoint for n, _ in stamps))]
