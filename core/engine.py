@@ -1,14 +1,13 @@
 """CheckpointEngine: the public entry point of checkrun, a facade over the stage packages.
 
-Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are
-called from the training thread (any one thread at a time). ``save`` takes the snapshot here
-(``saving.capture``) and hands the rest to the engine's ``saving.coordinator.Coordinator``: one
-coordinator thread runs each save's background part in submission order (so saves to one path commit
-in order), fanning chunk work out to ``saving.workers`` threads, or hands it to the writer process
-(``saving.background: process``); after each commit it runs ``retain.after_commit``. An idle engine
-holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
-they have), and the next save starts them again. ``load`` reads through ``loading`` and leaves the
-directory's incremental state ready for the next save (``saving.streams.adopt_loaded``).
+Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are called from
+the training thread (one thread at a time). ``save`` takes the snapshot here (``saving.capture``) and hands the
+rest to the engine's ``saving.coordinator.Coordinator``: one coordinator thread runs each save's background part
+in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads,
+or hands it to the writer process (``saving.background: process``); after each commit it runs
+``retain.after_commit``. An idle engine holds no thread: the coordinator and its workers end once no save is
+queued (``wait`` returns after they have), and the next save starts them again. ``load`` reads through
+``loading`` and leaves the directory's incremental state ready for the next save (``saving.streams.adopt_loaded``).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from .loading.references import ReferenceBuild, supersede
 from .loading.reader import (VerifyCache, VerifyReport, load_manifest_state, map_location_tensor, read_manifest,
                              require_readable, verify_manifest)
 from .retain import collect, note_removed
-from .retain.retention import CheckpointEntry, GCReport, list_checkpoints
+from .retain.retention import CheckpointEntry as Entry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
 from .storage.store import Store
 from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, keep_recent_streams, wants_stream
@@ -209,10 +208,11 @@ class CheckpointEngine:
         return collect(store, self.config, memory=state, grace_seconds=grace_seconds, dry_run=dry_run,
                        candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store))
 
-    def list(self, directory: PathLike, storage_options: dict | None = None) -> list[CheckpointEntry]:
-        """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error."""
+    def list(self, directory: PathLike, storage_options: dict | None = None, heads: bool = False) -> list[Entry]:
+        """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error;
+        ``heads``: intact ones unparsed (``manifest`` None, ``head`` set: ``read_manifest`` each)."""
         self._check_open()
-        return list_checkpoints(self._dir_store(directory, storage_options), self.config)
+        return list_checkpoints(self._dir_store(directory, storage_options), self.config, heads=heads)
 
     def read_manifest(self, path: PathLike, storage_options: dict | None = None) -> Manifest:
         """The parsed, validated manifest of a checkpoint (no blob is read)."""

@@ -31,11 +31,10 @@ def _targets(ctx: Context, path: str) -> tuple[bool, list[dict]]:
         return False, [{"url": path, "error": None, "stored": _stored(ctx, path)}]
     out = []
     base = path.rstrip("/")
-    for e in ctx.engine.list(path, storage_options=ctx.storage_options):
+    for e in ctx.engine.list(path, storage_options=ctx.storage_options, heads=True):  # not all held parsed
         # The directory as the user spelt it (engine URLs of local files are absolute).
         url = f"{base}/{e.name}"
-        out.append({"url": url, "error": e.error if e.manifest is None else None,
-                    "stored": _stored(ctx, url) if e.manifest is not None else 0})
+        out.append({"url": url, "error": e.error, "stored": _stored(ctx, url) if e.error is None else 0})
     for f in folders(ctx, path):
         url = f"{base}/{f.name}/{INDEX_NAME}"
         out.append({"url": url, "error": f.error, "stored": _stored(ctx, url) if f.error is None else 0})
