@@ -55,10 +55,11 @@ def describe(header: dict) -> dict:
 
 
 def _rng_info(r: dict | None) -> dict | None:
-    """The RNG states a segment holds (format 7): of which step and rank, which generators."""
+    """The RNG states a segment holds (format 7): after which event (of which step's pre-hook, or of a
+    flush point: step None) and rank, which generators."""
     if r is None:
         return None
-    return {"step": r["step"], "rank": r["rank"], "generators": ["python", "numpy", "torch"]
+    return {"event": r["event"], "step": r["step"], "rank": r["rank"], "generators": ["python", "numpy", "torch"]
             + [f"cuda:{i}" for i in range(len(r["cuda"]))]}
 
 
@@ -124,8 +125,10 @@ def cmd_inspect_segment(ctx: Context, path: str) -> int:
                        f"({', '.join(header['buffers'][:3])}{', ...' if len(header['buffers']) > 3 else ''}; "
                        "--json lists them)"))
         if info["rng"]:
-            print("\n" + safe(f"RNG states of step {info['rng']['step']} (rank {info['rng']['rank']}): "
-                       f"{', '.join(info['rng']['generators'])}"))
+            r = info["rng"]
+            at = f"step {r['step']}'s" if r["step"] is not None else "a flush point's"
+            print("\n" + safe(f"RNG states after event {r['event']} ({at}, rank {r['rank']}): "
+                               f"{', '.join(r['generators'])}"))
         states = sum(1 for ev in header["events"] if ev["kind"] == "state")
         if states:
             print(f"\n{states} state record(s): optimizer hyperparameters and scheduler state (--json shows them)")

@@ -66,6 +66,11 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
                        scaler, model)
     if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
         rng_states.restore(pos.rng, pos.rng.where)
+    elif rng and pos.rng_lost:
+        warnings.warn(f"checkrun: the RNG states are not set after replaying to step {pos.step} of {store.url('')}'s "
+                      f"step log: the log's last ones do not hold there ({pos.rng_lost}); random numbers drawn from "
+                      "here on differ from the uninterrupted run's (call log.flush() after such a batch, or save)",
+                      RuntimeWarning, stacklevel=3)
     where = store.url(marker.checkpoint)
     lossy = sum(1 for r in manifest.tensors if r.quant)
     if lossy and pos.replayed:  # the replay starts from the checkpoint's values, exactly as loaded

@@ -322,7 +322,7 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     payload = max(size, payload_len)
     packs = check_packs(h.get("packs", {}), where, payload)
     if "rng" in h:
-        check_rng(h["rng"], where, payload)
+        check_rng(h["rng"], where, payload, lo, hi)
     grads = 0
     for i, ev in enumerate(events):
         grads += check_event(ev, f"{where}: event {lo + i + 1}", payload, version, packs, len(buffers))

@@ -118,6 +118,7 @@ class StepLog:
         self._check()
         self._drop_held()
         self._state_event()
+        self._point()
         done = threading.Event()
         self._queue.put(("flush", done))
         self._unflushed = 0
@@ -177,6 +178,7 @@ class StepLog:
             commit = stamp.to_json() if stamp is not None else None
             marker = Marker(mark_name(self.run, self.event, self._mark_seq), self.run, self.event, self.step,
                             name, commit)
+            self._point()
             self._queue.put(("flush", None))  # the segment ends at the checkpoint (gc drops it whole)
             self._unflushed = 0
             self._segs.write_manifest(marker.name, marker_to_bytes(marker), what="step-log marker")
@@ -276,6 +278,13 @@ class StepLog:
             self.event += 1
             self._queue.put(("state", state))
 
+    def _point(self) -> None:
+        """A flush point between batches (``flush``, a save): the RNG states as they are now hold after
+        every event logged so far (a step's own are older when a batch whose step a GradScaler skipped
+        followed it)."""
+        if self.config.step_log.rng:
+            self._queue.put(("rng", rng.capture()))
+
     def _check(self) -> None:
         err, self._error = self._error, None
         if err is not None:
@@ -311,6 +320,11 @@ class StepLog:
                 if kind in ("step", "state"):
                     issued += 1
                     batch.add(kind, item, self.config, self._staging)
+                    continue
+                if kind == "rng":  # a flush follows: the states after every event so far
+                    if not batch.empty:
+                        batch.release()
+                        batch.rng = (batch.hi, None, item)
                     continue
                 if kind != "timeout":  # the training thread flushes: its last step is complete
                     batch.release()
@@ -360,8 +374,8 @@ class StepLog:
                   "packs": batch.packs}
         if any("bufs" in ev for ev in batch.events):  # what the steps' ``bufs`` entries index
             header["buffers"] = [name for name, _, _ in self._buffers]
-        if batch.rng is not None:  # the RNG states of its last step (a resume ends there)
-            entry = rng.encode(batch.rng[1], batch.rng[0], batch.payload, batch.size, RAW_PIPELINE.to_list())
+        if batch.rng is not None:  # the RNG states after its last step or flush point (a resume ends there)
+            entry = rng.encode(batch.rng[2], *batch.rng[:2], batch.payload, batch.size, RAW_PIPELINE.to_list())
             if entry is not None:
                 header["rng"] = entry
         data = pack_segment(header, batch.payload)
@@ -390,8 +404,9 @@ class _Batch:
         self.size = 0
         self.started = time.monotonic()
         self.held: tuple[dict, list[bytes], list[list], dict, Any] | None = None
-        self.rng: tuple[int, rng.RngState] | None = None
-        """The last step appended and its RNG states (``rng``), if it has them."""
+        self.rng: tuple[int, int | None, rng.RngState] | None = None
+        """``(event, step, states)``: the RNG states after the last step appended (``step`` its number), or
+        after event ``event`` of a flush point (``step`` None), if they were captured."""
 
     @property
     def empty(self) -> bool:
@@ -440,11 +455,11 @@ class _Batch:
         for name, (numel, r) in chunks.items():
             self.packs.setdefault(name, []).append({"numel": numel, "data": r})
             self._pack_numel[name] = self._pack_numel.get(name, 0) + numel
-        if event["kind"] == "step":
-            self.rng = None if states is None else (event["step"], states)
         self.events.append(event)
         self.payload.extend(parts)
         self.size += sum(len(p) for p in parts)
         self.hi += 1
+        if event["kind"] == "step":
+            self.rng = None if states is None else (self.hi, event["step"], states)
 
 

@@ -51,7 +51,11 @@ class Position:
     buffers_left: int = 0
     """Replayed steps whose logged forward-pass state was not set (replay without ``model``)."""
     rng: Any = None
-    """The logged RNG states of the last step replayed (``rng.RngState``), if its segment holds them."""
+    """The logged RNG states that hold after the last event applied (``rng.RngState``), if any do."""
+    rng_lost: str | None = None
+    """Why the log's RNG states do not hold there (``_track_rng``)."""
+    scale: float | None = None
+    """The GradScaler scale of the last state record applied: a lower one next means a skipped step."""
 
 
 def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
@@ -139,7 +143,7 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
         if header is None:
             return
         data = Payload(header, payload, max_bytes)
-        states = header.get("rng")  # of the segment's last step
+        states = header.get("rng")  # after its last step or flush point
         for i, ev in enumerate(header["events"]):
             event = seg.lo + i + 1
             if event <= pos.event:
@@ -155,21 +159,16 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                            "training goes on from there")
                 return
             pos.event = event
+            rng.track(pos, ev, event, states, segs.url(seg.name),
+                      lambda r, n: _decode(r, payload, n, torch.uint8, f"{segs.url(seg.name)}: field 'rng'",
+                                           max_bytes))
             if ev.get("counters") is not None:
                 pos.counters = dict(ev["counters"])
             if ev["kind"] == "step":
                 pos.step = ev["step"]
                 pos.replayed += 1
-                last = states is not None and states["step"] == ev["step"]
-                pos.rng = _rng(states, payload, segs.url(seg.name), max_bytes) if last else None
                 pos.buffers_set = bool(nbuf)
                 pos.buffers_left += bool(ev.get("bufs")) and not nbuf
-
-
-def _rng(entry: dict, payload: memoryview, where: str, max_bytes: int) -> rng.RngState:
-    states = rng.decode(entry, lambda r, n: _decode(r, payload, n, torch.uint8, f"{where}: field 'rng'", max_bytes))
-    states.where = where
-    return states
 
 
 def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryview]:

@@ -132,19 +132,22 @@ def test_without_logged_states_the_replay_leaves_the_generators_alone(tmp_path, 
     assert after[0] == random.getstate() and torch.equal(after[1], torch.get_rng_state())
 
 
-def test_each_segment_logs_its_last_steps_states(tmp_path):
+def test_each_segment_logs_the_states_after_its_last_step_or_flush_point(tmp_path):
+    """Segments closed at a step's pre-hook (every 4 steps) hold the states of their last step; those
+    closed by a save or ``flush``/``close`` the states captured there (``step`` null), after their last
+    event."""
     directory = str(tmp_path / "run")
     _crashed_run(directory)
-    segs = sorted((tmp_path / "run/.checkrun/steplog").glob("seg-*.bin"))
-    steps = []
-    for seg in segs:
+    kinds = []
+    for seg in sorted((tmp_path / "run/.checkrun/steplog").glob("seg-*.bin")):
         header, _ = split_segment(seg.read_bytes(), str(seg))
-        logged = [ev["step"] for ev in header["events"] if ev["kind"] == "step"]
+        logged = [(header["lo"] + i + 1, ev["step"]) for i, ev in enumerate(header["events"]) if ev["kind"] == "step"]
         if logged:
-            assert header["format_version"] == 7 and header["rng"]["step"] == logged[-1]
-            assert header["rng"]["rank"] == 0
-            steps.append(logged[-1])
-    assert steps[-1] == RESUME_AT
+            entry = header["rng"]
+            assert header["format_version"] == 7 and entry["rank"] == 0
+            assert (entry["event"], entry["step"]) in (logged[-1], (header["hi"], None))
+            kinds.append("step" if entry["step"] is not None else "point")
+    assert kinds[-1] == "point" and "step" in kinds  # close() ends the last one; the steps' end the others
 
 
 def _tamper(seg: Path, change) -> None:
@@ -163,9 +166,13 @@ def _last_segment(tmp_path) -> Path:
 
 @pytest.mark.parametrize("change, message", [
     (lambda h: h["rng"].update(rank="0"), "field 'rank'"),
-    (lambda h: h["rng"].pop("numpy"), "must hold step, rank"),
+    (lambda h: h["rng"].pop("numpy"), "must hold event, step, rank"),
     (lambda h: h["rng"]["python"].update(version=2), "'python' must be"),
     (lambda h: h["rng"]["python"].update(gauss="x"), "'python' must be"),
+    (lambda h: h["rng"]["python"].update(gauss=10**400), "'python' must be"),  # was a bare OverflowError
+    (lambda h: h["rng"]["numpy"].update(gauss=10**400), "'numpy' must be"),
+    (lambda h: h["rng"].update(event=h["lo"]), "event .* is not one of the segment's"),
+    (lambda h: h["rng"].update(step="3"), "field 'step'"),
     (lambda h: h["rng"]["numpy"].update(pos=625), "'numpy' must be"),
     (lambda h: h["rng"]["numpy"].update(has_gauss=2), "'numpy' must be"),
     (lambda h: h["rng"]["numpy"]["mt"].__setitem__(1, 100), "'numpy.mt' holds 100 bytes"),
@@ -203,7 +210,7 @@ def test_a_state_that_torch_refuses_is_refused_before_any_generator_is_set(tmp_p
     with CheckpointEngine() as engine:
         state = engine.load(engine.latest(directory))
         opt.load_state_dict(state["opt"])
-        with pytest.raises(StepLogFormatError, match="RNG state of step 15 is refused") as info:
+        with pytest.raises(StepLogFormatError, match="RNG state after event \\d+ is refused") as info:
             engine.replay(directory, opt, sched)
     assert seg.name in str(info.value)
     assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
@@ -237,8 +244,90 @@ def test_inspect_of_a_segment_names_its_rng_states_and_running_statistics(tmp_pa
     out = capsys.readouterr().out
     assert "\\n" not in out
     header, _ = split_segment(seg.read_bytes(), str(seg))
-    assert f"\nRNG states of step {header['rng']['step']} (rank 0): python, numpy, torch\n" in out
+    at = f"step {header['rng']['step']}'s" if header["rng"]["step"] is not None else "a flush point's"
+    assert f"\nRNG states after event {header['rng']['event']} ({at}, rank 0): python, numpy, torch\n" in out
     assert "\nrunning statistics of 3 buffer(s) with each step" in out
     assert main(["inspect", str(seg), "--json", "--no-progress"]) == 0
     got = json.loads(capsys.readouterr().out)["rng"]
-    assert got == {"step": header["rng"]["step"], "rank": 0, "generators": ["python", "numpy", "torch"]}
+    assert got == {"event": header["rng"]["event"], "step": header["rng"]["step"], "rank": 0,
+                   "generators": ["python", "numpy", "torch"]}
+
+
+def _scaled(skip: int):
+    """Model with dropout, SGD and a CPU GradScaler; ``step`` skips the optimizer step of batch ``skip``
+    (an infinite loss: the scaler backs off) and counts batches in ``batches``."""
+    torch.manual_seed(7)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Dropout(0.4), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    batches = {"batch": 0}
+
+    def step(s: int) -> None:
+        g = torch.Generator().manual_seed(s)
+        loss = torch.nn.functional.mse_loss(net(torch.randn(8, 4, generator=g) + random.random()),
+                                            torch.randn(8, 1, generator=g))
+        opt.zero_grad()
+        scaler.scale(loss * (float("inf") if s == skip else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        batches["batch"] = s
+
+    return net, opt, scaler, batches, step
+
+
+def _scaled_state(net, opt, scaler) -> dict:
+    return copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()})
+
+
+@pytest.mark.parametrize("end", ["flush after the skipped batch", "segment closed at the next step"])
+def test_a_resume_right_after_a_skipped_step_is_exact_or_warned(tmp_path, end):
+    """Batch 12's step is skipped by the GradScaler: no step pre-hook ran, so the states last captured
+    at a step (11) are one batch old where the log ends. A flush after batch 12 captures them there:
+    the resumed run continues bit-equal. A segment closed at step 13's pre-hook ends with batch 12's
+    state record, whose states nobody captured: the replay sets none and warns. Before, it set step 11's,
+    and the run went on with other dropout masks, silently (found by an independent check)."""
+    directory = str(tmp_path / "run")
+    _seed(1)
+    net, opt, scaler, batches, step = _scaled(skip=12)
+    _seed(1)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2 if end.startswith("segment") else 100}}) as engine:
+        slog = engine.step_log(directory, opt, scaler=scaler, counters=lambda: dict(batches))
+        for s in range(1, 14 if end.startswith("segment") else 13):
+            step(s)
+            if s == 5:
+                engine.save({**_scaled_state(net, opt, scaler), "batch": s}, f"{directory}/c.ckpt").result()
+        slog.close()
+    if end.startswith("segment"):  # the log ends with the segment closed at step 13's pre-hook
+        segs = sorted((tmp_path / "run/.checkrun/steplog").glob("seg-*.bin"))
+        ending = [split_segment(p.read_bytes(), str(p))[0] for p in segs]
+        keep = next(i for i, h in enumerate(ending) if h["events"][-1]["kind"] == "state"
+                    and h["events"][-1].get("counters", {}).get("batch") == 12)
+        for p in segs[keep + 1:]:
+            p.unlink()
+    _seed(1)
+    ref_net, ref_opt, ref_scaler, _, ref_step = _scaled(skip=12)
+    _seed(1)
+    for s in range(1, 21):
+        ref_step(s)
+    _seed(999)
+    net, opt, scaler, batches, step = _scaled(skip=12)
+    _seed(4)
+    before = torch.get_rng_state()
+    with CheckpointEngine() as engine:
+        state = engine.load(f"{directory}/c.ckpt")
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        scaler.load_state_dict(state["scaler"])
+        counters: dict = {}
+        if end.startswith("flush"):
+            assert engine.replay(directory, opt, scaler=scaler, counters=counters) == 6
+        else:
+            with pytest.warns(RuntimeWarning, match="RNG states are not set after replaying to step 11 .*GradScaler "
+                                                    "skipped followed step 11"):
+                assert engine.replay(directory, opt, scaler=scaler, counters=counters) == 6
+            assert torch.equal(torch.get_rng_state(), before)  # left alone, not set to step 11's
+            return
+    assert counters == {"batch": 12}
+    for s in range(13, 21):
+        step(s)
+    assert_bit_equal(_scaled_state(net, opt, scaler), _scaled_state(ref_net, ref_opt, ref_scaler))
