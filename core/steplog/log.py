@@ -32,7 +32,8 @@ from ..saving import lifecycle
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta, rng
-from .capture import Staging, StepRecord, capture_step, forward_buffers, group_scalars, sched_skeleton
+from .batch import _Batch
+from .capture import Staging, capture_step, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
 from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
@@ -112,13 +113,16 @@ class StepLog:
         lifecycle.register_owner(self._close_at_exit)
 
     # -- training thread ----------------------------------------------------------------------
-    def flush(self) -> None:
-        """Commit everything logged so far as a segment and wait for it (training thread)."""
+    def flush(self, _point: bool = True) -> None:
+        """Commit everything logged so far as a segment and wait for it (training thread). The RNG states
+        now are logged as those after it (a flush between batches; not by ``close``: the process may
+        have drawn or reseeded since its last step)."""
         self._write_due()
         self._check()
         self._drop_held()
         self._state_event()
-        self._point()
+        if _point:
+            self._point()
         done = threading.Event()
         self._queue.put(("flush", done))
         self._unflushed = 0
@@ -139,7 +143,7 @@ class StepLog:
             return
         try:
             if self._thread.is_alive():
-                self.flush()
+                self.flush(_point=False)
         finally:
             self._stop.set()
             self._queue.put(("stop", None))
@@ -225,7 +229,6 @@ class StepLog:
                                "torch runs the step pre-hook that captures the gradients before the closure "
                                "computes them. Call the closure yourself, then optimizer.step() without it")
         self._write_due()
-        self._check()
         self._drop_held()
         if self._unflushed >= self.config.step_log.flush_every_steps:
             # flushed at the start of the next step, so the scheduler step after the last one is in
@@ -245,7 +248,11 @@ class StepLog:
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """``step()`` returned: its record counts. A step that raised (an out-of-memory error the loop
-        skips) consumed nothing and is not logged: its record is dropped at the next step or flush."""
+        skips) consumed nothing and is not logged: its record is dropped at the next step or flush.
+        An earlier failure of the log's background work is raised here, once this step is applied and
+        logged: a loop that catches it and goes on loses no update (raised in the pre-hook, it stopped
+        that step before it changed anything, and such a loop skipped the step; found by an independent
+        check)."""
         if self._held is None or _inner_call(optimizer):
             return
         rec, self._held = self._held, None
@@ -253,6 +260,7 @@ class StepLog:
         self.event += 1
         self._unflushed += 1
         self._queue.put(("step", rec))
+        self._check()
 
     def _drop_held(self) -> None:
         rec, self._held = self._held, None
@@ -280,8 +288,8 @@ class StepLog:
 
     def _point(self) -> None:
         """A flush point between batches (``flush``, a save): the RNG states as they are now hold after
-        every event logged so far (a step's own are older when a batch whose step a GradScaler skipped
-        followed it)."""
+        every event logged so far, as a checkpoint saved here holds them (a step's own are older when a
+        batch whose step a GradScaler skipped followed it, or an evaluation before the save drew)."""
         if self.config.step_log.rng:
             self._queue.put(("rng", rng.capture()))
 
@@ -383,83 +391,3 @@ class StepLog:
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
         self.bytes_logged += len(data)
         self.segments += 1
-
-
-class _Batch:
-    """The segment being filled by the encoder thread: events (lo, hi] and their encoded bytes.
-
-    The newest step is *held* (encoded, not yet in ``events``) until the next event arrives or the
-    training thread flushes: the scheduler's step after it is logged only at the next ``step()``,
-    ``flush`` or save, so a segment cut by ``flush_seconds`` alone must not end with a step whose
-    scheduler state is not logged yet (replay would resume the scheduler one step behind). A step's
-    byte ranges and pack references are relative to its own bytes and chunks until it is appended."""
-
-    def __init__(self, run: str, lo: int, pays: StepEncoder) -> None:
-        self.run, self.lo, self.hi, self.pays = run, lo, lo, pays
-        self.events: list[dict] = []
-        self.payload: list[bytes] = []
-        self.packs: dict[str, list[dict]] = {}
-        """Per dtype name, the segment's pack chunks in order (``{"numel", "data": range}``)."""
-        self._pack_numel: dict[str, int] = {}
-        self.size = 0
-        self.started = time.monotonic()
-        self.held: tuple[dict, list[bytes], list[list], dict, Any] | None = None
-        self.rng: tuple[int, int | None, rng.RngState] | None = None
-        """``(event, step, states)``: the RNG states after the last step appended (``step`` its number), or
-        after event ``event`` of a flush point (``step`` None), if they were captured."""
-
-    @property
-    def empty(self) -> bool:
-        return not self.events and self.held is None
-
-    def add(self, kind: str, item: Any, config: EngineConfig, staging: Staging) -> None:
-        if self.empty:
-            self.started = time.monotonic()
-        self.release()
-        if kind == "state":
-            self._append({"kind": "state", **item}, [], [], {})
-            return
-        rec: StepRecord = item
-        parts: list[bytes] = []
-        ranges: list[list] = []
-        try:
-            grads, chunks = self.pays.encode(rec, parts, ranges)
-        finally:
-            if rec.slot is not None:
-                staging.give(rec.slot)
-        event = {"kind": "step", "step": rec.step, "grads": grads}
-        if rec.bufs:
-            event["bufs"] = self.pays.buffers(rec)
-        self.held = (event, parts, ranges, chunks, rec.rng)
-
-    def release(self) -> None:
-        """Move the held step into the segment (its scheduler state is logged, or the training
-        thread flushes)."""
-        if self.held is not None:
-            held, self.held = self.held, None
-            self._append(*held)
-
-    def rest(self) -> "_Batch":
-        """The next segment, starting with the held step if there is one."""
-        nxt = _Batch(self.run, self.hi, self.pays)
-        nxt.held, self.held = self.held, None
-        return nxt
-
-    def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict, states: Any = None) -> None:
-        for r in ranges:  # offsets were relative to the event's own bytes
-            r[0] += self.size
-        for g in [*event.get("grads", ()), *event.get("bufs", ())]:  # offsets were relative to the step's chunks
-            for ref in g.values():  # every reference into a pack (data, idx, runs), whatever its key
-                if isinstance(ref, dict) and "pack" in ref:
-                    ref["at"] += self._pack_numel.get(ref["pack"], 0)
-        for name, (numel, r) in chunks.items():
-            self.packs.setdefault(name, []).append({"numel": numel, "data": r})
-            self._pack_numel[name] = self._pack_numel.get(name, 0) + numel
-        self.events.append(event)
-        self.payload.extend(parts)
-        self.size += sum(len(p) for p in parts)
-        self.hi += 1
-        if event["kind"] == "step":
-            self.rng = None if states is None else (self.hi, event["step"], states)
-
-

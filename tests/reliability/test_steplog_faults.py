@@ -268,10 +268,9 @@ def test_a_marker_whose_write_failed_is_written_again_so_the_later_steps_stay_re
             FaultFS.fail_writes, FaultFS.fail_match = OSError(errno.EIO, "injected"), "mark-"
             engine.save(state(*model), f"{directory}/step2.ckpt").result()  # committed, its marker not
             FaultFS.reset()
-            with pytest.raises(StepLogError, match="marker"):  # surfaces at the next step (not taken)...
+            with pytest.raises(StepLogError, match="marker"):  # surfaces at the next step, once it is taken...
                 train_step(*model, 3)
-            model[1].step()  # ... which the loop takes again
-            model[2].step()
+            model[2].step()  # ... and the loop finishes it
             _train(engine, directory, model, range(4, 6))
             slog.close()
     finally:
@@ -284,8 +283,9 @@ def test_a_marker_whose_write_failed_is_written_again_so_the_later_steps_stay_re
 @pytest.mark.parametrize("fail_at", [6, 8])
 def test_a_step_whose_encoding_fails_leaves_a_gap_the_resume_stops_at(tmp_path, monkeypatch, fail_at):
     """Encoding one step fails in the log's encoder thread (out of memory, a codec error): the training
-    sees a StepLogError at a later step (raised before that step changes anything: it is run again) and
-    goes on logging. The steps before the failed one are written; the events after it keep their
+    sees a StepLogError from a later ``optimizer.step()``, raised once that step is applied and logged
+    (the loop finishes the step: its scheduler step), and goes on logging; it ends bit-equal to a run
+    without the failure. The steps before the failed one are written; the events after it keep their
     numbers, so the resume stops right before the lost step, exactly, and says it was never written. Step 6 is
     the first event of a segment (the one after the checkpoint): the next segment started where the last
     written one ended, no gap showed, and every later step was replayed one place off, silently
@@ -311,9 +311,10 @@ def test_a_step_whose_encoding_fails_leaves_a_gap_the_resume_stops_at(tmp_path, 
                 train_step(net, opt, sched, step)
             except StepLogError as exc:
                 errors.append(str(exc))
-                train_step(net, opt, sched, step)
+                sched.step()  # the rest of the step whose optimizer.step() raised after it applied
         slog.close()
     assert len(errors) == 1 and f"injected while encoding step {fail_at}" in errors[0]
+    assert_bit_equal(state(net, opt, sched), _reference(25), "the training, through the error")
     with pytest.warns(UserWarning, match=f"were never written .*replay stopped after step {fail_at - 1}"):
         n, resumed = _resume(directory)
     assert n == fail_at - 1 - 5
