@@ -30,6 +30,7 @@ from ..storage import owner
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
+from . import keycache
 from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
 from .report import GCReport
 from ..format.manifest import (FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, checksum_matches, is_manifest_head,
@@ -140,10 +141,15 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             top = _head(data) if heads else None
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
-            m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
-            if keys:  # one manifest parsed at a time per io thread, not all of them held
+            if keys:  # one manifest parsed at a time per io thread, not all of them held; once per process
+                lim = limits_for(config)
+                got = keycache.get(data, lim)
+                if got is None:
+                    m = parse_manifest(data, store.url(info.name), limits=lim)
+                    got = keycache.put(data, lim, m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
-                                       head=(m.created, m.commit), keys=frozenset(map(sys.intern, m.blob_keys())))
+                                       head=got[:2], keys=got[2])
+            m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
         except CheckpointNotFoundError:
             # Removed between the listing and this read (retention of another writer): it is
@@ -194,15 +200,23 @@ def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[
               if e.error is None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
     if len(listed) <= keep_last:
         return []
-    kept, removable = 0, []
-    for e in reversed(listed):  # a manifest that does not parse is not committed, as without heads
+    parsed: dict[str, CheckpointEntry | None] = {}
+    kept, removable, i = 0, [], len(listed)
+    while i:  # newest first; a manifest that does not parse is not committed, as without heads
+        i -= 1
+        e = listed[i]
         if kept >= keep_last and e.name in keep:
             continue
-        e = e if e.manifest is not None else _parsed(store, config, e)
-        if e is not None and kept < keep_last:
+        if e.name not in parsed:
+            parsed[e.name] = e if e.manifest is not None else _parsed(store, config, e)
+        got = parsed[e.name]
+        if got is None and e.head is not None:  # its head ordered its writer's later ones: order without it (h52)
+            listed = _oldest_first([x for x in listed if parsed.get(x.name, x) is not None])
+            kept, removable, i = 0, [], len(listed)
+        elif got is not None and kept < keep_last:
             kept += 1
-        elif e is not None:
-            removable.append(e)
+        elif got is not None:
+            removable.append(got)
     removable.reverse()
     for e in removable:
         store.delete_manifest(e.name)

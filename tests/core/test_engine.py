@@ -224,6 +224,22 @@ def test_latest_skips_checkpoint_with_flipped_byte(tmp_path, caplog):
         assert engine.latest(tmp_path, verify=False).endswith("new.ckpt")  # quick check: sizes only
 
 
+def _count_parses(monkeypatch, *modules) -> list[str]:
+    """The names of the manifests ``parse_manifest`` parses from now on in ``modules``, in order."""
+    from ckpt_core.format import manifest as fmt
+
+    parsed: list[str] = []
+    real = fmt.parse_manifest
+
+    def counting(data, where, *a, **k):
+        parsed.append(str(where).rsplit("/", 1)[-1])
+        return real(data, where, *a, **k)
+
+    for module in modules:
+        monkeypatch.setattr(module, "parse_manifest", counting)
+    return parsed
+
+
 def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
     """Retention after each save parsed every manifest of the directory (2,000 checkpoints under a
     ``protect`` pattern or a large ``keep_last``: 12 s per save). It orders them by their heads and
@@ -239,14 +255,7 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
         for step in range(10, 14):
             engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step:02d}.ckpt").result()
     (tmp_path / "s13.ckpt").write_bytes(b'{"_checkrun":"manifest",' + b"x" * 600)  # damaged: not counted
-    parsed: list[str] = []
-    real = retention.parse_manifest
-
-    def counting(data, where, *a, **k):
-        parsed.append(str(where).rsplit("/", 1)[-1])
-        return real(data, where, *a, **k)
-
-    monkeypatch.setattr(retention, "parse_manifest", counting)
+    parsed = _count_parses(monkeypatch, retention)
     config = EngineConfig.from_dict({**cfg, "retention": {"keep_last": 2, "protect": ["p*.ckpt"]}})
     store = Store.for_directory(str(tmp_path), None, config.storage)
     removed = retention.apply_retention(store, config, keep=set())
@@ -258,28 +267,73 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
     assert retention.apply_retention(store, big, keep=set()) == [] and parsed == ["s13.ckpt"]
 
 
+def test_retention_orders_without_a_manifest_that_does_not_parse(tmp_path):
+    """Ordered by heads, a manifest whose checksum matches but which does not parse (a future format, a
+    forgery) claiming a later time lifted its writer's next checkpoint (a2) above another writer's newer
+    one (b1): retention removed b1 and kept a2 (found by an independent old-vs-new check, h52). It orders
+    again without it, as retention did when it parsed every manifest."""
+    import subprocess
+    import sys
+
+    import xxhash
+
+    with CheckpointEngine() as engine:  # writer A (this process): a1, a2
+        for name in ("a1", "a2"):
+            engine.save({"w": torch.randn(4)}, tmp_path / f"{name}.ckpt").result()
+    subprocess.run([sys.executable, "-c", "import sys, torch; from ckpt_core import CheckpointEngine\n"
+                    "with CheckpointEngine() as e: e.save({'w': torch.randn(4)}, sys.argv[1]).result()",
+                    str(tmp_path / "b1.ckpt")], check=True)  # writer B, after A
+    body = json.loads((tmp_path / "a1.ckpt").read_bytes())
+    body.pop("checksum")
+    body["format_version"], body["created"] = 999, json.loads((tmp_path / "b1.ckpt").read_bytes())["created"] + 60
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    head = b'{"_checkrun":"manifest",'
+    (tmp_path / "a1.ckpt").write_bytes(head + b'"checksum":"' + xxhash.xxh3_128_hexdigest(text).encode() + b'",'
+                                       + text[len(head):])
+    with CheckpointEngine({"retention": {"keep_last": 2}}) as engine:
+        engine.save({"w": torch.zeros(4)}, tmp_path / "c.ckpt").result()
+        engine.wait()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["a1.ckpt", "b1.ckpt", "c.ckpt"]
+
+
+def test_collections_of_one_process_parse_each_manifest_once(tmp_path, monkeypatch):
+    """Every collection (after each save that retention or a removal made garbage) parsed every manifest
+    of the directory again: thousands of protected checkpoints cost seconds of background CPU per save.
+    What a parse gave is kept by the bytes' digest: a later collection parses only new or changed
+    manifests, and finds the same referenced blobs; a changed manifest is parsed again."""
+    from ckpt_core.retain import retention
+
+    with CheckpointEngine() as engine:
+        for step in range(6):
+            engine.save({"w": torch.full((10,), float(step)), "b": torch.zeros(5)}, tmp_path / f"s{step}.ckpt").result()
+    parsed = _count_parses(monkeypatch, retention)
+    with CheckpointEngine() as engine:
+        first = engine.gc(tmp_path, dry_run=True)
+        assert sorted(parsed) == [f"s{i}.ckpt" for i in range(6)]
+        parsed.clear()
+        again = engine.gc(tmp_path, dry_run=True)
+        assert parsed == [] and (again.referenced, again.deleted) == (first.referenced, first.deleted)
+        parsed.clear()
+        engine.save({"w": torch.full((10,), 9.0), "b": torch.ones(5)}, tmp_path / "s5.ckpt").result()
+        engine.wait()  # its collection (the overwritten manifest's blobs) parses the new s5.ckpt only
+        report = engine.gc(tmp_path, dry_run=True)
+    assert parsed == ["s5.ckpt"], parsed
+    assert report.referenced == first.referenced
+
+
 def test_latest_parses_only_the_checkpoints_it_tries(tmp_path, monkeypatch):
     """``latest()`` parsed every manifest of the directory and held them all to find the newest (2,000
     manifests: 1 GB, 12.5 s at each resume). It orders them by the time and stamp in their first
     bytes and parses newest first: one manifest when the newest is intact, the next when it is not
     (a damaged body behind an intact head), and a manifest whose head does not read so is parsed
     where it is listed, as before."""
-    from ckpt_core.format import manifest as fmt
     from ckpt_core.loading import reader
     from ckpt_core.retain import retention
 
     with CheckpointEngine({"incremental": {"enabled": False}}) as engine:
         for step in range(12):
             engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step:02d}.ckpt").result()
-    parsed: list[str] = []
-    real = fmt.parse_manifest
-
-    def counting(data, where, *a, **k):
-        parsed.append(str(where).rsplit("/", 1)[-1])
-        return real(data, where, *a, **k)
-
-    monkeypatch.setattr(reader, "parse_manifest", counting)
-    monkeypatch.setattr(retention, "parse_manifest", counting)
+    parsed = _count_parses(monkeypatch, reader, retention)
     with CheckpointEngine() as engine:
         assert engine.latest(tmp_path).endswith("s11.ckpt") and parsed == ["s11.ckpt"]
         newest = tmp_path / "s11.ckpt"
