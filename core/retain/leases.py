@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -269,3 +270,20 @@ class Collection:
             self.dir.delete(self.name)
         except CheckrunError as exc:
             log.warning("checkrun: could not remove %s (it expires by itself): %s", self.dir.url(self.name), exc)
+
+
+def linked_blobs(store: Store) -> str | None:
+    """Why a local directory's blobs must not be collected from it: its ``.checkrun`` (or the blobs
+    folder in it) is a symbolic link, so the blobs may be those of another directory's checkpoints,
+    which this collection does not see (a gc there deleted blobs another directory's committed
+    checkpoints needed: found by a check of hostile layouts)."""
+    if not store.is_local:
+        return None
+    for sub in (".checkrun", ".checkrun/blobs"):
+        path = os.path.join(store.root, sub)
+        if os.path.islink(path):
+            return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): its blobs may belong to "
+                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted. "
+                    "A blob folder shared through links is not supported: a gc where it lies deletes the blobs "
+                    "that only this directory's checkpoints need (move them into one directory)")
+    return None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
-import os
 import re
 import sys
 import time
@@ -31,7 +30,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
 from . import keycache
-from .leases import Collection, LeaseDir, Protection, WindowClosed, read_protection
+from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection
 from .report import GCReport
 from ..format.manifest import (FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, checksum_matches, is_manifest_head,
                                looks_damaged, parse_manifest)
@@ -163,27 +162,54 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
     for entry in store.map(read, files):
         if entry is not None:
             entries.append(entry)
-    return _oldest_first(entries)
+
+    def check(e: CheckpointEntry) -> CheckpointEntry | None:  # a head that lifts others: parsed, or an error
+        try:
+            parse_manifest(store.read_manifest(e.name), e.url, limits=limits_for(config))
+            return e
+        except CheckpointNotFoundError:
+            return None
+        except CheckrunError as exc:
+            return CheckpointEntry(e.name, e.url, e.mtime, e.size, None, str(exc), is_outage(exc))
+
+    return _oldest_first(entries, check if heads else None)
 
 
-def _oldest_first(entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+def _oldest_first(entries: list[CheckpointEntry], check=None) -> list[CheckpointEntry]:
     """By commit time (``created``), except that one process's checkpoints keep the order of their
     capture (the commit stamp's sequence, as the commit fence compares them): a step back of that
     process's clock (an NTP step, a VM restored) made the checkpoints saved after it older than the
     ones before, so retention deleted the newest and ``latest()`` answered an older one (found by an
     independent check; local files' times come from the same clock, so they could not tell). Each
-    checkpoint of a process counts as no older than its predecessor in that order."""
-    runs: dict[str, list[CheckpointEntry]] = {}
-    for e in entries:
-        if e.commit is not None:
-            runs.setdefault(e.commit["writer"], []).append(e)
-    floor: dict[str, tuple[float, int]] = {}
-    for run in runs.values():
-        latest = float("-inf")
-        for e in sorted(run, key=lambda e: e.commit["seq"]):
-            latest = max(latest, e.created)
-            floor[e.name] = (latest, e.commit["seq"])
-    return sorted(entries, key=lambda e: (*floor.get(e.name, (e.created, 0)), e.mtime, e.name))
+    checkpoint of a process counts as no older than its predecessor in that order. ``check``: an entry
+    listed by its head (unparsed) that lifts a later checkpoint of its process is checked first (its
+    head's time could be a forgery's or an unreadable future format's: found by independent checks, h52);
+    ``check`` returns it, its error entry, or None (gone), and the order is made again without it."""
+    checked: set[str] = set()
+    while True:
+        runs: dict[str, list[CheckpointEntry]] = {}
+        for e in entries:
+            if e.commit is not None:
+                runs.setdefault(e.commit["writer"], []).append(e)
+        floor: dict[str, tuple[float, int]] = {}
+        bad = None
+        for run in runs.values():
+            top = None  # the one with the latest time so far
+            for e in sorted(run, key=lambda e: e.commit["seq"]):
+                if (check is not None and top is not None and top.created > e.created and top.head is not None
+                        and top.name not in checked):
+                    checked.add(top.name)
+                    got = check(top)
+                    if got is not top:
+                        bad = (top, got)
+                        break
+                top = e if top is None or e.created > top.created else top
+                floor[e.name] = (top.created, e.commit["seq"])
+            if bad is not None:
+                break
+        if bad is None:
+            return sorted(entries, key=lambda e: (*floor.get(e.name, (e.created, 0)), e.mtime, e.name))
+        entries = [x for x in (bad[1] if x is bad[0] else x for x in entries) if x is not None]
 
 
 def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[CheckpointEntry]:
@@ -200,23 +226,15 @@ def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[
               if e.error is None and not any(fnmatch.fnmatchcase(e.name, p) for p in protect)]
     if len(listed) <= keep_last:
         return []
-    parsed: dict[str, CheckpointEntry | None] = {}
-    kept, removable, i = 0, [], len(listed)
-    while i:  # newest first; a manifest that does not parse is not committed, as without heads
-        i -= 1
-        e = listed[i]
+    kept, removable = 0, []
+    for e in reversed(listed):  # a manifest that does not parse is not committed, as without heads
         if kept >= keep_last and e.name in keep:
             continue
-        if e.name not in parsed:
-            parsed[e.name] = e if e.manifest is not None else _parsed(store, config, e)
-        got = parsed[e.name]
-        if got is None and e.head is not None:  # its head ordered its writer's later ones: order without it (h52)
-            listed = _oldest_first([x for x in listed if parsed.get(x.name, x) is not None])
-            kept, removable, i = 0, [], len(listed)
-        elif got is not None and kept < keep_last:
+        e = e if e.manifest is not None else _parsed(store, config, e)
+        if e is not None and kept < keep_last:
             kept += 1
-        elif got is not None:
-            removable.append(got)
+        elif e is not None:
+            removable.append(e)
     removable.reverse()
     for e in removable:
         store.delete_manifest(e.name)
@@ -238,23 +256,6 @@ def blob_sizes(entries: list[CheckpointEntry]) -> dict[str, int]:
     return {b.key: b.size for e in entries if e.manifest is not None for b in e.manifest.blobs()}
 
 
-def _linked_blobs(store: Store) -> str | None:
-    """Why a local directory's blobs must not be collected from it: its ``.checkrun`` (or the blobs
-    folder in it) is a symbolic link, so the blobs may be those of another directory's checkpoints,
-    which this collection does not see (a gc there deleted blobs another directory's committed
-    checkpoints needed: found by a check of hostile layouts)."""
-    if not store.is_local:
-        return None
-    for sub in (".checkrun", ".checkrun/blobs"):
-        path = os.path.join(store.root, sub)
-        if os.path.islink(path):
-            return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): its blobs may belong to "
-                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted. "
-                    "A blob folder shared through links is not supported: a gc where it lies deletes the blobs "
-                    "that only this directory's checkpoints need (move them into one directory)")
-    return None
-
-
 def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
                     dry_run: bool = False, candidates: dict[str, int] | None = None) -> GCReport:
     """Delete the blobs no manifest references and no live lease protects.
@@ -267,7 +268,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     report = GCReport(store.url(""), dry_run)
     if not candidates and not store.is_directory():
         return report  # nothing to collect, and no lease object to leave in a directory never made
-    linked = _linked_blobs(store)
+    linked = linked_blobs(store)
     if linked:
         report.problems.append(linked)
         return report

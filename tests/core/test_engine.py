@@ -267,11 +267,12 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
     assert retention.apply_retention(store, big, keep=set()) == [] and parsed == ["s13.ckpt"]
 
 
-def test_retention_orders_without_a_manifest_that_does_not_parse(tmp_path):
+def test_listing_by_heads_orders_without_a_manifest_that_does_not_parse(tmp_path):
     """Ordered by heads, a manifest whose checksum matches but which does not parse (a future format, a
     forgery) claiming a later time lifted its writer's next checkpoint (a2) above another writer's newer
-    one (b1): retention removed b1 and kept a2 (found by an independent old-vs-new check, h52). It orders
-    again without it, as retention did when it parsed every manifest."""
+    one (b1): retention removed b1 and kept a2, latest() answered a2 (found by an independent old-vs-new
+    check, h52). A head that lifts a later checkpoint of its writer is parsed first; one that does not
+    parse is listed as corrupt, and the order is made without it, as when every manifest was parsed."""
     import subprocess
     import sys
 
@@ -291,6 +292,7 @@ def test_retention_orders_without_a_manifest_that_does_not_parse(tmp_path):
     (tmp_path / "a1.ckpt").write_bytes(head + b'"checksum":"' + xxhash.xxh3_128_hexdigest(text).encode() + b'",'
                                        + text[len(head):])
     with CheckpointEngine({"retention": {"keep_last": 2}}) as engine:
+        assert engine.latest(tmp_path).endswith("b1.ckpt")  # not a2, lifted by a1's head
         engine.save({"w": torch.zeros(4)}, tmp_path / "c.ckpt").result()
         engine.wait()
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["a1.ckpt", "b1.ckpt", "c.ckpt"]
