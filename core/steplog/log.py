@@ -113,15 +113,18 @@ class StepLog:
         lifecycle.register_owner(self._close_at_exit)
 
     # -- training thread ----------------------------------------------------------------------
-    def flush(self, _point: bool = True) -> None:
+    def flush(self) -> None:
         """Commit everything logged so far as a segment and wait for it (training thread). The RNG states
-        now are logged as those after it (a flush between batches; not by ``close``: the process may
-        have drawn or reseeded since its last step)."""
+        now are logged as those after it (a flush between batches)."""
+        self._flush(point=True)
+
+    def _flush(self, point: bool) -> None:
+        """``flush``; ``close`` logs no RNG states (the process may have drawn or reseeded since its last step)."""
         self._write_due()
         self._check()
         self._drop_held()
         self._state_event()
-        if _point:
+        if point:
             self._point()
         done = threading.Event()
         self._queue.put(("flush", done))
@@ -143,7 +146,7 @@ class StepLog:
             return
         try:
             if self._thread.is_alive():
-                self.flush(_point=False)
+                self._flush(point=False)
         finally:
             self._stop.set()
             self._queue.put(("stop", None))
