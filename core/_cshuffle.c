@@ -16,6 +16,8 @@
 /* Version of this interface; shuffle.py refuses a library with another one. */
 int checkrun_cshuffle_abi(void) { return 1; }
 
+#define BLOCK8 2048 /* 8-byte elements per block of the 8-byte kernels (16 KiB of stack) */
+
 /* planes[k][i] = src[i * itemsize + k]. Returns 1 when done, 0 when not handled. */
 int checkrun_shuffle(const uint8_t *src, size_t itemsize, size_t n, uint8_t *const *planes) {
     size_t i = 0, k;
@@ -51,6 +53,21 @@ int checkrun_shuffle(const uint8_t *src, size_t itemsize, size_t n, uint8_t *con
             _mm_storeu_si128((__m128i *)(planes[1] + i),
                              _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)));
         }
+    } else if (itemsize == 8) {
+        /* As 4-byte elements (2 per element) into 4 planes of byte pairs (byte k, byte k + 4), then
+         * each pair plane as 2-byte elements into planes k and k + 4: the two kernels above, on
+         * cache-sized blocks. */
+        uint8_t tmp[4][2 * BLOCK8];
+        for (; i < n; i += BLOCK8) {
+            size_t m = n - i < BLOCK8 ? n - i : BLOCK8;
+            uint8_t *const quads[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
+            checkrun_shuffle(src + 8 * i, 4, 2 * m, quads);
+            for (k = 0; k < 4; k++) {
+                uint8_t *const pair[2] = {planes[k] + i, planes[k + 4] + i};
+                checkrun_shuffle(tmp[k], 2, m, pair);
+            }
+        }
+        return 1;
     } else {
         return 0;
     }
@@ -89,6 +106,18 @@ int checkrun_unshuffle(const uint8_t *const *planes, size_t itemsize, size_t n, 
             _mm_storeu_si128((__m128i *)(out + 2 * i), _mm_unpacklo_epi8(a, b));
             _mm_storeu_si128((__m128i *)(out + 2 * i + 16), _mm_unpackhi_epi8(a, b));
         }
+    } else if (itemsize == 8) { /* checkrun_shuffle's two steps, reversed */
+        uint8_t tmp[4][2 * BLOCK8];
+        for (; i < n; i += BLOCK8) {
+            size_t m = n - i < BLOCK8 ? n - i : BLOCK8;
+            const uint8_t *const quads[4] = {tmp[0], tmp[1], tmp[2], tmp[3]};
+            for (k = 0; k < 4; k++) {
+                const uint8_t *const pair[2] = {planes[k] + i, planes[k + 4] + i};
+                checkrun_unshuffle(pair, 2, m, tmp[k]);
+            }
+            checkrun_unshuffle(quads, 4, 2 * m, out + 8 * i);
+        }
+        return 1;
     } else {
         return 0;
     }
@@ -99,4 +128,20 @@ int checkrun_unshuffle(const uint8_t *const *planes, size_t itemsize, size_t n, 
     (void)planes; (void)itemsize; (void)n; (void)out; (void)i; (void)k;
     return 0;
 #endif
+}
+
+/* Several shuffles in one call (one GIL release from ctypes instead of one per buffer: a
+ * background encoder that takes the GIL back after each call makes the training thread wait
+ * for it). Job j shuffles srcs[j] (itemsizes[j]-byte elements, ns[j] of them) into the next
+ * itemsizes[j] pointers of planes. Returns 1 when all were done, 0 when one was not handled
+ * (the jobs before it are done; the caller redoes them all its own way). */
+int checkrun_shuffle_many(size_t jobs, const uint8_t *const *srcs, const size_t *itemsizes, const size_t *ns,
+                          uint8_t *const *planes) {
+    size_t j;
+    for (j = 0; j < jobs; j++) {
+        if (!checkrun_shuffle(srcs[j], itemsizes[j], ns[j], planes))
+            return 0;
+        planes += itemsizes[j];
+    }
+    return 1;
 }

@@ -25,7 +25,7 @@ import torch
 import zstandard
 
 from ..codecs import Pipeline, RawCodec, index_pipeline, lossless_pipeline
-from ..codecs.shuffle import shuffle_into
+from ..codecs.shuffle import shuffle_many
 from ..codecs.shuffle_zstd import _RAW, _ZSTD, ShuffleZstdCodec, _varint
 from ..codecs.zstd import _compressor
 from ..config import CompressionConfig
@@ -128,11 +128,10 @@ class StepEncoder:
         planes, segs, pos = [], [], 0
         for dtype, t, _, _ in packs:
             k, n = dtype.itemsize, t.numel()
-            mine = list(self._scratch[pos:pos + k * n].reshape(k, n))
-            shuffle_into(t.view(torch.uint8).numpy(), mine)
-            planes.append(mine)
+            planes.append(list(self._scratch[pos:pos + k * n].reshape(k, n)))
             segs.extend((pos + i * n, n) for i in range(k))
             pos += k * n
+        shuffle_many([(t.view(torch.uint8).numpy(), mine) for (_, t, _, _), mine in zip(packs, planes)])
         cctx = _compressor(packs[0][2].level, 0, True)
         frames = cctx.multi_compress_to_buffer(
             zstandard.BufferWithSegments(self._scratch, np.array(segs, np.uint64).tobytes()))

@@ -236,12 +236,29 @@ def test_shuffle_kernels_match_a_transpose(shuffle_backend, itemsize, n):
     assert np.array_equal(out[1:n * itemsize + 1], src) and out[0] == 0 and not out[-2:].any()
 
 
+@pytest.mark.parametrize("sizes", [(4, 8, 4), (2, 4, 8, 8, 2), (4, 3, 8)])
+def test_shuffle_many_matches_one_by_one(shuffle_backend, sizes):
+    """The step log's encoder shuffles a step's packs in one call (``shuffle_many``); a job the C kernels
+    do not take (3-byte elements) sends the whole batch down the one-by-one path, same bytes."""
+    rng = np.random.default_rng(len(sizes))
+    jobs, want = [], []
+    for j, k in enumerate(sizes):
+        n = [17, 1000, 0, 4099, 33][j]
+        src = rng.integers(0, 256, n * k + 1, dtype=np.uint8)[1:]
+        jobs.append((src, [np.full(n + 1, 7, np.uint8)[1:] for _ in range(k)]))
+        want.append(src.reshape(n, k).T)
+    shuffle_module.shuffle_many(jobs)
+    assert all(np.array_equal(planes[k], w[k]) for (_, planes), w in zip(jobs, want) for k in range(len(planes)))
+
+
 def test_shuffle_kernels_never_write_into_read_only_buffers(shuffle_backend):
     planes = [np.frombuffer(bytes(range(k, k + 32)), np.uint8) for k in range(4)]
     with pytest.raises(ValueError):
         shuffle_module.unshuffle_into(planes, np.frombuffer(bytes(128), np.uint8))
     with pytest.raises(ValueError):
         shuffle_module.shuffle_into(np.zeros(128, np.uint8), planes)
+    with pytest.raises(ValueError):
+        shuffle_module.shuffle_many([(np.zeros(128, np.uint8), planes)])
     assert all(bytes(p) == bytes(range(k, k + 32)) for k, p in enumerate(planes))
 
 
