@@ -93,6 +93,10 @@ def chain_of(index: LogIndex, marker: Marker) -> Chain:
             last = seg.hi if stop_at is None else min(seg.hi, stop_at)
             out.pieces.append((seg, event + 1, last))
             event = last
+        end = getattr(index.runs.get(run), "end", None)  # a closed run's object says where it ended
+        if target is None and end is not None and event < end[0]:
+            out.gap = (f"events {event + 1}..{end[0]} of run {run} are missing (its object says they were logged "
+                       "before it was closed)")
         if target is None or event != target.parent[1]:
             return out
         run = target.run

@@ -46,7 +46,11 @@ OBJECT_VERSION = 6
 """Run and marker objects: version 6 (2026-12-05) carries a ``checksum`` (xxh3-64 of the object's
 canonical JSON without it), so a damaged one is refused instead of read as another valid one;
 versions 1-5 of them, without, are read too."""
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+RUN_END_VERSION = 8
+"""A run object that ``close`` rewrote with ``end`` (its last event and segment; 2026-12-06): version 8, so
+that a missing last segment of a closed run is told apart from a run that logged no further (a checkrun
+that reads up to 7 refuses it by its version). Other run and marker objects stay at ``OBJECT_VERSION``."""
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 PLAIN_VERSION = 3
 """Written for what format 4 did not change (run and marker objects, segments without a folded
 gradient), so that a checkrun that reads up to version 3 still replays such a log."""
@@ -120,6 +124,8 @@ class RunInfo:
     """The logging process (writer, pid, start, host: as a lease records it; version 2)."""
     closed: bool = False
     """Rewritten true by ``close`` once no save into the directory was in flight (version 2)."""
+    end: tuple[int, int] | None = None
+    """``(event, seq)``: the run's last event and last segment, as ``close`` left them (version 8)."""
 
 
 @dataclass(frozen=True)
@@ -136,19 +142,21 @@ def _dump(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _sealed(body: dict) -> bytes:
-    """A run or marker object's bytes: ``OBJECT_VERSION``, with its checksum."""
-    body = {**body, "format_version": OBJECT_VERSION}
+def _sealed(body: dict, version: int = OBJECT_VERSION) -> bytes:
+    """A run or marker object's bytes: ``version``, with its checksum."""
+    body = {**body, "format_version": version}
     return _dump({**body, "checksum": xxhash.xxh3_64_hexdigest(_dump(body))})
 
 
 def run_to_bytes(info: RunInfo) -> bytes:
     parent = None if info.parent is None else {"run": info.parent[0], "event": info.parent[1]}
     names = None if info.param_names is None else [list(g) for g in info.param_names]
-    return _sealed({"_checkrun": "steplog-run", "run": info.run,
-                  "created": info.created, "start": info.start, "start_step": info.start_step,
-                  "parent": parent, "optimizer": info.optimizer, "param_names": names, "owner": info.owner,
-                  "closed": info.closed})
+    body = {"_checkrun": "steplog-run", "run": info.run, "created": info.created, "start": info.start,
+            "start_step": info.start_step, "parent": parent, "optimizer": info.optimizer, "param_names": names,
+            "owner": info.owner, "closed": info.closed}
+    if info.end is None:
+        return _sealed(body)
+    return _sealed({**body, "end": {"event": info.end[0], "seq": info.end[1]}}, RUN_END_VERSION)
 
 
 def marker_to_bytes(m: Marker) -> bytes:
@@ -157,11 +165,11 @@ def marker_to_bytes(m: Marker) -> bytes:
 
 
 _RUN_KEYS = {"_checkrun", "format_version", "run", "created", "start", "start_step", "parent"}
-_RUN_KEYS_V2 = {"optimizer", "param_names", "owner", "closed"}  # optional from version 2
+_RUN_KEYS_V2 = {"optimizer", "param_names", "owner", "closed"}  # optional from version 2 (and "end" from 8)
 
 
 def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: set[str] = frozenset(),
-                limits: ManifestLimits = _SMALL_LIMITS) -> dict:
+                limits: ManifestLimits = _SMALL_LIMITS, newest: int = OBJECT_VERSION) -> dict:
     if len(data) > limits.max_bytes:
         raise StepLogFormatError(f"{where}: {len(data)} bytes, more than the limit of {limits.max_bytes}")
     check_json(data, where, limits)
@@ -169,11 +177,11 @@ def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: s
     if not isinstance(body, dict) or body.get("_checkrun") != magic:
         raise StepLogFormatError(f"{where}: not a checkrun {magic} object")
     version = _version(body, where)
-    if version > OBJECT_VERSION:  # versions past it are segments'
+    if version > newest or version == 7:  # version 7 is only segments'
         raise StepLogFormatError(f"{where}: unsupported {magic} format_version {version} (this checkrun reads 1 to "
-                                 f"{OBJECT_VERSION})")
+                                 f"{newest}" + (", not 7)" if newest > 7 else ")"))
     keys = keys | ({"checksum"} if version >= OBJECT_VERSION else set())
-    allowed = keys | (optional if version >= 2 else set())
+    allowed = keys | (optional if version >= 2 else set()) | ({"end"} if version >= RUN_END_VERSION else set())
     if not keys <= set(body) <= allowed:
         raise StepLogFormatError(f"{where}: keys {sorted(body)[:20]}, expected {sorted(keys)}"
                                  + (f" and optionally {sorted(allowed - keys)}" if allowed != keys else ""))
@@ -185,7 +193,7 @@ def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: s
 
 
 def parse_run(data: bytes, where: str, run: str) -> RunInfo:
-    body = _load_small(data, where, "steplog-run", _RUN_KEYS, _RUN_KEYS_V2, _RUN_LIMITS)
+    body = _load_small(data, where, "steplog-run", _RUN_KEYS, _RUN_KEYS_V2, _RUN_LIMITS, RUN_END_VERSION)
     if body["run"] != run:
         raise StepLogFormatError(f"{where}: field 'run' is {str(body['run'])[:40]!r}, its name says {run!r}")
     created = body["created"]
@@ -204,8 +212,15 @@ def parse_run(data: bytes, where: str, run: str) -> RunInfo:
                 check_owner(body.get("owner")))
     except FormatError as exc:  # meta's checks: named here
         raise StepLogFormatError(f"{where}: {exc}") from None
-    return RunInfo(run, float(created), _index(body["start"], where, "start"),
-                   _index(body["start_step"], where, "start_step"), parent, *meta, closed)
+    start, end = _index(body["start"], where, "start"), body.get("end")
+    if end is not None:
+        if not isinstance(end, dict) or set(end) != {"event", "seq"} or not closed:
+            raise StepLogFormatError(f"{where}: field 'end' must be {{event, seq}}, in a closed run's object")
+        end = (_index(end["event"], where, "end.event"), _index(end["seq"], where, "end.seq"))
+        if end[0] < start:
+            raise StepLogFormatError(f"{where}: field 'end' ends before the run's start")
+    return RunInfo(run, float(created), start, _index(body["start_step"], where, "start_step"), parent, *meta,
+                   closed, end)
 
 
 def parse_marker(data: bytes, where: str, name: str) -> Marker:
@@ -301,6 +316,9 @@ def _check_header(h: Any, where: str, payload_len: int) -> None:
     if not isinstance(h, dict) or h.get("_checkrun") != "steplog-segment":
         raise StepLogFormatError(f"{where}: not a checkrun step-log segment header")
     version = _version(h, where)
+    if version > FORMAT_VERSION:  # a run object's version, not a segment's
+        raise StepLogFormatError(f"{where}: unsupported step-log segment format_version {version} (this checkrun "
+                                 f"reads 1 to {FORMAT_VERSION})")
     optional = ({"packs", "buffers", "rng"} if version >= 7 else {"packs", "buffers"} if version >= 5
                 else {"packs"} if version >= 3 else set())
     if not _SEG_KEYS <= set(h) <= _SEG_KEYS | optional:

@@ -170,7 +170,7 @@ class StepLog:
         # (whose marker this run wrote) can still commit
         if self._error is None and inflight.wait_under(self.store.url("").rstrip("/") + "/",
                                                        self.config.retention.lease_seconds):
-            self._write_run(dataclasses.replace(self._info, closed=True))
+            self._write_run(dataclasses.replace(self._info, closed=True, end=(self.event, self.segments)))
         self._check()
 
     def _write_run(self, info: RunInfo) -> RunInfo:

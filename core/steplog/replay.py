@@ -103,12 +103,9 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
 
 
 def _warn_superseded(segs: Store, index: LogIndex, start: Marker) -> None:
-    """A run that resumed from an earlier point of ``start``'s run than ``start``'s checkpoint: the
-    trainer that saved it was superseded by a restart (paused, then woken: it committed the checkpoint
-    late, or took it after the restart began), and the newer run's logged steps are not on this replay's
-    path (docs/steplog.md). A resume branches at the end of the log it found, so a checkpoint past that
-    point was not there yet. (Only runs created after the checkpoint's capture were looked for: a trainer
-    that woke and saved later was missed, found by an independent fault program.)"""
+    """Warn of a run that resumed from an earlier point of ``start``'s run than ``start``'s checkpoint:
+    the trainer that saved it was superseded by a restart (paused, then woken: it committed the checkpoint
+    late, or took it after the restart began); the newer run's steps are not on this path (docs/steplog.md)."""
     newer = [r for r in index.runs.values() if r.parent is not None and r.parent[0] == start.run
              and r.parent[1] < start.event]
     if newer:
@@ -169,6 +166,10 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 pos.replayed += 1
                 pos.buffers_set = bool(nbuf)
                 pos.buffers_left += bool(ev.get("bufs")) and not nbuf
+    if stop_at is None and (end := getattr(index.runs.get(pos.run), "end", None)) and pos.event < end[0]:
+        _stop(pos, segs.url(f"seg-{pos.run}-{prev + 1:08d}" + ("" if end[1] <= prev + 1 else f"..{end[1]:08d}")),
+              f"missing: events {pos.event + 1}..{end[0]} of run {pos.run}, which its object {run_name(pos.run)} "
+              "says were logged before it was closed")
 
 
 def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryview]:

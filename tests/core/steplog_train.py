@@ -98,7 +98,9 @@ def assert_bit_equal(a: Any, b: Any, where: str = "state") -> None:
 
 
 def forged(body: dict) -> bytes:
-    """A run or marker object as a forger who recomputes its checksum rewrites it (format version 6)."""
+    """A run or marker object as a forger who recomputes its checksum rewrites it (its format version:
+    6, or 8 for a closed run's object with ``end``)."""
     from ckpt_core.steplog import format as fmt
 
-    return fmt._sealed({k: v for k, v in body.items() if k not in ("checksum", "format_version")})
+    return fmt._sealed({k: v for k, v in body.items() if k not in ("checksum", "format_version")},
+                       body.get("format_version", fmt.OBJECT_VERSION))

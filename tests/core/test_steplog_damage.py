@@ -287,3 +287,40 @@ def test_every_bit_flip_of_a_run_object_or_marker_is_refused_naming_it(logged, k
             assert parse(bytes(flipped)) == intact, f"bit {bit} flipped reads as another object"
         except StepLogFormatError as exc:
             assert name in str(exc)
+
+
+def test_a_lost_last_segment_of_a_closed_log_is_seen(logged, capsys):
+    """A closed log's run object says where it ended (``end``, version 8): losing its last segment stops
+    the replay with a warning naming it, and ``checkrun verify`` reports it. Before, the replay ended
+    one segment early in silence and verify said the log was intact (found by an independent fault
+    program). A log that was not closed (a crash) cannot tell: its unflushed steps are the loss bound."""
+    from ckpt_core.cli import main
+
+    last = _after_checkpoint(logged)[-1]
+    os.remove(last)
+    with pytest.warns(UserWarning, match=os.path.basename(last)[:29] + r".*missing: events .* says were logged") as rec:
+        n, resumed = _resume(logged)
+    assert n == 2 * EVERY and len(rec) == 1
+    assert_bit_equal(state(*resumed), _reference("adamw", CKPT_AT + 2 * EVERY))
+    assert main(["verify", logged, "--no-progress"]) == 1
+    assert "are missing (its object says they were logged before it was closed)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("end, message", [({"event": 1}, "field 'end' must be"), ({"event": 3, "seq": True}, "end.seq"),
+                                          ({"event": "9", "seq": 1}, "end.event"), (None, "must be")])
+def test_hostile_end_of_a_run_object_is_refused(logged, end, message):
+    from ckpt_core.steplog.format import parse_run, run_to_bytes
+
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    name = next(f for f in os.listdir(segdir) if f.startswith("run-"))
+    info = parse_run(open(os.path.join(segdir, name), "rb").read(), name, name[4:-5])
+    assert info.closed and info.end is not None and info.end[0] > info.start
+    body = json.loads(run_to_bytes(info))
+    body.pop("checksum")
+    if end is None:  # an end in a run object that does not say closed
+        body["closed"] = False
+    else:
+        body["end"] = end
+    data = forged(body)
+    with pytest.raises(StepLogFormatError, match=message):
+        parse_run(data, name, name[4:-5])

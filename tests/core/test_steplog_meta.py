@@ -79,7 +79,8 @@ def test_run_header_records_optimizer_class_and_names(tmp_path):
     names = [["emb.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]]
     for d, want in ((d1, names), (d2, names), (d3, None)):
         body = _run_json(d)
-        assert body["format_version"] == fmt.OBJECT_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
+        assert body["format_version"] == fmt.RUN_END_VERSION and body["optimizer"] == "torch.optim.adam.Adam"
+        assert body["end"] == {"event": 2 * STEPS + 1, "seq": STEPS // 3 + 1}  # closed: its last event and segment
         assert body["param_names"] == want and body["closed"] is True
         assert body["owner"]["pid"] == owner.identity()["pid"]
 
@@ -133,7 +134,7 @@ def _to_v1(directory: str) -> None:
     """Rewrite a log as checkrun before format version 2 wrote it (no metadata, no scaler)."""
     for p in _objects(directory, RUN_RE) + _objects(directory, MARK_RE):
         body = json.loads(p.read_bytes())
-        for k in ("optimizer", "param_names", "owner", "closed", "checksum"):
+        for k in ("optimizer", "param_names", "owner", "closed", "checksum", "end"):
             body.pop(k, None)
         body["format_version"] = 1
         p.write_bytes(json.dumps(body).encode())
@@ -551,6 +552,7 @@ def test_gc_takes_runs_of_dead_processes_only(tmp_path):
     (run,) = _objects(directory, RUN_RE)
     body = json.loads(run.read_bytes())
     body["closed"] = False  # as if its process had crashed: only the owner decides now
+    del body["end"]
     run.write_bytes(forged(body))
     with CheckpointEngine() as engine:
         deleted = engine.gc(directory).step_log
