@@ -29,7 +29,7 @@ import fsspec
 from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from ..format.dtypes import is_blob_key
-from . import commit as _commit
+from . import aside, commit as _commit
 from .atomic import temp_prefix
 from .options import options_key
 from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root, find_shards,
@@ -231,6 +231,8 @@ class Store:
         def delete() -> None:
             if guard is not None:
                 guard()
+                if self.is_local:  # moved aside, checked again, then deleted (storage/aside.py)
+                    return aside.remove_within(self.fs, path, guard, self._remove)
             self._remove(path)
 
         self.retry(delete, f"delete blob {self._display(path)}")
@@ -272,7 +274,9 @@ class Store:
         if not is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
             raise UnsafePathError(f"not a temp file of {self.url('')}: {name!r}")
         path = join(self.root, name)
-        self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
+        blob = aside.original(path) if self.is_local else None  # moved aside by a killed collection
+        self.retry(lambda: aside.put_back(path, blob, self._remove) if blob else self._remove(path),
+                   f"delete {self._display(path)}")
 
     def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None,
                        what: str = "manifest") -> None:

@@ -9,7 +9,7 @@ at a time per process) and two kinds of control are offered:
   raise, or block. Operations reported: ``on(op, kind, path)`` with op in ``info`` (a stat of one
   path), ``stat`` (a stat of each entry inside a listing), ``read``, ``list``, ``open`` (a file
   opened for writing, after it exists), ``close`` (a written file, after flush and fsync, before the
-  engine renames it), ``delete``; ``kind`` is ``"blob"``, ``"lease"`` (``.checkrun/leases/``) or
+  engine renames it), ``delete``, ``move`` (a collection moving a blob aside before deleting it); ``kind`` is ``"blob"``, ``"lease"`` (``.checkrun/leases/``) or
   ``"manifest"`` (anything else). Written data goes through ``data(kind, path, buf, write)`` so a
   policy can write part of it (ENOSPC after a quota, a torn write before a kill). Ready-made:
   :class:`Transient`, :class:`Permanent`, :class:`DiskFull`, :class:`Gate`, :class:`BlockAll`.
@@ -164,6 +164,10 @@ class FaultFS(LocalFileSystem):
     def rm_file(self, path: Any) -> None:
         self._on("delete", self._strip_protocol(path))
         return super().rm_file(path)
+
+    def mv(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        self._on("move", self._strip_protocol(path1))
+        return super().mv(path1, path2, **kwargs)
 
     def open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
         writing = "w" in mode or "a" in mode

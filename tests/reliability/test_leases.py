@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -555,3 +556,55 @@ def test_a_collection_whose_rounds_never_fit_the_window_stops_and_leaves_the_blo
     monkeypatch.undo()
     with CheckpointEngine() as engine:
         assert len(engine.gc(root).deleted) == 1
+
+
+def test_a_collection_paused_before_a_deletion_deletes_nothing_once_its_window_ended(tmp_path):
+    """A collector paused between its window check and the deletion (SIGSTOP, a suspended job) deleted,
+    once it woke, a blob that another writer's checkpoint committed meanwhile reused: that save had waited
+    out the window and found the blob there (found by an independent fault program). A local blob is now
+    moved aside, the window checked again, and a move that came too late is undone."""
+    root = tmp_path / "run"
+    url = f"faultfile://{root}"
+    x = state(1)
+    with CheckpointEngine(config()) as a:
+        a.save(x, f"{url}/old.ckpt").result()
+        a.remove(f"{url}/old.ckpt")  # its blobs are garbage now
+        gate = Gate("move", "blob")  # the collector stops right after its window check
+        FaultFS.policy = gate
+        reports = []
+        collector = threading.Thread(target=lambda: reports.append(a.gc(url, grace_seconds=0)))
+        collector.start()
+        assert gate.entered.wait(WATCHDOG)
+        with CheckpointEngine(config()) as b:  # the restarted trainer: waits out a's window, reuses the blobs
+            assert b.save(x, f"{url}/new.ckpt").result().reused_blobs > 0
+        gate.release()
+        collector.join(WATCHDOG)
+    FaultFS.policy = None
+    held = Path(gate.held_path)  # moved aside when the collector woke, after its window: put back
+    key = held.parent.name + held.name
+    assert reports and held.exists() and key in referenced(CheckpointEngine(config()), str(root))
+    assert verify_all(str(root)) == ["new.ckpt"]
+    assert not [p for p in root.rglob("*") if ".gc.tmp-" in p.name]
+
+
+def test_a_blob_moved_aside_by_a_killed_collection_is_put_back_by_the_next(tmp_path):
+    """Killed between moving a blob aside and checking its window again, a collection leaves the blob
+    under a temp name; the next collection gives it its name back when it is missing (a checkpoint may
+    need it), and deletes the temp file otherwise."""
+    from ckpt_core.storage.atomic import temp_path, temp_prefix
+
+    root = tmp_path / "run"
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), root / "c.ckpt").result()
+        blobs = sorted(p for p in (root / ".checkrun" / "blobs").rglob("*") if p.is_file())
+        asides = []
+        for blob, keep in zip(blobs[:2], (False, True)):
+            aside = Path(temp_path(str(blob), temp_prefix(blob.name) + ".gc"))
+            (os.link if keep else os.rename)(blob, aside)  # keep: a save wrote the blob again since
+            old = time.time() - 2 * LEASE  # its writer gone as far as age tells
+            os.utime(aside, (old, old))
+            asides.append(aside)
+        assert not engine.verify(root / "c.ckpt").ok
+        engine.gc(root)
+        assert engine.verify(root / "c.ckpt").ok
+    assert not any(a.exists() for a in asides) and all(b.exists() for b in blobs[:2])
