@@ -11,6 +11,7 @@ such a folder itself. A composite is one row, its figures summed over its parts.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ..format import composite
@@ -20,36 +21,95 @@ from .inspect import chain_depth, is_quantized, step_of, tensor_bytes, written_b
 from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time, iso_time,
     one_line, ratio, safe, table)
-from ..errors import CheckrunError
+from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.paths import mtime
 from ..format.manifest import Manifest
 
 
 @dataclass
 class _Item:
-    """One checkpoint of the listing; ``manifests`` is None when it (or one of its parts) is unreadable."""
+    """One checkpoint of the listing. Its manifests are parsed one checkpoint at a time and dropped once
+    measured (``_measure``): ``row`` holds its figures but those that depend on the other checkpoints,
+    ``keys`` the blob keys it references (one string per key for the whole listing). ``row`` is None
+    when it (or one of its parts) is unreadable (``error``)."""
 
     name: str
     url: str
     size: int
     mtime: float
     created: float
-    manifests: list[Manifest] | None
     error: str | None = None
     parts: list[str] | None = None
-    meta: dict | None = None
-    """The listed manifest's meta (a composite's: its index's step, epoch ...)."""
+    row: dict | None = None
+    keys: tuple[str, ...] = ()
+    parts_written: list[int] | None = None
+    """A composite's parts: the bytes of each one's new blobs (its manifest's size is added once known)."""
 
 
-def _composite_item(ctx: Context, name: str, url: str, size: int, mtime: float, m: Manifest, index: dict,
-                    part_dirs: set[str]) -> _Item:
-    urls = composite.part_urls(url, index)
-    part_dirs.update(composite.parent(u) for u in urls)
-    try:
-        manifests = [ctx.engine.read_manifest(u, storage_options=ctx.storage_options) for u in urls]
-    except CheckrunError as exc:
-        return _Item(name, url, size, mtime, m.created, None, str(exc), urls)
-    return _Item(name, url, size, mtime, m.created, manifests, None, urls, m.meta)
+class _Measure:
+    """Pass 1 of the listing: each checkpoint's figures, without holding every manifest parsed at once
+    (1,000s of checkpoints: hundreds of MB before, 2026-12-06)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.sizes: dict[str, int] = {}  # blob key -> size, the key string shared by every item
+        self.part_dirs: set[str] = set()
+
+    def entry(self, e) -> _Item | None:
+        """None: removed since the listing (retention of another writer): gone, not corrupt."""
+        item = _Item(e.name, e.url, e.size, e.mtime, e.created, e.error)
+        if e.error is not None:
+            return item
+        try:
+            m = e.manifest or self.ctx.engine.read_manifest(e.url, storage_options=self.ctx.storage_options)
+            index = composite.index_of(m, e.url)
+        except CheckpointNotFoundError:
+            return None
+        except CheckrunError as exc:
+            item.error = str(exc)
+            return item
+        if index is None:
+            return self.measure(item, [m], m.meta)
+        return self.composite(item, m, index)
+
+    def folder(self, f) -> _Item:
+        if f.manifest is None or f.index is None:  # dated by its index file, as a damaged manifest is
+            size, when = _stat(self.ctx, f.url)
+            return _Item(f"{f.name}/", f.url, size, when, when, f.error)
+        return self.composite(_Item(f"{f.name}/", f.url, len(f.manifest.to_bytes()), f.created, f.created),
+                              f.manifest, f.index)
+
+    def composite(self, item: _Item, m: Manifest, index: dict) -> _Item:
+        item.parts = composite.part_urls(item.url, index)
+        self.part_dirs.update(composite.parent(u) for u in item.parts)
+        try:
+            manifests = [self.ctx.engine.read_manifest(u, storage_options=self.ctx.storage_options)
+                         for u in item.parts]
+        except CheckrunError as exc:
+            item.error = str(exc)
+            return item
+        return self.measure(item, manifests, m.meta)
+
+    def measure(self, item: _Item, ms: list[Manifest], meta: dict | None) -> _Item:
+        """The figures of a readable checkpoint; one whose figures cannot be summed or shown (values no
+        save writes, which its parser let through) is listed as corrupt with the reason."""
+        try:
+            blobs = {b.key: b.size for m in ms for b in m.blobs()}
+            meta = meta or {}
+            item.row = dict(step=step_of(meta), epoch=meta.get("epoch"), global_step=meta.get("global_step"),
+                            tensors=sum(len(m.tensors) for m in ms), tensor_bytes=sum(tensor_bytes(m) for m in ms),
+                            referenced_bytes=sum(blobs.values()), blobs=len(blobs),
+                            chain_depth=max(chain_depth(m) for m in ms), quantized=any(is_quantized(m) for m in ms))
+            if item.parts is None:
+                item.row["written_bytes"] = sum(written_bytes(m, item.size) for m in ms)
+            else:
+                item.parts_written = [written_bytes(m, 0) for m in ms]
+        except (ArithmeticError, ValueError, TypeError) as exc:
+            item.row, item.error = None, f"{item.url}: odd values in the manifest: {one_line(exc)}"
+            return item
+        item.keys = tuple(sys.intern(k) for k in blobs)  # one string per key, however many reference it
+        self.sizes.update(zip(item.keys, blobs.values()))
+        return item
 
 
 def _stat(ctx: Context, url: str) -> tuple[int, float]:
@@ -62,91 +122,45 @@ def _stat(ctx: Context, url: str) -> tuple[int, float]:
     return int(info.get("size") or 0), mtime(info)
 
 
-def _items(ctx: Context, directory: str) -> tuple[list[_Item], set[str]]:
-    """Every checkpoint of ``directory`` (oldest first) and the directories holding composites' parts."""
-    items: list[_Item] = []
-    part_dirs: set[str] = set()
-    for e in ctx.engine.list(directory, storage_options=ctx.storage_options):
-        if e.manifest is None:
-            items.append(_Item(e.name, e.url, e.size, e.mtime, e.created, None, e.error))
-            continue
-        try:
-            index = composite.index_of(e.manifest, e.url)
-        except CheckrunError as exc:
-            items.append(_Item(e.name, e.url, e.size, e.mtime, e.created, None, str(exc)))
-            continue
-        if index is None:
-            items.append(_Item(e.name, e.url, e.size, e.mtime, e.created, [e.manifest], meta=e.manifest.meta))
-        else:
-            items.append(_composite_item(ctx, e.name, e.url, e.size, e.mtime, e.manifest, index, part_dirs))
-    for f in folders(ctx, directory):
-        if f.manifest is None or f.index is None:  # dated by its index file, as a damaged manifest is
-            size, when = _stat(ctx, f.url)
-            items.append(_Item(f"{f.name}/", f.url, size, when, when, None, f.error))
-            continue
-        size = len(f.manifest.to_bytes())
-        items.append(_composite_item(ctx, f"{f.name}/", f.url, size, f.created, f.manifest, f.index, part_dirs))
+def _items(ctx: Context, directory: str) -> tuple[list[_Item], _Measure]:
+    """Every checkpoint of ``directory`` (oldest first), measured one at a time (``_Measure``): its
+    ordinary manifests, composite indexes (accelerate_ckpt) and checkpoint folders."""
+    measure = _Measure(ctx)
+    items = [i for e in ctx.engine.list(directory, storage_options=ctx.storage_options, heads=True)
+             if (i := measure.entry(e)) is not None]
+    items += [measure.folder(f) for f in folders(ctx, directory)]
     items.sort(key=lambda i: (i.created, i.name))
-    return items, part_dirs
+    return items, measure
 
 
-def _blobs(item: _Item) -> dict[str, int]:
-    return {b.key: b.size for m in item.manifests or () for b in m.blobs()}
-
-
-def _written(item: _Item, part_bytes: dict[str, int]) -> int:
-    """Bytes the save of ``item`` wrote: every manifest's new blobs plus the manifests (a composite's
-    index and parts, as accelerate_ckpt's ``checkrun/written_bytes`` counts them)."""
-    ms = item.manifests or ()
-    if item.parts is None:
-        return sum(written_bytes(m, item.size) for m in ms)
-    return item.size + sum(written_bytes(m, part_bytes.get(u)) for m, u in zip(ms, item.parts))
-
-
-def _row(item: _Item, users: dict[str, int], part_bytes: dict[str, int]) -> dict:
+def _row(item: _Item, users: dict[str, int], sizes: dict[str, int], part_bytes: dict[str, int]) -> dict:
     row = {"name": item.name, "url": item.url, "manifest_bytes": item.size, "mtime": item.mtime,
            "created": item.created, "created_iso": iso_time(item.created)}
     if item.parts is not None:
         row["parts"] = item.parts
-    if item.manifests is None:
+    if item.row is None:
         row.update(status="corrupt", error=one_line(item.error))
         return row
-    blobs, ms, meta = _blobs(item), item.manifests, item.meta or {}
-    referenced = sum(blobs.values())
-    unique = sum(s for k, s in blobs.items() if users[k] == 1)
-    row.update(status="committed", step=step_of(meta), epoch=meta.get("epoch"),
-               global_step=meta.get("global_step"), tensors=sum(len(m.tensors) for m in ms),
-               tensor_bytes=sum(tensor_bytes(m) for m in ms), written_bytes=_written(item, part_bytes),
-               referenced_bytes=referenced, unique_bytes=unique,
-               stored_bytes=referenced, new_bytes=unique,  # older names of referenced_bytes, unique_bytes
-               new_blobs=sum(1 for k in blobs if users[k] == 1), blobs=len(blobs),
-               chain_depth=max(chain_depth(m) for m in ms), quantized=any(is_quantized(m) for m in ms))
+    unique = [k for k in item.keys if users[k] == 1]
+    row.update(status="committed", **item.row)
+    if item.parts_written is not None:  # the index, and each part's new blobs and manifest
+        row["written_bytes"] = item.size + sum(w + part_bytes.get(u, 0) for w, u in zip(item.parts_written, item.parts))
+    row.update(unique_bytes=sum(sizes[k] for k in unique), new_blobs=len(unique))
+    row.update(stored_bytes=row["referenced_bytes"], new_bytes=row["unique_bytes"])  # older names of those two
     return row
 
 
-def _checked_row(item: _Item, users: dict[str, int], part_bytes: dict[str, int]) -> dict:
-    """``_row``; a manifest whose figures cannot be summed or shown (values no save writes, which its
-    parser let through) is listed as corrupt with the reason, and the listing goes on."""
-    try:
-        return _row(item, users, part_bytes)
-    except (ArithmeticError, ValueError, TypeError) as exc:
-        item.manifests, item.error = None, f"{item.url}: odd values in the manifest: {one_line(exc)}"
-        return _row(item, users, part_bytes)
-
-
 def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:
-    items, part_dirs = _items(ctx, directory)
+    items, measure = _items(ctx, directory)
     users: dict[str, int] = {}        # blob key -> number of readable checkpoints referencing it
-    sizes: dict[str, int] = {}
     for item in items:
-        for key, size in _blobs(item).items():
+        for key in item.keys:
             users[key] = users.get(key, 0) + 1
-            sizes[key] = size
+    sizes = {k: measure.sizes[k] for k in users}
+    part_dirs = measure.part_dirs
     part_bytes = {e.url: e.size for d in sorted(part_dirs)
-                  for e in ctx.engine.list(d, storage_options=ctx.storage_options)}
-    rows = [_checked_row(i, users, part_bytes) for i in items]
-    for item in items:  # the rows hold what is shown: the gc dry run below reads the manifests again
-        item.manifests = None
+                  for e in ctx.engine.list(d, storage_options=ctx.storage_options, heads=True)}
+    rows = [_row(i, users, sizes, part_bytes) for i in items]
     manifests = sum(i.size for i in items) + sum(part_bytes.get(u, 0) for i in items for u in i.parts or ())
     blobs = sum(sizes.values())
     totals = {"checkpoints": len(items), "corrupt": sum(1 for r in rows if r["status"] != "committed"),
