@@ -307,6 +307,7 @@ class AcceleratorCheckpointer:
         if self.unsupported:
             return self._native_load(path, model_kwargs, load_kwargs)
         self.wait()
+        self._group.release_strays(f"it loads {path if path is not None else 'the latest checkpoint'} now")
         if self._steplog is not None:  # rank 0 commits its log before any rank replays it
             self._steplog.before_load()
         url = self._raise_or(self._group.broadcast(self._resolve(path) if self.rank == 0 else None))

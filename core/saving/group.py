@@ -173,7 +173,27 @@ class GroupCommitter:
         key = f"{key}#{rounds}"
         if self._store is not None and self.rank != 0:
             self._store.set(f"called/{key}/{self.rank}", b"1")
+            self._store.set(f"name/{self.rank}", key.encode())  # rank 0 sees a checkpoint it never saves (strays)
         return key
+
+    def release_strays(self, doing: str) -> None:
+        """Rank 0, before a collective (``doing``: a load): a checkpoint another rank started that this
+        rank never did is one it will not save now; that rank gets a failed verdict at once instead of
+        waiting for one for ``timeout_seconds`` while this rank waits for it in the collective (ranks
+        that passed folders of their own to save_state: found by running Accelerate's own tests)."""
+        if self._store is None or self.rank != 0:
+            return
+        for r in range(1, self.world):
+            if not self._store.check([f"name/{r}"]):
+                continue
+            key = self._store.get(f"name/{r}").decode()
+            name = key.rpartition("#")[0]
+            if name in self._rounds or self._store.check([f"verdict/{key}/{r}"]):
+                continue
+            text = (f"checkpoint {name} not committed: rank 0 did not save it ({doing}): every rank must pass the same "
+                    "folder to save_state() (one checkpoint = one commit of every rank's part)")
+            self._store.set(f"verdict/{key}/{r}", pickle.dumps(Verdict(text)))
+            self._store.delete_key(f"name/{r}")
 
     def abandon(self, key: str, path: str, error: BaseException) -> None:
         """This rank announced ``key`` but raised before submitting its part: rank 0 gets it as a failed

@@ -157,6 +157,23 @@ def test_a_rank_whose_save_state_raises_fails_the_checkpoint_on_every_rank(tmp_p
     assert len(ckpt_core.load(str(out / "good" / "checkrun.ckpt"))["parts"]) == 2
 
 
+@pytest.mark.slow
+def test_ranks_saving_into_folders_of_their_own_get_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    """Each rank passes its own folder to save_state(), then loads it (accelerate's own
+    test_stateful_dataloader_save_state does: a TemporaryDirectory per rank). Rank 0 commits its folder
+    with its part alone (a rank that did not start the same save within the participation window is left
+    out, as for main-process-only saves); before, rank 1 then waited collective_timeout_seconds (30 min by
+    default) for a verdict on its folder while rank 0 waited for it in the load (found by running
+    Accelerate's own tests with checkrun attached). Now rank 0's load first fails rank 1's stray save."""
+    out = tmp_path / "out"
+    out.mkdir()
+    accelerate_launch(accelerate_args(2), HERE / "main_only.py", ["perrank", "--out", out], launch_env(tmp_path))
+    error = json.loads((out / "perrank_rank1.json").read_text())["load"]
+    assert error.startswith("BackgroundSaveError: ") and "rank 0 did not save it (it loads" in error, error
+    assert "every rank must pass the same folder to save_state()" in error
+    assert (out / "rank0" / "checkrun.ckpt").exists() and not (out / "rank1" / "checkrun.ckpt").exists()
+
+
 def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues(tmp_path: Path) -> None:
     from accelerate_ckpt import CheckpointExistsError
 

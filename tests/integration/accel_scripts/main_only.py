@@ -5,7 +5,9 @@ tests/integration/test_accelerate_dropin.py with 2 processes.
 writes ``report.pt`` with the weights at each save. ``resume``: every rank loads the last folder and
 writes ``resumed_rank{R}.pt``. ``hookfail``: every rank saves ``good``, ``bad1`` (its save hook raises
 on rank 1) and ``bad0`` (raises on rank 0), and waits after each; each rank writes
-``hookfail_rank{R}.json`` (what raised, what ``wait()`` raised).
+``hookfail_rank{R}.json`` (what raised, what ``wait()`` raised). ``perrank``: each rank saves into a
+folder of its own (as accelerate's own test_stateful_dataloader_save_state does) and writes
+``perrank_rank{R}.json`` (what ``load_state`` of it raised).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ckpt_core import BackgroundSaveError
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "resume", "hookfail"])
+    p.add_argument("phase", choices=["save", "resume", "hookfail", "perrank"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     accelerator = Accelerator(cpu=True)
@@ -34,7 +36,7 @@ def main() -> int:
     model, opt = accelerator.prepare(model, opt)
     # main-only saves wait out the window (rank 1 never saves): short; hookfail: ranks that all save,
     # whose announcements must not depend on the window (a loaded machine could be 2 s late)
-    window = 10 if args.phase == "hookfail" else 2
+    window = 10 if args.phase in ("hookfail", "perrank") else 2
     ckpt = attach(accelerator, {"accelerate": {"participation_timeout_seconds": window,
                                                "collective_timeout_seconds": 30}})
     weights = lambda: {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}  # noqa: E731
@@ -55,6 +57,17 @@ def main() -> int:
                 report["wait"].append(f"{name}: {exc}")
         with open(os.path.join(args.out, f"hookfail_rank{accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)
+    elif args.phase == "perrank":
+        folder = os.path.join(args.out, f"rank{accelerator.process_index}")
+        accelerator.save_state(folder)
+        try:
+            accelerator.load_state(folder)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - rank 1: the verdict; rank 0: its peer left the broadcast
+            error = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(args.out, f"perrank_rank{accelerator.process_index}.json"), "w") as f:
+            json.dump({"load": error}, f)
+        os._exit(0)  # the ranks left the collective at different points: no orderly shutdown
     elif args.phase == "resume":
         accelerator.load_state(os.path.join(args.out, "step5"))
         torch.save(weights(), os.path.join(args.out, f"resumed_rank{accelerator.process_index}.pt"))
