@@ -42,17 +42,21 @@ def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> byt
 
     With ``buf`` (at least ``ref.size + 1`` bytes) a local store reads into it and the result
     aliases it."""
-    for attempt in (1, 2):  # a mismatch is read once more: bytes damaged in transit, not at rest
+    first = None
+    for _ in (1, 2):  # a mismatch is read once more: bytes damaged or cut short in transit, not at rest
         data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
-        if len(data) != ref.size:
-            raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: size {len(data)} != {ref.size} declared "
-                                         "in the manifest (truncated or replaced blob)")
-        if xxhash.xxh3_64_hexdigest(data) == ref.csum:
-            if attempt > 1:
-                log.warning("checkrun: %s: checksum mismatch on the first read, the second matched (bytes damaged "
-                            "in transit)", store.blob_path(ref.key))
+        if len(data) != ref.size:  # a short read too (a body cut off, no response checksum: found by h57)
+            what = "size mismatch"
+            why = f"size {len(data)} != {ref.size} declared in the manifest (truncated or replaced blob)"
+        elif xxhash.xxh3_64_hexdigest(data) == ref.csum:
+            if first is not None:
+                log.warning("checkrun: %s: %s on the first read, the second matched (bytes damaged in transit)",
+                            store.blob_path(ref.key), first)
             return data
-    raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: checksum mismatch (corrupted blob)")
+        else:
+            what, why = "checksum mismatch", "checksum mismatch (corrupted blob)"
+        first = first or what
+    raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: {why}")
 
 
 def decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:

@@ -166,3 +166,15 @@ def call_with_retry(fn: Callable[[], T], *, config: RetryConfig, what: str,
                            what, attempt, config.max_attempts, delay, type(exc).__name__, exc)
             (sleep or _sleep)(delay)
             attempt += 1
+
+
+def whole(data: bytes, size: int) -> bytes:
+    """``data``, unless it is shorter than the ``size`` the storage reported just before: a body cut off
+    in transit (no response checksum), raised as transient (``IncompleteRead``) so the read is tried
+    again; a shorter file at rest reports the shorter size. Before, a manifest or blob read short counted
+    as damaged, and ``latest()`` went back to an older checkpoint (found by a fault proxy before S3)."""
+    if len(data) < size:
+        from http.client import IncompleteRead
+
+        raise IncompleteRead(data, size - len(data))
+    return data

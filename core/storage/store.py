@@ -35,7 +35,7 @@ from .options import options_key
 from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root, find_shards,
                     in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
-from .retry import call_with_retry
+from .retry import call_with_retry, whole
 
 __all__ = ["Store", "BlobInfo", "FileInfo", "LEASE_DIR"]
 
@@ -309,7 +309,7 @@ class Store:
 
         def read() -> bytes:
             size = self._file_size(path)
-            return self.fs.cat_file(path, start=0, end=min(n, size)) if size and n > 0 else b""
+            return whole(self.fs.cat_file(path, start=0, end=min(n, size)), min(n, size)) if size and n > 0 else b""
 
         try:
             return self.retry(read, f"read {self._display(path)}")
@@ -421,7 +421,7 @@ class Store:
         if size > max_bytes:
             raise CorruptCheckpointError(f"{kind} {self._display(path)} is {size} bytes, "
                                          f"more than the allowed {max_bytes}")
-        data = self.fs.cat_file(path)
+        data = whole(self.fs.cat_file(path), size)
         if len(data) > max_bytes:  # grew between info and read
             raise CorruptCheckpointError(f"{kind} {self._display(path)} is larger than "
                                          f"the allowed {max_bytes} bytes")

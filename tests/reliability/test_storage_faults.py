@@ -543,3 +543,40 @@ def test_a_blob_damaged_in_transit_is_read_again(tmp_path, monkeypatch, caplog):
     with CheckpointEngine(config()) as engine:
         report = engine.verify(f"{root}/a.ckpt")
     assert not report.ok and "checksum mismatch (corrupted blob)" in report.problems[0]
+
+
+def test_reads_cut_short_in_transit_are_read_again_not_taken_for_damage(tmp_path, monkeypatch, caplog):
+    """A response body cut off in transit with no response checksum (a proxy, a store without
+    x-amz-checksum): the manifest's head, the whole manifest and a blob read fewer bytes than the
+    storage reported. Each counted as damage: latest() went back to an older checkpoint (with three
+    such reads, to none) and load/verify called an intact checkpoint corrupt (found by a fault proxy in
+    front of S3). Now a short read is retried like any transient error."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ckpt_core.loading.decode import fetch_blob
+
+    with CheckpointEngine({"storage": {"fsync": False}}) as engine:
+        for k in range(3):
+            engine.save({"w": torch.full((64,), float(k)), "k": k}, tmp_path / f"s{k}.ckpt")
+        engine.wait()
+    ref = next(iter(CheckpointEngine().read_manifest(tmp_path / "s2.ckpt").blobs()))
+    blob = Store.for_directory(str(tmp_path), None, EngineConfig().storage).blob_path(ref.key)
+    cuts = {str(tmp_path / "s2.ckpt"): 3, blob: 1}  # the head read, two whole reads; one blob read
+    real = LocalFileSystem.cat_file
+
+    def cut(self, path, start=None, end=None, **kwargs):
+        data = real(self, path, start=start, end=end, **kwargs)
+        left = cuts.get(self._strip_protocol(path), 0)
+        if left and len(data) > 8:
+            cuts[self._strip_protocol(path)] = left - 1
+            return data[: len(data) // 2]
+        return data
+
+    monkeypatch.setattr(LocalFileSystem, "cat_file", cut)
+    caplog.set_level(logging.WARNING, logger="ckpt_core")
+    with CheckpointEngine({"storage": {"retry": {"initial_backoff_seconds": 0.001}}}) as engine:
+        assert engine.latest(tmp_path).endswith("s2.ckpt")
+        store = Store.for_directory(str(tmp_path), None, engine.config.storage)
+        assert bytes(fetch_blob(store, ref))  # no buffer: read whole through the store, as DCP and S3 loads do
+        assert engine.load(tmp_path / "s2.ckpt")["k"] == 2
+    assert not any(cuts.values()) and "IncompleteRead" in caplog.text
