@@ -282,6 +282,8 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
             return report
         if candidates is not None and state[0].writer_died:
             candidates = None  # a writer died here: collect everything it may have left (temp files too)
+        if candidates is None and not dry_run:  # first: blobs a killed collection moved aside are back, and listed
+            _collect_temp_files(store, config, floor, report)
         pool = _candidates(store, candidates, state[0])
         victims = _victims(store, pool, state, floor, report)
         if dry_run:
@@ -295,8 +297,6 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
         report.pending.update((b.key, b.size) for b in left)
         if not left:
             _drop_dead(ldir, state[0])
-        if candidates is None:
-            _collect_temp_files(store, config, floor, report)
     finally:
         gc.end()
     _collect_steplog(store, config, report, dry_run)
