@@ -260,8 +260,16 @@ class AcceleratorCheckpointer:
 
     def _finish(self, target: Target, index: dict, outcomes: list, blocking: float, started: float,
                 stale: list[tuple[str, tuple]], stamp: CommitStamp) -> Any:
-        """Rank 0's commit; once committed, the files accelerate's own save left in the folder go."""
-        verdict = self._committer.finish(target, index, outcomes, blocking, started, stamp)
+        """Rank 0's commit; once committed, the files accelerate's own save left in the folder go. The
+        index names each rank's part as that rank wrote it: the per-rank save counters in the names differ
+        once rank 0 saved alone (``if is_main_process: save_state()``), and the index named parts no rank
+        wrote, so later checkpoints committed corrupt (found by an independent check)."""
+        parts = list(index["parts"])
+        for r, o in enumerate(outcomes):
+            name = o.path.rpartition("/")[2] if r and o is not None and o.path else ""
+            if re.fullmatch(rf"{re.escape(target.name)}\.{re.escape(self._token)}-[0-9]+\.rank{r}\.ckpt", name):
+                parts[r] = f"{parts[r].rpartition('/')[0]}/{name}"
+        verdict = self._committer.finish(target, {**index, "parts": parts}, outcomes, blocking, started, stamp)
         if stale and verdict.error is None:
             paths.remove_native(stale)
         return verdict

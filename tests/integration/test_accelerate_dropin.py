@@ -174,6 +174,21 @@ def test_ranks_saving_into_folders_of_their_own_get_a_clear_error_not_a_hang(tmp
     assert (out / "rank0" / "checkrun.ckpt").exists() and not (out / "rank1" / "checkrun.ckpt").exists()
 
 
+@pytest.mark.slow
+def test_an_all_rank_save_after_a_main_process_only_one_names_every_rank_s_part(tmp_path: Path) -> None:
+    """Rank 0 saves alone (``if is_main_process: save_state()``), then every rank saves and loads. The part
+    names held a per-rank save counter, which rank 0's lone save moved on: rank 0's index named a rank-1
+    part nobody wrote, the checkpoint committed without an error and did not load on rank 1 (found by an
+    independent check). The index now names each part as its rank wrote it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    accelerate_launch(accelerate_args(2), HERE / "main_only.py", ["mainthenall", "--out", out], launch_env(tmp_path))
+    assert [json.loads((out / f"mainthenall_rank{r}.json").read_text())["error"] for r in range(2)] == [None, None]
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.verify(out / "s2" / "checkrun.ckpt").ok
+    assert len(ckpt_core.load(str(out / "s2" / "checkrun.ckpt"))["parts"]) == 2
+
+
 def test_a_rerun_refuses_a_folder_accelerate_itself_wrote_and_resuming_continues(tmp_path: Path) -> None:
     from accelerate_ckpt import CheckpointExistsError
 

@@ -7,7 +7,8 @@ writes ``resumed_rank{R}.pt``. ``hookfail``: every rank saves ``good``, ``bad1``
 on rank 1) and ``bad0`` (raises on rank 0), and waits after each; each rank writes
 ``hookfail_rank{R}.json`` (what raised, what ``wait()`` raised). ``perrank``: each rank saves into a
 folder of its own (as accelerate's own test_stateful_dataloader_save_state does) and writes
-``perrank_rank{R}.json`` (what ``load_state`` of it raised).
+``perrank_rank{R}.json`` (what ``load_state`` of it raised). ``mainthenall``: rank 0 saves ``s1`` alone, then
+every rank saves ``s2`` and loads it; each rank writes ``mainthenall_rank{R}.json`` (what raised, if anything).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ckpt_core import BackgroundSaveError
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "resume", "hookfail", "perrank"])
+    p.add_argument("phase", choices=["save", "resume", "hookfail", "perrank", "mainthenall"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
     accelerator = Accelerator(cpu=True)
@@ -36,7 +37,7 @@ def main() -> int:
     model, opt = accelerator.prepare(model, opt)
     # main-only saves wait out the window (rank 1 never saves): short; hookfail: ranks that all save,
     # whose announcements must not depend on the window (a loaded machine could be 2 s late)
-    window = 10 if args.phase in ("hookfail", "perrank") else 2
+    window = {"hookfail": 10, "perrank": 10, "mainthenall": 5}.get(args.phase, 2)
     ckpt = attach(accelerator, {"accelerate": {"participation_timeout_seconds": window,
                                                "collective_timeout_seconds": 30}})
     weights = lambda: {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}  # noqa: E731
@@ -68,6 +69,19 @@ def main() -> int:
         with open(os.path.join(args.out, f"perrank_rank{accelerator.process_index}.json"), "w") as f:
             json.dump({"load": error}, f)
         os._exit(0)  # the ranks left the collective at different points: no orderly shutdown
+    elif args.phase == "mainthenall":
+        error = None
+        try:
+            if accelerator.is_main_process:
+                accelerator.save_state(os.path.join(args.out, "s1"))
+            accelerator.wait_for_everyone()
+            accelerator.save_state(os.path.join(args.out, "s2"))
+            ckpt.wait()
+            accelerator.load_state(os.path.join(args.out, "s2"))
+        except Exception as exc:  # noqa: BLE001 - reported, checked by the test
+            error = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(args.out, f"mainthenall_rank{accelerator.process_index}.json"), "w") as f:
+            json.dump({"error": error}, f)
     elif args.phase == "resume":
         accelerator.load_state(os.path.join(args.out, "step5"))
         torch.save(weights(), os.path.join(args.out, f"resumed_rank{accelerator.process_index}.pt"))
