@@ -147,7 +147,12 @@ def _row(item: _Item, users: dict[str, int], sizes: dict[str, int], part_bytes: 
         row["written_bytes"] = item.size + sum(w + part_bytes.get(u, 0) for w, u in zip(item.parts_written, item.parts))
     row.update(unique_bytes=sum(sizes[k] for k in unique), new_blobs=len(unique))
     row.update(stored_bytes=row["referenced_bytes"], new_bytes=row["unique_bytes"])  # older names of those two
-    return row
+    return {k: row[k] for k in _ORDER if k in row}  # the keys in the order they always had
+
+
+_ORDER = ("name", "url", "manifest_bytes", "mtime", "created", "created_iso", "parts", "status", "step", "epoch",
+          "global_step", "tensors", "tensor_bytes", "written_bytes", "referenced_bytes", "unique_bytes", "stored_bytes",
+          "new_bytes", "new_blobs", "blobs", "chain_depth", "quantized")
 
 
 def _ls_rows(ctx: Context, directory: str) -> tuple[list[dict], dict]:

@@ -348,3 +348,7 @@ def test_ls_holds_one_checkpoints_manifests_at_a_time(tmp_path, capsys, monkeypa
     rows = json.loads(capsys.readouterr().out)["checkpoints"]
     assert len(rows) == 12 and all(r["status"] == "committed" and r["new_blobs"] >= 1 for r in rows)
     assert most[0] <= 2, most[0]
+    assert list(rows[0]) == [  # the order the keys always had (the first rewrite moved some: found by a check)
+        "name", "url", "manifest_bytes", "mtime", "created", "created_iso", "status", "step", "epoch", "global_step",
+        "tensors", "tensor_bytes", "written_bytes", "referenced_bytes", "unique_bytes", "stored_bytes", "new_bytes",
+        "new_blobs", "blobs", "chain_depth", "quantized"]
