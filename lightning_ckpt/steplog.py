@@ -142,12 +142,14 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
                           RuntimeWarning, stacklevel=2)
         return
     finished, into, begun, batches = position
-    first = trainer.fit_loop.epoch_progress.current.processed  # the first epoch the replay finishes
+    epoch = trainer.fit_loop.epoch_progress.current
+    first = epoch.processed  # the first epoch the replay finishes; the checkpoint's own, if not over
     for progress in per_step:  # manual optimization: Lightning never sets the current count back
         _shift(progress, steps, current=not (begun and automatic))
     _shift(loop.batch_progress, batches, current=False)
     if automatic:
-        _shift(loop.scheduler_progress, updates + _epoch_updates(trainer, first, finished - (not into)),
+        ended = first > 0 and epoch.processed == epoch.started
+        _shift(loop.scheduler_progress, updates + _epoch_updates(trainer, first, finished - (not into), ended),
                current=not begun)
     if begun:  # the counters of the epoch the replay ends in, which Lightning sets to 0 at its start
         steps_in = -(-(into or trainer.num_training_batches) // acc)
@@ -226,10 +228,15 @@ def _step_updates(trainer: Any, steps: int) -> int:
     return sum(steps // max(1, c.frequency) for c in trainer.lr_scheduler_configs if c.interval == "step")
 
 
-def _epoch_updates(trainer: Any, first: int, epochs: int) -> int:
-    """Scheduler updates at the ends of ``epochs`` epochs from epoch ``first``."""
+def _epoch_updates(trainer: Any, first: int, epochs: int, ended: bool = False) -> int:
+    """Scheduler updates at the ends of ``epochs`` epochs from epoch ``first``. ``ended``: the checkpoint
+    ended epoch ``first - 1`` (its last batch or its end), after which steps were replayed: a plateau
+    scheduler's update of that epoch is among them, as the fit loop makes it after every hook where a
+    checkpoint is saved (``FitLoop.on_advance_end``; the others step before the last batch's
+    ``on_train_batch_end``; found by an independent check)."""
     return sum(1 for c in trainer.lr_scheduler_configs if c.interval == "epoch"
-               for e in range(first, first + max(0, epochs)) if (e + 1) % max(1, c.frequency) == 0)
+               for e in range(first - (ended and c.reduce_on_plateau), first + max(0, epochs))
+               if (e + 1) % max(1, c.frequency) == 0)
 
 
 def _set_current(progress: Any, value: int, completed: Optional[int] = None) -> None:
