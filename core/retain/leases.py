@@ -273,12 +273,21 @@ class Collection:
 
 
 def linked_blobs(store: Store) -> str | None:
-    """Why a local directory's blobs must not be collected from it: its ``.checkrun`` (or the blobs
-    folder in it) is a symbolic link, so the blobs may be those of another directory's checkpoints,
-    which this collection does not see (a gc there deleted blobs another directory's committed
-    checkpoints needed: found by a check of hostile layouts)."""
+    """Why nothing may be collected from a local directory: its ``.checkrun`` (or the blobs, step-log
+    or lease folder in it) is a symbolic link, so what it holds may belong to another directory's
+    checkpoints, which this collection does not see (a gc there deleted blobs another directory's
+    committed checkpoints needed, and through a linked ``steplog`` folder another directory's whole step
+    log: found by checks of hostile layouts)."""
     if not store.is_local:
         return None
+    for sub in (".checkrun", ".checkrun/blobs", ".checkrun/steplog", ".checkrun/leases"):
+        path = os.path.join(store.root, sub)
+        if os.path.islink(path):
+            return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): what it holds may belong "
+                    "to checkpoints of other directories, which a collection here cannot see; nothing is deleted. "
+                    "A blob, step-log or lease folder shared through links is not supported: a gc where it lies "
+                    "deletes what only this directory's checkpoints need (move them into one directory)")
+    return None
     for sub in (".checkrun", ".checkrun/blobs"):
         path = os.path.join(store.root, sub)
         if os.path.islink(path):

@@ -85,7 +85,7 @@ def test_a_blob_shard_that_cannot_be_listed_is_an_error_not_an_older_checkpoint(
         assert engine.latest(directory, verify=False).endswith("s2.ckpt")
 
 
-@pytest.mark.parametrize("linked", [".checkrun", ".checkrun/blobs"])
+@pytest.mark.parametrize("linked", [".checkrun", ".checkrun/blobs", ".checkrun/leases"])
 def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, capsys, linked):
     """Two directories sharing one blob folder through a symbolic link: a gc in one saw only its own
     checkpoints and deleted blobs the other's committed checkpoints needed (found by a check of
@@ -112,6 +112,42 @@ def test_gc_beside_a_linked_blob_folder_deletes_nothing(tmp_path, capsys, linked
     assert main(["ls", str(b)]) == 0
     out = capsys.readouterr().out  # the unreferenced total is unknown, and ls says why
     assert re.search(r"unreferenced unknown \(\S+ is a symbolic link", out), out
+
+
+def test_gc_beside_a_linked_step_log_folder_deletes_none_of_it(tmp_path):
+    """A ``.checkrun/steplog`` that links to another directory's: ``gc`` of the directory holding the
+    link deleted the other directory's whole step log (segments, marker, run object), so its checkpoint
+    could no longer be replayed (found by a check of hostile layouts). It now deletes nothing there and
+    says why, as beside a linked blob folder."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        log = engine.step_log(a, opt)
+        for step in range(1, 7):
+            opt.zero_grad()
+            model(torch.full((3, 4), float(step))).sum().backward()
+            opt.step()
+            if step == 2:
+                engine.save({"m": model.state_dict(), "opt": opt.state_dict()}, a / "s2.ckpt").result()
+        log.close()
+    with CheckpointEngine() as engine:
+        engine.save({"x": torch.zeros(3)}, b / "b.ckpt").result()
+    before = sorted(os.listdir(a / ".checkrun" / "steplog"))
+    assert before
+    os.symlink(a / ".checkrun" / "steplog", b / ".checkrun" / "steplog")
+    from ckpt_core.cli import main
+
+    assert main(["gc", str(b), "--grace", "0"]) != 0  # a problem, reported
+    assert sorted(os.listdir(a / ".checkrun" / "steplog")) == before
+    fresh = torch.nn.Linear(4, 1)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    with CheckpointEngine() as engine:
+        state = engine.load(a / "s2.ckpt")
+        fresh.load_state_dict(state["m"])
+        fresh_opt.load_state_dict(state["opt"])
+        assert engine.replay(a, fresh_opt, after=a / "s2.ckpt") == 4
+    assert torch.equal(fresh.weight, model.weight)
 
 
 def test_verify_says_when_the_blob_folder_is_a_file(tmp_path):
