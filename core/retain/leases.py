@@ -288,11 +288,3 @@ def linked_blobs(store: Store) -> str | None:
                     "A blob, step-log or lease folder shared through links is not supported: a gc where it lies "
                     "deletes what only this directory's checkpoints need (move them into one directory)")
     return None
-    for sub in (".checkrun", ".checkrun/blobs"):
-        path = os.path.join(store.root, sub)
-        if os.path.islink(path):
-            return (f"{store.url(sub)} is a symbolic link (to {os.path.realpath(path)}): its blobs may belong to "
-                    "checkpoints of other directories, which a collection here cannot see; nothing is deleted. "
-                    "A blob folder shared through links is not supported: a gc where it lies deletes the blobs "
-                    "that only this directory's checkpoints need (move them into one directory)")
-    return None
