@@ -39,7 +39,8 @@ from .format import FORMAT
 from .planner import CheckrunLoadPlanner, CheckrunSavePlanner, spread_save_plans
 from .reader import CheckrunStorageReader
 from .writer import CheckrunStorageWriter, DcpSaveInfo
-from ..errors import CheckrunError, FormatError
+from ..errors import CheckrunError, FormatError, ResourceLimitError
+from ..format.limits import memory_limit
 from ..loading.reader import read_manifest
 from ..saving.staging import empty_host
 from ..storage.store import Store
@@ -145,11 +146,16 @@ def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_option
     metadata = reader.read_metadata()
     planned = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     paths = {fqn: _key_path(planned, fqn, reader.path) for fqn in metadata.state_dict_metadata}
+    wanted = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if keys is None or any(
+        ".".join(map(str, paths[fqn][:i + 1])) in keys for i in range(len(paths[fqn])))}
+    need = sum(md.size.numel() * md.properties.dtype.itemsize for md in wanted.values()
+               if isinstance(md, TensorStorageMetadata))
+    if need > memory_limit(cfg.load.max_total_bytes):  # before allocating: the sizes come from the manifest
+        raise ResourceLimitError(f"{reader.path}: the tensors of this DCP checkpoint need {need} bytes of host "
+                                 f"memory, more than the limit of {memory_limit(cfg.load.max_total_bytes)} "
+                                 "(load.max_total_bytes)")
     flat: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        path_ = paths[fqn]
-        if keys is not None and not any(".".join(map(str, path_[:i + 1])) in keys for i in range(len(path_))):
-            continue
+    for fqn, md in wanted.items():
         tensor = isinstance(md, TensorStorageMetadata)
         flat[fqn] = empty_host(md.size.numel(), md.properties.dtype).view(md.size) if tensor else None
     planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals)

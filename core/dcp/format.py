@@ -19,11 +19,13 @@ type-checked and every reference resolved before DCP sees anything.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
@@ -147,16 +149,52 @@ def _tensor_md(entry: dict, what: str) -> TensorStorageMetadata:
     properties = TensorProperties(dtype=DTYPES[dtype], layout=layout,
                                   requires_grad=bool(props.get("requires_grad", False)),
                                   memory_format=memory_format, pin_memory=bool(props.get("pin_memory", False)))
-    chunks = []
-    for c in _field(entry, "chunks", list, what):
+    if math.prod(size) * DTYPES[dtype].itemsize >= MAX_TENSOR_BYTES:
+        raise FormatError(f"{what}: size {size} is too large ({math.prod(size)} elements)")
+    boxes, chunks = [], []
+    listed = _field(entry, "chunks", list, what)
+    if len(listed) > MAX_CHUNKS:
+        raise FormatError(f"{what}: {len(listed)} chunks, more than {MAX_CHUNKS}")
+    for c in listed:
         if not isinstance(c, list) or len(c) != 2:
             raise FormatError(f"{what}: invalid chunk {c!r}")
         offsets, sizes = _ints(c[0], f"{what} chunk"), _ints(c[1], f"{what} chunk")
         if len(offsets) != len(size) or len(sizes) != len(size) or any(
                 o + s > d for o, s, d in zip(offsets, sizes, size)):
             raise FormatError(f"{what}: chunk {c!r} does not fit the tensor size {size}")
+        boxes.append((offsets, sizes))
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    _check_tiling(size, boxes, what)
     return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+
+
+MAX_TENSOR_BYTES = 1 << 62
+MAX_CHUNKS = 1 << 16
+"""Most chunks one tensor of a DCP checkpoint may list (one per rank of a 65,536-rank job)."""
+
+
+def _check_tiling(size: list[int], boxes: list[tuple[list[int], list[int]]], what: str) -> None:
+    """The chunks cover every element of the tensor exactly once, as DCP saves them: their elements add
+    up to the tensor's and no two overlap. A hostile or damaged index with holes made a load return
+    uninitialised memory as values (found by a check of hostile inputs). Overlaps are looked for among
+    the chunks whose ranges along dim 0 meet (sorted by their start there: one or a few each, as DCP
+    shards along dim 0 or on a grid)."""
+    total, covered = math.prod(size), sum(math.prod(s) for _, s in boxes)
+    full = [(o, s) for o, s in boxes if math.prod(s)]
+    overlap = False
+    if covered == total and len(full) > 1 and size:
+        lo = np.array([o for o, _ in full], dtype=np.int64)
+        hi = lo + np.array([s for _, s in full], dtype=np.int64)
+        order = np.argsort(lo[:, 0], kind="stable")
+        lo, hi = lo[order], hi[order]
+        ends = np.searchsorted(lo[:, 0], hi[:, 0], side="left")  # chunks after i that start before i ends
+        for i in np.flatnonzero(ends > np.arange(1, len(lo) + 1)):
+            if np.all((lo[i + 1:ends[i]] < hi[i]) & (lo[i] < hi[i + 1:ends[i]]), axis=1).any():
+                overlap = True
+                break
+    if covered != total or overlap:
+        raise FormatError(f"{what}: its chunks do not cover the tensor size {size} exactly once (they "
+                          f"{'overlap' if overlap else f'cover {covered} of its {total} elements'})")
 
 
 def decode_metadata(dcp: Any, manifest: Manifest, where: str) -> tuple[Metadata, dict[MetadataIndex, str]]:

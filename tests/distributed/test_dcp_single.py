@@ -247,3 +247,46 @@ def test_load_raises_checkrun_errors_for_metadata_and_values_naming_the_files(tm
     with pytest.raises(CorruptCheckpointError) as info:
         cdcp.load_state_dict(path)
     assert "v.dcp" in str(info.value) and str(blob["path"]) in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["too_large", "holes", "overlap"])
+def test_metadata_whose_chunks_do_not_tile_the_tensor_is_refused(tmp_path, case) -> None:
+    """A DCP index is trusted for the tensor sizes load_state_dict allocates (found by a check of hostile
+    inputs): a size of 2**40 x 2**40 raised a bare RuntimeError ("numel: integer multiplication
+    overflow") and verify said intact; a size larger than the saved chunks (a 16 x 8 chunk in a
+    4096 x 8 tensor) loaded, the uncovered rows holding uninitialised memory. The chunks must now cover
+    the tensor exactly once, as for checkrun's own manifests."""
+    path = str(tmp_path / "x.dcp")
+    state = {"model": {"w": torch.randn(16, 8)}}
+    cdcp.save(state, path)
+
+    def edit(body: dict) -> None:
+        entry = body["meta"]["dcp"]["state"][0]
+        if case == "too_large":
+            entry["size"] = [2 ** 40, 2 ** 40]
+        elif case == "holes":
+            entry["size"] = [4096, 8]
+        else:  # two chunks of as many elements as the tensor, rows 4-7 in both, rows 12-15 in none
+            entry["chunks"] = [[[0, 0], [8, 8]], [[4, 0], [8, 8]]]
+
+    _forge(path, edit)
+    with pytest.raises(FormatError, match=r"x\.dcp.*DCP metadata.*(too large|exactly once)"):
+        cdcp.load_state_dict(path)
+    with ckpt_core.CheckpointEngine() as engine:
+        report = engine.verify(path)
+    assert not report.ok and "DCP metadata" in report.problems[0]
+
+
+def test_load_state_dict_checks_the_sizes_against_load_max_total_bytes_first(tmp_path) -> None:
+    """load_state_dict allocated every tensor the index declares before anything checked
+    load.max_total_bytes (found by a check of hostile inputs: 16 GiB declared, 1 MiB allowed); the
+    reader checks each batch of values it decodes (up to 256 MB at once), after that. The sum of the
+    tensors is now checked first (this small case also failed before, in the reader's check: a guard
+    against a regression of the message)."""
+    from ckpt_core.errors import ResourceLimitError
+
+    path = str(tmp_path / "x.dcp")
+    cdcp.save({"model": {"a": torch.randn(256, 512), "b": torch.randn(256, 512)}}, path)
+    with pytest.raises(ResourceLimitError, match=r"x\.dcp.*1048576 bytes.*load\.max_total_bytes"):
+        cdcp.load_state_dict(path, config={"load": {"max_total_bytes": 3 << 18}})
+    assert cdcp.load_state_dict(path, config={"load": {"max_total_bytes": 1 << 21}})["model"]["b"].shape == (256, 512)
