@@ -6,18 +6,22 @@ logs, told of each ``save`` by the hook in ``CheckpointEngine.save``) and ``_ste
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.store import Store
 from .index import read_index
 from .format import NoMarkerError, StepLogError
 from . import rng as rng_states
-from .log import StepLog, active_log, log_store
+from .capture import fingerprint
+from .log import ENDED, StepLog, active_log, log_store, open_logs
 from .capture import warn_forward_state
 from .replay import find_marker, replay_chain
+
+log = logging.getLogger("ckpt_core")
 
 
 def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
@@ -40,7 +44,11 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
         raise StepLogError(f"step log of {store.url('')}: a log of another optimizer "
                            f"({type(other.optimizer).__name__}) is open in this directory; one step log per "
                            "directory: close it first, or log one optimizer per checkpoint directory")
-    resume = engine.__dict__.setdefault("_steplog_resume", {}).get(store.url(""))
+    # where the last replay here ended (taken: a later log continues this one instead), else where
+    # this optimizer's last log here ended when closed, if untouched since (found by an independent check:
+    # a log closed and opened again started a chain of its own, and its steps never replayed)
+    resume = engine.__dict__.setdefault("_steplog_resume", {}).pop(store.url(""), None)
+    resume = resume or ended_at(optimizer, store.url(""))
     slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model,
                    counters=counters)
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
@@ -60,6 +68,7 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
+    _commit_others(store.url(""), optimizer)
     index = read_index(log_store(store))
     marker, manifest = _start(engine, store, index, after, storage_options)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
@@ -82,14 +91,48 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     elif pos.buffers_left:
         warnings.warn(f"checkrun: the step log after {where} holds the running statistics of the steps it replayed; "
                       "pass model= to replay to set them", RuntimeWarning, stacklevel=3)
-    engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
     if counters is not None:
         counters.clear()
         counters.update(pos.counters or {})
     slog = active_log(optimizer)  # a log opened before the replay continues the chain too
-    if slog is not None and slog.store.url("") == store.url(""):
-        slog.continue_chain((pos.run, pos.event, pos.step))
+    if slog is None or slog.store.url("") != store.url("") or not slog.continue_chain((pos.run, pos.event, pos.step)):
+        engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
     return pos.replayed
+
+
+def ended_at(optimizer: Any, url: str) -> tuple[str, int, int] | None:
+    """``(run, event, step)`` where the last closed log of ``optimizer`` in ``url`` ended, if neither its
+    parameters nor its state changed since (else None: a new log starts a chain of its own)."""
+    ended = ENDED.get(optimizer, {}).get(url)
+    if ended is None:
+        return None
+    if ended[1] != fingerprint(optimizer):
+        log.info("checkrun: the optimizer's parameters or state changed since its step log of %s closed at step "
+                 "%d: the new log starts a chain of its own (replays from earlier checkpoints end at step %d)",
+                 url, ended[0][2], ended[0][2])
+        return None
+    return ended[0]
+
+
+#: How long a replay waits for another open log of the process to commit what it holds.
+COMMIT_OTHERS_SECONDS = 60.0
+
+
+def _commit_others(url: str, optimizer: Any) -> None:
+    """Commit the steps the other logs of this process open in ``url`` hold (a second Accelerator or
+    Trainer of the process: found by an independent check), each within ``COMMIT_OTHERS_SECONDS``; one
+    that cannot (its writer paused or failing, a flush already under way) is replayed without them."""
+    for other in open_logs(url):
+        if other.optimizer is optimizer:
+            continue
+        try:
+            done = other.commit_for(COMMIT_OTHERS_SECONDS)
+        except CheckrunError as exc:
+            done = exc
+        if done is not True:
+            warnings.warn(f"checkrun: another step log of this process open in {url} did not commit the steps it "
+                          f"holds{'' if done is False else f' ({done})'}: the replay goes without them",
+                          RuntimeWarning, stacklevel=4)
 
 
 def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: dict | None) -> tuple[Any, Any]:

@@ -193,6 +193,17 @@ def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def fingerprint(optimizer: Any) -> tuple:
+    """Identity and version counter of each parameter and optimizer-state tensor: any in-place change
+    (a step, ``load_state_dict`` into the model) moves a version, a replaced state tensor its identity."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.append((id(p), p._version))
+            out.extend((id(t), t._version) for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+    return tuple(out)
+
+
 def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each group's plain-number hyperparameters (lr, betas, momentum, ...): replay sets them back,
     so the step is exact whatever changed them (scheduler, warm-up code). A one-element tensor

@@ -33,7 +33,7 @@ from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta, rng
 from .batch import _Batch
-from .capture import Staging, capture_step, forward_buffers, group_scalars, sched_skeleton
+from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
 from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
@@ -68,6 +68,16 @@ def active_log(optimizer: Any) -> "StepLog | None":
     return _ACTIVE.get(optimizer)
 
 
+def open_logs(url: str) -> list["StepLog"]:
+    """The logs of this process (any engine) open in the checkpoint directory ``url``."""
+    return [lg for lg in list(_ACTIVE.values()) if lg.store.url("") == url and not lg._stop.is_set()]
+
+
+#: Per optimizer, per directory: where its last log there ended when closed, and the optimizer's
+#: ``fingerprint`` then (a log opened later continues that chain while the fingerprint holds).
+ENDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
 class _Inbox(queue.Queue):
     """The encoder thread's queue. Each wake-up of the encoder takes the GIL back from the training
     thread, which then waits for it (measured: ~7 waits per DLRM step): ``put_quiet`` queues an item
@@ -98,7 +108,7 @@ class StepLog:
         self.event = parent[1] if parent else 0  # events logged (all runs of the chain)
         self.step = parent[2] if parent else 0  # optimizer steps logged
         self._pid = os.getpid()
-        self._paused = False
+        self._paused = self._flushing = False
         self._unflushed = 0
         self._error: BaseException | None = None
         self._queue = _Inbox()
@@ -129,21 +139,29 @@ class StepLog:
         now are logged as those after it (a flush between batches)."""
         self._flush(point=True)
 
-    def _flush(self, point: bool) -> None:
+    def commit_for(self, seconds: float) -> bool:
+        """A replay of this directory by another log of the process: commit what is logged as ``close``
+        does, waiting at most ``seconds``; False if a flush is under way already or it did not finish."""
+        return not (self._flushing or self._stop.is_set()) and self._flush(point=False, seconds=seconds)
+
+    def _flush(self, point: bool, seconds: float | None = None) -> bool:
         """``flush``; ``close`` logs no RNG states (the process may have drawn or reseeded since its last step)."""
-        self._write_due()
+        self._flushing, done, deadline = True, threading.Event(), time.monotonic() + (seconds or float("inf"))
+        try:
+            self._write_due()
+            self._check()
+            self._drop_held()
+            self._state_event()
+            if point:
+                self._point()
+            self._queue.put(("flush", done))
+            self._unflushed = 0
+            while not done.wait(0.5) and self._thread.is_alive() and time.monotonic() < deadline:
+                pass
+        finally:
+            self._flushing = False
         self._check()
-        self._drop_held()
-        self._state_event()
-        if point:
-            self._point()
-        done = threading.Event()
-        self._queue.put(("flush", done))
-        self._unflushed = 0
-        while not done.wait(0.5):
-            if not self._thread.is_alive():
-                break
-        self._check()
+        return done.is_set()
 
     def _close_at_exit(self) -> None:
         try:
@@ -171,6 +189,8 @@ class StepLog:
         if self._error is None and inflight.wait_under(self.store.url("").rstrip("/") + "/",
                                                        self.config.retention.lease_seconds):
             self._write_run(dataclasses.replace(self._info, closed=True, end=(self.event, self.segments)))
+            ENDED.setdefault(self.optimizer, {})[self.store.url("")] = ((self.run, self.event, self.step),
+                                                                        fingerprint(self.optimizer))
         self._check()
 
     def _write_run(self, info: RunInfo) -> RunInfo:

@@ -93,6 +93,28 @@ def test_load_state_replays_to_the_last_step_and_a_second_resume_follows_the_cha
     assert_bit_equal(at_13, _reference(kind, 13), "against an uninterrupted run")
 
 
+def test_a_second_accelerator_of_the_process_replays_the_first_ones_unflushed_steps(tmp_path: Path) -> None:
+    """The first Accelerator's log still held steps not written (no end_training(), the object kept) when a
+    second one of the same process called load_state(): it replayed the committed steps only, silently,
+    and its own log went on from there, so those steps were lost for good (found by an independent
+    check). The replay now flushes the other open logs of the directory first."""
+    config = {**CONFIG, "step_log": {"enabled": True, "flush_every_steps": 100}}
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj", config=config)
+    for step in range(1, 11):
+        _step(acc, net, opt, sched, step)
+        if step == 4:
+            acc.save_state()
+    at_10 = _state(net, opt, sched)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc2, net2, opt2, sched2, ckpt2 = _setup(tmp_path / "proj", config=config)
+    acc2.load_state()
+    assert (ckpt2.replayed_steps, ckpt2.optimizer_steps) == (6, 10)
+    assert_bit_equal(_state(net2, opt2, sched2), at_10, "the second Accelerator after load_state()")
+    ckpt2.close()
+    ckpt.close()
+
+
 def test_load_state_ends_with_the_rng_states_of_the_last_replayed_step(tmp_path: Path) -> None:
     """accelerate's ``save_state`` keeps the RNG states; a resume through the log ends with those of the
     last replayed step, as a ``save_state()`` there would have them (before 2026-12-06: the checkpoint's)."""

@@ -1,0 +1,118 @@
+"""Step logs of one directory opened one after another in the same process: each continues the chain
+its predecessor ended, so a replay from any earlier checkpoint reaches the last logged step, bit for
+bit; a log whose optimizer changed since starts a chain of its own; a replay first commits what
+another open log of the process holds for that directory."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ckpt_core import CheckpointEngine
+
+from .steplog_train import assert_bit_equal, load_into, make, state, train_step
+
+KIND = "adam"
+
+
+def _reference(steps: int) -> dict:
+    net, opt, sched = make(KIND)
+    for step in range(1, steps + 1):
+        train_step(net, opt, sched, step)
+    return copy.deepcopy(state(net, opt, sched))
+
+
+def _log(engine: CheckpointEngine, d: str, model: tuple, steps, save_at: int | None = None) -> None:
+    """Open a log, train ``steps`` (saving ``step{save_at}.ckpt`` after that step), close the log."""
+    net, opt, sched = model
+    log = engine.step_log(d, opt, sched)
+    for step in steps:
+        train_step(net, opt, sched, step)
+        if step == save_at:
+            engine.save(state(net, opt, sched), f"{d}/step{step}.ckpt").result()
+    log.close()
+
+
+def _replayed(directory: str, after: str) -> tuple[int, dict]:
+    net, opt, sched = make(KIND)
+    with CheckpointEngine() as engine:
+        load_into(engine.load(after), net, opt, sched)
+        n = engine.replay(directory, opt, sched, after=after)
+    return n, state(net, opt, sched)
+
+
+def test_a_log_closed_and_opened_again_continues_the_chain(tmp_path):
+    """Found by an independent check: a log closed (end of a phase) and opened again on the same engine
+    and optimizer started a chain of its own: a replay from the checkpoint of the first phase ended
+    at that phase's end without a warning (5 of 15 steps), and gc deleted the second log as garbage.
+    Also with the second log on another engine."""
+    d = str(tmp_path / "run")
+    model = make(KIND)
+    cfg = {"step_log": {"flush_every_steps": 4}}
+    with CheckpointEngine(cfg) as engine, CheckpointEngine(cfg) as other:
+        _log(engine, d, model, range(1, 11), save_at=5)
+        _log(engine, d, model, range(11, 16))
+        _log(other, d, model, range(16, 21))
+        engine.gc(d)  # keeps what a replay from step5.ckpt needs: all three logs
+    n, got = _replayed(d, f"{d}/step5.ckpt")
+    assert n == 15
+    assert_bit_equal(got, _reference(20))
+
+
+def test_a_log_after_a_replay_and_a_closed_log_does_not_fork_the_chain(tmp_path):
+    """A replay's end was kept for every log opened afterwards on that engine: the first log continued it,
+    and a second, opened after the first closed, too, forking the chain where the replay ended. A later
+    replay from the first checkpoint followed the newer branch: it skipped the first log's steps and
+    ended in a state no run ever held (4 steps replayed instead of 6, found while fixing the test above)."""
+    d = str(tmp_path / "run")
+    cfg = {"step_log": {"flush_every_steps": 1}}
+    with CheckpointEngine(cfg) as engine:
+        _log(engine, d, make(KIND), range(1, 5), save_at=2)
+    net, opt, sched = model = make(KIND)
+    with CheckpointEngine(cfg) as engine:
+        load_into(engine.load(f"{d}/step2.ckpt"), net, opt, sched)
+        assert engine.replay(d, opt, sched) == 2
+        _log(engine, d, model, (5, 6))
+        _log(engine, d, model, (7, 8))
+    n, got = _replayed(d, f"{d}/step2.ckpt")
+    assert n == 6
+    assert_bit_equal(got, _reference(8))
+
+
+def test_a_log_of_an_optimizer_changed_since_starts_its_own_chain(tmp_path):
+    """The parameters changed between the logs (an older checkpoint loaded, steps taken without a log):
+    the new log must not continue the closed one's chain, or a replay through it would apply its steps
+    to a state they were not taken from. Replays from the first checkpoint end at the first log's end;
+    a checkpoint saved in the second log replays its own steps."""
+    d = str(tmp_path / "run")
+    net, opt, sched = model = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        _log(engine, d, model, range(1, 7), save_at=3)
+        train_step(net, opt, sched, 7)  # no log open: this step is in no log
+        _log(engine, d, model, range(8, 12), save_at=9)
+    n, got = _replayed(d, f"{d}/step3.ckpt")
+    assert n == 3
+    assert_bit_equal(got, _reference(6))
+    n, got = _replayed(d, f"{d}/step9.ckpt")
+    assert n == 2
+    assert_bit_equal(got, _reference(11))
+
+
+def test_a_replay_commits_what_another_open_log_of_the_process_holds_first(tmp_path):
+    """A second engine (a second Accelerator of the process, found by an independent check) replaying
+    the directory while the first one's log still held unflushed steps replayed only the committed
+    ones, silently, and its own log then went on from there: the newest steps were lost for good."""
+    d = str(tmp_path / "run")
+    net, opt, sched = make(KIND)
+    first = CheckpointEngine({"step_log": {"flush_every_steps": 100}})
+    try:
+        first.step_log(d, opt, sched)
+        for step in range(1, 11):
+            train_step(net, opt, sched, step)
+            if step == 4:
+                first.save(state(net, opt, sched), f"{d}/step4.ckpt").result()
+        n, got = _replayed(d, f"{d}/step4.ckpt")
+        assert n == 6
+        assert_bit_equal(got, _reference(10))
+    finally:
+        first.close()
