@@ -318,7 +318,8 @@ class AcceleratorCheckpointer:
         self._group.release_strays(f"it loads {path if path is not None else 'the latest checkpoint'} now")
         if self._steplog is not None:  # rank 0 commits its log before any rank replays it
             self._steplog.before_load()
-        url = self._raise_or(self._group.broadcast(self._resolve(path) if self.rank == 0 else None))
+        found, resumes = self._group.broadcast(self._resolve_resume(path) if self.rank == 0 else None)
+        url = self._raise_or(found)
         if isinstance(url, paths.NativeFolder):
             return self._load_native(url.path, model_kwargs, load_kwargs)
         index = layout.read_index(self._engine, url, self.storage_options)
@@ -343,7 +344,7 @@ class AcceleratorCheckpointer:
         with self._names_lock:
             self._resumed.add(layout.checkpoint_key(url))
         if self._steplog is not None:  # every rank: the steps logged after it, into the live objects
-            self._steplog.after_load(urls[0], replicated.get(TREE_KEY))
+            self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes)
         return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:
@@ -542,6 +543,19 @@ class AcceleratorCheckpointer:
             return NoCheckpointError(str(exc)) if native is None else native
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the broadcast
             return exc
+
+    def _resolve_resume(self, path: str | os.PathLike | None) -> tuple[Any, bool]:
+        """Rank 0: ``_resolve(path)``, and whether loading it resumes (the step log replays the steps
+        logged after it): ``load_state()``, or a folder holding the newest checkpoint of its directory. An
+        older one is a rewind, loaded as it was saved, as the Lightning plugin replays for ``last*.ckpt``
+        only (before 2026-12-06 its replay ran on through the newer checkpoints to the newest logged step)."""
+        found = self._resolve(path)
+        if self._steplog is None or not isinstance(found, str) or path is None or path == "latest":
+            return found, True
+        try:
+            return found, paths.newest(self._engine, layout.parent(layout.folder_of(found)), self.storage_options) == found
+        except Exception:  # noqa: BLE001 - no directory of checkpoints around it: a folder of its own
+            return found, True
 
     @staticmethod
     def _raise_or(value: Any) -> Any:

@@ -79,13 +79,16 @@ def track_epoch_starts(accelerator: Any) -> None:
     draws; every dataloader of the process goes through it, ``skip_first_batches``' ones included.
     A save in the middle of an epoch then stores the state the epoch started from, so the resumed
     epoch draws the interrupted one's order (``_dataloader_state``)."""
-    gradient_state = accelerator.gradient_state
-    add = getattr(gradient_state, "_add_dataloader", None)
-    if add is not None and not isinstance(add, _EpochStarts):
-        gradient_state._add_dataloader = _EpochStarts(add)  # the shared state of every GradientState
-    remove = getattr(gradient_state, "_remove_dataloader", None)
-    if remove is not None and not isinstance(remove, _EpochEnds):
-        gradient_state._remove_dataloader = _EpochEnds(remove)
+    cls = type(accelerator.gradient_state)
+    # On the class, not the instance: every GradientState shares one __dict__, and a bound method of
+    # the first one stored there made pickle.dumps of a later Accelerator rebuild that first one from
+    # the half-built dict (its copy lost keys; found by an independent check)
+    for name, wrap in (("_add_dataloader", _epoch_starts), ("_remove_dataloader", _epoch_ends)):
+        fn = getattr(cls, name, None)
+        if fn is not None and not getattr(fn, "_checkrun", False):
+            wrapped = wrap(fn)
+            wrapped._checkrun = True  # type: ignore[attr-defined]
+            setattr(cls, name, wrapped)
 
 
 #: Prepared dataloaders a load put back inside an epoch (saved mid-epoch): until a copy of one
@@ -93,23 +96,22 @@ def track_epoch_starts(accelerator: Any) -> None:
 _RESUMED_MID_EPOCH: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-class _EpochEnds:
+def _epoch_ends(remove: Any) -> Any:
     """``GradientState._remove_dataloader`` (called as a dataloader's epoch ends) advancing the epoch
     counter of the original of a ``skip_first_batches`` copy that finished the resumed epoch: the copy
     counts it, the original did not, and its next epoch called ``set_epoch`` with the finished epoch
     again (a ``SeedableRandomSampler`` then repeated that epoch's order; ``dataset.set_epoch`` too)."""
 
-    def __init__(self, remove: Any) -> None:
-        self.remove = remove
-
-    def __call__(self, dataloader: Any) -> Any:
+    def _remove_dataloader(self: Any, dataloader: Any) -> Any:
         done = getattr(dataloader, "iteration", None)
         for original in list(_RESUMED_MID_EPOCH) if getattr(dataloader, "end_of_dataloader", False) else ():
             if original is not dataloader and isinstance(done, int) and _shares_order(original, dataloader) \
                     and getattr(original, "iteration", done) == done - 1:
                 original.iteration = done
                 _RESUMED_MID_EPOCH.discard(original)
-        return self.remove(dataloader)
+        return remove(self, dataloader)
+
+    return _remove_dataloader
 
 
 def _shares_order(a: Any, b: Any) -> bool:
@@ -125,18 +127,16 @@ def _shares_order(a: Any, b: Any) -> bool:
     return sampler is not None and sampler is _seedable_sampler(b)
 
 
-class _EpochStarts:
-    """``GradientState._add_dataloader`` noting the dataloader's generator state first (a class, not a
-    closure: an Accelerator pickles, its gradient state with it)."""
+def _epoch_starts(add: Any) -> Any:
+    """``GradientState._add_dataloader`` noting the dataloader's generator state first."""
 
-    def __init__(self, add: Any) -> None:
-        self.add = add
-
-    def __call__(self, dataloader: Any) -> Any:
+    def _add_dataloader(self: Any, dataloader: Any) -> Any:
         gen = getattr(dataloader, "synchronized_generator", None)
         if isinstance(gen, torch.Generator):
             dataloader._checkrun_epoch_start = gen.get_state()
-        return self.add(dataloader)
+        return add(self, dataloader)
+
+    return _add_dataloader
 
 
 def model_weights(accelerator: Any, cache: dict | None = None) -> list[dict]:
@@ -332,7 +332,7 @@ def _dataloader_state(dl: Any, active: list) -> dict:
     that epoch's start (``track_epoch_starts``); else its state now, which the next epoch draws from."""
     state: dict = {"iteration": int(getattr(dl, "iteration", 0))}
     if any(_shares_order(dl, a) and not getattr(a, "end_of_dataloader", False) for a in active):
-        state["in_epoch"] = True  # saved inside epoch ``iteration`` (read by _EpochEnds after a load)
+        state["in_epoch"] = True  # saved inside epoch ``iteration`` (read by _epoch_ends after a load)
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator):
         start = next((getattr(a, "_checkrun_epoch_start", None) for a in active

@@ -106,7 +106,7 @@ class AccelerateStepLog:
         """Rank 0: log into ``directory`` (where rank 0's part goes) from now on. Returns what the
         replicated tree keeps of the log (every rank calls it; only rank 0's is saved)."""
         optimizer, scheduler = self.targets()
-        if self.rank == 0 and (self.log is None or self.directory != directory):
+        if self.rank == 0 and (self.log is None or self.log.closed or self.directory != directory):
             self.close()
             self._open(directory, optimizer, scheduler)
         return {"optimizer_steps": self.optimizer_steps}
@@ -117,17 +117,22 @@ class AccelerateStepLog:
         if self.rank == 0:
             self.close()
 
-    def after_load(self, part_url: str, saved: dict | None) -> int:
+    def after_load(self, part_url: str, saved: dict | None, replay: bool = True) -> int:
         """Every rank: replay the steps logged after ``part_url`` (rank 0's part of the loaded
-        checkpoint) into the live optimizer and scheduler; returns how many."""
+        checkpoint) into the live optimizer and scheduler; returns how many. ``replay=False`` (an older
+        checkpoint loaded by name: a rewind): none; rank 0's log starts a chain of its own there."""
         optimizer, scheduler = self.targets()
         directory = parent(part_url)
         replayed = 0
-        self._replaying = True
+        self._replaying = replay
         try:
-            replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
-                                          storage_options=self.storage_options, scaler=self.accelerator.scaler,
-                                          model=self._model())
+            if not replay:
+                log.info("accelerate_ckpt: %s is older than the newest checkpoint: loaded as saved, no step "
+                         "replayed (load_state() resumes to the newest logged step)", part_url)
+            else:
+                replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
+                                              storage_options=self.storage_options, scaler=self.accelerator.scaler,
+                                              model=self._model())
         except NoMarkerError as exc:
             # saved without the log (or by a run that had it off): nothing to replay after it
             warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself ({exc})",

@@ -300,6 +300,8 @@ class LightningStepLog:
         ``ModelCheckpoint`` saving top-k files into another directory took the log there, and a resume
         from ``last`` lost every step logged after that save)."""
         directory = parent_dir(url)
+        if self.log is not None and self.log.closed:  # its directory was deleted (shutil.rmtree closes it)
+            self.close()
         if self.log is not None and self.directory == directory:
             return
         trainer = find_trainer(strategy)

@@ -34,7 +34,7 @@ import select
 import shutil
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("ckpt_core")
 #: Longest pause between two looks at another process's count (starting at 1 ms, doubling).
@@ -267,6 +267,13 @@ if hasattr(os, "register_at_fork"):
 # -- deleting a directory a save is writing into ---------------------------------------------------
 _RMTREE = shutil.rmtree
 _OWN_THREADS = ("checkrun", "accelerate-ckpt")
+_BEFORE_RMTREE: list[Callable[[str], None]] = []
+
+
+def before_rmtree(hook: Callable[[str], None]) -> None:
+    """Have ``hook(prefix)`` run before ``shutil.rmtree`` deletes a directory (``prefix``: its key, with a
+    trailing ``/``), after the saves in flight under it committed: the step log closes its logs there."""
+    _BEFORE_RMTREE.append(hook)
 
 
 def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -278,8 +285,11 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
     20 runs of 11 ``save_state`` calls with ``total_limit=2`` in a TemporaryDirectory). Calls from
     checkrun's own threads (named ``checkrun-...``; the Accelerate adapter's ``accelerate-ckpt-commit``,
     whose retention removes folders while it commits) and ``dir_fd``-relative ones do not wait: a
-    save's own work never waits for that save."""
+    save's own work never waits for that save. The ``before_rmtree`` hooks then run (the step logs
+    open under ``path`` are closed: their writer created segments there too, found by an independent
+    check with ``step_log.enabled`` and a ``TemporaryDirectory``)."""
     if kwargs.get("dir_fd") is None and not threading.current_thread().name.startswith(_OWN_THREADS):
+        prefix: Any = None
         try:
             prefix = os.fspath(path)
             waits = isinstance(prefix, str) and bool(_paths) and bool(pending_under(prefix.rstrip("/") + "/"))
@@ -288,6 +298,9 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
         if waits:
             log.info("checkrun: %s: waiting for the saves in flight under it before deleting it", prefix)
             wait_under(prefix.rstrip("/") + "/")
+        if _BEFORE_RMTREE and isinstance(prefix, str):
+            for hook in _BEFORE_RMTREE:
+                hook(_key(prefix.rstrip("/") + "/"))
     return _RMTREE(path, *args, **kwargs)
 
 

@@ -73,6 +73,16 @@ def open_logs(url: str) -> list["StepLog"]:
     return [lg for lg in list(_ACTIVE.values()) if lg.store.url("") == url and not lg._stop.is_set()]
 
 
+def _close_under(prefix: str) -> None:
+    """``shutil.rmtree`` of ``prefix`` (an ``inflight`` key) is about to delete the logs open under it."""
+    for lg in list(_ACTIVE.values()):
+        if not lg._stop.is_set() and inflight._key(lg.store.url("").rstrip("/") + "/").startswith(prefix):
+            log.info("checkrun: closing the step log of %s: its directory is being deleted", lg.store.url(""))
+            lg.close()
+
+
+inflight.before_rmtree(_close_under)
+
 #: Per optimizer, per directory: where its last log there ended when closed, and the optimizer's
 #: ``fingerprint`` then (a log opened later continues that chain while the fingerprint holds).
 ENDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple]]" = weakref.WeakKeyDictionary()
@@ -192,6 +202,11 @@ class StepLog:
             ENDED.setdefault(self.optimizer, {})[self.store.url("")] = ((self.run, self.event, self.step),
                                                                         fingerprint(self.optimizer))
         self._check()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (also at exit, or by ``shutil.rmtree`` of the log's directory)."""
+        return self._stop.is_set()
 
     def _write_run(self, info: RunInfo) -> RunInfo:
         data = run_to_bytes(info)

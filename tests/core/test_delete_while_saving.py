@@ -66,3 +66,23 @@ def test_rmtree_of_a_directory_without_saves_under_it_does_not_wait(tmp_path) ->
         shutil.rmtree(tmp_path / "other")  # no save under it: at once
         assert not (tmp_path / "other").exists()
     assert shutil.rmtree.avoids_symlink_attacks == shutil.rmtree.__wrapped__.avoids_symlink_attacks
+
+
+def test_rmtree_closes_the_step_logs_open_under_the_directory(tmp_path) -> None:
+    """A step log open in the directory kept writing segments into the tree being deleted:
+    ``TemporaryDirectory`` cleanup failed with "Directory not empty: 'steplog'" in 5 of 5 tries (found by an
+    independent check, Accelerate's own tests with ``step_log.enabled``). rmtree now closes the logs open
+    under it first (everything they logged is committed, then deleted with the rest)."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run, other = tmp_path / "run", tmp_path / "other"
+    with CheckpointEngine({"step_log": {"flush_every_steps": 1}}) as engine:
+        log = engine.step_log(run, opt)
+        elsewhere = engine.step_log(other, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+        for _ in range(5):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+        shutil.rmtree(run)
+        assert log.closed and not elsewhere.closed
+        assert not run.exists()
+        elsewhere.close()

@@ -266,6 +266,25 @@ def test_an_attached_accelerator_pickles_and_its_copy_is_plain(tmp_path: Path, m
     assert ckpt_core.CheckpointEngine().read_manifest(str(tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt"))
 
 
+def test_a_later_accelerator_pickles_after_an_earlier_one_was_attached() -> None:
+    """A notebook, a trial loop or a test suite makes several Accelerators per process. attach() stored,
+    in the __dict__ every GradientState shares, a bound method of the first one: pickling a later
+    Accelerator pickled that first GradientState too, which pickle rebuilt from the half-built shared
+    dict, and the copy's dataloader failed ('GradientState' object has no attribute
+    '_dataloader_references_ref'; accelerate's test_can_pickle_dataloader after its checkpointing tests,
+    found by an independent check)."""
+    import pickle
+
+    first = Accelerator(cpu=True)
+    AcceleratorCheckpointer(first).attach()
+    first.end_training()
+    acc = Accelerator(cpu=True)  # no state reset in between, as in a notebook
+    with AcceleratorCheckpointer(acc).attach():
+        acc.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10))))
+        copy_ = pickle.loads(pickle.dumps(acc))
+        assert len(list(copy_._dataloaders[0])) == 10
+
+
 def test_retention_never_removes_the_resumed_checkpoint(memory_root: str, make_setup) -> None:
     acc, model, opt, sched, counter = make_setup()
     ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 2}}, directory=memory_root).attach()

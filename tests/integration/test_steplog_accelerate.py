@@ -115,6 +115,55 @@ def test_a_second_accelerator_of_the_process_replays_the_first_ones_unflushed_st
     ckpt.close()
 
 
+def test_folders_in_temporary_directories_are_deleted_with_the_log_open_and_the_next_one_logs(tmp_path: Path) -> None:
+    """accelerate's own tests save into a ``TemporaryDirectory``: with the log on, its cleanup failed with
+    "Directory not empty: 'steplog'" (the log's writer went on creating segments there; found by an
+    independent check). rmtree closes the log; the next save_state() into another folder opens one there."""
+    import tempfile
+
+    acc = Accelerator(cpu=True)
+    net, opt, sched = acc.prepare(*make("adam"))
+    ckpt = AcceleratorCheckpointer(acc, CONFIG).attach()
+    for trial in range(2):
+        with tempfile.TemporaryDirectory(dir=tmp_path) as d:
+            acc.save_state(f"{d}/state")
+            for step in range(1, 5):
+                _step(acc, net, opt, sched, 10 * trial + step)
+            live = _state(net, opt, sched)
+            acc.load_state(f"{d}/state")
+            assert ckpt.replayed_steps == 4, trial
+            assert_bit_equal(_state(net, opt, sched), live, f"trial {trial}")
+        assert not os.path.exists(d)
+    ckpt.close()
+
+
+def test_an_older_checkpoint_loaded_by_name_is_a_rewind_and_the_newest_still_resumes(tmp_path: Path) -> None:
+    """load_state(folder) of a checkpoint older than the newest replayed the steps logged after it on through
+    the newer checkpoints, to the newest logged step: a rewind (accelerate: that folder's state) did not
+    go back (an independent check found it undocumented). It now loads the older checkpoint as saved, as
+    the Lightning plugin does for any checkpoint but last*.ckpt; load_state() and the newest folder by
+    name still resume to the newest logged step, also after such a rewind."""
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")
+    saved = {}
+    for step in range(1, 13):
+        _step(acc, net, opt, sched, step)
+        if step in (4, 8):
+            acc.save_state()
+            saved[step] = _state(net, opt, sched)
+    at_12 = _state(net, opt, sched)
+    checkpoints = tmp_path / "proj" / "checkpoints"
+    acc.load_state(str(checkpoints / "checkpoint_0"))
+    assert ckpt.replayed_steps == 0
+    assert_bit_equal(_state(net, opt, sched), saved[4], "the older checkpoint, as saved")
+    acc.load_state()
+    assert ckpt.replayed_steps == 4
+    assert_bit_equal(_state(net, opt, sched), at_12, "load_state() after the rewind")
+    acc.load_state(str(checkpoints / "checkpoint_1"))  # the newest, by name
+    assert ckpt.replayed_steps == 4
+    assert_bit_equal(_state(net, opt, sched), at_12, "the newest checkpoint by name")
+    ckpt.close()
+
+
 def test_load_state_ends_with_the_rng_states_of_the_last_replayed_step(tmp_path: Path) -> None:
     """accelerate's ``save_state`` keeps the RNG states; a resume through the log ends with those of the
     last replayed step, as a ``save_state()`` there would have them (before 2026-12-06: the checkpoint's)."""
