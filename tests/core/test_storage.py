@@ -675,3 +675,29 @@ def test_a_missing_bucket_is_an_error_not_an_empty_directory(s3_root, s3_storage
             engine.latest(missing)
         engine.save({"w": torch.ones(2)}, f"{s3_root}/a.ckpt").result()
         assert engine.latest(s3_root) == f"{s3_root}/a.ckpt"
+
+
+def test_local_reads_go_through_the_os_and_refuse_what_is_not_a_regular_file(tmp_path) -> None:
+    """``storage.localio.read_file_into`` (the plain local disk's blob reads, without fsspec's per-blob
+    ``info`` + ``open``): pieces fill the buffer, a longer file shows as a full buffer (the caller's
+    size check), and anything but a regular file is "not a file" without blocking (a FIFO)."""
+    import socket
+
+    from ckpt_core.storage import localio
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "blob").write_bytes(data)
+    buf = memoryview(bytearray(len(data) + 1))
+    assert bytes(localio.read_file_into(str(tmp_path / "blob"), buf, 1000)) == data
+    short = memoryview(bytearray(100))
+    assert bytes(localio.read_file_into(str(tmp_path / "blob"), short, 7)) == data[:100]
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    try:
+        for name in ("fifo", "dir", "sock", "missing"):
+            with pytest.raises(FileNotFoundError):
+                localio.read_file_into(str(tmp_path / name), buf, 1000)
+    finally:
+        sock.close()
