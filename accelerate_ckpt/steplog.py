@@ -62,7 +62,7 @@ class AccelerateStepLog:
         self.replayed_steps = 0
         self._counted: Any = None
         self._hook: Any = None
-        self._replaying = False
+        self._replaying = self._warned = False
 
     @property
     def accelerator(self) -> Any:
@@ -74,6 +74,12 @@ class AccelerateStepLog:
         """The torch optimizer and scheduler inside the prepared ones (one optimizer, at most one
         scheduler: the log and its markers follow one optimizer per directory)."""
         acc = self.accelerator
+        if not acc._optimizers:  # an evaluation script sharing the training config: nothing to log
+            if not self._warned:
+                self._warned = True
+                warnings.warn("accelerate_ckpt: step_log.enabled, but the Accelerator has no prepared optimizer: "
+                              "no step is logged or replayed", RuntimeWarning, stacklevel=4)
+            return None, None
         if len(acc._optimizers) != 1 or len(acc._schedulers) > 1:
             raise StepLogSetupError(
                 f"step_log.enabled: the Accelerator has {len(acc._optimizers)} prepared optimizer(s) and "
@@ -106,7 +112,8 @@ class AccelerateStepLog:
         """Rank 0: log into ``directory`` (where rank 0's part goes) from now on. Returns what the
         replicated tree keeps of the log (every rank calls it; only rank 0's is saved)."""
         optimizer, scheduler = self.targets()
-        if self.rank == 0 and (self.log is None or self.log.closed or self.directory != directory):
+        if optimizer is not None and self.rank == 0 and (self.log is None or self.log.closed
+                                                         or self.directory != directory):
             self.close()
             self._open(directory, optimizer, scheduler)
         return {"optimizer_steps": self.optimizer_steps}
@@ -122,6 +129,8 @@ class AccelerateStepLog:
         checkpoint) into the live optimizer and scheduler; returns how many. ``replay=False`` (an older
         checkpoint loaded by name: a rewind): none; rank 0's log starts a chain of its own there."""
         optimizer, scheduler = self.targets()
+        if optimizer is None:
+            return 0
         directory = parent(part_url)
         replayed = 0
         self._replaying = replay

@@ -271,6 +271,23 @@ def test_two_optimizers_are_refused_naming_the_setting(tmp_path: Path) -> None:
     ckpt.close()
 
 
+def test_an_accelerator_without_an_optimizer_saves_and_loads_with_the_log_on(tmp_path: Path) -> None:
+    """An evaluation script sharing the training run's config (step_log.enabled): save_state() raised
+    StepLogSetupError ("0 prepared optimizer(s)", found by an independent check). It now saves and loads
+    as without the log, with a warning that nothing is logged."""
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True))
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    ckpt = AcceleratorCheckpointer(acc, CONFIG).attach()
+    with pytest.warns(RuntimeWarning, match="no prepared optimizer"):
+        acc.save_state()
+    weights = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        model.weight.zero_()
+    acc.load_state()
+    assert ckpt.replayed_steps == 0 and torch.equal(model.weight, weights["weight"])
+    ckpt.close()
+
+
 # -- real accelerate launch, SIGKILL ------------------------------------------------------------------
 def _env(tmp: Path) -> dict:
     return launch_env(tmp, {"PYTHONPATH": str(REPO)})  # the script imports tests.core.steplog_train
