@@ -77,6 +77,12 @@ def _own_method(accelerator: Any, name: str) -> Any:
     return getattr(type(accelerator), name).__get__(accelerator)
 
 
+def _names(index_url: str) -> tuple[str, str]:
+    """An index URL's file and folder names: what stays of it across spellings of its directory."""
+    folder = layout.folder_of(index_url).rstrip("/")
+    return index_url.rstrip("/").rpartition("/")[2], folder.rpartition("/")[2]
+
+
 class AcceleratorCheckpointer:
     """Saves and loads an ``accelerate.Accelerator``'s state with checkrun (see ``docs/accelerate.md``).
 
@@ -553,9 +559,11 @@ class AcceleratorCheckpointer:
         if self._steplog is None or not isinstance(found, str) or path is None or path == "latest":
             return found, True
         try:
-            return found, paths.newest(self._engine, layout.parent(layout.folder_of(found)), self.storage_options) == found
+            newest = paths.newest(self._engine, layout.parent(layout.folder_of(found)), self.storage_options)
         except Exception:  # noqa: BLE001 - no directory of checkpoints around it: a folder of its own
             return found, True
+        # by name in that directory (file://, memory:/// and plain spellings of one URL differ; found by h66)
+        return found, _names(newest) == _names(found)
 
     @staticmethod
     def _raise_or(value: Any) -> Any:

@@ -298,7 +298,7 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
         if waits:
             log.info("checkrun: %s: waiting for the saves in flight under it before deleting it", prefix)
             wait_under(prefix.rstrip("/") + "/")
-        if _BEFORE_RMTREE and isinstance(prefix, str):
+        if _BEFORE_RMTREE and isinstance(prefix, str) and not os.path.islink(prefix):  # rmtree refuses links
             for hook in _BEFORE_RMTREE:
                 hook(_key(prefix.rstrip("/") + "/"))
     return _RMTREE(path, *args, **kwargs)

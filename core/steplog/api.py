@@ -1,8 +1,8 @@
 """What ``CheckpointEngine.step_log`` and ``CheckpointEngine.replay`` delegate to (training thread).
 
-The engine keeps two attributes for the log, created here on first use: ``_steplogs`` (the open
-logs, told of each ``save`` by the hook in ``CheckpointEngine.save``) and ``_steplog_resume``
-(per directory, where the last replay ended: a log opened afterwards continues that chain).
+The engine keeps ``_steplogs`` (the open logs, told of each ``save`` by the hook in
+``CheckpointEngine.save``), created here on first use. Where a replay into an optimizer, or its closed
+log, ended is kept per optimizer (``log.ENDED``): the next log of it continues that chain.
 """
 from __future__ import annotations
 
@@ -44,11 +44,10 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
         raise StepLogError(f"step log of {store.url('')}: a log of another optimizer "
                            f"({type(other.optimizer).__name__}) is open in this directory; one step log per "
                            "directory: close it first, or log one optimizer per checkpoint directory")
-    # where the last replay here ended (taken: a later log continues this one instead), else where
-    # this optimizer's last log here ended when closed, if untouched since (found by an independent check:
-    # a log closed and opened again started a chain of its own, and its steps never replayed)
-    resume = engine.__dict__.setdefault("_steplog_resume", {}).pop(store.url(""), None)
-    resume = resume or ended_at(optimizer, store.url(""))
+    # where this optimizer's last replay or last closed log here ended, if untouched since (taken: a
+    # later log continues this one instead; found by independent checks: a log closed and opened again
+    # started a chain of its own, and a replay's end went to the next log of any optimizer, or to every log)
+    resume = ended_at(optimizer, store.url(""))
     slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model,
                    counters=counters)
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
@@ -96,14 +95,15 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
         counters.update(pos.counters or {})
     slog = active_log(optimizer)  # a log opened before the replay continues the chain too
     if slog is None or slog.store.url("") != store.url("") or not slog.continue_chain((pos.run, pos.event, pos.step)):
-        engine.__dict__.setdefault("_steplog_resume", {})[store.url("")] = (pos.run, pos.event, pos.step)
+        ENDED.setdefault(optimizer, {})[store.url("")] = ((pos.run, pos.event, pos.step), fingerprint(optimizer))
     return pos.replayed
 
 
 def ended_at(optimizer: Any, url: str) -> tuple[str, int, int] | None:
-    """``(run, event, step)`` where the last closed log of ``optimizer`` in ``url`` ended, if neither its
-    parameters nor its state changed since (else None: a new log starts a chain of its own)."""
-    ended = ENDED.get(optimizer, {}).get(url)
+    """``(run, event, step)`` where the last replay into ``optimizer`` or its last closed log in ``url``
+    ended, if neither its parameters nor its state changed since (else None: a new log starts a chain of
+    its own). Taken: the next log continues the one opened now."""
+    ended = ENDED.get(optimizer, {}).pop(url, None)
     if ended is None:
         return None
     if ended[1] != fingerprint(optimizer):

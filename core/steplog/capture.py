@@ -194,13 +194,21 @@ def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def fingerprint(optimizer: Any) -> tuple:
-    """Identity and version counter of each parameter and optimizer-state tensor: any in-place change
-    (a step, ``load_state_dict`` into the model) moves a version, a replaced state tensor its identity."""
-    out = []
+    """What tells that the optimizer's parameters or state changed: each tensor's identity, version
+    counter, storage and dtype (a step or ``load_state_dict`` moves a version, a replaced state tensor
+    its identity), and each parameter's values summed in float64: writes through ``.data``,
+    ``vector_to_parameters`` or ``model.half().float()`` move no version (found by an independent
+    check). One sum per parameter, read back once per device (at a log's close and a replay's end)."""
+    out, sums = [], {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            out.append((id(p), p._version))
-            out.extend((id(t), t._version) for t in optimizer.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+            out.append((id(p), p._version, p.data_ptr(), p.dtype))
+            if p.is_floating_point() and p.numel():
+                sums.setdefault(p.device, []).append(torch.sum(p.detach(), dtype=torch.float64))
+            out.extend((id(t), t._version, t.data_ptr()) for t in optimizer.state.get(p, {}).values()
+                       if isinstance(t, torch.Tensor))
+    for device, values in sums.items():
+        out.append((str(device), tuple(torch.stack(values).tolist())))
     return tuple(out)
 
 

@@ -152,14 +152,17 @@ class StepLog:
     def commit_for(self, seconds: float) -> bool:
         """A replay of this directory by another log of the process: commit what is logged as ``close``
         does, waiting at most ``seconds``; False if a flush is under way already or it did not finish."""
-        return not (self._flushing or self._stop.is_set()) and self._flush(point=False, seconds=seconds)
+        if self._flushing or self._stop.is_set() or self._error is not None:
+            return False
+        return self._flush(point=False, seconds=seconds, check=False) and self._error is None
 
-    def _flush(self, point: bool, seconds: float | None = None) -> bool:
+    def _flush(self, point: bool, seconds: float | None = None, check: bool = True) -> bool:
         """``flush``; ``close`` logs no RNG states (the process may have drawn or reseeded since its last step)."""
         self._flushing, done, deadline = True, threading.Event(), time.monotonic() + (seconds or float("inf"))
         try:
             self._write_due()
-            self._check()
+            if check:  # commit_for (another log's replay) leaves errors to this log's owner
+                self._check()
             self._drop_held()
             self._state_event()
             if point:
@@ -170,7 +173,8 @@ class StepLog:
                 pass
         finally:
             self._flushing = False
-        self._check()
+        if check:
+            self._check()
         return done.is_set()
 
     def _close_at_exit(self) -> None:

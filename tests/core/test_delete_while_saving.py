@@ -86,3 +86,24 @@ def test_rmtree_closes_the_step_logs_open_under_the_directory(tmp_path) -> None:
         assert log.closed and not elsewhere.closed
         assert not run.exists()
         elsewhere.close()
+
+
+def test_rmtree_of_a_link_to_the_directory_leaves_its_step_log_open(tmp_path) -> None:
+    """rmtree refuses a symbolic link (or, with ignore_errors, does nothing): the log under the directory
+    it points to was closed all the same and the next steps went unlogged (found by an independent check)."""
+    import os
+
+    import pytest
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(run, tmp_path / "link")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 1}}) as engine:
+        log = engine.step_log(run, opt)
+        with pytest.raises(OSError):
+            shutil.rmtree(tmp_path / "link")
+        shutil.rmtree(tmp_path / "link", ignore_errors=True)
+        assert not log.closed and run.exists()
+        log.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from ckpt_core import CheckpointEngine
@@ -116,3 +117,72 @@ def test_a_replay_commits_what_another_open_log_of_the_process_holds_first(tmp_p
         assert_bit_equal(got, _reference(10))
     finally:
         first.close()
+
+
+@pytest.mark.parametrize("change", ["data_copy", "vector_to_parameters", "half_then_float"])
+def test_writes_that_move_no_version_counter_still_start_a_chain_of_their_own(tmp_path, change):
+    """The optimizer's fingerprint compared version counters only: writes through ``.data``,
+    ``vector_to_parameters`` (``set_data``) or ``model.half().float()`` (which rounds) move none, so the
+    reopened log continued the chain and a replay through it reached a state no run held (found by an
+    independent check). The values' float64 sums are compared too."""
+    d = str(tmp_path / "run")
+    net, opt, sched = model = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        _log(engine, d, model, range(1, 7), save_at=3)
+        with torch.no_grad():
+            if change == "data_copy":
+                for p in net.parameters():
+                    p.data.copy_(p.data * 1.5)
+            elif change == "vector_to_parameters":
+                vec = torch.nn.utils.parameters_to_vector(net.parameters())
+                torch.nn.utils.vector_to_parameters(vec * 1.5, net.parameters())
+            else:
+                net.half()
+                net.float()
+        _log(engine, d, model, range(7, 10))
+    n, got = _replayed(d, f"{d}/step3.ckpt")
+    assert n == 3
+    assert_bit_equal(got, _reference(6))
+
+
+def test_a_replay_into_another_optimizer_does_not_continue_this_ones_log(tmp_path):
+    """A replay's end was kept per engine and directory and taken by the next log opened there, of any
+    optimizer: a replay into a scratch optimizer handed its end to the live one's next log, after steps
+    taken with no log open (found by an independent check): a later replay matched no step of the run."""
+    d = str(tmp_path / "run")
+    net, opt, sched = model = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        _log(engine, d, model, range(1, 7), save_at=3)
+        scratch = make(KIND)
+        load_into(engine.load(f"{d}/step3.ckpt"), *scratch)
+        assert engine.replay(d, scratch[1], scratch[2]) == 3
+        for step in range(7, 9):  # no log open
+            train_step(net, opt, sched, step)
+        _log(engine, d, model, range(9, 11))
+    n, got = _replayed(d, f"{d}/step3.ckpt")
+    assert n == 3
+    assert_bit_equal(got, _reference(6))
+
+
+def test_a_replay_leaves_the_other_logs_write_error_to_its_owner(tmp_path):
+    """The replay's commit of another open log took that log's write error (cleared it): the replay only
+    warned, and the log's own close() returned cleanly although its steps were never written (found by an
+    independent check). The owner's close() raises it."""
+    from ckpt_core.steplog import StepLogError
+
+    d = str(tmp_path / "run")
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 100}}) as engine:
+        log = engine.step_log(d, opt, sched)
+        engine.save(state(net, opt, sched), f"{d}/step0.ckpt").result()
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+
+        log._segs.write_manifest = full
+        for step in range(1, 4):
+            train_step(net, opt, sched, step)
+        with pytest.warns(RuntimeWarning, match="another step log"):
+            _replayed(d, f"{d}/step0.ckpt")
+        with pytest.raises(StepLogError, match="No space left"):
+            log.close()

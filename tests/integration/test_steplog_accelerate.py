@@ -161,6 +161,8 @@ def test_an_older_checkpoint_loaded_by_name_is_a_rewind_and_the_newest_still_res
     acc.load_state(str(checkpoints / "checkpoint_1"))  # the newest, by name
     assert ckpt.replayed_steps == 4
     assert_bit_equal(_state(net, opt, sched), at_12, "the newest checkpoint by name")
+    acc.load_state(f"file://{checkpoints}/checkpoint_1")  # another spelling of it (taken for a rewind: h66)
+    assert ckpt.replayed_steps == 4
     ckpt.close()
 
 
