@@ -203,8 +203,9 @@ def fingerprint(optimizer: Any) -> tuple:
     for group in optimizer.param_groups:
         for p in group["params"]:
             out.append((id(p), p._version, p.data_ptr(), p.dtype))
-            if p.is_floating_point() and p.numel():
-                sums.setdefault(p.device, []).append(torch.sum(p.detach(), dtype=torch.float64))
+            plain = p.detach()
+            if type(plain) is torch.Tensor and plain.is_floating_point() and plain.numel() and not plain.is_meta:
+                sums.setdefault(p.device, []).append(torch.sum(plain, dtype=torch.float64))  # no DTensor collective
             out.extend((id(t), t._version, t.data_ptr()) for t in optimizer.state.get(p, {}).values()
                        if isinstance(t, torch.Tensor))
     for device, values in sums.items():
