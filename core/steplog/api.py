@@ -16,9 +16,8 @@ from ..storage.store import Store
 from .index import read_index
 from .format import NoMarkerError, StepLogError
 from . import rng as rng_states
-from .capture import fingerprint
+from .capture import fingerprint, warn_forward_state
 from .log import ENDED, StepLog, active_log, log_store, open_logs
-from .capture import warn_forward_state
 from .replay import find_marker, replay_chain
 
 log = logging.getLogger("ckpt_core")
@@ -107,9 +106,9 @@ def ended_at(optimizer: Any, url: str) -> tuple[str, int, int] | None:
     if ended is None:
         return None
     if ended[1] != fingerprint(optimizer):
-        log.info("checkrun: the optimizer's parameters or state changed since its step log of %s closed at step "
-                 "%d: the new log starts a chain of its own (replays from earlier checkpoints end at step %d)",
-                 url, ended[0][2], ended[0][2])
+        log.info("checkrun: the optimizer's parameters or state changed since its last replay or step log in %s "
+                 "ended at step %d: the new log starts a chain of its own (replays from earlier checkpoints end "
+                 "at step %d)", url, ended[0][2], ended[0][2])
         return None
     return ended[0]
 
