@@ -405,7 +405,24 @@ class _Replay(Callback):
         armed, self._armed = self._armed, None
         if armed is not None:
             owner, engine, url = armed
+            before = torch.get_rng_state()
             owner.replay(engine, trainer, url)
+            _draw_epoch_order_again(trainer, before)
+
+
+def _draw_epoch_order_again(trainer: Any, before: torch.Tensor) -> None:
+    """After a replay that set the RNG states to the last replayed step's and ended at an epoch's end: make
+    the dataloader iterator again. Lightning made it before ``on_train_start`` (a ``RandomSampler`` draws its
+    seed from the global generator then), from the RNG states the replay then replaced; the uninterrupted
+    run made it after that step, so the epoch's order and every later draw were one draw off (found by an
+    independent check: weights differed one epoch after such a resume). Mid-epoch resumes are left alone:
+    the epoch's order is not resumable there anyway (Lightning restarts the dataloader)."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None or torch.equal(before, torch.get_rng_state()):
+        return
+    at, epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches
+    if at == 0 or (isinstance(epoch, int) and at >= epoch):  # the next batch starts an epoch
+        iter(fetcher)
 
     def state_dict(self) -> dict:
         return {}

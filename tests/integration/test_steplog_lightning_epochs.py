@@ -242,3 +242,40 @@ def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_
     fit(stop=12)  # last.ckpt at 7, steps 8-12 logged
     with pytest.warns(RuntimeWarning, match=r"EMAWeightAveraging did not see the 5 replayed step\(s\)"):
         fit(ckpt_path="last")
+
+
+class _Dropout(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+
+
+def test_a_replay_to_an_epoch_end_goes_on_with_the_uninterrupted_runs_random_numbers(tmp_path):
+    """A shuffled DataLoader and dropout: after a replay that ends at an epoch's end, the next epoch
+    differed from the uninterrupted run's. Lightning makes the epoch's dataloader iterator (a RandomSampler
+    draws its seed, the DataLoader its base seed) before on_train_start, where the replay then set the RNG
+    states to those after the last replayed step: every later draw was one off (found by an independent
+    check). The iterator is made again after such a replay."""
+    from lightning.pytorch import seed_everything
+
+    def fit(max_steps, plugins=(), callbacks=(), ckpt_path=None):
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_steps=max_steps, default_root_dir=str(tmp_path), plugins=list(plugins),
+                          callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+        model = _Dropout()
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(80, 4, generator=g), torch.randn(80, 1, generator=g))
+        trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+        return model
+
+    seed_everything(0)
+    reference = fit(20)  # two epochs of 10 batches, uninterrupted
+    seed_everything(0)
+    directory = str(tmp_path / "ckpts")
+    fit(10, [CheckrunCheckpointIO(step_log=True)],
+        [ModelCheckpoint(dirpath=directory, every_n_train_steps=7, save_last=True)])  # epoch 0; saved at 7
+    resumed = fit(20, [CheckrunCheckpointIO(step_log=True)],
+                  [ModelCheckpoint(dirpath=directory, every_n_train_steps=7, save_last=True)], ckpt_path="last")
+    for key, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
