@@ -409,6 +409,9 @@ class _Replay(Callback):
             owner.replay(engine, trainer, url)
             _draw_epoch_order_again(trainer, before)
 
+    def state_dict(self) -> dict:
+        return {}
+
 
 def _draw_epoch_order_again(trainer: Any, before: torch.Tensor) -> None:
     """After a replay that set the RNG states to the last replayed step's and ended at an epoch's end: make
@@ -423,6 +426,3 @@ def _draw_epoch_order_again(trainer: Any, before: torch.Tensor) -> None:
     at, epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches
     if at == 0 or (isinstance(epoch, int) and at >= epoch):  # the next batch starts an epoch
         iter(fetcher)
-
-    def state_dict(self) -> dict:
-        return {}
