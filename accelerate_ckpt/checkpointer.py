@@ -30,7 +30,7 @@ from ckpt_core.saving.fence import CommitStamp, new_stamp
 from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 
 from . import layout, resolve as paths, state
-from .config import AdapterOptions, resolve
+from .config import AdapterOptions, as_plain, resolve
 from .layout import Target
 from .steplog import TREE_KEY, AccelerateStepLog
 
@@ -414,11 +414,25 @@ class AcceleratorCheckpointer:
         return self.load(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
     def _end_training(self) -> None:
-        """``Accelerator.end_training`` after every pending checkpoint is committed."""
+        """``Accelerator.end_training`` after every pending checkpoint is committed (this checkpointer is
+        closed). accelerate's ``save_state`` / ``load_state`` still work after it (in one process): a
+        later call reopens checkrun on the Accelerator, with the same settings (``_reopen``)."""
         try:
             self.close()
         finally:
-            self.accelerator.end_training()
+            acc = self.accelerator
+            acc.end_training()
+            if not self.unsupported:
+                for name in ("save_state", "load_state"):
+                    setattr(acc, name, _Routed(functools.partial(self._reopen, name), acc, name))
+
+    def _reopen(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """A ``save_state`` / ``load_state`` after ``end_training()``: a new checkpointer of the same settings,
+        attached. Before 2026-12-06 the Accelerator's own methods were back, and they failed on the project's
+        checkrun folders (``IndexError`` listing ``checkpoints/.checkrun``; found by an independent check)."""
+        acc = self.accelerator
+        AcceleratorCheckpointer(acc, as_plain(self.config, self.options), storage_options=self.storage_options).attach()
+        return getattr(acc, name)(*args, **kwargs)
 
     # -- internals ---------------------------------------------------------------------------------
     def _before_call(self) -> None:

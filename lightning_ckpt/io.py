@@ -213,10 +213,17 @@ class CheckrunCheckpointIO(CheckpointIO):
         url = normalize_path(path)
         location = "cpu" if map_location is None else map_location
         safe = True if weights_only is None else weights_only
+        strategy = calling_strategy()
+        engine = self._engine_for(url)
+        if not getattr(strategy, "is_global_zero", True):
+            # Lightning's strategies save through the plugin on global rank 0 only: another rank keeps no
+            # copy of what it loaded for a next incremental save it never makes (a full copy of the
+            # row-delta tensors for the whole run, found by an independent check with Fabric DDP)
+            engine._keep_loaded = False
         try:
-            loaded = self._engine_for(url).load(url, map_location=location, weights_only=safe)
+            loaded = engine.load(url, map_location=location, weights_only=safe)
             if self._steplog is not None and checkpoint_kind(url) == "regular":
-                self._steplog.after_load(self.engine, calling_strategy(), url)
+                self._steplog.after_load(self.engine, strategy, url)
             return loaded
         except CheckpointNotFoundError as exc:  # Lightning's own wording (code matches on it), then ours
             detail = "" if str(exc).startswith(f"no checkpoint at {url}") and str(exc).endswith(url) else f" ({exc})"

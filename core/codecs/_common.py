@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import torch
+import xxhash
 
 from ..errors import FormatError, LossyRefusedError
 from .base import EncodeStats
@@ -98,6 +99,19 @@ def tensor_bytes(array: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())
+
+
+def tensor_digest(tensor: torch.Tensor) -> tuple:
+    """A digest of a tensor's bytes: xxh3 on the CPU (any change, a permutation too); on a device, sums
+    of its 32-bit words per 64 MiB (computed there, no copy to the host)."""
+    t = tensor.detach().resolve_conj().resolve_neg().contiguous()  # byte views refuse those flags
+    if t.device.type == "cpu":
+        return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
+    flat = t.reshape(-1).view(torch.uint8)
+    aligned = flat.numel() % 4 == 0 and flat.storage_offset() % 4 == 0  # view(int32) needs both
+    words = flat.view(torch.int32) if aligned else flat
+    step = 16 << 20
+    return ("sum32", tuple(int(words[i:i + step].sum(dtype=torch.int64)) for i in range(0, words.numel(), step)))
 
 
 def bytes_to_uint8(data: bytes | memoryview | bytearray) -> torch.Tensor:

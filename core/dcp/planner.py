@@ -22,14 +22,13 @@ import math
 from typing import Any, Sequence
 
 import torch
-import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (ReadItem, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
-from ..codecs._common import tensor_bytes
+from ..codecs._common import tensor_digest
 from ..format.objects import deserialize_object
 
 __all__ = ["CheckrunSavePlanner", "CheckrunLoadPlanner", "spread_save_plans"]
@@ -113,19 +112,6 @@ def _replicated(index: MetadataIndex, held: list[WriteItem], ranks: list[int],
     return len(digests) == 1
 
 
-def fingerprint(tensor: torch.Tensor) -> tuple:
-    """A digest of a tensor's bytes: xxh3 on the CPU; on a device, sums of its 32-bit words per 64 MiB
-    (computed there, no copy to the host), enough to tell ranks' different copies apart."""
-    t = tensor.detach().resolve_conj().resolve_neg().contiguous()  # byte views refuse those flags
-    if t.device.type == "cpu":
-        return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
-    flat = t.reshape(-1).view(torch.uint8)
-    aligned = flat.numel() % 4 == 0 and flat.storage_offset() % 4 == 0  # view(int32) needs both
-    words = flat.view(torch.int32) if aligned else flat
-    step = 16 << 20
-    return ("sum32", tuple(int(words[i:i + step].sum(dtype=torch.int64)) for i in range(0, words.numel(), step)))
-
-
 class CheckrunSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner whose replicated tensors are written by all ranks that hold them.
 
@@ -156,7 +142,7 @@ class CheckrunSavePlanner(DefaultSavePlanner):
                 self._local.setdefault(item.index.fqn, []).append(item)
                 self._local_boxes.add(_box(item))
                 if self.spread_replicated and _chunk_bytes(item) >= 2 * self.min_piece_bytes:
-                    digests[item.index.fqn] = fingerprint(self.lookup_object(item.index))
+                    digests[item.index.fqn] = tensor_digest(self.lookup_object(item.index))
         if self.spread_replicated:  # carried to the coordinator with the plan, unwrapped there
             plan = dataclasses.replace(plan, planner_data=_Digests(plan.planner_data, digests))
         return plan
@@ -193,7 +179,7 @@ class CheckrunSavePlanner(DefaultSavePlanner):
 @dataclasses.dataclass(frozen=True)
 class _Digests:
     """A local plan's ``planner_data`` (DCP's flattening mappings) with the content digests of its
-    large tensors (``fingerprint``), for the coordinator's ``spread_save_plans``."""
+    large tensors (``tensor_digest``), for the coordinator's ``spread_save_plans``."""
 
     inner: Any
     digests: dict

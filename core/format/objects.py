@@ -41,10 +41,16 @@ ZIP_ENTRY_COST = 1024
 _NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 
 
-def serialize_object(obj: Any) -> bytes:
-    """Pickle ``obj`` with ``torch.save`` (tensors inside it are kept as tensors)."""
+def serialize_object(obj: Any, key: str | None = None) -> bytes:
+    """Pickle ``obj`` with ``torch.save`` (tensors inside it are kept as tensors). An error keeps its type
+    (as torch.save raises it) with a note naming ``key``, the value's place in the state."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    try:
+        torch.save(obj, buf)
+    except Exception as exc:
+        if key is not None:
+            exc.add_note(f"checkrun: while saving the {type(obj).__name__} value at {key!r} (pickled with torch.save)")
+        raise
     return buf.getvalue()
 
 

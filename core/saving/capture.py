@@ -19,7 +19,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import FormatError
-from ..format.limits import DEVICE_TYPES
+from ..format.limits import DEVICE_TYPES, MAX_MANIFEST_BYTES
 from .fence import CommitStamp, new_stamp
 from ..format.objects import DeferredObject, device_storage_bytes, serialize_object
 from .pinned import arena_layout, can_pin
@@ -176,6 +176,8 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 #: Fewest JSON elements one stored tensor adds to a manifest: its record with one chunk and its
 #: skeleton leaf (measured: 44 without compression or packs, 57-60 by default); a pickled value: 12.
 MIN_TENSOR_ELEMENTS, MIN_OBJECT_ELEMENTS = 44, 12
+#: A small tensor's manifest bytes with the default compression (measured: 370-394 with short keys).
+TYPICAL_TENSOR_BYTES = 370
 
 
 def check_manifest_room(tensors: int, objects: int, config: EngineConfig) -> None:
@@ -186,10 +188,15 @@ def check_manifest_room(tensors: int, objects: int, config: EngineConfig) -> Non
     limit = config.load.max_manifest_elements
     if least > limit:
         enough = -(-(64 * tensors + 16 * objects) // 1_000_000) * 1_000_000  # the default's ~60 a tensor, rounded up
+        if TYPICAL_TENSOR_BYTES * tensors > MAX_MANIFEST_BYTES:  # raising the limit would not do
+            fix = (f"a manifest is at most {MAX_MANIFEST_BYTES >> 20} MiB, ~{TYPICAL_TENSOR_BYTES} bytes a tensor, "
+                   "whatever load.max_manifest_elements says: group small tensors into fewer, larger ones")
+        else:
+            fix = (f"set load.max_manifest_elements to about {enough} where you save and where you load, or group "
+                   "small tensors into fewer, larger ones")
         raise FormatError(f"cannot save state: its {tensors} tensors and {objects} pickled values need a manifest "
                           f"of at least {least} JSON elements, more than a load accepts (load.max_manifest_elements: "
-                          f"{limit}); set load.max_manifest_elements to about {enough} where you save and where "
-                          "you load, or group small tensors into fewer, larger ones")
+                          f"{limit}); {fix}")
 
 
 def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str, torch.Tensor]]]:
@@ -205,10 +212,25 @@ def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str
             if not leaf.tensor.is_cpu and leaf.tensor.device.type not in DEVICE_TYPES:  # a load would refuse it
                 raise FormatError(f"{leaf.key}: cannot save a tensor on {leaf.tensor.device}: checkrun saves "
                                   f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
+            _check_overlap(leaf.key, leaf.tensor)
             unique[k] = len(sources)
             sources.append((leaf.key, leaf.tensor.detach()))
         indices.append(unique[k])
     return indices, unique, sources
+
+
+#: A tensor whose elements share memory (``expand``, ``as_strided``) is stored as its values, as it loads
+#: (contiguous); above this many bytes, and twice its memory, it is refused instead of taking that memory.
+OVERLAP_MAX_BYTES = 64 << 20
+
+
+def _check_overlap(key: str, t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if nbytes > OVERLAP_MAX_BYTES and nbytes > 2 * t.untyped_storage().nbytes():
+        raise FormatError(f"{key}: cannot save an expanded tensor (shape {list(t.shape)}, strides {list(t.stride())}): "
+                          f"its {nbytes} bytes of values share {t.untyped_storage().nbytes()} bytes of memory, and "
+                          "checkrun stores and loads tensors contiguous; save the tensor it expands (or a .clone() "
+                          "to store every value)")
 
 
 def _by_device(sources: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
@@ -315,7 +337,7 @@ def _stage_objects(objects: tuple, deferred: dict[int, int], copier: Copier,
     out, later = [], []
     for i, o in enumerate(objects):
         if i not in deferred:
-            out.append(StagedObject(o.key, o.type_name, serialize_object(o.obj)))
+            out.append(StagedObject(o.key, o.type_name, serialize_object(o.obj, o.key)))
             continue
         lazy = _Later(DeferredObject(o.obj, lambda src: _stage_storage(src, copier, pin)).serialize)
         later.append(lazy.get)

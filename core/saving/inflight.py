@@ -300,7 +300,10 @@ def _rmtree_after_saves(path: Any, *args: Any, **kwargs: Any) -> Any:
             wait_under(prefix.rstrip("/") + "/")
         if _BEFORE_RMTREE and isinstance(prefix, str) and not os.path.islink(prefix):  # rmtree refuses links
             for hook in _BEFORE_RMTREE:
-                hook(_key(prefix.rstrip("/") + "/"))
+                try:
+                    hook(_key(prefix.rstrip("/") + "/"))
+                except Exception as exc:  # noqa: BLE001 - the user's rmtree goes on
+                    log.warning("checkrun: %s: before deleting it: %s", prefix, exc)
     return _RMTREE(path, *args, **kwargs)
 
 

@@ -121,8 +121,12 @@ def _flush_all() -> None:
 
 def install_sigterm(grace_seconds: float | None) -> None:
     """On SIGTERM, wait up to ``grace_seconds`` for pending saves, then run the previous handler
-    (the default one: the process ends, unless another handler installed since runs ours)."""
-    if grace_seconds is None or _sigterm["installed"]:
+    (the default one: the process ends, unless another handler installed since runs ours). Installed
+    again where the default handler replaced it: Lightning's fit puts back, at its end, the handler it
+    found at its start, which removed ours when the first save was inside a fit (later saves then had no
+    grace: found by an independent check). Another handler installed since is left alone: it may call ours."""
+    current = signal.getsignal(signal.SIGTERM)
+    if grace_seconds is None or current is _on_sigterm or (_sigterm["installed"] and current != signal.SIG_DFL):
         return
     if threading.current_thread() is not threading.main_thread():
         return

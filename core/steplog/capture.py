@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
-from ..codecs._common import CROWS_ABI, load_native
+from ..codecs._common import CROWS_ABI, load_native, tensor_digest
 from ..format.tree import flatten
 from .format import StepLogError
 
@@ -195,22 +196,28 @@ def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def fingerprint(optimizer: Any) -> tuple:
     """What tells that the optimizer's parameters or state changed: each tensor's identity, version
-    counter, storage and dtype (a step or ``load_state_dict`` moves a version, a replaced state tensor
-    its identity), and each parameter's values summed in float64: writes through ``.data``,
-    ``vector_to_parameters`` or ``model.half().float()`` move no version (found by an independent
-    check). One sum per parameter, read back once per device (at a log's close and a replay's end)."""
-    out, sums = [], {}
+    counter and dtype, and a digest of its bytes (``tensor_digest``): writes through ``.data``,
+    ``vector_to_parameters`` or ``model.half().float()`` move no version (found by independent checks,
+    also of the state's tensors), and a digest sees a permutation that a sum would not. Non-tensor state
+    values as they are (their repr); an uninitialized lazy parameter as such. Computed at a log's close and
+    a replay's end (one pass over the parameters and state)."""
+    out: list = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            out.append((id(p), p._version, p.data_ptr(), p.dtype))
-            plain = p.detach()
-            if type(plain) is torch.Tensor and plain.is_floating_point() and plain.numel() and not plain.is_meta:
-                sums.setdefault(p.device, []).append(torch.sum(plain, dtype=torch.float64))  # no DTensor collective
-            out.extend((id(t), t._version, t.data_ptr()) for t in optimizer.state.get(p, {}).values()
-                       if isinstance(t, torch.Tensor))
-    for device, values in sums.items():
-        out.append((str(device), tuple(torch.stack(values).tolist())))
+            out.append(_digest(p))
+            for k, v in optimizer.state.get(p, {}).items():
+                out.append((k, _digest(v) if isinstance(v, torch.Tensor) else repr(v)))
     return tuple(out)
+
+
+def _digest(t: torch.Tensor) -> tuple:
+    if is_lazy(t):
+        return (id(t), "lazy")
+    plain = t.detach()
+    # plain tensors only: a DTensor's digest would be of its shards, or a collective
+    digest = (tensor_digest(plain) if type(plain) is torch.Tensor and plain.layout == torch.strided
+              and not plain.is_meta else None)
+    return (id(t), t._version, t.dtype, digest)
 
 
 def group_scalars(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -26,9 +26,8 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import FormatError
-from ..saving import inflight
 from .. import forksafe
-from ..saving import lifecycle
+from ..saving import inflight, lifecycle
 from ..saving.lifecycle import lower_thread_priority
 from ..storage.store import Store
 from . import meta, rng
@@ -78,7 +77,7 @@ def _close_under(prefix: str) -> None:
     for lg in list(_ACTIVE.values()):
         if not lg._stop.is_set() and inflight._key(lg.store.url("").rstrip("/") + "/").startswith(prefix):
             log.info("checkrun: closing the step log of %s: its directory is being deleted", lg.store.url(""))
-            lg.close()
+            lg._close(check=False)  # its error stays for its owner's next close(); inflight logs one of closing
 
 
 inflight.before_rmtree(_close_under)
@@ -119,14 +118,12 @@ class StepLog:
         self.step = parent[2] if parent else 0  # optimizer steps logged
         self._pid = os.getpid()
         self._paused = self._flushing = False
-        self._unflushed = 0
+        self._unflushed = self._mark_seq = 0
         self._error: BaseException | None = None
         self._queue = _Inbox()
         self._stop = threading.Event()
         self._staging = Staging(max(1, config.step_log.queue_steps))
-        self._mark_seq = 0
-        self.bytes_logged = 0  # stored bytes of the segments committed so far
-        self.segments = 0
+        self.bytes_logged = self.segments = 0  # stored bytes and number of the segments committed so far
         info = RunInfo(self.run, time.time(), self.event, self.step,
                        None if parent is None else (parent[0], parent[1]), meta.class_name(optimizer),
                        meta.param_names(optimizer, model), meta.owner_record())
@@ -184,12 +181,18 @@ class StepLog:
             log.error("checkrun: closing the step log at exit: %s", exc)
 
     def close(self) -> None:
-        """Flush, stop logging and end the encoder thread. Idempotent."""
+        """Flush, stop logging and end the encoder thread. Idempotent; raises a background error not
+        raised yet (also one of a log that ``shutil.rmtree`` of its directory closed)."""
+        self._close(check=True)
+
+    def _close(self, check: bool) -> None:
         if self._stop.is_set() or os.getpid() != self._pid:
+            if check and os.getpid() == self._pid:
+                self._check()
             return
         try:
             if self._thread.is_alive():
-                self._flush(point=False)
+                self._flush(point=False, check=check)
         finally:
             self._stop.set()
             self._queue.put(("stop", None))
@@ -205,7 +208,8 @@ class StepLog:
             self._write_run(dataclasses.replace(self._info, closed=True, end=(self.event, self.segments)))
             ENDED.setdefault(self.optimizer, {})[self.store.url("")] = ((self.run, self.event, self.step),
                                                                         fingerprint(self.optimizer))
-        self._check()
+        if check:
+            self._check()
 
     @property
     def closed(self) -> bool:
@@ -283,8 +287,7 @@ class StepLog:
                                "computes them. Call the closure yourself, then optimizer.step() without it")
         self._write_due()
         self._drop_held()
-        if self._unflushed >= self.config.step_log.flush_every_steps:
-            # flushed at the start of the next step, so the scheduler step after the last one is in
+        if self._unflushed >= self.config.step_log.flush_every_steps:  # at the next step's start:
             self._state_event()  # the scheduler's step after the last logged step goes with it
             self._queue.put(("flush", None))
             self._unflushed = 0
@@ -357,8 +360,7 @@ class StepLog:
         goes on while a segment is written (one segment in flight: ``_writes`` holds one)."""
         lower_thread_priority(self.config.saving.thread_nice)  # as the saves' threads: training first
         writes: queue.Queue = queue.Queue(maxsize=1)
-        writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer",
-                                  daemon=True)
+        writer = threading.Thread(target=self._write_loop, args=(writes,), name="checkrun-steplog-writer", daemon=True)
         writer.stop = self.close  # type: ignore[attr-defined]  # ends both threads, as the encoder's
         with forksafe.churn():  # a background thread starting one: a fork waits (core/forksafe.py)
             writer.start()

@@ -220,6 +220,39 @@ def test_100k_small_tensors_fail_at_once_with_the_default_config(tmp_path):
     assert not _blob_files(root)
 
 
+def test_tensors_past_what_any_manifest_holds_are_told_to_group_not_to_raise_the_limit(tmp_path):
+    """The early refusal suggested raising load.max_manifest_elements for 200k tensors, whose manifest
+    (~79 MB) no setting admits: following it cost ~108 s of writes before the same refusal (found by an
+    independent check). It says to group the tensors instead."""
+    root = tmp_path / "run"
+    state = {f"t{i}": torch.zeros(1) for i in range(200_000)}
+    with pytest.raises(FormatError, match="200000 tensors") as info:
+        ckpt_core.save(state, root / "x.ckpt")
+    assert "group small tensors" in str(info.value) and "to about" not in str(info.value)
+    assert not _blob_files(root)
+
+
+def test_an_expanded_tensor_is_refused_before_its_values_take_memory(tmp_path):
+    """``torch.zeros(1).expand(2**31)`` (4 bytes of memory) was staged at its 8 GiB of values: a bare
+    allocator error naming no key, or on a larger machine a 1 GiB stored tensor for 4 bytes (found by an
+    independent check). A small one is stored as its values, as before; the last checkpoint is kept."""
+    path = tmp_path / "x.ckpt"
+    with CheckpointEngine(_config()) as engine:
+        engine.save({"small": torch.arange(4.0).reshape(1, 4).expand(3, 4)}, path).result()
+        with pytest.raises(FormatError, match=r"big: cannot save an expanded tensor .* 8589934592 bytes"):
+            engine.save({"big": torch.zeros(1).expand(2**31)}, path)
+        assert torch.equal(engine.load(path)["small"], torch.arange(4.0).repeat(3, 1))
+
+
+def test_a_value_that_cannot_be_pickled_names_its_key(tmp_path):
+    """torch.save's own error (its type kept) with a note naming the value's place in the state."""
+    import threading
+
+    with pytest.raises(TypeError, match="cannot pickle") as info:
+        ckpt_core.save({"w": torch.ones(2), "sub": {"lock": threading.Lock()}}, tmp_path / "x.ckpt")
+    assert any("'sub.lock'" in note for note in info.value.__notes__), info.value.__notes__
+
+
 def test_the_exact_check_after_the_blobs_names_tensors(tmp_path):
     """Between the early lower bound (44 a tensor) and the real count (~60 a tensor by default)."""
     path = tmp_path / "x.ckpt"

@@ -119,12 +119,15 @@ def test_a_replay_commits_what_another_open_log_of_the_process_holds_first(tmp_p
         first.close()
 
 
-@pytest.mark.parametrize("change", ["data_copy", "vector_to_parameters", "half_then_float"])
+@pytest.mark.parametrize("change", ["data_copy", "vector_to_parameters", "half_then_float", "state_data",
+                                    "permute"])
 def test_writes_that_move_no_version_counter_still_start_a_chain_of_their_own(tmp_path, change):
     """The optimizer's fingerprint compared version counters only: writes through ``.data``,
     ``vector_to_parameters`` (``set_data``) or ``model.half().float()`` (which rounds) move none, so the
     reopened log continued the chain and a replay through it reached a state no run held (found by an
-    independent check). The values' float64 sums are compared too."""
+    independent check). The values' float64 sums were compared then; they missed the optimizer state's
+    tensors written through ``.data`` and permutations (found by the next check): digests of the
+    parameters' and the state's bytes are compared now."""
     d = str(tmp_path / "run")
     net, opt, sched = model = make(KIND)
     with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
@@ -136,9 +139,15 @@ def test_writes_that_move_no_version_counter_still_start_a_chain_of_their_own(tm
             elif change == "vector_to_parameters":
                 vec = torch.nn.utils.parameters_to_vector(net.parameters())
                 torch.nn.utils.vector_to_parameters(vec * 1.5, net.parameters())
-            else:
+            elif change == "half_then_float":
                 net.half()
                 net.float()
+            elif change == "state_data":  # "reset the moments": the state's tensors, not the parameters
+                for st in opt.state.values():
+                    st["exp_avg"].data.zero_()
+            else:  # a permutation keeps every sum
+                for p in net.parameters():
+                    p.data.copy_(p.data.flip(0))
         _log(engine, d, model, range(7, 10))
     n, got = _replayed(d, f"{d}/step3.ckpt")
     assert n == 3
@@ -184,5 +193,42 @@ def test_a_replay_leaves_the_other_logs_write_error_to_its_owner(tmp_path):
             train_step(net, opt, sched, step)
         with pytest.warns(RuntimeWarning, match="another step log"):
             _replayed(d, f"{d}/step0.ckpt")
+        with pytest.raises(StepLogError, match="No space left"):
+            log.close()
+
+
+def test_closing_a_log_of_lazy_parameters_not_initialized_yet(tmp_path):
+    """close() computed the fingerprint from ``data_ptr()``, which an uninitialized lazy parameter refuses:
+    a script that stopped before its first forward pass failed in close() (found by an independent check)."""
+    net = torch.nn.LazyLinear(3)
+    opt = torch.optim.Adam(net.parameters())
+    with CheckpointEngine() as engine:
+        log = engine.step_log(str(tmp_path / "run"), opt)
+        log.close()
+        net(torch.randn(2, 4))  # initialized now: a new log starts a chain of its own
+        engine.step_log(str(tmp_path / "run"), opt).close()
+
+
+def test_rmtree_of_a_directory_whose_log_failed_deletes_it_and_leaves_the_error_to_the_owner(tmp_path):
+    """``shutil.rmtree`` closes the logs open under the deleted directory: a log with a write error raised
+    it from rmtree, which deleted nothing (a TemporaryDirectory's cleanup failed), and its owner's close()
+    then returned cleanly (found by an independent check)."""
+    import shutil
+
+    from ckpt_core.steplog import StepLogError
+
+    d = tmp_path / "run"
+    net, opt, sched = make(KIND)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        log = engine.step_log(str(d), opt, sched)
+        for step in range(1, 6):
+            train_step(net, opt, sched, step)
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+
+        log._segs.write_manifest = full  # the last segment: written when rmtree closes the log
+        shutil.rmtree(d)
+        assert not d.exists() and log.closed
         with pytest.raises(StepLogError, match="No space left"):
             log.close()

@@ -893,3 +893,22 @@ def test_a_dropped_accelerators_checkpoints_commit_with_its_total_limit(tmp_path
     assert _names(str(tmp_path / "proj" / "checkpoints")) == ["checkpoint_2"]
     assert sorted(p.name for p in (tmp_path / "proj" / "checkpoints").iterdir() if not p.name.startswith(".")) \
         == ["checkpoint_2"]
+
+
+def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, make_setup) -> None:
+    """A script that ends training, then loads its last checkpoint to evaluate (and saves again): accelerate's
+    own methods work after ``end_training()`` in one process; with checkrun they were given back by the close,
+    and failed on the project's checkrun folders (``IndexError``, found by an independent check). A later
+    call reopens checkrun with the same settings."""
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    AcceleratorCheckpointer(acc, {"retention": {"keep_last": 3}}).attach()
+    _train(acc, model, opt, sched, counter, 2)
+    acc.save_state()
+    want = _snapshot(acc, model, opt, sched, counter)
+    acc.end_training()
+    _train(acc, model, opt, sched, counter, 2)
+    assert acc.load_state().rstrip("/").endswith("checkpoint_0")
+    assert_same(_snapshot(acc, model, opt, sched, counter), want)
+    acc.save_state()
+    acc.end_training()
+    assert _names(str(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]

@@ -11,6 +11,7 @@ import errno
 import io
 import os
 import re
+import signal
 import threading
 from typing import Any, Callable
 
@@ -452,6 +453,43 @@ def test_hydra_example_refuses_to_start_over_silently(monkeypatch, tmp_path) -> 
     script = os.path.join(EXAMPLES, "hydra_train", "train.py")
     with pytest.raises(SystemExit, match="no last checkpoint"):
         run_script(monkeypatch, script, "resume=last", "hydra/job_logging=none", "hydra/hydra_logging=none")
+
+
+_SIGTERM_AFTER_FIT = """
+import os, signal, sys, threading, torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+import ckpt_core
+from ckpt_core.testing.faults import FaultFS as FaultyFS
+from lightning_ckpt import CheckrunCheckpointIO
+
+d = sys.argv[1]
+Trainer(max_epochs=1, default_root_dir=d, plugins=[CheckrunCheckpointIO()], logger=False, enable_progress_bar=False,
+        enable_model_summary=False).fit(BoringModel())  # its ModelCheckpoint's save (inside fit) installs the handler
+engine = ckpt_core.CheckpointEngine({"saving": {"sigterm_grace_seconds": 60}})
+FaultyFS.gate = threading.Event()
+engine.save({"w": torch.arange(10)}, "gatefile://" + d + "/after_fit.ckpt")  # returned: the writes wait at the gate
+FaultyFS.entered.acquire()
+threading.Timer(0, FaultyFS.gate.set).start()
+os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice
+print("not reached", flush=True)
+"""
+
+
+def test_sigterm_after_a_fit_still_waits_for_the_saves_in_flight(tmp_path) -> None:
+    """checkrun's SIGTERM handler (wait up to ``saving.sigterm_grace_seconds`` for pending saves) was
+    installed once, at the first asynchronous save: inside a fit, whose end puts back the handler Lightning
+    found at its start (the default), so every later save was lost to a SIGTERM (found by an independent
+    check). It is installed again where the default handler replaced it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sigterm_after_fit.py"
+    script.write_text(_SIGTERM_AFTER_FIT)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == -signal.SIGTERM, p.stderr[-3000:]
+    assert "not reached" not in p.stdout
+    assert torch.equal(ckpt_core.load(tmp_path / "after_fit.ckpt")["w"], torch.arange(10))
 
 
 _PREEMPTED = """
