@@ -18,8 +18,7 @@ import weakref
 from typing import Any, Callable
 
 from .saving import inflight, lifecycle
-from .saving.capture import new_stamp, take_snapshot
-from .saving.fence import CommitStamp
+from .saving.capture import CommitStamp, new_stamp, take_snapshot
 from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
@@ -70,8 +69,8 @@ class CheckpointEngine:
              stamp: CommitStamp | None = None) -> SaveHandle:
         """Snapshot ``state`` and write it to ``path`` in the background; returns at once after the copy.
 
-        Raises a pending background error from an earlier save first (once). With
-        ``saving.asynchronous = False`` the save is committed before this returns. ``stamp``: the
+        Raises the error of an earlier failed save (once; also one that failed while this one waited for
+        its slot). ``saving.asynchronous = False``: committed before this returns. ``stamp``: the
         commit stamp ordering saves of one name (``saving.fence``; default: taken now); an adapter
         that commits later what its caller asked for earlier passes ``new_stamp()`` of that moment."""
         self._check_open()
@@ -88,6 +87,7 @@ class CheckpointEngine:
         if slot:
             self._coord.acquire_slot()
             try:
+                self._raise_pending_error()  # a save it waited for failed meanwhile: raised now, not a save later
                 self._adopt_rebuilds(dirstate)
                 if dirstate.streams and dirstate.last is not None:  # row streams own one buffer each:
                     dirstate.last.wait()  # the previous save to the directory must be done first

@@ -121,6 +121,30 @@ def test_background_error_surfaces_once_with_cause(tmp_path):
     engine.close()
 
 
+def test_a_save_that_fails_while_the_next_waits_for_its_slot_is_raised_by_that_next_save(tmp_path):
+    """The error check ran before the wait for a slot: a save that failed during that wait was raised one
+    save later (a Fabric user's second save returned as if all was well; found by an independent check)."""
+    root = f"gatefile://{tmp_path}"
+    FaultyFS.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+    FaultyFS.gate = threading.Event()
+    engine = CheckpointEngine()  # saving.max_pending 1: the second save waits for the first
+    engine.save({"w": torch.randn(10, 10)}, f"{root}/a.ckpt")
+    FaultyFS.entered.acquire()  # the first save's write waits at the gate: no error yet
+    acquire = engine._coord.acquire_slot
+
+    def acquire_after_the_gate_opens():
+        FaultyFS.gate.set()  # the first save fails while the second waits for its slot
+        acquire()
+
+    engine._coord.acquire_slot = acquire_after_the_gate_opens
+    with pytest.raises(BackgroundSaveError, match="No space left"):
+        engine.save({"w": torch.randn(10, 10)}, f"{root}/b.ckpt")
+    FaultyFS.fail_writes = None
+    engine.save({"w": torch.ones(2)}, f"{root}/c.ckpt")
+    engine.close()
+    assert torch.equal(ckpt_core_load(tmp_path / "c.ckpt")["w"], torch.ones(2))
+
+
 def test_error_at_wait_and_close_not_masking_user_exception(tmp_path):
     root = f"gatefile://{tmp_path}"
     FaultyFS.fail_writes = OSError(errno.EIO, "injected I/O error")
