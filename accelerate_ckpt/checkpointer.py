@@ -22,6 +22,7 @@ from typing import Any
 
 import ckpt_core
 import torch
+import torch.distributed as dist
 from ckpt_core import BackgroundSaveError, CheckpointEngine, CheckpointNotFoundError, CheckrunError, EngineConfig
 from ckpt_core.format import composite
 from ckpt_core.saving import inflight, lifecycle
@@ -30,7 +31,7 @@ from ckpt_core.saving.fence import CommitStamp, new_stamp
 from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 
 from . import layout, resolve as paths, state
-from .config import AdapterOptions, as_plain, resolve
+from .config import AdapterOptions, resolve
 from .layout import Target
 from .steplog import TREE_KEY, AccelerateStepLog
 
@@ -114,6 +115,15 @@ class AcceleratorCheckpointer:
         self._steplog: AccelerateStepLog | None = None
         if self.unsupported:
             return
+        self._start(accelerator)
+        lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
+        # an Accelerator dropped without end_training() (a trial function that returns, a notebook cell
+        # run again): its pending checkpoints commit and the engines' threads and memory go
+        weakref.finalize(accelerator, _closer, self, os.getpid()).atexit = False  # at exit: the exit hook above
+
+    def _start(self, accelerator: Any) -> None:
+        """The engines, the group committer and the step log's engine (at ``__init__``; again when a
+        ``save_state`` / ``load_state`` after ``end_training()`` reopens this checkpointer)."""
         # The engine's own retention would count parts and indexes alike: whole checkpoints are
         # retained by the committer instead (ckpt_core.retain.composites).
         engine_cfg = self.config.replace(**{"retention.keep_last": None})
@@ -128,14 +138,12 @@ class AcceleratorCheckpointer:
         self._committer = None
         if self.rank == 0:  # rank 0 commits the indexes with a synchronous engine of its own
             index_cfg = engine_cfg.replace(**{"saving.asynchronous": False, "saving.sigterm_grace_seconds": None})
-            self._committer = CompositeCommitter(CheckpointEngine(index_cfg), engine_cfg, storage_options,
+            self._committer = CompositeCommitter(CheckpointEngine(index_cfg), engine_cfg, self.storage_options,
                                                  self._keep_last, self._protected)
-        if self.config.step_log.enabled:  # docs/accelerate.md "Per-step recovery"
-            self._steplog = AccelerateStepLog(accelerator, self._engine, self.rank, storage_options)
-        lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
-        # an Accelerator dropped without end_training() (a trial function that returns, a notebook cell
-        # run again): its pending checkpoints commit and the engines' threads and memory go
-        weakref.finalize(accelerator, _closer, self, os.getpid()).atexit = False  # at exit: the exit hook above
+        if self._steplog is not None:  # reopened: the same log state (its step count), the new engine
+            self._steplog.engine = self._engine
+        elif self.config.step_log.enabled:  # docs/accelerate.md "Per-step recovery"
+            self._steplog = AccelerateStepLog(accelerator, self._engine, self.rank, self.storage_options)
 
     @property
     def accelerator(self) -> Any:
@@ -427,11 +435,21 @@ class AcceleratorCheckpointer:
                     setattr(acc, name, _Routed(functools.partial(self._reopen, name), acc, name))
 
     def _reopen(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """A ``save_state`` / ``load_state`` after ``end_training()``: a new checkpointer of the same settings,
-        attached. Before 2026-12-06 the Accelerator's own methods were back, and they failed on the project's
-        checkrun folders (``IndexError`` listing ``checkpoints/.checkrun``; found by an independent check)."""
+        """A ``save_state`` / ``load_state`` after ``end_training()``: this checkpointer starts again (what it
+        knew stays: the folder to resume from, the step log's step count, ``history``) and is attached.
+        Before 2026-12-06 the Accelerator's own methods were back, and they failed on the project's checkrun
+        folders (``IndexError`` listing ``checkpoints/.checkrun``; found by an independent check)."""
         acc = self.accelerator
-        AcceleratorCheckpointer(acc, as_plain(self.config, self.options), storage_options=self.storage_options).attach()
+        if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise CheckrunError(f"accelerate_ckpt: {name}() after end_training() with {self.world} processes: "
+                                "accelerate's end_training() destroyed the process group the ranks save with")
+        with self._close_lock:
+            if self._closed:
+                self._start(acc)
+                self._closed = False
+        for n in ("save_state", "load_state"):
+            acc.__dict__.pop(n, None)  # the Accelerator's own methods are what a later detach() gives back
+        self.attach()
         return getattr(acc, name)(*args, **kwargs)
 
     # -- internals ---------------------------------------------------------------------------------

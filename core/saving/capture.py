@@ -176,7 +176,9 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 #: Fewest JSON elements one stored tensor adds to a manifest: its record with one chunk and its
 #: skeleton leaf (measured: 44 without compression or packs, 57-60 by default); a pickled value: 12.
 MIN_TENSOR_ELEMENTS, MIN_OBJECT_ELEMENTS = 44, 12
-#: A small tensor's manifest bytes with the default compression (measured: 370-394 with short keys).
+#: A small tensor's manifest bytes with the default compression (measured: 370-394 with short keys): a
+#: state whose tensors need more than ``MAX_MANIFEST_BYTES`` at this rate is refused by ``save()`` itself
+#: (an estimate: ~180k tensors; with compression off or very short keys a record can take ~270 bytes).
 TYPICAL_TENSOR_BYTES = 370
 
 
@@ -186,17 +188,17 @@ def check_manifest_room(tensors: int, objects: int, config: EngineConfig) -> Non
     fails in ``save()`` instead of after writing every blob (``commit`` checks the exact manifest)."""
     least = MIN_TENSOR_ELEMENTS * tensors + MIN_OBJECT_ELEMENTS * objects
     limit = config.load.max_manifest_elements
+    if TYPICAL_TENSOR_BYTES * tensors > MAX_MANIFEST_BYTES:  # whatever the limit: no setting raises the bytes
+        raise FormatError(f"cannot save state: its {tensors} tensors need a manifest of about "
+                          f"{TYPICAL_TENSOR_BYTES * tensors >> 20} MiB (~{TYPICAL_TENSOR_BYTES} bytes a tensor), more "
+                          f"than a manifest may hold ({MAX_MANIFEST_BYTES >> 20} MiB, whatever load.max_manifest_elements "
+                          "says): group small tensors into fewer, larger ones")
     if least > limit:
         enough = -(-(64 * tensors + 16 * objects) // 1_000_000) * 1_000_000  # the default's ~60 a tensor, rounded up
-        if TYPICAL_TENSOR_BYTES * tensors > MAX_MANIFEST_BYTES:  # raising the limit would not do
-            fix = (f"a manifest is at most {MAX_MANIFEST_BYTES >> 20} MiB, ~{TYPICAL_TENSOR_BYTES} bytes a tensor, "
-                   "whatever load.max_manifest_elements says: group small tensors into fewer, larger ones")
-        else:
-            fix = (f"set load.max_manifest_elements to about {enough} where you save and where you load, or group "
-                   "small tensors into fewer, larger ones")
         raise FormatError(f"cannot save state: its {tensors} tensors and {objects} pickled values need a manifest "
                           f"of at least {least} JSON elements, more than a load accepts (load.max_manifest_elements: "
-                          f"{limit}); {fix}")
+                          f"{limit}); set load.max_manifest_elements to about {enough} where you save and where you "
+                          "load, or group small tensors into fewer, larger ones")
 
 
 def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str, torch.Tensor]]]:

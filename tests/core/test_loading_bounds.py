@@ -226,10 +226,11 @@ def test_tensors_past_what_any_manifest_holds_are_told_to_group_not_to_raise_the
     independent check). It says to group the tensors instead."""
     root = tmp_path / "run"
     state = {f"t{i}": torch.zeros(1) for i in range(200_000)}
-    with pytest.raises(FormatError, match="200000 tensors") as info:
-        ckpt_core.save(state, root / "x.ckpt")
-    assert "group small tensors" in str(info.value) and "to about" not in str(info.value)
-    assert not _blob_files(root)
+    for config in (None, _config(max_manifest_elements=20_000_000)):  # also where the element limit was raised
+        with pytest.raises(FormatError, match="200000 tensors need a manifest of about") as info:
+            ckpt_core.save(state, root / "x.ckpt", config=config)
+        assert "group small tensors" in str(info.value) and "to about" not in str(info.value)
+        assert not _blob_files(root)
 
 
 def test_an_expanded_tensor_is_refused_before_its_values_take_memory(tmp_path):

@@ -899,9 +899,10 @@ def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, 
     """A script that ends training, then loads its last checkpoint to evaluate (and saves again): accelerate's
     own methods work after ``end_training()`` in one process; with checkrun they were given back by the close,
     and failed on the project's checkrun folders (``IndexError``, found by an independent check). A later
-    call reopens checkrun with the same settings."""
+    call reopens the same checkpointer, with what it knew (the step log's step count, ``history``: a new
+    checkpointer in its place recorded 0 steps and lost them, found by the next check)."""
     acc, model, opt, sched, counter = make_setup(tmp_path)
-    AcceleratorCheckpointer(acc, {"retention": {"keep_last": 3}}).attach()
+    ckpt = AcceleratorCheckpointer(acc, {"retention": {"keep_last": 3}, "step_log": {"enabled": True}}).attach()
     _train(acc, model, opt, sched, counter, 2)
     acc.save_state()
     want = _snapshot(acc, model, opt, sched, counter)
@@ -909,6 +910,23 @@ def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, 
     _train(acc, model, opt, sched, counter, 2)
     assert acc.load_state().rstrip("/").endswith("checkpoint_0")
     assert_same(_snapshot(acc, model, opt, sched, counter), want)
+    _train(acc, model, opt, sched, counter, 1)
     acc.save_state()
     acc.end_training()
+    assert ckpt.attached is False and len(ckpt.history) == 2 and ckpt.optimizer_steps == 3
     assert _names(str(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
+    again, model2, opt2, sched2, counter2 = make_setup(tmp_path)
+    resumed = AcceleratorCheckpointer(again, {"step_log": {"enabled": True}}).attach()
+    assert again.load_state().rstrip("/").endswith("checkpoint_1") and resumed.optimizer_steps == 3
+    resumed.close()
+
+
+def test_load_state_after_end_training_finds_the_folder_saved_into(tmp_path: Path, make_setup) -> None:
+    """Without automatic naming, ``load_state()`` resumes from the folder last passed to ``save_state``: a
+    checkpointer reopened after ``end_training()`` had forgotten it (found by an independent check)."""
+    acc, model, opt, sched, counter = make_setup()
+    AcceleratorCheckpointer(acc).attach()
+    folder = str(acc.save_state(str(tmp_path / "out")))
+    acc.end_training()
+    assert acc.load_state() == folder
+    acc.end_training()
