@@ -258,6 +258,8 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
         result["ends_early"].append({"segment": None, "stops_at_step": step, "error": gap, "needed_by": needed_by})
         result["problems"].append(f"{segs.url('')}: {gap}: the log ends early here: replay from "
                                   f"{', '.join(needed_by)} stops at step {step}")
+    if (note := index.orphan_note(segs.url(""))) is not None:
+        result["problems"].append(note.removeprefix("checkrun: "))
     result["markers"], result["runs"] = len(index.markers), len(index.runs)
     result["ok"] = not result["problems"]
     return result

@@ -311,6 +311,9 @@ def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_loca
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) cannot be unpickled: "
                                      f"{exc}") from exc
     except RuntimeError as exc:
+        if callable(map_location) and "Callable map_location not supported" in str(exc):
+            # torch rebuilds tensor subclasses (wrapper subclasses, DTensor) only with a device or None
+            return _load(data, key, type_name, weights_only=weights_only, map_location=None)
         if weights_only and "weights_only" in str(exc).replace(" ", "_").lower():
             raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "

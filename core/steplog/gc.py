@@ -46,7 +46,10 @@ def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry
     finished = {run for run, info in index.runs.items() if info.closed or owner_gone(info.owner)}
     live = _live_markers(index, list(checkpoints()), finished)
     floors = {run: _floor(index, run, live) for run in set(index.segments) | set(index.runs)}
-    victims = [s.name for run, segments in index.segments.items()
+    lost = index.orphans()  # not provably garbage: kept (and named)
+    if lost:
+        log.warning(index.orphan_note(segs.url("")))
+    victims = [s.name for run, segments in index.segments.items() if run not in lost
                for s in segments if s.hi <= floors[run]]
     victims += [m.name for m in index.markers if m.name not in live]
     left = {s.run for run, segments in index.segments.items() for s in segments if s.hi > floors[run]}

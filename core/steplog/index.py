@@ -26,6 +26,22 @@ class LogIndex:
         out = [r for r in self.runs.values() if r.parent is not None and r.parent[0] == run and r.parent[1] >= after]
         return sorted(out, key=lambda r: r.created, reverse=True)
 
+    def orphans(self) -> dict[str, list[SegName]]:
+        """Per run, segments whose run object is missing: deleted or lost (a writer writes it before its
+        segments, and gc deletes it after them), so no replay can place them on a chain."""
+        return {run: segs for run, segs in self.segments.items() if run not in self.runs}
+
+    def orphan_note(self, url: str) -> str | None:
+        """A warning naming the orphaned runs of the step log at ``url`` (``orphans``), or None."""
+        lost = self.orphans()
+        if not lost:
+            return None
+        runs = "; ".join(f"run {run}: {len(segs)} segment(s), events {segs[0].lo}-{segs[-1].hi}"
+                         for run, segs in sorted(lost.items()))
+        return (f"checkrun: step log {url}: segments without their run object (deleted or lost), which no replay "
+                f"can place on a chain: {runs}; their steps are not replayed, so a replay may end before the "
+                "newest logged step, and gc keeps them")
+
     def cycle(self, run: str, event: int) -> str | None:
         """The run whose parent closes a cycle on the chain continuing ``run`` after ``event`` (each
         run continues an older one; a cycle is a damaged or forged run object), or None."""

@@ -29,6 +29,7 @@ from ..errors import FormatError
 from .. import forksafe
 from ..saving import inflight, lifecycle
 from ..saving.lifecycle import lower_thread_priority
+from ..storage.paths import STEPLOG_DIR
 from ..storage.store import Store
 from . import meta, rng
 from .batch import _Batch
@@ -37,7 +38,6 @@ from .encode import RAW_PIPELINE, StepEncoder
 from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
 
 log = logging.getLogger("ckpt_core")
-STEPLOG_DIR = ".checkrun/steplog"
 _ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
 # torch's wrapper that runs the step hooks around a class's step(): a subclass whose step() calls
 # super().step() runs the hooks once per class, nested (found by checking a step that raises)

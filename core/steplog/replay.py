@@ -4,10 +4,9 @@ Training thread. The caller has loaded the checkpoint into model, optimizer and 
 chain starts at the checkpoint's marker (its run and event), follows that run's segments and, where a
 later run continues it (a resume that replayed and logged on), switches to the newest such run at its
 branch point. A damaged segment (checksum, truncation) or a missing one ends the replay with a
-warning naming it; a segment whose checksums hold but whose content is invalid raises
-``StepLogFormatError`` naming it. A ``GradScaler`` passed in takes each logged scaler state in turn,
-so it ends in the state logged last (steps it skipped for inf/nan are not logged: they changed only
-its scale, which the next state holds).
+warning naming it (segments whose run object is missing are named too); one whose checksums hold but
+whose content is invalid raises ``StepLogFormatError`` naming it. A ``GradScaler`` takes each logged
+scaler state in turn (steps it skipped for inf/nan are not logged: only its scale changed).
 """
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class Position:
     counters: dict | None = None
     """The logged counters of the last state record applied (``step_log(counters=)``), if any."""
     buffers_set: bool = False
-    """Whether the last replayed step set its logged forward-pass state into the model (each step
-    logs all of it: then the model's running statistics are those of the last step)."""
+    """Whether the last replayed step set its logged forward-pass state (all of it) into the model."""
     buffers_left: int = 0
     """Replayed steps whose logged forward-pass state was not set (replay without ``model``)."""
     rng: Any = None
@@ -81,6 +79,9 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
         raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
                                  "(each run continues an older one): a damaged or forged run object")
     _warn_superseded(segs, index, start)
+    if (note := index.orphan_note(segs.url(""))) is not None:
+        log.warning(note)
+        warnings.warn(note, UserWarning, stacklevel=3)
     pos = Position(start.run, start.event, start.step)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
@@ -103,9 +104,8 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
 
 
 def _warn_superseded(segs: Store, index: LogIndex, start: Marker) -> None:
-    """Warn of a run that resumed from an earlier point of ``start``'s run than ``start``'s checkpoint:
-    the trainer that saved it was superseded by a restart (paused, then woken: it committed the checkpoint
-    late, or took it after the restart began); the newer run's steps are not on this path (docs/steplog.md)."""
+    """Warn of a run that resumed from an earlier point of ``start``'s run than ``start``'s checkpoint: its
+    trainer was superseded by a restart (paused, then woken); the newer run's steps are not on this path."""
     newer = [r for r in index.runs.values() if r.parent is not None and r.parent[0] == start.run
              and r.parent[1] < start.event]
     if newer:

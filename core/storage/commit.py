@@ -26,7 +26,7 @@ import fsspec
 
 from ..config import StorageConfig
 from . import atomic
-from .paths import BLOB_DIR, LEASE_DIR, FileInfo, find_shards, is_local_fs, is_s3_fs, is_temp_name, join, mtime
+from .paths import BLOB_DIR, LEASE_DIR, STEPLOG_DIR, FileInfo, find_shards, is_local_fs, is_s3_fs, is_temp_name, join, mtime
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
 # s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
@@ -60,7 +60,7 @@ class CommitStrategy:
         """Make the writes deferred by ``defer_dir_sync`` durable (no-op where nothing is deferred)."""
 
     def scan_temp_files(self, root: str) -> list[FileInfo]:
-        """Temp files interrupted writes left in ``root``, its blob store and lease directory."""
+        """Temp files interrupted writes left in ``root``, its blob store, lease and step-log directories."""
         return []
 
     def _apply(self, path: str, data: bytes | memoryview, resolve: bool, step: Callable[[], Any]) -> None:
@@ -128,8 +128,9 @@ class RenameCommit(CommitStrategy):
     def scan_temp_files(self, root: str) -> list[FileInfo]:
         root = root.rstrip("/")
         out = []
-        for base, finder in ((root, lambda d: self.fs.ls(d, detail=True)), (join(root, BLOB_DIR), lambda d: find_shards(self.fs, d)),
-                             (join(root, LEASE_DIR), lambda d: self.fs.ls(d, detail=True))):
+        listing = lambda d: self.fs.ls(d, detail=True)  # noqa: E731
+        for base, finder in ((root, listing), (join(root, BLOB_DIR), lambda d: find_shards(self.fs, d)),
+                             (join(root, LEASE_DIR), listing), (join(root, STEPLOG_DIR), listing)):
             self.fs.invalidate_cache(base)
             try:
                 found = finder(base)

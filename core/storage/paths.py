@@ -27,6 +27,8 @@ META_DIR = ".checkrun"
 BLOB_DIR = ".checkrun/blobs"
 LEASE_DIR = ".checkrun/leases"
 """Where ``leases`` keeps its objects (its temp files are listed here with the others)."""
+STEPLOG_DIR = ".checkrun/steplog"
+"""Where a directory's step log keeps its segments, markers and run objects (``steplog.log``)."""
 TMP_MARK = ".tmp-"
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
 _IN_PROCESS_PROTOCOLS = frozenset({"memory"})

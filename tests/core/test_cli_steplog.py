@@ -13,7 +13,7 @@ import torch
 
 from ckpt_core import CheckpointEngine
 from ckpt_core.cli import main
-from ckpt_core.steplog.format import SEG_RE, pack_segment, seg_name
+from ckpt_core.steplog.format import SEG_RE, RunInfo, pack_segment, run_name, run_to_bytes, seg_name
 
 STEPS, CKPT_AT, EVERY = 14, 4, 4
 
@@ -242,6 +242,7 @@ def test_verify_decodes_each_gradient(tmp_path, capsys):
                                                                   "shape": [100], "data": [0, 16, codecs]}]}]}
     seg = d / seg_name(run, 1, 0, 1)
     seg.write_bytes(pack_segment(header, [bytes(16)]))
+    (d / run_name(run)).write_bytes(run_to_bytes(RunInfo(run, 0.0, 0, 0, None)))  # its run object (else: orphaned)
     code, doc = _json(capsys, "verify", str(tmp_path))
     assert code == 1 and seg.name in doc["step_log"]["problems"][0] and "param 0" in doc["step_log"]["problems"][0]
     code, doc = _json(capsys, "verify", str(tmp_path), "--no-decode")

@@ -306,6 +306,31 @@ def test_a_lost_last_segment_of_a_closed_log_is_seen(logged, capsys):
     assert "are missing (its object says they were logged before it was closed)" in capsys.readouterr().out
 
 
+def test_segments_whose_run_object_is_lost_are_named_and_kept(logged, capsys):
+    """A run that resumed and logged on, whose run object was then lost: a replay ended at the older run's
+    end in silence, ``checkrun verify`` said the log was intact and gc deleted the run's segments (found by
+    an independent fault program). The replay warns naming them, verify reports them, gc keeps them."""
+    from ckpt_core.cli import main
+
+    steplog = os.path.join(logged, ".checkrun", "steplog")
+    n, (net, opt, sched) = _resume(logged)
+    with CheckpointEngine({"step_log": {"flush_every_steps": EVERY}}) as engine:
+        slog = engine.step_log(logged, opt, sched)  # continues the chain the replay ended on
+        for step in range(STEPS + 1, STEPS + 4):
+            train_step(net, opt, sched, step)
+        slog.close()
+    run = f"run-{slog.run}.json"
+    os.remove(os.path.join(steplog, run))
+    with pytest.warns(UserWarning, match=f"run {slog.run}: 1 segment.s., events .* not replayed"):
+        n, resumed = _resume(logged)
+    assert n == STEPS - CKPT_AT
+    assert main(["verify", logged, "--no-progress"]) == 1
+    assert f"run {slog.run}: 1 segment(s)" in capsys.readouterr().out
+    kept = sorted(f for f in os.listdir(steplog) if f.startswith(f"seg-{slog.run}"))
+    assert kept and main(["gc", logged, "--no-progress"]) == 0
+    assert sorted(f for f in os.listdir(steplog) if f.startswith(f"seg-{slog.run}")) == kept
+
+
 @pytest.mark.parametrize("end, message", [({"event": 1}, "field 'end' must be"), ({"event": 3, "seq": True}, "end.seq"),
                                           ({"event": "9", "seq": 1}, "end.event"), (None, "must be")])
 def test_hostile_end_of_a_run_object_is_refused(logged, end, message):

@@ -366,7 +366,10 @@ def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
     with CheckpointEngine(config()) as engine:
         engine.save(make_state(0), root / "good.ckpt").result()
         shard = next((root / ".checkrun" / "blobs").iterdir())
-        old = [shard / ".tmp-0123456789abcdef", root / ".good.ckpt.tmp-0123456789abcdef"]
+        steplog = root / ".checkrun" / "steplog"  # a step-log writer killed mid-write (found by a fault program)
+        steplog.mkdir()
+        old = [shard / ".tmp-0123456789abcdef", root / ".good.ckpt.tmp-0123456789abcdef",
+               steplog / ".seg-0123456789abcdef-00000001-000000000000-000000000003.bin.tmp-0123456789abcdef"]
         young = shard / ".tmp-fedcba9876543210"  # a write in progress (another process)
         theirs = root / ".notes.tmp-old"  # a user's file: not of checkrun's temp file pattern
         for p in old + [young, theirs]:
@@ -378,7 +381,7 @@ def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
         assert sorted(dry.temp_files) == sorted(str(p.relative_to(root)) for p in old)
         assert all(p.exists() for p in old)
         report = engine.gc(root, grace_seconds=3600)
-        assert len(report.temp_files) == 2 and not any(p.exists() for p in old) and young.exists()
+        assert len(report.temp_files) == 3 and not any(p.exists() for p in old) and young.exists()
         assert theirs.exists()
         assert report.deleted == []  # no blob of the intact checkpoint
         assert_same(engine.load(root / "good.ckpt"), make_state(0))
