@@ -94,15 +94,19 @@ def split_sections(data: dict) -> tuple[dict, dict | None]:
     section = data.get(SECTION) if SECTION in data else None
     if section is not None and not isinstance(section, dict):
         raise ConfigError(f"{SECTION}: expected a mapping, got {type(section).__name__}")
-    return rest, (section if SECTION in data else None)
+    return rest, ((section or {}) if SECTION in data else None)  # an empty section: the defaults
 
 
 def from_mapping(data: dict, origin: str = "config") -> tuple[EngineConfig, AdapterOptions]:
     """An ``EngineConfig`` mapping (optionally wrapped in ``checkpointing:``) -> settings."""
     if SECTION in data:
         data = data[SECTION] or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: {SECTION}: expected a mapping, got {type(data).__name__}")
     data = dict(data)
     adapter = data.pop(ADAPTER_KEY, None)
+    if adapter is not None and not isinstance(adapter, dict):
+        raise ConfigError(f"{origin}: {ADAPTER_KEY}: expected a mapping, got {type(adapter).__name__}")
     try:
         return EngineConfig.from_dict(data), AdapterOptions.from_dict(adapter)
     except ConfigError as exc:

@@ -88,6 +88,9 @@ def launch(argv: Sequence[str]) -> None:
         accel_path, section_path = prepare_config(config_file, workdir)
         if section_path is not None:
             args.config_file = accel_path
+            if previous:  # the file's section wins (it is what this launch names); say so
+                log.warning("accelerate-ckpt: the %s section of %s replaces $%s=%s for this launch", SECTION,
+                            config_file, CONFIG_ENV, previous)
             os.environ[CONFIG_ENV] = section_path
             log.info("accelerate-ckpt: %s section of %s -> $%s=%s", SECTION, config_file, CONFIG_ENV, section_path)
         launch_command(args)

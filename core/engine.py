@@ -386,7 +386,7 @@ class CheckpointEngine:
         inflight.wait_under(prefix.rstrip("/") + "/")
 
     def _raise_pending_error(self) -> None:
-        for handle in self._coord.take_failed():
+        while (handle := self._coord.take_failed()) is not None:
             err = handle.take_error()
             if err is None:
                 continue

@@ -44,7 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckpt_core import wait_for_save
 
-from .callbacks import in_flight
+from .callbacks import find_plugin, in_flight
 from .loading import is_checkrun_file, load_checkpoint_dict
 from .paths import normalize_path
 
@@ -90,6 +90,11 @@ def _wrap_file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
         if trainer.is_global_zero and in_flight(filepath, trainer):
             # Same collective as Lightning's own check: the other ranks reduce their (False) decision.
             return trainer.strategy.reduce_boolean_decision(True, all=False)
+        if trainer.is_global_zero and find_plugin(trainer) is not None:
+            # checkrun writes through a filesystem object of its own: s3fs answers Lightning's exists() from
+            # the listing it cached before those writes, and the "-vN" name was reused, overwriting a
+            # committed checkpoint (found by an independent check on S3)
+            self._fs.invalidate_cache(str(filepath))
         return original(self, filepath, trainer)
 
     return file_exists

@@ -53,6 +53,7 @@ def object_map_location(map_location: Any) -> Any:
     def restore(storage: Any, location: str) -> Any:
         return storage if restore_device(location) == "cpu" else None  # None: torch's default
 
+    restore.engine_default = True  # type: ignore[attr-defined]  # objects._load: the rule, not a caller's
     return restore
 
 

@@ -77,6 +77,12 @@ def read_index(segs: Store) -> LogIndex:
             data = _read(segs, name, MAX_RUN_BYTES)
             if data is not None:
                 index.runs[m.group(1)] = parse_run(data, segs.url(name), m.group(1))
+    if index.orphans():  # a concurrent gc deletes a run's segments, then its object: those gone are not orphans
+        now = {f.name for f in segs.list_files()}
+        for run in list(index.orphans()):
+            index.segments[run] = [s for s in index.segments[run] if s.name in now]
+            if not index.segments[run]:
+                del index.segments[run]
     return index
 
 

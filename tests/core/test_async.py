@@ -145,6 +145,26 @@ def test_a_save_that_fails_while_the_next_waits_for_its_slot_is_raised_by_that_n
     assert torch.equal(ckpt_core_load(tmp_path / "c.ckpt")["w"], torch.ones(2))
 
 
+def test_every_failed_save_is_raised_by_a_call_of_its_own(tmp_path):
+    """With ``saving.max_pending`` 3, three saves failed: the next call raised the first one's error and the
+    other two were dropped (logged only; found by an independent check). Each is raised once, in order."""
+    root = f"gatefile://{tmp_path}"
+    FaultyFS.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+    FaultyFS.gate = threading.Event()  # all three are submitted before any fails
+    engine = CheckpointEngine({"saving": {"max_pending": 3}})
+    handles = [engine.save({"w": torch.randn(10)}, f"{root}/s{i}.ckpt") for i in range(3)]
+    FaultyFS.gate.set()
+    for h in handles:
+        h.wait()
+    FaultyFS.fail_writes = None
+    for i in range(3):
+        with pytest.raises(BackgroundSaveError, match=f"s{i}.ckpt failed"):
+            engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")
+    engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")
+    engine.close()
+    assert torch.equal(ckpt_core_load(tmp_path / "ok.ckpt")["w"], torch.ones(2))
+
+
 def test_error_at_wait_and_close_not_masking_user_exception(tmp_path):
     root = f"gatefile://{tmp_path}"
     FaultyFS.fail_writes = OSError(errno.EIO, "injected I/O error")

@@ -178,3 +178,11 @@ def test_a_wrapper_tensor_subclass_loads_back_with_the_default_map_location(tmp_
     ckpt_core.save({"w": Wrapped(inner)}, tmp_path / "x.ckpt")
     got = ckpt_core.load(tmp_path / "x.ckpt", weights_only=False)["w"]
     assert type(got) is Wrapped and torch.equal(got.inner, inner)
+
+
+def test_a_callers_callable_map_location_is_not_dropped_for_a_tensor_subclass(tmp_path):
+    """torch refuses callables for these: the retry with torch's default placement dropped the caller's
+    callable in silence (found by an independent check). It is refused, naming the value."""
+    ckpt_core.save({"w": Wrapped(torch.randn(3))}, tmp_path / "x.ckpt")
+    with pytest.raises(ckpt_core.CorruptCheckpointError, match="'w'.*not a callable"):
+        ckpt_core.load(tmp_path / "x.ckpt", weights_only=False, map_location=lambda storage, loc: storage)

@@ -331,6 +331,32 @@ def test_segments_whose_run_object_is_lost_are_named_and_kept(logged, capsys):
     assert sorted(f for f in os.listdir(steplog) if f.startswith(f"seg-{slog.run}")) == kept
 
 
+def test_a_run_a_concurrent_gc_deletes_while_the_log_is_listed_is_no_orphan(logged, monkeypatch):
+    """gc deletes a run's segments, then its object: a listing straddling that (segments listed, the object
+    gone when runs are read) named the run's segments as orphaned (found by an independent check)."""
+    from ckpt_core.steplog.index import read_index
+    from ckpt_core.storage.store import Store
+
+    steplog = os.path.join(logged, ".checkrun", "steplog")
+    listing, calls = Store.list_files, []
+
+    def list_files(self):
+        out = listing(self)
+        if not calls:  # "another process" collects the run between the reader's listings
+            for name in os.listdir(steplog):
+                if name.startswith(("seg-", "run-")):
+                    os.remove(os.path.join(steplog, name))
+        calls.append(1)
+        return out
+
+    with CheckpointEngine() as engine:
+        store = engine._dir_store(logged, None)
+    monkeypatch.setattr(Store, "list_files", list_files)
+    from ckpt_core.steplog.log import log_store
+    index = read_index(log_store(store))
+    assert index.orphans() == {} and index.orphan_note("x") is None
+
+
 @pytest.mark.parametrize("end, message", [({"event": 1}, "field 'end' must be"), ({"event": 3, "seq": True}, "end.seq"),
                                           ({"event": "9", "seq": 1}, "end.event"), (None, "must be")])
 def test_hostile_end_of_a_run_object_is_refused(logged, end, message):

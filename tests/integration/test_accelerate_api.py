@@ -128,6 +128,11 @@ def test_launcher_splits_the_checkpointing_section(tmp_path: Path) -> None:
     plain = tmp_path / "plain.yaml"
     plain.write_text(yaml.safe_dump({"distributed_type": "NO"}))
     assert prepare_config(str(plain), str(work)) == (str(plain), None)
+    empty = tmp_path / "empty.yaml"  # a section whose lines are all commented out: the defaults, not accelerate's
+    empty.write_text("distributed_type: 'NO'\ncheckpointing:\n  # retention: {keep_last: 3}\n")
+    accel_path, section_path = prepare_config(str(empty), str(work))
+    assert section_path is not None and load_config_from_file(accel_path).distributed_type == "NO"
+    assert resolve(None, env={CONFIG_ENV: section_path})[0] == ckpt_core.EngineConfig()
     combined.write_text(yaml.safe_dump({"checkpointing": {"retention": {"keep_lst": 3}}}))
     with pytest.raises(ckpt_core.ConfigError, match="retention.keep_lst"):
         prepare_config(str(combined), str(work))
@@ -145,6 +150,14 @@ def test_config_precedence(tmp_path: Path) -> None:
         resolve({"accelerate": {"on_unsupported": "ignore"}})
     with pytest.raises(ckpt_core.ConfigError, match="unknown key"):
         resolve({"accelerate": {"dir": "x"}})
+    # a section or adapter block that is not a mapping: a ConfigError naming it (was a bare TypeError or
+    # ValueError naming neither; found by an independent check)
+    for bad, name in (({"checkpointing": 3}, "checkpointing"), ({"checkpointing": ["saving"]}, "checkpointing"),
+                      ({"accelerate": 5}, "accelerate"), ({"accelerate": ["directory"]}, "accelerate")):
+        with pytest.raises(ckpt_core.ConfigError, match=f"{name}: expected a mapping"):
+            resolve(bad)
+    with pytest.raises(ckpt_core.ConfigError, match=r"^dict argument|saving: expected a mapping, got int"):
+        resolve({"saving": 5})
 
 
 # -- attach / save / load ----------------------------------------------------------------------------

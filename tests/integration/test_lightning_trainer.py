@@ -111,6 +111,28 @@ def test_versioned_names_across_runs(lroot) -> None:
         assert plugin.load_checkpoint(join(ckpt_dir, name))["global_step"] == 4
 
 
+def test_versioned_names_in_one_fit_into_a_directory_listed_before(lroot) -> None:
+    """On S3 Lightning's ``exists`` answered from the listing s3fs cached when ModelCheckpoint first looked
+    at the (non-empty) directory; checkrun writes through a filesystem object of its own, so the stock
+    ModelCheckpoint reused "fixed.ckpt" and overwrote a committed checkpoint (found by an independent check;
+    stock TorchCheckpointIO writes through Lightning's object, whose cache follows)."""
+    import fsspec
+
+    root, opts = lroot
+    ckpt_dir = join(root, "ckpts")
+    fs, path = fsspec.core.url_to_fs(join(ckpt_dir, "README.txt"), **opts)
+    fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+    fs.pipe_file(path, b"a file of the user's, so the directory is listed (and cached) at setup")
+    plugin = make_io(storage_options=opts)
+    mc = ModelCheckpoint(dirpath=ckpt_dir, filename="fixed", every_n_train_steps=2, save_top_k=-1, monitor="step",
+                         mode="max")
+    trainer(root, plugin, callbacks=[mc], max_steps=6).fit(TinyModel())
+    assert ls(ckpt_dir) == [".checkrun", "README.txt", "fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]
+    steps = [plugin.load_checkpoint(join(ckpt_dir, n))["global_step"] for n in ("fixed.ckpt", "fixed-v1.ckpt",
+                                                                                 "fixed-v2.ckpt")]
+    assert steps == [2, 4, 6]
+
+
 def test_versioned_names_while_saves_are_in_flight(tmp_path) -> None:
     """Every save stays pending (storage gate closed) while ModelCheckpoint picks the next name:
     pending saves count as existing files, so names get -v1, -v2, ..., with Lightning's own

@@ -10,6 +10,8 @@ real s3fs client talking to moto's S3 server via a botocore ``before-send`` hand
 """
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import logging
 import os
@@ -111,6 +113,23 @@ def test_retry_policy_is_configurable(tmp_path, sleeps, caplog):
         assert not (tmp_path / "run" / "bad.ckpt").exists()
         assert_same(engine.load(f"{root}/good.ckpt"), make_state(0))
         assert engine._budget.in_use == 0
+
+
+def test_the_default_retry_budget_rides_out_a_few_seconds_of_outage(tmp_path, sleeps):
+    """The defaults gave up after 5 attempts, 0.75-1.5 s of backoff: a 5 s S3 outage during a save failed it,
+    and the next save stopped the fit, where stock Lightning (botocore's and s3fs's retries) went on (found
+    by an independent check). Now 8 attempts, at least ~8 s of backoff (at most ~16 s)."""
+    root = f"faultfile://{tmp_path}/run"
+    defaults = EngineConfig().storage.retry
+    cfg = config(**{"storage.retry": {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}})
+    with CheckpointEngine(cfg) as engine:
+        FaultFS.policy = Transient(1.0, ops=("open",), max_per_path=7)  # every write fails 7 times, then lands
+        engine.save(make_state(1), f"{root}/ok.ckpt").result()
+        FaultFS.policy = None
+        assert_same(engine.load(f"{root}/ok.ckpt"), make_state(1))
+    assert max(sleeps) >= 2.5  # a write's 7th retry happened, after the backoff the policy gives it
+    least = sum(min(defaults.max_backoff_seconds, defaults.initial_backoff_seconds * 2 ** k) / 2 for k in range(7))
+    assert least >= 5.0  # seven failed attempts of one write are retried over at least this long
 
 
 @pytest.mark.s3
