@@ -172,11 +172,16 @@ class AcceleratorCheckpointer:
         return self
 
     def detach(self) -> None:
-        """Give the Accelerator back its own ``save_state`` / ``load_state`` (pending saves continue)."""
+        """Give the Accelerator back its own ``save_state`` / ``load_state`` (pending saves continue; after
+        ``end_training()``, a later call no longer reopens checkrun)."""
         acc = self.accelerator
         if acc is None:
             self._originals = {}
             return
+        for name in ("save_state", "load_state"):  # the routes end_training left (_reopen)
+            route = acc.__dict__.get(name)
+            if isinstance(route, _Routed) and getattr(route.method, "func", None) == self._reopen:
+                del acc.__dict__[name]
         for name, original in self._originals.items():
             if original is _MISSING:
                 acc.__dict__.pop(name, None)
@@ -378,6 +383,7 @@ class AcceleratorCheckpointer:
         a call while another thread closes returns once that close is done."""
         with self._close_lock:
             if self._closed:
+                self.detach()  # closed by end_training(): its routes that reopen checkrun go too
                 return
             self._closed = True
             self.detach()

@@ -928,6 +928,8 @@ def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, 
     acc.end_training()
     assert ckpt.attached is False and len(ckpt.history) == 2 and ckpt.optimizer_steps == 3
     assert _names(str(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
+    ckpt.close()  # after end_training: accelerate's own methods again, no reopening (found by the next check)
+    assert "save_state" not in acc.__dict__ and "load_state" not in acc.__dict__
     again, model2, opt2, sched2, counter2 = make_setup(tmp_path)
     resumed = AcceleratorCheckpointer(again, {"step_log": {"enabled": True}}).attach()
     assert again.load_state().rstrip("/").endswith("checkpoint_1") and resumed.optimizer_steps == 3
