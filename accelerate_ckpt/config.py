@@ -100,7 +100,7 @@ def split_sections(data: dict) -> tuple[dict, dict | None]:
 def from_mapping(data: dict, origin: str = "config") -> tuple[EngineConfig, AdapterOptions]:
     """An ``EngineConfig`` mapping (optionally wrapped in ``checkpointing:``) -> settings."""
     if SECTION in data:
-        data = data[SECTION] or {}
+        data = {} if data[SECTION] is None else data[SECTION]
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: {SECTION}: expected a mapping, got {type(data).__name__}")
     data = dict(data)

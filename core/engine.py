@@ -386,12 +386,12 @@ class CheckpointEngine:
         inflight.wait_under(prefix.rstrip("/") + "/")
 
     def _raise_pending_error(self) -> None:
-        while (handle := self._coord.take_failed()) is not None:
-            err = handle.take_error()
-            if err is None:
-                continue
-            wrapped = BackgroundSaveError(f"checkpoint save to {handle.path} failed: {err}")
-            wrapped.__cause__ = err
+        # every failed save not raised yet, in one error (the first as its cause): one per call lost a save per error
+        failed = [(h.path, e) for h in self._coord.take_failed() if (e := h.take_error()) is not None]
+        if failed:
+            more = "".join(f"; the save to {path} failed too: {err}" for path, err in failed[1:])
+            wrapped = BackgroundSaveError(f"checkpoint save to {failed[0][0]} failed: {failed[0][1]}{more}")
+            wrapped.__cause__ = failed[0][1]
             raise wrapped  # also inside an except block (chained): logging it there lost it (retry code)
 
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,

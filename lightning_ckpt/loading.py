@@ -70,8 +70,8 @@ def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, w
     cfg = build_config(config, storage_options=storage_options)
     url = normalize_path(path)
     with CheckpointEngine(cfg) as engine:
-        try:
-            return engine.load(url, map_location=map_location,
+        try:  # Lightning's default (saved device; MPS to the CPU where absent) is the engine's own rule
+            return engine.load(url, map_location=None if map_location is _default_map_location else map_location,
                                weights_only=True if weights_only is None else weights_only)
         except (NotACheckpointError, CorruptCheckpointError):
             # A torch file over the manifest size limit is refused as an oversized manifest.

@@ -313,11 +313,14 @@ def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_loca
     except RuntimeError as exc:
         if callable(map_location) and "Callable map_location not supported" in str(exc):
             # torch rebuilds tensor subclasses (wrapper subclasses, DTensor) only with a device or None: the
-            # engine's default rule by a device (the CPU where CUDA is absent); a caller's callable is refused
-            if not getattr(map_location, "engine_default", False):
-                raise FormatError(f"value at key {key!r} ({type_name}): torch rebuilds this tensor subclass only "
-                                  "with a device, a dict or None as map_location, not a callable") from exc
+            # engine's rule by a device (the CPU where CUDA is absent); a caller's callable (Lightning passes
+            # one by default) cannot apply: said, not dropped in silence
             where = None if torch.cuda.is_available() else "cpu"
+            if not getattr(map_location, "engine_default", False):
+                warnings.warn(f"checkrun: value at key {key!r} ({type_name}): torch rebuilds this tensor subclass "
+                              "only with a device, a dict or None as map_location, not the callable given: placed "
+                              f"{'where it was saved' if where is None else 'on the CPU'}", RuntimeWarning,
+                              stacklevel=2)
             return _load(data, key, type_name, weights_only=weights_only, map_location=where)
         if weights_only and "weights_only" in str(exc).replace(" ", "_").lower():
             raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc

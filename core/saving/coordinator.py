@@ -146,11 +146,11 @@ class Coordinator:
         with self._cond:
             return len(self._inflight)
 
-    def take_failed(self) -> SaveHandle | None:
-        """The oldest failed save not handed out yet (its error surfaces once; the others wait for
-        their turn: each failed save's error is raised by a call of its own)."""
+    def take_failed(self) -> list[SaveHandle]:
+        """Handles of failed saves not handed out yet (their errors surface once)."""
         with self._cond:
-            return self._failed.pop(0) if self._failed else None
+            failed, self._failed = self._failed, []
+        return failed
 
     def _release_idle(self) -> None:
         """Stop the snapshot's copy helper and the storage pools that no call is using."""

@@ -145,9 +145,10 @@ def test_a_save_that_fails_while_the_next_waits_for_its_slot_is_raised_by_that_n
     assert torch.equal(ckpt_core_load(tmp_path / "c.ckpt")["w"], torch.ones(2))
 
 
-def test_every_failed_save_is_raised_by_a_call_of_its_own(tmp_path):
+def test_every_failed_save_is_raised_by_the_next_call(tmp_path):
     """With ``saving.max_pending`` 3, three saves failed: the next call raised the first one's error and the
-    other two were dropped (logged only; found by an independent check). Each is raised once, in order."""
+    other two were dropped (logged only; found by an independent check). One error names them all (raised one
+    per call, a loop that catches and goes on lost a save per queued error: found by the next check)."""
     root = f"gatefile://{tmp_path}"
     FaultyFS.fail_writes = OSError(errno.ENOSPC, "No space left on device")
     FaultyFS.gate = threading.Event()  # all three are submitted before any fails
@@ -157,10 +158,9 @@ def test_every_failed_save_is_raised_by_a_call_of_its_own(tmp_path):
     for h in handles:
         h.wait()
     FaultyFS.fail_writes = None
-    for i in range(3):
-        with pytest.raises(BackgroundSaveError, match=f"s{i}.ckpt failed"):
-            engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")
-    engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")
+    with pytest.raises(BackgroundSaveError, match="s0.ckpt failed.*s1.ckpt failed too.*s2.ckpt failed too"):
+        engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")
+    engine.save({"w": torch.ones(2)}, f"{root}/ok.ckpt")  # the next save goes through
     engine.close()
     assert torch.equal(ckpt_core_load(tmp_path / "ok.ckpt")["w"], torch.ones(2))
 

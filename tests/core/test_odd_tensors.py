@@ -180,9 +180,27 @@ def test_a_wrapper_tensor_subclass_loads_back_with_the_default_map_location(tmp_
     assert type(got) is Wrapped and torch.equal(got.inner, inner)
 
 
-def test_a_callers_callable_map_location_is_not_dropped_for_a_tensor_subclass(tmp_path):
+def test_a_callers_callable_map_location_is_not_dropped_in_silence_for_a_tensor_subclass(tmp_path):
     """torch refuses callables for these: the retry with torch's default placement dropped the caller's
-    callable in silence (found by an independent check). It is refused, naming the value."""
-    ckpt_core.save({"w": Wrapped(torch.randn(3))}, tmp_path / "x.ckpt")
-    with pytest.raises(ckpt_core.CorruptCheckpointError, match="'w'.*not a callable"):
-        ckpt_core.load(tmp_path / "x.ckpt", weights_only=False, map_location=lambda storage, loc: storage)
+    callable in silence (found by an independent check); refusing it broke Lightning's load_from_checkpoint,
+    whose default map_location is a callable (found by the next check). It loads, with a warning naming it."""
+    inner = torch.randn(3)
+    ckpt_core.save({"w": Wrapped(inner)}, tmp_path / "x.ckpt")
+    with pytest.warns(RuntimeWarning, match="'w'.*not the callable given"):
+        got = ckpt_core.load(tmp_path / "x.ckpt", weights_only=False, map_location=lambda storage, loc: storage)["w"]
+    assert type(got) is Wrapped and torch.equal(got.inner, inner)
+
+
+def test_lightnings_default_map_location_loads_a_tensor_subclass_quietly(tmp_path):
+    """Lightning's ``load_from_checkpoint`` passes its default ``map_location``, a callable torch refuses for
+    tensor subclasses (found by an independent check): it is the engine's own placement rule, applied as such."""
+    from lightning.pytorch.core.saving import _default_map_location
+
+    from lightning_ckpt.loading import load_checkpoint_dict
+
+    inner = torch.randn(3)
+    ckpt_core.save({"w": Wrapped(inner)}, tmp_path / "x.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = load_checkpoint_dict(tmp_path / "x.ckpt", map_location=_default_map_location, weights_only=False)["w"]
+    assert type(got) is Wrapped and torch.equal(got.inner, inner)

@@ -153,6 +153,7 @@ def test_config_precedence(tmp_path: Path) -> None:
     # a section or adapter block that is not a mapping: a ConfigError naming it (was a bare TypeError or
     # ValueError naming neither; found by an independent check)
     for bad, name in (({"checkpointing": 3}, "checkpointing"), ({"checkpointing": ["saving"]}, "checkpointing"),
+                      ({"checkpointing": False}, "checkpointing"), ({"checkpointing": ""}, "checkpointing"),
                       ({"accelerate": 5}, "accelerate"), ({"accelerate": ["directory"]}, "accelerate")):
         with pytest.raises(ckpt_core.ConfigError, match=f"{name}: expected a mapping"):
             resolve(bad)
