@@ -59,6 +59,13 @@ def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_onl
         return torch.load(f, map_location=map_location, weights_only=True if weights_only is None else weights_only)
 
 
+def _lightning_default(map_location: Any) -> bool:
+    """Whether ``map_location`` is ``_default_map_location`` of ``lightning.pytorch`` or of the standalone
+    ``pytorch_lightning`` (two objects; the drop-in serves both)."""
+    return (getattr(map_location, "__name__", None) == "_default_map_location"
+            and getattr(map_location, "__module__", None) in ("lightning.pytorch.core.saving", "pytorch_lightning.core.saving"))
+
+
 def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_only: Optional[bool] = None,
                          config: Union[str, dict, EngineConfig, None] = None,
                          storage_options: Optional[dict] = None, fallback_to_torch: bool = True) -> dict[str, Any]:
@@ -71,7 +78,7 @@ def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, w
     url = normalize_path(path)
     with CheckpointEngine(cfg) as engine:
         try:  # Lightning's default (saved device; MPS to the CPU where absent) is the engine's own rule
-            return engine.load(url, map_location=None if map_location is _default_map_location else map_location,
+            return engine.load(url, map_location=None if _lightning_default(map_location) else map_location,
                                weights_only=True if weights_only is None else weights_only)
         except (NotACheckpointError, CorruptCheckpointError):
             # A torch file over the manifest size limit is refused as an oversized manifest.
