@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ..errors import FormatError
@@ -242,8 +243,29 @@ def parse_marker(data: bytes, where: str, name: str) -> Marker:
 
 
 # ----------------------------------------------------------------------------- segments
-def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
-    """The bytes of one segment; ``header`` gets the payload's length and checksum added."""
+class SegmentBuffer:
+    """A writer thread's reused buffer for the segments it writes (``pack_segment``): joining a
+    segment's parts into fresh bytes page-faulted its megabytes in every time (~4 of a 9 MB segment's
+    ~6 ms of joining and writing on the DLRM benchmark, on the core the training leaves free)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def join(self, parts: list[bytes | memoryview], size: int) -> memoryview:
+        """``parts`` (``size`` bytes in all) one after another in the buffer: valid until the next call."""
+        if self._buf.size < size:
+            self._buf = np.empty(size + size // 4, np.uint8)
+        at = 0
+        for part in parts:
+            n = memoryview(part).nbytes
+            self._buf[at:at + n] = np.frombuffer(part, np.uint8)
+            at += n
+        return memoryview(self._buf[:size])
+
+
+def pack_segment(header: dict, payload: list[bytes | memoryview], out: SegmentBuffer | None = None) -> bytes | memoryview:
+    """The bytes of one segment; ``header`` gets the payload's length and checksum added. With ``out``,
+    a view of ``out``'s buffer, valid until its next use."""
     h = xxhash.xxh3_64()
     size = 0
     for part in payload:
@@ -255,8 +277,8 @@ def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
     header = {**header, "_checkrun": "steplog-segment", "format_version": version,
               "payload_bytes": size, "payload_csum": h.hexdigest()}
     text = _dump(header)
-    return b"".join([_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)),
-                     *payload])
+    parts = [_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)), *payload]
+    return b"".join(parts) if out is None else out.join(parts, _PREFIX.size + len(text) + _CSUM.size + size)
 
 
 class SegmentDamaged(Exception):

@@ -35,7 +35,8 @@ from . import meta, rng
 from .batch import _Batch
 from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
-from .format import MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, pack_segment, run_name, run_to_bytes, seg_name
+from .format import (MAX_RUN_BYTES, Marker, RunInfo, SegmentBuffer, StepLogError, marker_to_bytes, mark_name, pack_segment,
+                     run_name, run_to_bytes, seg_name)
 
 log = logging.getLogger("ckpt_core")
 _ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
@@ -418,6 +419,7 @@ class StepLog:
 
     def _write_loop(self, writes: queue.Queue) -> None:
         lower_thread_priority(self.config.saving.thread_nice)
+        self._out = SegmentBuffer()  # the writer thread's alone
         while True:
             job = writes.get()
             if job is None:
@@ -441,7 +443,7 @@ class StepLog:
             entry = rng.encode(batch.rng[2], *batch.rng[:2], batch.payload, batch.size, RAW_PIPELINE.to_list())
             if entry is not None:
                 header["rng"] = entry
-        data = pack_segment(header, batch.payload)
+        data = pack_segment(header, batch.payload, self._out)
         batch.payload.clear()  # the joined copy is all that is needed now
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
         self.bytes_logged += len(data)
