@@ -113,6 +113,8 @@ class AcceleratorCheckpointer:
         self._closed = False
         self._close_lock = threading.Lock()  # a second close() waits for the first (exit vs a dropped Accelerator)
         self._steplog: AccelerateStepLog | None = None
+        self._ended = False  # end_training() ran: its trackers are finished (nothing is logged to them after)
+        self._reopenable = False  # closed by end_training(), not since by close(): a later call starts it again
         if self.unsupported:
             return
         self._start(accelerator)
@@ -161,9 +163,11 @@ class AcceleratorCheckpointer:
             warnings.warn(f"accelerate_ckpt: {self.unsupported}; falling back to accelerate's own "
                           "save_state/load_state (local, synchronous)", RuntimeWarning, stacklevel=2)
             return self
+        self._reopen_if_ended("attach")  # after end_training(): started again (it was closed)
         acc = self.accelerator
-        if not self._originals:
-            self._originals = {n: acc.__dict__.get(n, _MISSING) for n in _PATCHED}
+        if not self._originals:  # end_training's reopen routes are not the Accelerator's own (found by an independent check)
+            self._originals = {n: _MISSING if self._is_reopen(acc.__dict__.get(n)) else acc.__dict__.get(n, _MISSING)
+                               for n in _PATCHED}
         for name, method in zip(_PATCHED, (self._save_state, self._load_state, self._end_training)):
             setattr(acc, name, _Routed(method, acc, name))
         state.track_epoch_starts(acc)  # a save inside an epoch stores the generator the epoch started from
@@ -179,8 +183,7 @@ class AcceleratorCheckpointer:
             self._originals = {}
             return
         for name in ("save_state", "load_state"):  # the routes end_training left (_reopen)
-            route = acc.__dict__.get(name)
-            if isinstance(route, _Routed) and getattr(route.method, "func", None) == self._reopen:
+            if self._is_reopen(acc.__dict__.get(name)):
                 del acc.__dict__[name]
         for name, original in self._originals.items():
             if original is _MISSING:
@@ -223,6 +226,7 @@ class AcceleratorCheckpointer:
         accelerate's. Raises a failed earlier save's error first."""
         if self.unsupported:
             return self._native_save(output_dir)
+        self._reopen_if_ended("save")
         started = time.perf_counter()
         # at most saving.max_pending checkpoints without a verdict: as accelerate's total_limit, the
         # folders beyond it are gone by the next save_state (after the commit, never before)
@@ -333,6 +337,7 @@ class AcceleratorCheckpointer:
         load_kwargs = dict(load_kwargs or {})
         if self.unsupported:
             return self._native_load(path, model_kwargs, load_kwargs)
+        self._reopen_if_ended("load")
         self.wait()
         self._group.release_strays(f"it loads {path if path is not None else 'the latest checkpoint'} now")
         if self._steplog is not None:  # rank 0 commits its log before any rank replays it
@@ -383,6 +388,7 @@ class AcceleratorCheckpointer:
         a call while another thread closes returns once that close is done."""
         with self._close_lock:
             if self._closed:
+                self._reopenable = False
                 self.detach()  # closed by end_training(): its routes that reopen checkrun go too
                 return
             self._closed = True
@@ -435,6 +441,7 @@ class AcceleratorCheckpointer:
             self.close()
         finally:
             acc = self.accelerator
+            self._ended = self._reopenable = True
             acc.end_training()
             if not self.unsupported:
                 for name in ("save_state", "load_state"):
@@ -446,17 +453,28 @@ class AcceleratorCheckpointer:
         Before 2026-12-06 the Accelerator's own methods were back, and they failed on the project's checkrun
         folders (``IndexError`` listing ``checkpoints/.checkrun``; found by an independent check)."""
         acc = self.accelerator
+        self._reopen_if_ended(name)
+        for n in ("save_state", "load_state"):
+            acc.__dict__.pop(n, None)  # the Accelerator's own methods are what a later detach() gives back
+        self.attach()
+        return getattr(acc, name)(*args, **kwargs)
+
+    def _reopen_if_ended(self, name: str) -> None:
+        """Start this checkpointer again if ``end_training()`` closed it (and no ``close()`` since): its own
+        ``save``/``load``/``attach`` after it, as accelerate's methods (before 2026-12-07 they failed on the
+        closed engine: found by an independent check)."""
+        if not (self._closed and self._reopenable):
+            return
         if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise CheckrunError(f"accelerate_ckpt: {name}() after end_training() with {self.world} processes: "
                                 "accelerate's end_training() destroyed the process group the ranks save with")
         with self._close_lock:
             if self._closed:
-                self._start(acc)
-                self._closed = False
-        for n in ("save_state", "load_state"):
-            acc.__dict__.pop(n, None)  # the Accelerator's own methods are what a later detach() gives back
-        self.attach()
-        return getattr(acc, name)(*args, **kwargs)
+                self._start(self.accelerator)
+                self._closed = self._reopenable = False
+
+    def _is_reopen(self, route: Any) -> bool:
+        return isinstance(route, _Routed) and getattr(route.method, "func", None) == self._reopen
 
     # -- internals ---------------------------------------------------------------------------------
     def _before_call(self) -> None:
@@ -464,7 +482,9 @@ class AcceleratorCheckpointer:
         for figures in self._group.take_figures():
             m = figures.as_metrics()
             self.history.append(m)
-            if getattr(self.accelerator, "trackers", None):  # None once the Accelerator is gone
+            # not once the Accelerator is gone, nor after end_training() finished its trackers (a reopened
+            # checkpointer logged to them: MLflow/W&B runs that had ended; found by an independent check)
+            if getattr(self.accelerator, "trackers", None) and not self._ended:
                 self.accelerator.log({k: v for k, v in m.items() if isinstance(v, (int, float))
                                       and not (isinstance(v, float) and math.isinf(v))})
         errors = self._group.take_errors()

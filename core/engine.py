@@ -21,9 +21,9 @@ from .saving import inflight, lifecycle
 from .saving.capture import CommitStamp, new_stamp, take_snapshot
 from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
-from .errors import BackgroundSaveError, CheckpointNotFoundError, CheckrunError
+from .errors import CheckpointNotFoundError, CheckrunError
 from .saving.coordinator import Coordinator, Job
-from .saving.handles import SaveHandle, SaveInfo
+from .saving.handles import SaveHandle, SaveInfo, pending_error
 from .format.manifest import Manifest
 from .saving.quant_rules import RuleMatcher
 from .loading.references import ReferenceBuild, supersede
@@ -87,10 +87,10 @@ class CheckpointEngine:
         if slot:
             self._coord.acquire_slot()
             try:
-                self._raise_pending_error()  # a save it waited for failed meanwhile: raised now, not a save later
                 self._adopt_rebuilds(dirstate)
                 if dirstate.streams and dirstate.last is not None:  # row streams own one buffer each:
                     dirstate.last.wait()  # the previous save to the directory must be done first
+                self._raise_pending_error()  # a save it waited for (a slot, that one) failed: raised now, not later
                 snap = take_snapshot(state, dirstate, self._pool, self._copier, self._budget, self.config,
                                      tuple(self._trackers), stamp)
             except BaseException:
@@ -249,9 +249,11 @@ class CheckpointEngine:
         if self._forked():
             self._closed = True
             return
+        from .steplog.api import close_logs
+
+        failed_logs: list[BaseException] = []
         try:
-            for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: flushed, its thread ended
-                steplog.close()
+            failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
             self._coord.wait_idle()
         finally:
             for dirstate in self._dirs.values():  # no thread reads a store after it is closed
@@ -267,7 +269,7 @@ class CheckpointEngine:
             self._pool.clear()
             self._dirs.clear()
             lifecycle.unregister(self)
-        self._raise_pending_error()
+        self._raise_pending_error(failed_logs)
 
     @property
     def pending(self) -> int:
@@ -385,14 +387,10 @@ class CheckpointEngine:
         prefix = store.url("")
         inflight.wait_under(prefix.rstrip("/") + "/")
 
-    def _raise_pending_error(self) -> None:
-        # every failed save not raised yet, in one error (the first as its cause): one per call lost a save per error
-        failed = [(h.path, e) for h in self._coord.take_failed() if (e := h.take_error()) is not None]
-        if failed:
-            more = "".join(f"; the save to {path} failed too: {err}" for path, err in failed[1:])
-            wrapped = BackgroundSaveError(f"checkpoint save to {failed[0][0]} failed: {failed[0][1]}{more}")
-            wrapped.__cause__ = failed[0][1]
-            raise wrapped  # also inside an except block (chained): logging it there lost it (retry code)
+    def _raise_pending_error(self, also: list[BaseException] = ()) -> None:
+        err = pending_error([(h.path, e) for h in self._coord.take_failed() if (e := h.take_error()) is not None], also)
+        if err is not None:
+            raise err  # also inside an except block (chained): logging it there lost it (retry code)
 
     def step_log(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                  storage_options: dict | None = None, *, scaler: Any = None, model: Any = None,

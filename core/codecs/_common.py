@@ -102,16 +102,29 @@ def tensor_bytes(array: torch.Tensor) -> memoryview:
 
 
 def tensor_digest(tensor: torch.Tensor) -> tuple:
-    """A digest of a tensor's bytes: xxh3 on the CPU (any change, a permutation too); on a device, sums
-    of its 32-bit words per 64 MiB (computed there, no copy to the host)."""
+    """A digest of a tensor's bytes: xxh3 on the CPU (any change, a permutation too); on a device,
+    ``position_sums`` computed there (no copy to the host)."""
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()  # byte views refuse those flags
     if t.device.type == "cpu":
         return ("xxh3", xxhash.xxh3_64_intdigest(tensor_bytes(t)) if t.numel() else 0)
+    return ("psum", position_sums(t))
+
+
+def position_sums(t: torch.Tensor, step: int = 1 << 20) -> tuple[int, ...]:
+    """Per ``step`` 32-bit words of contiguous ``t``: their sum, and their sum weighted by position (int64,
+    wrapping), in one transfer to the host. The weights make a permutation of the words change it (a
+    plain sum, the device digest before 2026-12-07, did not: found by an independent check)."""
     flat = t.reshape(-1).view(torch.uint8)
     aligned = flat.numel() % 4 == 0 and flat.storage_offset() % 4 == 0  # view(int32) needs both
     words = flat.view(torch.int32) if aligned else flat
-    step = 16 << 20
-    return ("sum32", tuple(int(words[i:i + step].sum(dtype=torch.int64)) for i in range(0, words.numel(), step)))
+    if not words.numel():
+        return ()
+    weights = torch.arange(1, min(step, words.numel()) + 1, dtype=torch.int64, device=t.device)
+    sums = []
+    for i in range(0, words.numel(), step):
+        part = words[i:i + step].to(torch.int64)
+        sums += [part.sum(), (part * weights[:part.numel()]).sum()]
+    return tuple(torch.stack(sums).tolist())
 
 
 def bytes_to_uint8(data: bytes | memoryview | bytearray) -> torch.Tensor:

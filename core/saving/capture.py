@@ -144,7 +144,7 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     flat = flatten(state)
     with gc_paused():
         leaves, unique, sources = _sources(flat.tensors)
-    check_manifest_room(len(sources), len(flat.objects), config)  # before anything is staged or written
+    check_manifest_room(len(sources), len(flat.objects), config, sum(len(k) for k, _ in sources))  # before anything is staged or written
     deferred = _device_objects(flat.objects, sources)
     charged = _staging_bytes(sources) + sum(deferred.values())
     budget.acquire(charged)
@@ -176,23 +176,26 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 #: Fewest JSON elements one stored tensor adds to a manifest: its record with one chunk and its
 #: skeleton leaf (measured: 44 without compression or packs, 57-60 by default); a pickled value: 12.
 MIN_TENSOR_ELEMENTS, MIN_OBJECT_ELEMENTS = 44, 12
-#: A small tensor's manifest bytes with the default compression (measured: 370-394 with short keys): a
-#: state whose tensors need more than ``MAX_MANIFEST_BYTES`` at this rate is refused by ``save()`` itself
-#: (an estimate: ~180k tensors; with compression off or very short keys a record can take ~270 bytes).
-TYPICAL_TENSOR_BYTES = 370
+#: Fewest manifest bytes one small tensor adds besides twice its key (record and skeleton): measured
+#: 266-267 with compression and packs off and keys of 1-4 characters, ~350 by default. A state that needs
+#: more than ``MAX_MANIFEST_BYTES`` even at this rate is refused by ``save()`` itself (before 2026-12-07 a
+#: typical 370 bytes were assumed, which refused states of 181k-222k tensors that compression off saves
+#: and loads: found by an independent check). ``commit`` checks the exact manifest.
+MIN_TENSOR_BYTES = 250
 
 
-def check_manifest_room(tensors: int, objects: int, config: EngineConfig) -> None:
+def check_manifest_room(tensors: int, objects: int, config: EngineConfig, key_chars: int = 0) -> None:
     """Refuse a state whose manifest is sure to hold more JSON elements than a load accepts
-    (``load.max_manifest_elements``), counted from its records alone (a lower bound), so such a save
-    fails in ``save()`` instead of after writing every blob (``commit`` checks the exact manifest)."""
+    (``load.max_manifest_elements``), counted from its records alone (a lower bound), or more bytes than
+    a manifest may hold (``key_chars``: the length of the tensors' keys in all), so such a save fails
+    in ``save()`` instead of after writing every blob (``commit`` checks the exact manifest)."""
     least = MIN_TENSOR_ELEMENTS * tensors + MIN_OBJECT_ELEMENTS * objects
     limit = config.load.max_manifest_elements
-    if TYPICAL_TENSOR_BYTES * tensors > MAX_MANIFEST_BYTES:  # whatever the limit: no setting raises the bytes
-        raise FormatError(f"cannot save state: its {tensors} tensors need a manifest of about "
-                          f"{TYPICAL_TENSOR_BYTES * tensors >> 20} MiB (~{TYPICAL_TENSOR_BYTES} bytes a tensor), more "
-                          f"than a manifest may hold ({MAX_MANIFEST_BYTES >> 20} MiB, whatever load.max_manifest_elements "
-                          "says): group small tensors into fewer, larger ones")
+    least_bytes = MIN_TENSOR_BYTES * tensors + 2 * key_chars
+    if least_bytes > MAX_MANIFEST_BYTES:  # whatever the limit: no setting raises the bytes
+        raise FormatError(f"cannot save state: its {tensors} tensors need a manifest of at least "
+                          f"{least_bytes >> 20} MiB, more than a manifest may hold ({MAX_MANIFEST_BYTES >> 20} MiB, "
+                          "whatever load.max_manifest_elements says): group small tensors into fewer, larger ones")
     if least > limit:
         enough = -(-(64 * tensors + 16 * objects) // 1_000_000) * 1_000_000  # the default's ~60 a tensor, rounded up
         raise FormatError(f"cannot save state: its {tensors} tensors and {objects} pickled values need a manifest "
@@ -227,10 +230,16 @@ OVERLAP_MAX_BYTES = 64 << 20
 
 
 def _check_overlap(key: str, t: torch.Tensor) -> None:
+    """The memory compared is what the view spans, not its storage: ``table[0].expand(n, d)`` of a large
+    table spans one row (found by an independent check)."""
     nbytes = t.numel() * t.element_size()
-    if nbytes > OVERLAP_MAX_BYTES and nbytes > 2 * t.untyped_storage().nbytes():
+    if nbytes <= OVERLAP_MAX_BYTES:
+        return
+    span = (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    memory = min(span, t.untyped_storage().nbytes())
+    if nbytes > 2 * memory:
         raise FormatError(f"{key}: cannot save an expanded tensor (shape {list(t.shape)}, strides {list(t.stride())}): "
-                          f"its {nbytes} bytes of values share {t.untyped_storage().nbytes()} bytes of memory, and "
+                          f"its {nbytes} bytes of values share {memory} bytes of memory, and "
                           "checkrun stores and loads tensors contiguous; save the tensor it expands (or a .clone() "
                           "to store every value)")
 

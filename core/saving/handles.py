@@ -145,3 +145,21 @@ class SaveHandle:
         and wake every waiter."""
         self._info, self._error = info, error
         self._done.set()
+
+
+def pending_error(failed: list[tuple[str, BaseException]], also: list[BaseException] = ()) -> BaseException | None:
+    """The error to raise for ``failed`` (``(path, error)`` of each failed save not raised yet) and ``also``
+    (step logs that failed as the engine closed them): one ``BackgroundSaveError`` for every failed save
+    (the first as its cause: one per call made a loop that catches and goes on lose a save per error), the
+    others named in its notes; without failed saves ``also``'s first; None if there is nothing."""
+    if failed:
+        more = "".join(f"; the save to {path} failed too: {err}" for path, err in failed[1:])
+        err = BackgroundSaveError(f"checkpoint save to {failed[0][0]} failed: {failed[0][1]}{more}")
+        err.__cause__ = failed[0][1]
+    elif also:
+        err, also = also[0], also[1:]
+    else:
+        return None
+    for other in also:
+        err.add_note(f"checkrun: closing a step log failed too: {other}")
+    return err

@@ -145,6 +145,34 @@ def test_a_save_that_fails_while_the_next_waits_for_its_slot_is_raised_by_that_n
     assert torch.equal(ckpt_core_load(tmp_path / "c.ckpt")["w"], torch.ones(2))
 
 
+def test_a_save_that_fails_while_the_next_waits_for_it_to_finish_is_raised_by_that_next_save(tmp_path):
+    """With ``saving.max_pending`` 2 and a row-stream tensor, the second save to a directory waits for the
+    first to finish (not for a slot), after the error check: the first one's failure meanwhile came a
+    call later (found by an independent check)."""
+    root = f"gatefile://{tmp_path}"
+    FaultyFS.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+    FaultyFS.gate = threading.Event()
+    engine = CheckpointEngine({"saving": {"max_pending": 2}})
+    state = {"emb": torch.randn(4096, 16)}  # rows: a row stream, whose buffer the next save must wait for
+    engine.save(state, f"{root}/a.ckpt")
+    FaultyFS.entered.acquire()  # the first save's write waits at the gate: no error yet
+    dirstate = engine._dirstate(engine._dir_store(root, None))
+    wait = dirstate.last.wait
+
+    def wait_after_the_gate_opens(*args, **kwargs):
+        FaultyFS.gate.set()  # the first save fails while the second waits for it
+        return wait(*args, **kwargs)
+
+    dirstate.last.wait = wait_after_the_gate_opens
+    state["emb"][0] += 1
+    with pytest.raises(BackgroundSaveError, match="a.ckpt failed: .*No space left"):
+        engine.save(state, f"{root}/b.ckpt")
+    FaultyFS.fail_writes = None
+    engine.save({"w": torch.ones(2)}, f"{root}/c.ckpt")
+    engine.close()
+    assert torch.equal(ckpt_core_load(tmp_path / "c.ckpt")["w"], torch.ones(2))
+
+
 def test_every_failed_save_is_raised_by_the_next_call(tmp_path):
     """With ``saving.max_pending`` 3, three saves failed: the next call raised the first one's error and the
     other two were dropped (logged only; found by an independent check). One error names them all (raised one

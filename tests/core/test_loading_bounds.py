@@ -225,12 +225,26 @@ def test_tensors_past_what_any_manifest_holds_are_told_to_group_not_to_raise_the
     (~79 MB) no setting admits: following it cost ~108 s of writes before the same refusal (found by an
     independent check). It says to group the tensors instead."""
     root = tmp_path / "run"
-    state = {f"t{i}": torch.zeros(1) for i in range(200_000)}
+    state = {f"t{i}": torch.zeros(1) for i in range(280_000)}
     for config in (None, _config(max_manifest_elements=20_000_000)):  # also where the element limit was raised
-        with pytest.raises(FormatError, match="200000 tensors need a manifest of about") as info:
+        with pytest.raises(FormatError, match="280000 tensors need a manifest of at least 70 MiB") as info:
             ckpt_core.save(state, root / "x.ckpt", config=config)
         assert "group small tensors" in str(info.value) and "to about" not in str(info.value)
         assert not _blob_files(root)
+
+
+def test_the_early_manifest_check_refuses_only_states_sure_to_exceed():
+    """190k one-element tensors save and load with compression off (a 58.5 MB manifest: ~300 bytes a
+    tensor), yet the early check, assuming a typical 370 bytes, refused them (found by an independent
+    check). It now counts the fewest bytes a tensor takes, and the keys' length, which long keys pass."""
+    from ckpt_core.config import coerce_config
+    from ckpt_core.saving.capture import check_manifest_room
+
+    config = coerce_config(_config(max_manifest_elements=50_000_000))
+    check_manifest_room(190_000, 0, config, key_chars=190_000 * 6)
+    check_manifest_room(260_000, 0, config, key_chars=260_000 * 2)
+    with pytest.raises(FormatError, match="190000 tensors need a manifest of at least 65 MiB"):
+        check_manifest_room(190_000, 0, config, key_chars=190_000 * 55)  # "model.layers.12.self_attn..." keys
 
 
 def test_an_expanded_tensor_is_refused_before_its_values_take_memory(tmp_path):
@@ -243,6 +257,9 @@ def test_an_expanded_tensor_is_refused_before_its_values_take_memory(tmp_path):
         with pytest.raises(FormatError, match=r"big: cannot save an expanded tensor .* 8589934592 bytes"):
             engine.save({"big": torch.zeros(1).expand(2**31)}, path)
         assert torch.equal(engine.load(path)["small"], torch.arange(4.0).repeat(3, 1))
+        table = torch.zeros(10240, 1024)  # 42 MB behind the view: its storage is more than half its 84 MB
+        with pytest.raises(FormatError, match=r"row: cannot save an expanded tensor .* share 4096 bytes"):
+            engine.save({"row": table[0].expand(20480, 1024)}, path)
 
 
 def test_a_value_that_cannot_be_pickled_names_its_key(tmp_path):

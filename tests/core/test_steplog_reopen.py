@@ -232,3 +232,53 @@ def test_rmtree_of_a_directory_whose_log_failed_deletes_it_and_leaves_the_error_
         assert not d.exists() and log.closed
         with pytest.raises(StepLogError, match="No space left"):
             log.close()
+
+
+def test_engine_close_closes_every_log_and_raises_every_error_after_one_log_failed(tmp_path):
+    """``engine.close()`` closed its logs one by one with nothing between them: the first log's error (kept
+    by the rmtree above for its owner) ended close() there, so the second log was never closed (a new
+    engine could not log its optimizer) and a failed save's error was never raised (found by an
+    independent check). Every log is closed now, then every error raised: the failed saves', noting the log's."""
+    import shutil
+
+    from ckpt_core import BackgroundSaveError
+
+    net1, opt1, sched1 = make(KIND)
+    net2, opt2, sched2 = make("sgd")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    engine = CheckpointEngine({"step_log": {"flush_every_steps": 1000}, "storage": {"retry": {"max_attempts": 1}}})
+    log1 = engine.step_log(str(tmp_path / "run1"), opt1, sched1)
+    log2 = engine.step_log(str(tmp_path / "run2"), opt2, sched2)
+    for step in range(1, 4):
+        train_step(net1, opt1, sched1, step)
+        train_step(net2, opt2, sched2, step)
+    log1._segs.write_manifest = full
+    shutil.rmtree(tmp_path / "run1")  # log1 closed, its error kept for engine.close()
+    (tmp_path / "blocked").write_text("a file where the save needs a directory")
+    handle = engine.save(state(net2, opt2, sched2), str(tmp_path / "blocked" / "x.ckpt"))
+    handle.wait()
+    assert handle.failed()
+    with pytest.raises(BackgroundSaveError, match="x.ckpt failed") as info:
+        engine.close()
+    assert any("No space left" in note for note in getattr(info.value, "__notes__", ()))
+    assert log2.closed
+    with CheckpointEngine() as again:  # the optimizer's log was closed: a new one opens
+        again.step_log(str(tmp_path / "run2"), opt2, sched2).close()
+
+
+def test_the_device_digest_sees_a_permutation():
+    """On a device the fingerprint digests a tensor by sums computed there; plain sums of its words missed
+    a permutation (a flip, two rows swapped), so a log reopened on a permuted GPU model continued the old
+    chain (found by an independent check). The sums are weighted by position now, per block of words."""
+    from ckpt_core.codecs._common import position_sums
+
+    t = torch.randn(64, 33)
+    swapped = t.clone()
+    swapped[[3, 40]] = t[[40, 3]]
+    assert position_sums(t, step=256) == position_sums(t.clone(), step=256)
+    for other in (t.flip(0), swapped, t.flip(1)):
+        assert position_sums(other.contiguous(), step=256) != position_sums(t, step=256)
+    assert position_sums(torch.arange(7, dtype=torch.uint8)) != position_sums(torch.arange(7, dtype=torch.uint8).flip(0))

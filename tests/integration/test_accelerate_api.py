@@ -937,6 +937,50 @@ def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, 
     resumed.close()
 
 
+def test_attach_save_and_load_after_end_training_start_the_checkpointer_again(tmp_path: Path, make_setup) -> None:
+    """After ``end_training()``: ``attach()`` took end_training's reopen routes for the Accelerator's own
+    methods (its routes then ran on the closed engine, and ``close()`` put the reopen routes back), and the
+    checkpointer's own ``save()``/``load()`` failed on its closed engine; a reopened checkpointer logged its
+    figures to the trackers end_training had finished (found by an independent check)."""
+    from ckpt_core import CheckrunError
+
+    calls = []
+
+    class Recording(GeneralTracker):
+        name, requires_logging_directory = "rec", False
+
+        @property
+        def tracker(self):
+            return self
+
+        def log(self, values, step=None, **kwargs):
+            calls.append("log")
+
+        def finish(self):
+            calls.append("finish")
+
+    acc, model, opt, sched, counter = make_setup(tmp_path, log_with=Recording())
+    acc.init_trackers("p")
+    ckpt = AcceleratorCheckpointer(acc).attach()
+    acc.save_state()
+    ckpt.wait()
+    acc.end_training()
+    assert calls == ["log", "finish"]
+    ckpt.attach()
+    assert str(acc.save_state()).endswith("checkpoint_1")
+    assert ckpt.save().endswith("checkpoint_2") and ckpt.load().rstrip("/").endswith("checkpoint_2")
+    ckpt.wait()
+    ckpt.close()
+    assert "save_state" not in acc.__dict__ and "load_state" not in acc.__dict__  # accelerate's own again
+    assert calls == ["log", "finish"]  # nothing logged to the finished trackers
+    acc2, *_ = make_setup()
+    second = AcceleratorCheckpointer(acc2).attach()
+    acc2.end_training()
+    second.close()  # closed by the caller after end_training: its own save() no longer starts it again
+    with pytest.raises(CheckrunError):
+        second.save(output_dir=str(tmp_path / "late"))
+
+
 def test_load_state_after_end_training_finds_the_folder_saved_into(tmp_path: Path, make_setup) -> None:
     """Without automatic naming, ``load_state()`` resumes from the folder last passed to ``save_state``: a
     checkpointer reopened after ``end_training()`` had forgotten it (found by an independent check)."""
