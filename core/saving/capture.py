@@ -106,6 +106,12 @@ class Hold:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owners = 1
+        self.records: dict[str, Any] = {}
+        """Once the first of its saves committed: its tensors' records by key (row streams' aside), which
+        the saves repeating it reuse instead of encoding the same staging again (``write``)."""
+        self.written: dict[str, Any] = {}
+        """The blobs its committed saves wrote themselves (key -> reference): a repeat's commit trusts them as
+        theirs did, without reading them back (``blobcheck`` reads other reused blobs once per engine)."""
 
     def join(self) -> bool:
         """One more owner; False once they were given back (then nothing changed)."""

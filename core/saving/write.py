@@ -19,6 +19,8 @@ the commit, or is marked expired after a failure.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from concurrent.futures import Executor, Future, wait
@@ -196,9 +198,8 @@ class SnapshotWriter:
     def _source(self, st: StagedTensor) -> torch.Tensor:
         return st.data.view(row_shape(tuple(st.shape)))
 
-    def _start(self, plan: WritePlan) -> list[Pending]:
-        """Submit the work of a whole plan: packs first, then every other tensor, in order."""
-        tensors = self.snap.tensors
+    def _start(self, plan: WritePlan, tensors: list[StagedTensor]) -> list[Pending]:
+        """Submit the work of a whole plan of ``tensors``: packs first, then every other tensor, in order."""
         pending: dict[int, Pending] = {}
         for pack in plan.packs:
             members = [plan.tensors[i] for i in pack.members]
@@ -237,7 +238,8 @@ class SnapshotWriter:
         infos = self.store.map(self.store.blob_info, keys)
         notice(self.dir, infos)  # a checked blob whose stored file changed is read again below
         missing = {k for k, info in zip(keys, infos) if info is None}
-        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
+        trusted = self.snap.hold.written  # the repeated save's own blobs: its commit trusted them just now
+        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b and trusted.get(b.key) != b]
         matches = check_reused(self.store, self.dir, present, self.max_blob_bytes)
         missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0
@@ -275,12 +277,18 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         if self.snap.event is not None:
             self.snap.event.synchronize()
-        plan = self.planner.snapshot(self.snap.tensors)  # every decision before the first byte
-        pending = self._start(plan)
+        # A save repeating a committed one (``repeat``: the same staging) takes its records as they are: its
+        # row-stream tensors aside, they would encode to the very same blobs (Lightning's last.ckpt after the
+        # top-k file went through the whole pipeline again, and committed seconds after it on a large state)
+        reuse = self.snap.hold.records
+        mine = [st.stream is not None or st.key not in reuse for st in self.snap.tensors]
+        todo = [st for st, m in zip(self.snap.tensors, mine) if m]
+        plan = self.planner.snapshot(todo)  # every decision before the first byte
+        pending = iter(self._start(plan, todo))
         obj_futures = [self._submit(self.blobs.put_object, o.data) for o in self.snap.objects]
         records, written = [], 0
-        for st, p in zip(self.snap.tensors, pending):
-            rec, w = self._tensor(st, p)
+        for st, m in zip(self.snap.tensors, mine):
+            rec, w = self._tensor(st, next(pending)) if m else (dataclasses.replace(reuse[st.key], written=0), 0)
             records.append(rec)
             written += w
         written += self._repair_missing(records)

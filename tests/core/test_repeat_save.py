@@ -124,6 +124,43 @@ def test_a_repeat_of_the_save_in_flight_returns_before_it_and_holds_its_values(t
             assert engine.verify(f"{root}/{name}.ckpt").ok
 
 
+def test_a_repeat_reuses_the_records_of_the_save_it_repeats_instead_of_encoding_again(tmp_path, monkeypatch):
+    """Lightning's last.ckpt went through the whole pipeline again after the top-k file it repeats (every
+    chunk encoded and hashed to find the blobs that save had written): it committed seconds later on a
+    large state, and a kill in between left ``ckpt_path="last"`` an older checkpoint. Its tensors now take
+    the committed save's records; only its row-stream tensors (no changed row) are planned."""
+    from ckpt_core.saving import write
+
+    planned = []
+    plan = write.Planner.snapshot
+    monkeypatch.setattr(write.Planner, "snapshot", lambda self, tensors: planned.append([st.key for st in tensors])
+                        or plan(self, tensors))
+    root = f"faultfile://{tmp_path}/run"
+    net = Net()
+    with CheckpointEngine(engine_config()) as engine:
+        first, expected, gate = held_first(engine, root, net)
+        last = engine.save(net.state(), f"{root}/last.ckpt")
+        gate.release()
+        first.result()
+        assert last.result().written_bytes < 0.05 * last.result().tensor_bytes
+        shapes = {k: tuple(t.shape) for k, t in _flat(net.state()).items()}
+        assert any(shapes[k][:1] != (4096,) for k in planned[-2])  # the top-k save planned the dense tensors
+        assert planned[-1] and all(shapes[k][:1] == (4096,) for k in planned[-1])  # the repeat only the row streams
+        assert_bit_equal(engine.load(f"{root}/last.ckpt"), expected)
+        assert engine.verify(f"{root}/last.ckpt").ok
+        net.step(2)
+        engine.save(net.state(), f"{root}/s2.ckpt").result()  # after a repeat, the next save is as ever
+        assert_bit_equal(engine.load(f"{root}/s2.ckpt"), clone(net.state()))
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {}
+
+
 @pytest.mark.parametrize("change", ["data", "negative_zero", "one_row"])
 def test_a_change_the_version_counter_misses_is_saved(tmp_path, change):
     """Not a repeat: the second save has the new values (the comparison is of the bytes)."""
