@@ -24,10 +24,11 @@ message names the file and both stamps. In practice it means two writers save to
 on one directory, or a restarted trainer whose old writer is still finishing); across hosts it can
 also mean a clock running behind the one that wrote the newer manifest.
 
-Remaining race: the check and the rename/PUT are two steps. A newer manifest committed by another
-writer between the guard's read and our rename (locally a few microseconds: one small read, one
-comparison) or our PUT (on S3 one GET round trip) is overwritten. Closing it needs a compare-and-swap
-from the storage (an S3 conditional PUT with ``If-Match``, a lock shared by all writers).
+The check and the rename/PUT are two steps. On S3 the PUT is a compare-and-swap: conditional on the
+ETag of the object as it was before the check (``storage.commit.SinglePutCommit``), so a newer
+manifest committed in between (or while the writer was paused there) fails the PUT and the check runs
+again. Remaining race: locally, a newer manifest committed between the check and our rename (a few
+microseconds: one small read, one comparison) is overwritten (a rename cannot be conditional).
 
 The writer process (``saving.background: process``) never commits itself: it writes the blobs and
 the manifest's bytes, then hands them to the training process, whose coordinator thread runs the

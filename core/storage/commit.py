@@ -170,12 +170,59 @@ class SinglePutCommit(CommitStrategy):
         # killed writer) leaves parts that bill like objects and that no listing, hence no gc, sees.
         one_put = is_s3_fs(self.fs) and (single_put or len(body) <= _S3_SINGLE_PUT_CHUNKSIZE)
         kwargs = {"chunksize": _S3_SINGLE_PUT_CHUNKSIZE} if one_put else {}
-        if guard is not None:
-            guard()  # as close to the PUT as a check can be: see saving/fence.py for the race left
+        for attempt in range(CONDITION_ATTEMPTS):
+            # A guarded PUT on S3 is conditional on the object the guard looked at (its ETag, taken first;
+            # absent: none may appear): a writer paused between the guard and the PUT, or inside s3fs's
+            # retries of it, replaced a newer manifest a restarted trainer had committed meanwhile (found by
+            # an independent check). A failed condition means it changed: the guard looks again.
+            condition = self._condition(path) if guard is not None and one_put else {}
+            if guard is not None:
+                guard()  # as close to the PUT as a check can be: see saving/fence.py
+            try:
+                self._apply(path, data, resolve, lambda: self.fs.pipe_file(path, body, **kwargs, **condition))
+                return
+            except OSError as exc:
+                if not condition or attempt == CONDITION_ATTEMPTS - 1:
+                    raise
+                if _answer(exc) in _UNSUPPORTED:  # a store without conditional writes: as before, with a warning
+                    _LOG.warning("checkrun: %s does not take conditional writes (%s): committing without; a writer "
+                                 "paused before its PUT may replace a newer manifest of that name", self._display(path), exc)
+                    self._conditional = False
+                elif _answer(exc) != "PreconditionFailed":
+                    raise
+            finally:
+                self.fs.invalidate_cache(path)
+
+    def _condition(self, path: str) -> dict:
+        """The PUT condition that ``path`` is still what it is now: ``IfMatch`` its ETag, or ``IfNoneMatch``."""
+        if not getattr(self, "_conditional", True):
+            return {}
+        self.fs.invalidate_cache(path)
         try:
-            self._apply(path, data, resolve, lambda: self.fs.pipe_file(path, body, **kwargs))
-        finally:
-            self.fs.invalidate_cache(path)
+            etag = self.fs.info(path).get("ETag")
+        except FileNotFoundError:
+            return {"IfNoneMatch": "*"}
+        return {"IfMatch": etag} if etag else {}
+
+
+#: Conditional PUTs of one manifest tried before a commit gives up (each failed one: another writer's commit).
+CONDITION_ATTEMPTS = 5
+_UNSUPPORTED = ("NotImplemented", "501")
+
+
+def _answer(exc: BaseException) -> str | None:
+    """The S3 error code behind an s3fs error (its cause chain), e.g. ``PreconditionFailed``; None if none."""
+    seen = exc
+    for _ in range(8):
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return "PreconditionFailed" if code == "PreconditionFailed" or status == 412 else code or str(status)
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            return "PreconditionFailed" if isinstance(exc, FileExistsError) else None
+    return None
 
 
 def choose(fs: fsspec.AbstractFileSystem) -> type[CommitStrategy]:

@@ -376,6 +376,48 @@ def test_s3_manifest_put_that_did_not_land_fails_naming_the_file(s3_root, s3_sto
         assert engine.latest(s3_root) == f"{s3_root}/c.ckpt"
 
 
+@pytest.mark.s3
+def test_s3_a_writer_paused_after_its_fence_check_replaces_no_newer_manifest(s3_root, s3_storage_options,
+                                                                               monkeypatch):
+    """Writer A passes the fence check of ``last.ckpt`` and pauses before its PUT (a stopped process, a
+    stalled connection, s3fs retrying the PUT); a restarted trainer B commits a newer ``last.ckpt``; A's
+    PUT then replaced it, reported as committed, and ``ckpt_path="last"`` resumed the dead run's older
+    state (found by an independent check). The PUT is conditional on the object the check looked at:
+    A's fails, its check runs again and finds B's newer stamp."""
+    import threading
+
+    from ckpt_core.errors import SupersededError
+    from ckpt_core.saving import commit as commit_module
+
+    paused, resume = threading.Event(), threading.Event()
+    real_guard = commit_module.commit_guard
+
+    def pausing_guard(store, name, stamp):
+        check = real_guard(store, name, stamp)
+
+        def guarded():
+            check()
+            if name == "last.ckpt" and threading.current_thread().name != "MainThread" and not paused.is_set():
+                paused.set()  # A: checked, its PUT not sent yet
+                assert resume.wait(WATCHDOG)
+        return guarded
+
+    monkeypatch.setattr(commit_module, "commit_guard", pausing_guard)
+    config = _s3_config(s3_storage_options)
+    url = f"{s3_root}/last.ckpt"
+    with CheckpointEngine(config) as a, \
+            CheckpointEngine(config.replace(**{"saving.asynchronous": False})) as b:
+        a.save(versioned_state(1), f"{s3_root}/first.ckpt").result()
+        zombie = a.save(versioned_state(2), url)
+        assert paused.wait(WATCHDOG)
+        b.save(versioned_state(3), url)  # synchronous: on the main thread, not paused
+        resume.set()
+        with pytest.raises(BackgroundSaveError, match="last.ckpt") as info:
+            zombie.result(WATCHDOG)
+        assert isinstance(info.value.__cause__, SupersededError)
+        assert b.load(url)["version"] == 3
+
+
 def _sync_s3_client(opts: dict):
     """A plain (synchronous) botocore client of the same endpoint: usable inside a handler that
     runs on s3fs's event loop, where the async client cannot be called."""
