@@ -34,9 +34,13 @@ def _base_config(config: ConfigLike, section: Optional[str]) -> EngineConfig:
 
 
 def section_of(data: dict, section: Optional[str]) -> dict:
-    """``data[section]`` (an empty dict if missing) or ``data`` itself when no section is given."""
+    """``data[section]`` (an empty dict if it is empty) or ``data`` itself when no section is given. A
+    section the mapping lacks is a ``ConfigError``, as in a YAML file (before 2026-12-07 a misspelt
+    ``config_section`` of a dict meant every default, the step log off: found by an independent check)."""
     if section is None:
         return data
+    if section not in data:
+        raise ConfigError(f"config: no top-level section {section!r} (it has {sorted(map(str, data))})")
     value = data.get(section) or {}
     if not isinstance(value, dict):
         raise ConfigError(f"config section {section!r} must be a mapping")
@@ -55,7 +59,12 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
     ``quantization`` (a list of rule dicts) replaces the config's rules.
     """
     cfg = _base_config(config, config_section)
-    dotted: dict[str, Any] = dict(overrides or {})
+    if overrides:  # checked whole, also a key an explicit argument below sets again
+        overrides = dict(overrides)
+        if "quantization" in overrides:
+            overrides["quantization"] = [_rule_dict(r) for r in overrides["quantization"]]
+        cfg = cfg.replace(**overrides)
+    dotted: dict[str, Any] = {}
     explicit = {"retention.keep_last": keep_last, "saving.asynchronous": asynchronous,
                 "incremental.enabled": incremental, "saving.max_pending": max_pending,
                 "saving.workers": workers, "quantization": quantization}

@@ -51,6 +51,19 @@ def test_config_sources_and_precedence(tmp_path) -> None:
     assert make_io().config == EngineConfig().replace(**{"retention.protect": ("last*.ckpt",)})
     with pytest.raises(ConfigError, match="retention.keep_last"):
         make_io(keep_last=0)
+
+
+def test_a_dict_config_without_the_named_section_or_a_bad_shadowed_override_is_refused() -> None:
+    """A misspelt ``config_section`` of a dict config (an inline ``config:`` in LightningCLI YAML) meant
+    every default (the step log off); a bad ``overrides`` value that an explicit argument shadowed was never
+    checked (found by an independent check). Both are ``ConfigError``s, as in a YAML file."""
+    with pytest.raises(ConfigError, match="no top-level section 'checkpointng' .*'checkpointing'"):
+        make_io({"checkpointing": {"step_log": {"enabled": True}}}, config_section="checkpointng")
+    assert make_io({"checkpointing": {"step_log": {"enabled": True}}},
+                   config_section="checkpointing").config.step_log.enabled
+    assert make_io({"checkpointing": None}, config_section="checkpointing").config.saving.max_pending == 1
+    with pytest.raises(ConfigError, match="max_pending"):
+        make_io(max_pending=2, overrides={"saving.max_pending": "x"})
     with pytest.raises(ConfigError, match="unknown config key"):
         make_io({"savings": {}})
 
