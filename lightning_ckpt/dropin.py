@@ -8,7 +8,10 @@ Lightning reads and checks checkpoint files in four places that never reach a ``
 * ``TorchCheckpointIO.load_checkpoint`` (a Trainer or Fabric *without* the plugin) checks ``fs.exists``,
   then calls the same loader;
 * ``ModelCheckpoint.file_exists`` decides the ``-vN`` names with ``fs.exists``: an asynchronous save is
-  not a file until it commits, so a second save would reuse (overwrite) its name.
+  not a file until it commits, so a second save would reuse (overwrite) its name;
+* ``ModelCheckpoint._link_checkpoint`` (``save_last="link"``) points ``last.ckpt`` at the top-k file
+  just saved: with that save in flight, a kill before its commit left a link to nothing, and
+  ``fit(ckpt_path="last")`` started from scratch.
 
 :func:`install` wraps exactly these, once (it runs when ``lightning_ckpt`` is imported and is
 idempotent), in ``lightning`` and in the standalone ``pytorch_lightning``/``lightning_fabric`` packages
@@ -22,6 +25,10 @@ idempotent), in ``lightning`` and in the standalone ``pytorch_lightning``/``ligh
 * ``TorchCheckpointIO.load_checkpoint``: waits for a save in flight to the path, then runs Lightning's.
 * ``ModelCheckpoint.file_exists``: on global rank 0, a path with a save in flight counts as existing
   (the decision is still reduced across ranks, as Lightning's does); otherwise Lightning's check.
+* ``ModelCheckpoint._link_checkpoint``: when the plugin's save of the target is in flight, the link is
+  swapped (by Lightning's own code) once that save commits, on the engine's thread; until then it keeps
+  pointing at the previous, committed checkpoint; if the save fails it stays so, with a warning. The
+  barrier across ranks runs at once, as Lightning's does.
 * ``LightningCLI._parse_ckpt_path`` (``--ckpt_path FILE`` reads the file's hyper-parameters with a raw
   ``torch.load`` before the Trainer and its plugin exist): during that call its module's ``torch.load``
   reads a checkrun file through checkrun (same ``weights_only``); any other file goes to torch.
@@ -33,8 +40,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import logging
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -50,6 +60,7 @@ from .paths import normalize_path
 
 __all__ = ["install", "uninstall", "installed"]
 
+log = logging.getLogger("lightning_ckpt")
 _ORIGINAL = "__checkrun_original__"
 """Attribute of each wrapper holding the function it replaced (also the idempotency mark)."""
 
@@ -98,6 +109,30 @@ def _wrap_file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
         return original(self, filepath, trainer)
 
     return file_exists
+
+
+def _wrap_link_checkpoint(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def _link_checkpoint(trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
+        plugin = find_plugin(trainer) if trainer.is_global_zero else None
+        handle = plugin.pending_save(filepath) if plugin is not None else None
+        if handle is None:
+            return original(trainer, filepath, linkpath)
+        handle.add_done_callback(lambda h: _relink(original, h, filepath, linkpath))
+        trainer.strategy.barrier()
+        return None
+
+    return _link_checkpoint
+
+
+def _relink(original: Callable[..., None], handle: Any, filepath: str, linkpath: str) -> None:
+    """Lightning's link swap, on global rank 0 alone (no barrier: the ranks passed theirs), once the save of
+    ``filepath`` is done; if it failed, the link keeps pointing at the previous checkpoint."""
+    if handle.failed():
+        log.warning("lightning_ckpt: kept %s as it was: the save of %s, which it was to point at, failed", linkpath, filepath)
+        return
+    alone = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *a, **k: None))
+    original(alone, filepath, linkpath)
 
 
 class _TorchReadingCheckrun:
@@ -170,6 +205,8 @@ def _import_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Cal
                     (torch_io, "pl_load", _wrap_loader), (torch_io.TorchCheckpointIO, "load_checkpoint",
                                                           _wrap_torch_io_load),
                     (checkpoint, "file_exists", _wrap_file_exists)]
+        if hasattr(checkpoint, "_link_checkpoint"):  # save_last="link" (Lightning >= 2.4)
+            targets.append((checkpoint, "_link_checkpoint", _wrap_link_checkpoint))
         cli = getattr(sys.modules.get(f"{pytorch}.cli"), "LightningCLI", None)
         if cli is None:
             try:  # LightningCLI's module imports without jsonargparse (an extra); skip it if it does not
@@ -192,7 +229,7 @@ def install() -> None:
         if wrapper is None:
             wrapper = wrapped[id(current)] = factory(current)
             setattr(wrapper, _ORIGINAL, current)
-        setattr(owner, name, wrapper)
+        setattr(owner, name, staticmethod(wrapper) if _static(owner, name) else wrapper)
 
 
 def uninstall() -> None:
@@ -200,7 +237,11 @@ def uninstall() -> None:
     for owner, name, _ in _targets():
         original = getattr(getattr(owner, name), _ORIGINAL, None)
         if original is not None:
-            setattr(owner, name, original)
+            setattr(owner, name, staticmethod(original) if _static(owner, name) else original)
+
+
+def _static(owner: Any, name: str) -> bool:
+    return isinstance(owner, type) and isinstance(inspect.getattr_static(owner, name), staticmethod)
 
 
 def installed() -> bool:

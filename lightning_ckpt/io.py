@@ -370,8 +370,12 @@ class CheckrunCheckpointIO(CheckpointIO):
 
     def is_pending(self, path: _PATH) -> bool:
         """True while a save to ``path`` started by this plugin is not committed yet."""
+        return self.pending_save(path) is not None
+
+    def pending_save(self, path: _PATH) -> Optional[SaveHandle]:
+        """The handle of this plugin's save to ``path`` while it is not committed (or failed) yet, else None."""
         handle = self._pending.get(path_key(path))
-        return handle is not None and not handle.done()
+        return handle if handle is not None and not handle.done() else None
 
     @property
     def step_log(self) -> Any:

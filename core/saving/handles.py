@@ -1,9 +1,10 @@
 """What a save returns: a handle on the background work and, once committed, its figures."""
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import BackgroundSaveError
 from ..units import fmt_bytes, fmt_percent
@@ -107,6 +108,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._observed = False
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[["SaveHandle"], None]] = []
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save committed or failed (without raising); False on timeout."""
@@ -132,6 +134,15 @@ class SaveHandle:
         assert self._info is not None
         return self._info
 
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        """Call ``fn(handle)`` once the save committed or failed: on the thread that finishes it (the
+        engine's background thread), or at once if it already has. An error ``fn`` raises is logged."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
     def take_error(self) -> BaseException | None:
         """The error if not surfaced yet (marks it surfaced); internal to the engine."""
         with self._lock:
@@ -143,8 +154,19 @@ class SaveHandle:
     def finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
         """Record the outcome (the coordinator, once per save: ``info`` when committed, else ``error``)
         and wake every waiter."""
-        self._info, self._error = info, error
-        self._done.set()
+        with self._lock:
+            self._info, self._error = info, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
+
+
+def _call(fn: Callable[["SaveHandle"], None], handle: "SaveHandle") -> None:
+    try:
+        fn(handle)
+    except Exception:  # noqa: BLE001 - a callback must not fail the engine's thread
+        logging.getLogger("ckpt_core").exception("checkrun: a done-callback of the save to %s failed", handle.path)
 
 
 def pending_error(failed: list[tuple[str, BaseException]], also: list[BaseException] = ()) -> BaseException | None:

@@ -227,6 +227,44 @@ def test_save_last_link(tmp_path) -> None:
     assert start.step == 6 and t.global_step == 8
 
 
+def test_save_last_link_points_at_a_committed_checkpoint_while_the_newest_is_in_flight(tmp_path, monkeypatch) -> None:
+    """``save_last="link"``: Lightning swaps the link to the top-k file it just saved; with that save in flight,
+    a kill before its commit left ``last.ckpt`` pointing at nothing, and ``fit(ckpt_path="last")`` started
+    from scratch although older checkpoints were committed (found by an independent check). The link is
+    swapped once the save commits; until then it points at the previous checkpoint."""
+    from ckpt_core.saving import commit as commit_module
+
+    ckpt_dir = tmp_path / "ckpts"
+    last = ckpt_dir / "last.ckpt"
+    release, seen = threading.Event(), []
+    publish = commit_module.publish_manifest
+
+    def held(store, name, *args, **kwargs):
+        if name == "step=4.ckpt":
+            assert release.wait(120)  # watchdog only
+        return publish(store, name, *args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "publish_manifest", held)
+    plugin = make_io()
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if trainer.global_step == 4 and not seen:  # the save of step 4 is held at its commit
+                seen.append(os.readlink(last))
+                release.set()
+                plugin.wait()
+                seen.append(os.readlink(last))
+
+    mc = ModelCheckpoint(dirpath=str(ckpt_dir), filename="{step}", every_n_train_steps=2, save_top_k=-1,
+                         save_last="link")
+    try:
+        trainer(str(tmp_path), plugin, callbacks=[mc, Look()], max_steps=6).fit(TinyModel())
+    finally:
+        release.set()
+    assert seen == ["step=2.ckpt", "step=4.ckpt"]
+    assert os.readlink(last) == "step=6.ckpt" and plugin.load_checkpoint(str(last))["global_step"] == 6
+
+
 def test_last_on_remote_storage(s3_root, s3_storage_options, monkeypatch) -> None:
     """Lightning's ModelCheckpoint drops the scheme of remote listings, so ``ckpt_path="last"`` on S3
     finds nothing (it warns and starts from scratch); CheckrunModelCheckpoint finds it."""
