@@ -110,20 +110,32 @@ def tensor_digest(tensor: torch.Tensor) -> tuple:
     return ("psum", position_sums(t))
 
 
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer of each (int64) value: pseudo-random, far from linear in its input."""
+    x = (x * 0x9E3779B1) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
 def position_sums(t: torch.Tensor, step: int = 1 << 20) -> tuple[int, ...]:
-    """Per ``step`` 32-bit words of contiguous ``t``: their sum, and their sum weighted by position (int64,
-    wrapping), in one transfer to the host. The weights make a permutation of the words change it (a
-    plain sum, the device digest before 2026-12-07, did not: found by an independent check)."""
+    """Per ``step`` 32-bit words of contiguous ``t``: their sum and two sums weighted by pseudo-random
+    per-position weights (int64, wrapping), in one transfer to the host. A permutation of the words, or
+    changes whose sum is zero, change it but by chance (plain sums, the device digest before
+    2026-12-07, missed every permutation; linear weights, rotations: found by independent checks)."""
     flat = t.reshape(-1).view(torch.uint8)
     aligned = flat.numel() % 4 == 0 and flat.storage_offset() % 4 == 0  # view(int32) needs both
     words = flat.view(torch.int32) if aligned else flat
     if not words.numel():
         return ()
-    weights = torch.arange(1, min(step, words.numel()) + 1, dtype=torch.int64, device=t.device)
+    pos = torch.arange(min(step, words.numel()), dtype=torch.int64, device=t.device)
+    weights = [_mix32(pos + seed) for seed in (0x2545F491, 0x6C8E9CF5)]
     sums = []
     for i in range(0, words.numel(), step):
         part = words[i:i + step].to(torch.int64)
-        sums += [part.sum(), (part * weights[:part.numel()]).sum()]
+        sums += [part.sum(), *((part * w[:part.numel()]).sum() for w in weights)]
     return tuple(torch.stack(sums).tolist())
 
 

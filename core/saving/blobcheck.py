@@ -13,8 +13,7 @@ the first save that reuses a blob reads it, later saves trust the cached result
 each blob it reuses anyway (a stat/HEAD, to see that it exists before its commit), and a blob whose
 size, times, inode or ETag changed since it was checked (rewritten in place, truncated, replaced:
 ``BlobInfo.version``) is read again (``notice``). Blobs the engine wrote itself count as unchecked
-until that first reuse (but for a save repeating the one that wrote them, ``saving/repeat.py``: it commits
-right after that one, which trusted them); blobs a load read and verified count as checked, with the version the next
+until that first reuse; blobs a load read and verified count as checked, with the version the next
 save sees. Reads are bounded by ``load.max_blob_bytes``.
 """
 from __future__ import annotations

@@ -109,9 +109,6 @@ class Hold:
         self.records: dict[str, Any] = {}
         """Once the first of its saves committed: its tensors' records by key (row streams' aside), which
         the saves repeating it reuse instead of encoding the same staging again (``write``)."""
-        self.written: dict[str, Any] = {}
-        """The blobs its committed saves wrote themselves (key -> reference): a repeat's commit trusts them as
-        theirs did, without reading them back (``blobcheck`` reads other reused blobs once per engine)."""
 
     def join(self) -> bool:
         """One more owner; False once they were given back (then nothing changed)."""
@@ -182,8 +179,9 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 #: Fewest JSON elements one stored tensor adds to a manifest: its record with one chunk and its
 #: skeleton leaf (measured: 44 without compression or packs, 57-60 by default); a pickled value: 12.
 MIN_TENSOR_ELEMENTS, MIN_OBJECT_ELEMENTS = 44, 12
-#: Fewest manifest bytes one small tensor adds besides twice its key (record and skeleton): measured
-#: 266-267 with compression and packs off and keys of 1-4 characters, ~350 by default. A state that needs
+#: Fewest manifest bytes one small tensor adds besides its key (its record names it in full; the skeleton
+#: each level's own name, so a long shared prefix counts once): measured 270 with compression and packs off
+#: and keys of 1-4 characters, 311 with 42-character ones, ~350 by default. A state that needs
 #: more than ``MAX_MANIFEST_BYTES`` even at this rate is refused by ``save()`` itself (before 2026-12-07 a
 #: typical 370 bytes were assumed, which refused states of 181k-222k tensors that compression off saves
 #: and loads: found by an independent check). ``commit`` checks the exact manifest.
@@ -197,7 +195,7 @@ def check_manifest_room(tensors: int, objects: int, config: EngineConfig, key_ch
     in ``save()`` instead of after writing every blob (``commit`` checks the exact manifest)."""
     least = MIN_TENSOR_ELEMENTS * tensors + MIN_OBJECT_ELEMENTS * objects
     limit = config.load.max_manifest_elements
-    least_bytes = MIN_TENSOR_BYTES * tensors + 2 * key_chars
+    least_bytes = MIN_TENSOR_BYTES * tensors + key_chars  # each record names its key in full
     if least_bytes > MAX_MANIFEST_BYTES:  # whatever the limit: no setting raises the bytes
         raise FormatError(f"cannot save state: its {tensors} tensors need a manifest of at least "
                           f"{least_bytes >> 20} MiB, more than a manifest may hold ({MAX_MANIFEST_BYTES >> 20} MiB, "

@@ -80,7 +80,6 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
     lease.release()  # the manifest protects the blobs from now on
     writer.adopt(manifest)
     snap.hold.records = {st.key: rec for st, rec in zip(snap.tensors, manifest.tensors) if st.stream is None}
-    snap.hold.written.update(writer.written)
     new = sum(1 for r in manifest.tensors if r.written)
     quantized = [r for r in manifest.tensors if r.quant]
     return Committed(WriteStats.from_manifest(stats), len(data), new, len(manifest.blobs()) - new, len(quantized),

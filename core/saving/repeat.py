@@ -18,8 +18,8 @@ The comparison reads the state once (about a copy's time) and stops at the first
 differs. It is tried only while the previous save to the directory is in flight.
 
 Its background part encodes nothing the save it repeats encoded: once that one committed, its tensor
-records (``Hold.records``) are the repeat's, and the blobs it wrote are trusted as it trusted them
-(``Hold.written``: not read back), so the repeat commits right after it. Before 2026-12-07 every chunk
+records (``Hold.records``) are the repeat's (their blobs are checked as any reused blob: read back once per
+engine, so one damaged in between is written again), so the repeat commits soon after it. Before 2026-12-07 every chunk
 went through the pipeline again (encoded and hashed to find the blobs already there): Lightning's
 ``last.ckpt`` committed seconds after the top-k file on a large state, and a kill in between left
 ``ckpt_path="last"`` the previous one. Only the row-stream tensors are planned (no changed row).

@@ -238,8 +238,7 @@ class SnapshotWriter:
         infos = self.store.map(self.store.blob_info, keys)
         notice(self.dir, infos)  # a checked blob whose stored file changed is read again below
         missing = {k for k, info in zip(keys, infos) if info is None}
-        trusted = self.snap.hold.written  # the repeated save's own blobs: its commit trusted them just now
-        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b and trusted.get(b.key) != b]
+        present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
         matches = check_reused(self.store, self.dir, present, self.max_blob_bytes)
         missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0

@@ -227,7 +227,7 @@ def test_tensors_past_what_any_manifest_holds_are_told_to_group_not_to_raise_the
     root = tmp_path / "run"
     state = {f"t{i}": torch.zeros(1) for i in range(280_000)}
     for config in (None, _config(max_manifest_elements=20_000_000)):  # also where the element limit was raised
-        with pytest.raises(FormatError, match="280000 tensors need a manifest of at least 70 MiB") as info:
+        with pytest.raises(FormatError, match="280000 tensors need a manifest of at least 68 MiB") as info:
             ckpt_core.save(state, root / "x.ckpt", config=config)
         assert "group small tensors" in str(info.value) and "to about" not in str(info.value)
         assert not _blob_files(root)
@@ -236,15 +236,17 @@ def test_tensors_past_what_any_manifest_holds_are_told_to_group_not_to_raise_the
 def test_the_early_manifest_check_refuses_only_states_sure_to_exceed():
     """190k one-element tensors save and load with compression off (a 58.5 MB manifest: ~300 bytes a
     tensor), yet the early check, assuming a typical 370 bytes, refused them (found by an independent
-    check). It now counts the fewest bytes a tensor takes, and the keys' length, which long keys pass."""
+    check). It now counts the fewest bytes a tensor takes and its key, once (counted twice, 75k tensors
+    under a 400-character prefix were refused: a 58 MB manifest; found by the next check)."""
     from ckpt_core.config import coerce_config
     from ckpt_core.saving.capture import check_manifest_room
 
     config = coerce_config(_config(max_manifest_elements=50_000_000))
     check_manifest_room(190_000, 0, config, key_chars=190_000 * 6)
     check_manifest_room(260_000, 0, config, key_chars=260_000 * 2)
+    check_manifest_room(75_000, 0, config, key_chars=75_000 * 405)  # a long shared prefix: 58 MB, it fits
     with pytest.raises(FormatError, match="190000 tensors need a manifest of at least 65 MiB"):
-        check_manifest_room(190_000, 0, config, key_chars=190_000 * 55)  # "model.layers.12.self_attn..." keys
+        check_manifest_room(190_000, 0, config, key_chars=190_000 * 110)
 
 
 def test_an_expanded_tensor_is_refused_before_its_values_take_memory(tmp_path):

@@ -153,6 +153,46 @@ def test_a_repeat_reuses_the_records_of_the_save_it_repeats_instead_of_encoding_
         assert_bit_equal(engine.load(f"{root}/s2.ckpt"), clone(net.state()))
 
 
+def test_a_repeat_reads_back_the_blobs_of_the_save_it_repeats(tmp_path):
+    """A blob the repeated save wrote is damaged between its commit and the repeat's: the repeat, reusing
+    its records, must still read it back (as any reused blob, once per engine) and write it again; a repeat
+    that trusted that save's blobs committed a checkpoint that failed to load (found by an independent check)."""
+    import glob
+
+    base = tmp_path / "run"
+    root = f"faultfile://{base}"
+    state = {"w": torch.randn(256, 256), "b": torch.randn(1000)}
+    with CheckpointEngine(engine_config()) as engine:
+        engine.save({"w": torch.zeros(4)}, f"{root}/s0.ckpt").result()
+        before = set(glob.glob(f"{base}/.checkrun/blobs/**/*", recursive=True))
+        rotted = []
+
+        def rot(info):
+            if info.path.endswith("s1.ckpt"):
+                for path in sorted(set(glob.glob(f"{base}/.checkrun/blobs/**/*", recursive=True)) - before):
+                    if os.path.isfile(path):
+                        with open(path, "r+b") as f:
+                            f.seek(os.path.getsize(path) // 2)
+                            byte = f.read(1)
+                            f.seek(-1, 1)
+                            f.write(bytes([byte[0] ^ 0xFF]))
+                        rotted.append(path)
+
+        engine.add_callback(rot)
+        gate = Gate("close", "manifest", match="s1.ckpt")
+        FaultFS.policy = gate
+        first = engine.save(state, f"{root}/s1.ckpt")
+        assert gate.entered.wait(WATCHDOG)
+        last = engine.save(state, f"{root}/last.ckpt")
+        gate.release()
+        first.result()
+        last.result()
+        FaultFS.reset()
+        assert rotted
+        assert_bit_equal(engine.load(f"{base}/last.ckpt"), state)
+        assert engine.verify(f"{base}/last.ckpt").ok and engine.verify(f"{base}/s1.ckpt").ok  # repaired too
+
+
 def _flat(tree, prefix=""):
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}

@@ -282,3 +282,6 @@ def test_the_device_digest_sees_a_permutation():
     for other in (t.flip(0), swapped, t.flip(1)):
         assert position_sums(other.contiguous(), step=256) != position_sums(t, step=256)
     assert position_sums(torch.arange(7, dtype=torch.uint8)) != position_sums(torch.arange(7, dtype=torch.uint8).flip(0))
+    # linear weights missed a rotation and changes of zero sum and first moment (found by the next check)
+    assert position_sums(torch.tensor([2, 1, 3], dtype=torch.int32)) != position_sums(torch.tensor([1, 3, 2], dtype=torch.int32))
+    assert position_sums(torch.tensor([5, 5, 5], dtype=torch.int32)) != position_sums(torch.tensor([6, 3, 6], dtype=torch.int32))
