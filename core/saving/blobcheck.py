@@ -101,8 +101,8 @@ def notice(dirstate: DirState, infos: Iterable[BlobInfo | None]) -> None:
         if info is None or info.key not in dirstate.verified:
             continue
         seen = dirstate.seen.get(info.key)
-        if isinstance(seen, float):
-            changed = info.mtime >= seen - CLOCK_MARGIN
+        if isinstance(seen, float):  # ctime too: a rewrite that put the mtime back was trusted (independent check)
+            changed = max(info.mtime, info.changed) >= seen - CLOCK_MARGIN
         else:
             changed = seen is not None and seen != info.version
         if changed:

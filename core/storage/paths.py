@@ -42,6 +42,9 @@ class BlobInfo:
     size: int
     mtime: float
     version: tuple = ()
+    changed: float = 0.0
+    """The latest of its modification and (local disks) inode change times: a rewrite in place that puts its
+    mtime back (``cp -p``, ``rsync -a``, ``touch -r``) still moves its ctime."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,12 @@ def mtime(info: dict) -> float:
 
 _VERSION_KEYS = ("mtime", "created", "ino", "LastModified", "ETag", "VersionId", "last_modified",
                  "updated", "modified", "generation", "etag", "md5Hash", "crc32c")
+
+
+def changed(info: dict) -> float:
+    """``BlobInfo.changed`` of an fsspec info dict (the local filesystem reports ctime as ``created``)."""
+    ctime = info.get("created")
+    return max(mtime(info), float(ctime) if isinstance(ctime, (int, float)) else 0.0)
 
 
 def version(info: dict) -> tuple:

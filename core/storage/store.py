@@ -33,7 +33,7 @@ from ..format.dtypes import is_blob_key
 from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
 from .options import options_key
-from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, check_name, display_root, find_shards,
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, display_root, find_shards,
                     in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry, whole
@@ -217,7 +217,7 @@ class Store:
                 return None
             if info.get("type") != "file":
                 return None
-            return BlobInfo(key, int(info.get("size") or 0), mtime(info), version(info))
+            return BlobInfo(key, int(info.get("size") or 0), mtime(info), version(info), changed(info))
 
         return self.retry(stat, f"check blob {self._display(path)}")
 

@@ -208,6 +208,38 @@ def test_a_blob_that_rots_after_a_load_checked_it_is_not_reused(root):
         assert_good(engine, root, "c3.ckpt", state)
 
 
+def test_a_blob_that_a_load_checked_and_that_rots_with_its_mtime_put_back_is_not_reused(tmp_path):
+    """A blob a load read and checked is rewritten in place before the first save, its mtime put back (as
+    ``cp -p`` or ``rsync -a`` do): only the mtime was compared with the load's start, so the save built a
+    row delta on the rotten base and its checkpoint failed to load (found by an independent check). The
+    inode change time (ctime) counts too."""
+    import time
+
+    d = tmp_path / "run"
+    torch.manual_seed(0)
+    state = {"emb": torch.randn(4096, 64), "step": 1}
+    with CheckpointEngine(config()) as engine:
+        engine.save(state, f"{d}/step=1.ckpt").result()
+    old = time.time() - 3600  # resumed an hour later
+    for path in (d / ".checkrun" / "blobs").rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+    with CheckpointEngine(config().replace(**{"load.reference": "inline"})) as engine:
+        live = engine.load(f"{d}/step=1.ckpt")
+        key = max(engine.read_manifest(f"{d}/step=1.ckpt").tensors, key=lambda t: t.nbytes).blobs()[0].key
+        path = d / ".checkrun" / "blobs" / key[:2] / key[2:]
+        before = os.stat(path)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        live["emb"][:5] += 1.0
+        live["step"] = 2
+        engine.save(live, f"{d}/step=2.ckpt").result()
+        assert_good(engine, str(d), "step=2.ckpt", live)
+
+
 def test_a_kept_delta_base_that_rots_after_its_check_is_written_again(root):
     """Row-delta saves keep the base without passing it through the encoder; one that rots after
     the save that checked it must not be kept by the next."""
@@ -253,6 +285,11 @@ def test_each_reused_blob_is_read_once_per_engine(tmp_path, monkeypatch):
         assert reads.during(lambda: engine.save(state, f"{root}/c2.ckpt").result()) == unique
         assert reads.during(lambda: engine.save(state, f"{root}/c3.ckpt").result()) == 0
     age_blobs(root)
+    # utime moved the files' ctime to now, which counts as "changed since the load started" (a rewrite
+    # that puts the mtime back); files written an hour before a resume have an hour-old ctime too
+    from ckpt_core.saving import blobcheck
+
+    monkeypatch.setattr(blobcheck, "CLOCK_MARGIN", -60.0)
     with CheckpointEngine(config()) as engine:
         engine.load(f"{root}/c3.ckpt")  # a load checks every blob: no second read by the save
         assert reads.during(lambda: engine.save(state, f"{root}/c4.ckpt").result()) == 0
