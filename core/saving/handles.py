@@ -109,6 +109,7 @@ class SaveHandle:
         self._observed = False
         self._lock = threading.Lock()
         self._callbacks: list[Callable[["SaveHandle"], None]] = []
+        self._finished = False  # the outcome is recorded (the done-callbacks run before waiters wake)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save committed or failed (without raising); False on timeout."""
@@ -120,7 +121,7 @@ class SaveHandle:
 
     def failed(self) -> bool:
         """True once the save failed (its error is not surfaced by asking: see ``result``)."""
-        return self._done.is_set() and self._error is not None
+        return self._finished and self._error is not None
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Wait for the commit; raise BackgroundSaveError (cause = original) if the save failed.
@@ -136,9 +137,10 @@ class SaveHandle:
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
         """Call ``fn(handle)`` once the save committed or failed: on the thread that finishes it (the
-        engine's background thread), or at once if it already has. An error ``fn`` raises is logged."""
+        engine's background thread), before ``done()`` turns true and waiters wake, or at once if it
+        already has. An error ``fn`` raises is logged."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(fn)
                 return
         _call(fn, self)
@@ -156,10 +158,11 @@ class SaveHandle:
         and wake every waiter."""
         with self._lock:
             self._info, self._error = info, error
-            self._done.set()
+            self._finished = True
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+        for fn in callbacks:  # before done(): what waits for the save sees their effects (a link swapped)
             _call(fn, self)
+        self._done.set()
 
 
 def _call(fn: Callable[["SaveHandle"], None], handle: "SaveHandle") -> None:
