@@ -184,7 +184,7 @@ class SinglePutCommit(CommitStrategy):
             except OSError as exc:
                 if not condition or attempt == CONDITION_ATTEMPTS - 1:
                     raise
-                if _answer(exc) in _UNSUPPORTED:  # a store without conditional writes: as before, with a warning
+                if _answer(exc) in _UNSUPPORTED:  # a store refusing conditional writes: as before, with a warning
                     _LOG.warning("checkrun: %s does not take conditional writes (%s): committing without; a writer "
                                  "paused before its PUT may replace a newer manifest of that name", self._display(path), exc)
                     self._conditional = False
@@ -207,7 +207,8 @@ class SinglePutCommit(CommitStrategy):
 
 #: Conditional PUTs of one manifest tried before a commit gives up (each failed one: another writer's commit).
 CONDITION_ATTEMPTS = 5
-_UNSUPPORTED = ("NotImplemented", "501")
+_UNSUPPORTED = ("NotImplemented", "InvalidArgument", "InvalidRequest", "400", "501")
+"""Answers of S3-compatible stores that do not take ``If-Match``/``If-None-Match`` on a PUT (AWS, MinIO and R2 do)."""
 
 
 def _answer(exc: BaseException) -> str | None:

@@ -418,6 +418,36 @@ def test_s3_a_writer_paused_after_its_fence_check_replaces_no_newer_manifest(s3_
         assert b.load(url)["version"] == 3
 
 
+@pytest.mark.s3
+def test_s3_a_store_without_conditional_puts_still_commits(s3_root, s3_storage_options, caplog):
+    """An S3-compatible store that answers a conditional PUT (``If-Match``/``If-None-Match``) with
+    NotImplemented: the manifest is written without the condition, with a warning, not failed."""
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    fs.connect()
+    refused = []
+
+    def refuse(params, **kwargs):
+        if {"If-Match", "If-None-Match"} & set(params.get("headers", {})):
+            refused.append(params.get("url_path", ""))
+            http = type("Answer", (), {"status_code": 501, "headers": {}})()
+            return http, {"Error": {"Code": "NotImplemented", "Message": "not implemented (test)"},
+                          "ResponseMetadata": {"HTTPStatusCode": 501}}
+        return None
+
+    fs.s3.meta.events.register("before-call.s3.PutObject", refuse)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckpt_core.storage.store"):
+            with CheckpointEngine(_s3_config(opts)) as engine:
+                engine.save(versioned_state(1), f"{s3_root}/last.ckpt").result()
+                engine.save(versioned_state(2), f"{s3_root}/last.ckpt").result()
+                assert engine.load(f"{s3_root}/last.ckpt")["version"] == 2
+    finally:
+        fs.s3.meta.events.unregister("before-call.s3.PutObject", refuse)
+    assert len(refused) == 1  # then remembered: later commits go without the condition
+    assert any("conditional writes" in r.getMessage() for r in caplog.records)
+
+
 def _sync_s3_client(opts: dict):
     """A plain (synchronous) botocore client of the same endpoint: usable inside a handler that
     runs on s3fs's event loop, where the async client cannot be called."""
