@@ -21,6 +21,9 @@ ConfigLike = Union[EngineConfig, dict, str, "os.PathLike[str]", None]
 
 
 def _base_config(config: ConfigLike, section: Optional[str]) -> EngineConfig:
+    if section is not None and (config is None or isinstance(config, EngineConfig)):
+        raise ConfigError(f"config_section {section!r} needs a config to read it from (a dict or a YAML path), "
+                          f"not {'None' if config is None else 'an EngineConfig'}")
     if config is None:
         return EngineConfig()
     if isinstance(config, EngineConfig):

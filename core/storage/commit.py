@@ -188,7 +188,7 @@ class SinglePutCommit(CommitStrategy):
                     _LOG.warning("checkrun: %s does not take conditional writes (%s): committing without; a writer "
                                  "paused before its PUT may replace a newer manifest of that name", self._display(path), exc)
                     self._conditional = False
-                elif _answer(exc) != "PreconditionFailed":
+                elif _answer(exc) not in _CHANGED:
                     raise
             finally:
                 self.fs.invalidate_cache(path)
@@ -201,12 +201,30 @@ class SinglePutCommit(CommitStrategy):
         try:
             etag = self.fs.info(path).get("ETag")
         except FileNotFoundError:
-            return {"IfNoneMatch": "*"}
-        return {"IfMatch": etag} if etag else {}
+            etag = None
+        if not _client_takes_conditions(self.fs):  # an older botocore drops them in silence (s3fs filters kwargs)
+            _LOG.warning("checkrun: this botocore cannot send conditional PUTs (PutObject IfMatch, botocore >= 1.35.x); "
+                         "committing manifests without: a writer paused before its PUT may replace a newer manifest "
+                         "of that name. Upgrade s3fs/aiobotocore/botocore to close that window")
+            self._conditional = False
+            return {}
+        return {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+
+
+def _client_takes_conditions(fs: Any) -> bool:
+    """Whether the s3fs client's botocore knows PutObject's ``IfMatch``/``IfNoneMatch`` (unknown: assume so)."""
+    try:
+        members = fs.s3.meta.service_model.operation_model("PutObject").input_shape.members
+    except Exception:  # noqa: BLE001 - not an s3fs client we can inspect
+        return True
+    return "IfMatch" in members and "IfNoneMatch" in members
 
 
 #: Conditional PUTs of one manifest tried before a commit gives up (each failed one: another writer's commit).
 CONDITION_ATTEMPTS = 5
+_CHANGED = ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "409", "404")
+"""Answers to a conditional PUT that mean the object changed since its ETag was read (412; 409: a racing
+conditional write, which AWS says to retry; 404: deleted meanwhile): the check runs again."""
 _UNSUPPORTED = ("NotImplemented", "InvalidArgument", "InvalidRequest", "400", "501")
 """Answers of S3-compatible stores that do not take ``If-Match``/``If-None-Match`` on a PUT (AWS, MinIO and R2 do)."""
 

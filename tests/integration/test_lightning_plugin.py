@@ -64,6 +64,9 @@ def test_a_dict_config_without_the_named_section_or_a_bad_shadowed_override_is_r
     assert make_io({"checkpointing": None}, config_section="checkpointing").config.saving.max_pending == 1
     with pytest.raises(ConfigError, match="max_pending"):
         make_io(max_pending=2, overrides={"saving.max_pending": "x"})
+    for config in (None, EngineConfig()):  # nothing to read a section from: ignored before (next check)
+        with pytest.raises(ConfigError, match="config_section 'checkpointing' needs a config"):
+            make_io(config, config_section="checkpointing")
     with pytest.raises(ConfigError, match="unknown config key"):
         make_io({"savings": {}})
 

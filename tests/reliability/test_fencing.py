@@ -448,6 +448,36 @@ def test_s3_a_store_without_conditional_puts_still_commits(s3_root, s3_storage_o
     assert any("conditional writes" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("answer", [(409, "ConditionalRequestConflict"), (404, "NoSuchKey")])
+def test_s3_a_conditional_put_answered_conflict_or_gone_is_checked_and_tried_again(s3_root, s3_storage_options,
+                                                                                    answer):
+    """AWS answers a conditional PUT racing another with 409 ConditionalRequestConflict (to be retried), and one
+    whose object was deleted after its ETag was read with 404: both failed the save (found by an independent
+    check); they mean the object changed, so the fence check runs again and the PUT is retried."""
+    opts = s3_fault_options(s3_storage_options)
+    fs = fsspec.filesystem("s3", **opts)
+    fs.connect()
+    status, code = answer
+    answered = []
+
+    def conflict_once(params, **kwargs):
+        if "If-Match" in params.get("headers", {}) and not answered:
+            answered.append(code)
+            http = type("Answer", (), {"status_code": status, "headers": {}})()
+            return http, {"Error": {"Code": code, "Message": f"{code} (test)"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return None
+
+    with CheckpointEngine(_s3_config(opts)) as engine:
+        engine.save(versioned_state(1), f"{s3_root}/last.ckpt").result()
+        fs.s3.meta.events.register("before-call.s3.PutObject", conflict_once)
+        try:
+            engine.save(versioned_state(2), f"{s3_root}/last.ckpt").result()
+        finally:
+            fs.s3.meta.events.unregister("before-call.s3.PutObject", conflict_once)
+        assert answered == [code] and engine.load(f"{s3_root}/last.ckpt")["version"] == 2
+
+
 def _sync_s3_client(opts: dict):
     """A plain (synchronous) botocore client of the same endpoint: usable inside a handler that
     runs on s3fs's event loop, where the async client cannot be called."""
