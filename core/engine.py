@@ -149,13 +149,14 @@ class CheckpointEngine:
         self._coord.release_if_idle()
         return state
 
-    def remove(self, path: PathLike, storage_options: dict | None = None) -> None:
-        """Delete the checkpoint's manifest (waits for a pending save to it). Its blobs that no other
-        manifest references go in the background step of the next save committed in the directory
-        (``retention.gc_after_save``), or at ``gc(directory, full=False)``."""
+    def remove(self, path: PathLike, storage_options: dict | None = None, *, wait: bool = True) -> None:
+        """Delete the checkpoint's manifest (waits for a pending save to it; ``wait=False``: not, e.g. from a
+        ``SaveHandle`` done-callback on the engine's thread). Its blobs that no other manifest references go in
+        the background step of the next save committed there (``retention.gc_after_save``), or at ``gc``."""
         self._check_open()
         store, name = self._store(path, storage_options)
-        self._wait_path(store.url(name))
+        if wait:
+            self._wait_path(store.url(name))
         note_removed(self._dirstate(store), lambda: read_manifest(store, name, self.config).blobs())
         store.delete_manifest(name)
 

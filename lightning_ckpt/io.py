@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Optional, Union
 
@@ -108,6 +109,7 @@ class CheckrunCheckpointIO(CheckpointIO):
             self._save_callbacks: list[Callable[[SaveInfo], None]] = []
         self._pending: dict[str, SaveHandle] = {}
         self._deferred: dict[str, tuple[str, list[SaveHandle]]] = {}
+        self._deferred_lock = threading.Lock()  # the training thread and the engine's (_remove_on_commit)
         """Removals waiting for the saves in flight in their directory: path key -> (url, those saves)."""
         self._save_steps: dict[str, Optional[int]] = {}
         self._removed_dirs: set[str] = set()
@@ -241,7 +243,7 @@ class CheckrunCheckpointIO(CheckpointIO):
 
         ``ModelCheckpoint`` removes a checkpoint right after saving the one that replaces it. While a
         save to the same directory is in flight, the removal waits for it: it is made once those saves
-        committed (at the plugin's next save, removal, ``wait`` or ``teardown``), and dropped, keeping
+        committed (as the last of them commits, on the engine's thread), and dropped, keeping
         the checkpoint, if one of them failed; so a failed background save never costs the checkpoint it
         was to replace (as with ``TorchCheckpointIO``, whose failing ``torch.save`` raises before the
         removal). A new save to ``path`` cancels a removal still waiting.
@@ -262,7 +264,10 @@ class CheckrunCheckpointIO(CheckpointIO):
         saves = [h for k, h in self._pending.items()
                  if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
         if saves and checkpoint_kind(url) == "regular":
-            self._deferred[key] = (url, saves)
+            with self._deferred_lock:
+                self._deferred[key] = (url, saves)
+            for handle in saves:  # the last of them to finish makes it, on the engine's thread
+                handle.add_done_callback(lambda h, key=key: self._remove_on_commit(key, h))
             if self._exit_pid != os.getpid():  # a process that ends without teardown still makes it
                 lifecycle.register_owner(self._close_at_exit)
                 self._exit_pid = os.getpid()
@@ -281,12 +286,42 @@ class CheckrunCheckpointIO(CheckpointIO):
                 continue
             failed = next((handle.path for handle in saves if handle.failed()), None)
             if failed is not None:
-                del self._deferred[key]
+                self._deferred.pop(key, None)
                 log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed",
                             url, failed)
                 continue
             self._remove_now(url)  # dropped only once done: an error or ^C in it leaves it to the next call
             self._deferred.pop(key, None)
+
+    def _remove_on_commit(self, key: str, finishing: SaveHandle) -> None:
+        """The engine's thread, as a save a waiting removal waits for finishes: once all of them did, the
+        removal is made now, not at the plugin's next call (a kill in between left the old top-k file for
+        good, one per kill; found by an independent kill/resume loop); dropped if one failed. If it fails
+        it stays waiting, for the plugin's next call (unless a new save to the path came meanwhile)."""
+        with self._deferred_lock:
+            entry = self._deferred.get(key)
+            if entry is None or not all(h is finishing or h.done() for h in entry[1]):
+                return  # cancelled by a new save to the path, made already, or a later save makes it
+            del self._deferred[key]
+            mine = self._pending.get(key)
+        url, saves = entry
+        failed = next((h.path for h in saves if h.failed()), None)
+        if failed is not None:
+            log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed", url, failed)
+            return
+        try:
+            self._engine_for(url).remove(url, wait=False)
+        except (CheckpointNotFoundError, FileNotFoundError):
+            return
+        except BaseException as exc:  # noqa: BLE001 - the engine's thread: left to the plugin's next call
+            log.warning("lightning_ckpt: could not remove %s after the save it waited for (%s); trying again at "
+                        "the next call", url, exc)
+            with self._deferred_lock:
+                if self._pending.get(key) is mine:  # no new save to that path since
+                    self._deferred.setdefault(key, entry)
+            return
+        self._pending.pop(key, None)
+        self._removed_dirs.add(parent_dir(url))
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, before the engines are flushed: the removals still waiting (a ddp_spawn
@@ -448,7 +483,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         state = self.__dict__.copy()
         state.update(_engine=None, _lossless=None, _save_callbacks=[], _pending={}, _deferred={}, _save_steps={},
                      _removed_dirs=set(), _fresh_meta=set(), _steplog=LightningStepLog() if self._steplog is not None else None)
+        del state["_deferred_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._deferred_lock = threading.Lock()
 
 
 def _meta_dir(url: str) -> str:

@@ -168,7 +168,7 @@ class SaveHandle:
 def _call(fn: Callable[["SaveHandle"], None], handle: "SaveHandle") -> None:
     try:
         fn(handle)
-    except Exception:  # noqa: BLE001 - a callback must not fail the engine's thread
+    except BaseException:  # noqa: BLE001 - a callback must not end the engine's thread (waiters would hang)
         logging.getLogger("ckpt_core").exception("checkrun: a done-callback of the save to %s failed", handle.path)
 
 

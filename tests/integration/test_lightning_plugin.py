@@ -309,6 +309,8 @@ def test_a_deferred_removal_interrupted_midway_is_made_at_the_next_call(tmp_path
     an independent check: 4 top-k files kept with save_top_k=2). It stays waiting until made."""
     import threading
 
+    from ckpt_core import CheckrunError
+
     gate = threading.Event()
     FaultyFS.reset()
     FaultyFS.gate = gate
@@ -321,16 +323,18 @@ def test_a_deferred_removal_interrupted_midway_is_made_at_the_next_call(tmp_path
         gate.clear()
         plugin.save_checkpoint({"w": torch.full((3,), 2.0)}, f"{d}/b.ckpt")  # held at the gate
         plugin.remove_checkpoint(f"{d}/a.ckpt")  # waits for b's save
-        gate.set()
         real, calls = plugin.engine.remove, []
 
-        def remove(url, *args, **kwargs):
+        def remove(url, *args, wait=True, **kwargs):
+            if not wait:  # the attempt on the engine's thread as b commits fails: it stays waiting
+                raise CheckrunError("injected: the storage failed")
             calls.append(url)
             if len(calls) == 1:
                 raise KeyboardInterrupt
             return real(url, *args, **kwargs)
 
         plugin.engine.remove = remove
+        gate.set()
         with pytest.raises(KeyboardInterrupt):
             plugin.wait()
         plugin.wait()

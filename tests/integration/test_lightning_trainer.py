@@ -265,6 +265,44 @@ def test_save_last_link_points_at_a_committed_checkpoint_while_the_newest_is_in_
     assert os.readlink(last) == "step=6.ckpt" and plugin.load_checkpoint(str(last))["global_step"] == 6
 
 
+def test_a_removal_waiting_for_a_save_is_made_when_that_save_commits(tmp_path, monkeypatch) -> None:
+    """``ModelCheckpoint`` removes the old top-k file right after saving the new one; with that save in flight the
+    removal waited for the plugin's next call (the next save), so a kill in between, nearly any kill, left the old
+    file for good: one extra file per kill (found by an independent kill/resume loop). It is made as the save
+    commits, on the engine's thread."""
+    from ckpt_core.saving import commit as commit_module
+
+    ckpt_dir = tmp_path / "ckpts"
+    release, seen = threading.Event(), []
+    publish = commit_module.publish_manifest
+
+    def held(store, name, *args, **kwargs):
+        if name == "step=4.ckpt":
+            assert release.wait(120)  # watchdog only
+        return publish(store, name, *args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "publish_manifest", held)
+    plugin = make_io()
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if trainer.global_step == 4 and not seen:  # step=4 held at its commit; step=2's removal waits
+                seen.append((ckpt_dir / "step=2.ckpt").exists())
+                handle = plugin.pending_save(str(ckpt_dir / "step=4.ckpt"))
+                release.set()
+                handle.wait()  # no call into the plugin: the removal is the engine thread's
+                seen.append((ckpt_dir / "step=2.ckpt").exists())
+
+    mc = ModelCheckpoint(dirpath=str(ckpt_dir), filename="{step}", every_n_train_steps=2, save_top_k=1,
+                         monitor="step", mode="max")
+    try:
+        trainer(str(tmp_path), plugin, callbacks=[mc, Look()], max_steps=6).fit(TinyModel())
+    finally:
+        release.set()
+    assert seen == [True, False]
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["step=6.ckpt"]
+
+
 def test_last_on_remote_storage(s3_root, s3_storage_options, monkeypatch) -> None:
     """Lightning's ModelCheckpoint drops the scheme of remote listings, so ``ckpt_path="last"`` on S3
     finds nothing (it warns and starts from scratch); CheckrunModelCheckpoint finds it."""
