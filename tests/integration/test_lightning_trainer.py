@@ -227,24 +227,29 @@ def test_save_last_link(tmp_path) -> None:
     assert start.step == 6 and t.global_step == 8
 
 
+def _hold_commit(monkeypatch, held_name: str) -> threading.Event:
+    """Hold the manifest commit of ``held_name`` until the returned event is set."""
+    from ckpt_core.saving import commit as commit_module
+
+    release, publish = threading.Event(), commit_module.publish_manifest
+
+    def held(store, name, *args, **kwargs):
+        if name == held_name:
+            assert release.wait(120)  # watchdog only
+        return publish(store, name, *args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "publish_manifest", held)
+    return release
+
+
 def test_save_last_link_points_at_a_committed_checkpoint_while_the_newest_is_in_flight(tmp_path, monkeypatch) -> None:
     """``save_last="link"``: Lightning swaps the link to the top-k file it just saved; with that save in flight,
     a kill before its commit left ``last.ckpt`` pointing at nothing, and ``fit(ckpt_path="last")`` started
     from scratch although older checkpoints were committed (found by an independent check). The link is
     swapped once the save commits; until then it points at the previous checkpoint."""
-    from ckpt_core.saving import commit as commit_module
-
     ckpt_dir = tmp_path / "ckpts"
     last = ckpt_dir / "last.ckpt"
-    release, seen = threading.Event(), []
-    publish = commit_module.publish_manifest
-
-    def held(store, name, *args, **kwargs):
-        if name == "step=4.ckpt":
-            assert release.wait(120)  # watchdog only
-        return publish(store, name, *args, **kwargs)
-
-    monkeypatch.setattr(commit_module, "publish_manifest", held)
+    release, seen = _hold_commit(monkeypatch, "step=4.ckpt"), []
     plugin = make_io()
 
     class Look(Callback):
@@ -270,18 +275,8 @@ def test_a_removal_waiting_for_a_save_is_made_when_that_save_commits(tmp_path, m
     removal waited for the plugin's next call (the next save), so a kill in between, nearly any kill, left the old
     file for good: one extra file per kill (found by an independent kill/resume loop). It is made as the save
     commits, on the engine's thread."""
-    from ckpt_core.saving import commit as commit_module
-
     ckpt_dir = tmp_path / "ckpts"
-    release, seen = threading.Event(), []
-    publish = commit_module.publish_manifest
-
-    def held(store, name, *args, **kwargs):
-        if name == "step=4.ckpt":
-            assert release.wait(120)  # watchdog only
-        return publish(store, name, *args, **kwargs)
-
-    monkeypatch.setattr(commit_module, "publish_manifest", held)
+    release, seen = _hold_commit(monkeypatch, "step=4.ckpt"), []
     plugin = make_io()
 
     class Look(Callback):
