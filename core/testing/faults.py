@@ -220,7 +220,9 @@ class Transient(Policy):
 
     The n-th call on one path (temp names folded to their final name) fails when
     ``uniform(seed, op, path, n) < fraction`` and at most ``max_per_path`` times, so every
-    operation succeeds within the engine's retry budget whatever the thread schedule.
+    operation succeeds within the engine's retry budget whatever the thread schedule. The stats a
+    listing makes of its entries count against the listing (its directory), not each entry: one
+    listing fails at most ``max_per_path`` times however many files it finds.
     """
 
     def __init__(self, fraction: float, ops: tuple = ("open", "close", "read", "info", "stat", "delete", "list"),
@@ -234,7 +236,8 @@ class Transient(Policy):
     def on(self, op: str, kind: str, path: str) -> None:
         if op not in self.ops:
             return
-        group = (op, group_of(path))
+        # A listing stats every entry it finds: those stats share the listing's budget (one retried call).
+        group = ("list", path.rpartition("/")[0]) if op == "stat" else (op, group_of(path))
         with self._lock:
             self.calls[op] += 1
             n = self._per_path[group]
