@@ -216,16 +216,19 @@ def cmd_ls(ctx: Context) -> int:
         _verify_rows(ctx, rows)
         totals["checkpoints"] = len(rows)
         totals["corrupt"] = sum(1 for r in rows if r["status"] != "committed")
-    code = EXIT_PROBLEM if totals["corrupt"] else EXIT_OK
+    links = ctx.links(args.directory)
+    totals["dangling_links"] = sum(1 for k in links if not k["ok"])
+    code = EXIT_PROBLEM if totals["corrupt"] or totals["dangling_links"] else EXIT_OK
     step_log = logged_after(ctx, args.directory, rows)
     if ctx.json:
-        out = {"directory": args.directory, "checkpoints": rows, "totals": totals}
+        out = {"directory": args.directory, "checkpoints": rows, "totals": totals, "links": links}
         if step_log is not None:
             out["step_log"] = step_log
         emit_json(out)
         return code
     if not rows:
         print(f"no checkrun checkpoints in {safe(args.directory)}")
+        _print_links(links)
         return code
     body = []
     for r in rows:
@@ -238,6 +241,7 @@ def cmd_ls(ctx: Context) -> int:
         body.append([r["name"], human_time(r["created"]), r.get("step"), r.get("epoch"), *sizes,
                      r.get("chain_depth"), kind, r["status"]])
     print(table(HEADERS, body, right=(2, 3, 4, 5, 6, 7, 8)))
+    _print_links(links)
     if step_log is not None:
         _print_logged(rows, step_log)
     for r in rows:
@@ -252,6 +256,15 @@ HEADERS = ["NAME", "CREATED", "STEP", "EPOCH", "TENSORS", "WROTE", "REFERENCED",
            "STATUS"]
 """TENSORS: tensor bytes; WROTE: written by the save that made the checkpoint; REFERENCED: bytes of
 the blobs it references; UNIQUE: of those, the blobs no other checkpoint here references."""
+
+
+def _print_links(links: list[dict]) -> None:
+    """Symbolic links (``last.ckpt`` of ``save_last="link"``): where each points; one that points at nothing."""
+    if links:
+        print()
+    for k in links:
+        gone = "" if k["ok"] else "  (dangling: it does not exist)"
+        print(safe(f"{k['name']} -> {k['target']}{gone}"))
 
 
 def _print_logged(rows: list[dict], step_log: dict) -> None:
@@ -272,7 +285,8 @@ def _print_totals(t: dict) -> None:
                else f"{human_size(unref)} in {t['unreferenced_blobs']} blob(s)"
                + (f" and {t['temp_files']} temp file(s) of interrupted writes" if t["temp_files"] else ""))
     less = f" ({fmt_less(t['logical_bytes'], t['used_bytes'])} than the tensor bytes)" if t["dedup_ratio"] else ""
-    print(f"\n{t['checkpoints']} checkpoint(s), {t['corrupt']} corrupt")
+    dangling = f", {t['dangling_links']} dangling link(s)" if t["dangling_links"] else ""
+    print(f"\n{t['checkpoints']} checkpoint(s), {t['corrupt']} corrupt{dangling}")
     print(f"tensor bytes  {human_size(t['logical_bytes'])}  (all checkpoints: what full uncompressed saves hold)")
     print(f"stored        {human_size(t['used_bytes'])} in the directory{less}:")
     print(f"              referenced blobs {human_size(t['blob_bytes'])} + manifests "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .composite import folders, open_view, verify_view
 from .steplog import print_log_report, verify_log
-from .util import EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, human_size, log, one_line, safe
+from .util import (
+    EXIT_OK, EXIT_PROBLEM, Context, CliError, dangling, emit_json, human_size, log, one_line, safe)
 from ..format.composite import INDEX_NAME, PARTS_DIR, join
 from ..retain.composites import Composites
 from ..errors import CheckrunError
@@ -38,6 +39,10 @@ def _targets(ctx: Context, path: str) -> tuple[bool, list[dict]]:
     for f in folders(ctx, path):
         url = f"{base}/{f.name}/{INDEX_NAME}"
         out.append({"url": url, "error": f.error, "stored": _stored(ctx, url) if f.error is None else 0})
+    for k in ctx.links(path):  # a link to a checkpoint is checked as its target; one to nothing is a problem
+        if not k["ok"]:
+            url = f"{base}/{k['name']}"
+            out.append({"url": url, "error": f"{url}: {dangling(url)}", "stored": 0})
     return True, out
 
 

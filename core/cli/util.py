@@ -15,11 +15,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import units as _units
+from ..storage.paths import is_local_fs
 from ..storage.retry import call_with_retry
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("ckpt_core.cli")
+
+
+def dangling(path: str) -> str:
+    """What is wrong with a symbolic link that points at nothing (the message names its target)."""
+    return f"a symbolic link to {os.readlink(path)}, which does not exist (its checkpoint is gone)"
 
 
 class CliError(Exception):
@@ -105,10 +111,29 @@ class Context:
             info = call_with_retry(lambda: fs.info(path), config=self.engine.config.storage.retry,
                                    what=f"look at {url}")
         except FileNotFoundError:
+            if is_local_fs(fs) and os.path.islink(path):  # save_last="link" left pointing at nothing
+                raise CliError(f"{url}: {dangling(path)}") from None
             return "missing"
         except OSError as exc:
             raise CliError(f"{url}: {exc}") from None
         return "dir" if info.get("type") == "directory" else "file"
+
+    def links(self, directory: str) -> list[dict]:
+        """The symbolic links to files in a local ``directory`` (Lightning's ``save_last="link"``
+        makes ``last.ckpt`` one), by name: ``{"name", "target", "ok"}``, ``ok`` False when the link
+        points at nothing. Other storage has no links: empty."""
+        fs, path = self.fs(directory)
+        if not is_local_fs(fs):
+            return []
+        out = []
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            return []
+        for e in entries:
+            if e.is_symlink() and not e.name.startswith(".") and not os.path.isdir(e.path):
+                out.append({"name": e.name, "target": os.readlink(e.path), "ok": os.path.isfile(e.path)})
+        return out
 
     def checkpoint(self, url: str) -> str:
         """Resolve CKPT arguments: a checkpoint file, a checkpoint folder's index, or a directory's

@@ -218,6 +218,27 @@ def test_verify_local_intact_then_corrupt(capsys, local_run):
     assert code == 1 and "broken.ckpt" in err and "truncated" in err and err.count("\n") == 1
 
 
+def test_ls_and_verify_show_links_and_report_one_that_points_at_nothing(capsys, local_run):
+    """Lightning's save_last="link" makes last.ckpt a symbolic link: ls did not show it, and a link left
+    pointing at a removed checkpoint (ckpt_path="last" then fails) passed verify unseen."""
+    root, _ = local_run
+    os.symlink("step=2.ckpt", f"{root}/last.ckpt")
+    code, data = run_json(capsys, "ls", root)
+    assert code == 0 and data["links"] == [{"name": "last.ckpt", "target": "step=2.ckpt", "ok": True}]
+    assert "last.ckpt -> step=2.ckpt" in run(capsys, "ls", root)[1]
+    assert run(capsys, "verify", root)[1].count("OK ") == 3  # the link's target is checked once
+    os.symlink("gone.ckpt", f"{root}/last-v1.ckpt")
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 1 and "last-v1.ckpt -> gone.ckpt  (dangling" in out and "1 dangling link(s)" in out
+    code, data = run_json(capsys, "verify", root)
+    bad = [r for r in data["checkpoints"] if not r["ok"]]
+    assert code == 1 and [Path(r["path"]).name for r in bad] == ["last-v1.ckpt"]
+    assert "symbolic link to gone.ckpt, which does not exist" in bad[0]["problems"][0]
+    for cmd in ("verify", "inspect", "ls"):
+        code, _, err = run(capsys, cmd, f"{root}/last-v1.ckpt")
+        assert code == 1 and "last-v1.ckpt: a symbolic link to gone.ckpt, which does not exist" in err
+
+
 def test_verify_of_a_directory_checks_each_shared_blob_and_tensor_once(capsys, tmp_path, monkeypatch):
     """Incremental checkpoints share most blobs: ``verify DIR`` read each shared blob once per
     checkpoint (an independent check: 40,000 blob reads for 399 distinct blobs) and decoded each
