@@ -9,7 +9,11 @@ CPU, a checkpoint every 10 steps: the fit's wall time, each save's blocking time
 long after the top-k file ``last.ckpt`` commits (the commit callbacks' times: a kill in between leaves
 ``ckpt_path="last"`` the previous one).
 
-Run: ``python -m benchmarks.bench_save_last [--steps 50] [--every 10]``.
+``--s3`` saves to a moto S3 server started on 127.0.0.1 (``save_last`` False and True: links are local
+only), where each request is a round trip; ``--features`` sizes the layer (``Linear(2048, features)``;
+a smaller one suits moto, which holds every object in its memory).
+
+Run: ``python -m benchmarks.bench_save_last [--steps 50] [--every 10] [--s3] [--features 8192]``.
 """
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ from benchmarks.common import machine_header, table
 
 
 class _Net(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, features: int = 8192) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(2048, 8192)
+        self.layer = torch.nn.Linear(2048, features)
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch).square().mean()
@@ -40,21 +44,23 @@ class _Net(LightningModule):
         return torch.utils.data.DataLoader(torch.randn(1024, 2048), batch_size=8)
 
 
-def run(save_last, steps: int, every: int) -> dict:
+def run(save_last, steps: int, every: int, features: int = 8192, s3: dict | None = None) -> dict:
     """One fit; its wall seconds, the blocking milliseconds of the top-k and of the last saves, and the
-    milliseconds from each top-k commit to the next ``last.ckpt`` commit."""
+    milliseconds from each top-k commit to the next ``last.ckpt`` commit. ``s3``: ``{"root", "options"}``
+    of a bucket to save into instead of a temporary directory."""
     from lightning_ckpt import CheckrunCheckpointIO
 
     torch.manual_seed(0)
-    io = CheckrunCheckpointIO()
+    io = CheckrunCheckpointIO(storage_options=s3["options"] if s3 else None)
     infos: list = []
     io.add_save_callback(lambda info: infos.append((info, time.perf_counter())))
     with tempfile.TemporaryDirectory() as d:
+        where = f"{s3['root']}/{save_last}-{time.time_ns()}" if s3 else d
         trainer = Trainer(max_steps=steps, plugins=[io], logger=False, enable_progress_bar=False,
                           enable_model_summary=False, accelerator="cpu",
-                          callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=every, save_last=save_last)])
+                          callbacks=[ModelCheckpoint(dirpath=where, every_n_train_steps=every, save_last=save_last)])
         t0 = time.perf_counter()
-        trainer.fit(_Net())
+        trainer.fit(_Net(features))
         wall = time.perf_counter() - t0
     is_last = [i.path.rsplit("/", 1)[-1].startswith("last") for i, _ in infos]
     last = [1e3 * i.blocking_seconds for (i, _), lst in zip(infos, is_last) if lst]
@@ -71,16 +77,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--s3", action="store_true", help="save to a moto S3 server on 127.0.0.1")
+    ap.add_argument("--features", type=int, default=8192, help="the layer is Linear(2048, features)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
-    for setting in (False, True, "link"):
-        r = run(setting, args.steps, args.every)
+    s3 = _moto() if args.s3 else None
+    for setting in (False, True) if s3 else (False, True, "link"):
+        r = run(setting, args.steps, args.every, args.features, s3)
         rows.append([repr(setting), f"{r['fit_s']:.2f}", _cell(r["topk_ms"]), _cell(r["last_ms"]), _cell(r["gap_ms"])])
-    print(machine_header("ModelCheckpoint(save_last=...) with CheckrunCheckpointIO") + "\n")
+    where = "moto S3 on 127.0.0.1" if s3 else "local disk"
+    print(machine_header(f"ModelCheckpoint(save_last=...) with CheckrunCheckpointIO, {where}, "
+                         f"Linear(2048, {args.features}) + Adam") + "\n")
     print(table(["save_last", "fit s", "top-k save blocking ms", "last.ckpt save blocking ms",
                  "last.ckpt commits after the top-k, ms"], rows))
     return 0
+
+
+def _moto() -> dict:
+    """A moto S3 server on 127.0.0.1 with one bucket, also made fsspec's default for ``s3://`` (Lightning's
+    own file operations, such as ModelCheckpoint's, open it without options)."""
+    import fsspec.config
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server._server.server_port}"},
+               "key": "bench", "secret": "bench"}
+    fsspec.config.conf["s3"] = dict(options)
+    s3fs.S3FileSystem(**options).mkdir("bench-save-last")
+    return {"root": "s3://bench-save-last", "options": options}
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ log = logging.getLogger("ckpt_core")
 class StoredBlob:
     """The stored bytes of one blob, read at most once and only when first asked for."""
 
-    def __init__(self, store: Store, key: str, max_bytes: int) -> None:
+    def __init__(self, store: Store, key: str, max_bytes: int, info: BlobInfo | None = None) -> None:
         self.store, self.key, self.max_bytes = store, key, max_bytes
+        self._info = info  # a look taken just before (the save's existence check): not taken again
         self._read = False
         self._data: bytes | None = None
         self.version: tuple | None = None
@@ -50,7 +51,7 @@ class StoredBlob:
         (either way it has to be written)."""
         if not self._read:
             self._read = True
-            info = self.store.blob_info(self.key)
+            info = self._info or self.store.blob_info(self.key)
             try:
                 self._data = None if info is None else self.store.get_blob(self.key, self.max_bytes)
             except CorruptCheckpointError:
@@ -146,12 +147,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def check_reused(store: Store, dirstate: DirState, refs: list[BlobRef], max_bytes: int) -> list[bool]:
+def check_reused(store: Store, dirstate: DirState, refs: list[BlobRef], max_bytes: int,
+                 infos: dict[str, BlobInfo] | None = None) -> list[bool]:
     """For references a save keeps without passing them through its encoder (the base and older
     deltas of a row-delta save): whether each stored blob matches. Unchecked ones are read in
-    parallel on the store's io threads (``Store.map``)."""
+    parallel on the store's io threads (``Store.map``). ``infos``: the save's look at them just
+    before (key -> ``BlobInfo``), whose version a read records instead of looking again."""
     def check(ref: BlobRef) -> bool:
-        return trusted(dirstate, ref, StoredBlob(store, ref.key, max_bytes))
+        return trusted(dirstate, ref, StoredBlob(store, ref.key, max_bytes, (infos or {}).get(ref.key)))
 
     todo = [r for r in refs if dirstate.verified.get(r.key) != r]
     bad = {r for r, ok in zip(todo, store.map(check, todo, cost=lambda r: r.size)) if not ok}

@@ -239,7 +239,8 @@ class SnapshotWriter:
         notice(self.dir, infos)  # a checked blob whose stored file changed is read again below
         missing = {k for k, info in zip(keys, infos) if info is None}
         present = [b for b in reused if b.key not in missing and self.written.get(b.key) != b]
-        matches = check_reused(self.store, self.dir, present, self.max_blob_bytes)
+        matches = check_reused(self.store, self.dir, present, self.max_blob_bytes,
+                               {k: info for k, info in zip(keys, infos) if info is not None})
         missing.update(b.key for b, ok in zip(present, matches) if not ok)
         extra = 0
         for i, st in enumerate(self.snap.tensors):

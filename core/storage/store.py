@@ -68,6 +68,7 @@ class Store:
         self.config = config
         self.url_prefix = url_prefix
         self.is_local = is_local_fs(fs)
+        self._groups = self.is_local or in_process_only(fs)  # map(cost=) groups calls (no requests)
         self._plain_local = type(fs) is LocalFileSystem  # not a wrapper or subclass (tests inject faults so)
         self.pool = IOPool(config.io_threads)
         self._display_root = display_root(fs, self.root, url_prefix)
@@ -367,11 +368,12 @@ class Store:
         running ones are waited for, then the exception of the first failed item is raised.
         Called from inside ``fn`` (a pool thread) it runs inline, so nesting cannot deadlock.
 
-        With ``cost`` (an item's size in bytes, say), consecutive items are grouped into pool
-        tasks of at least ``pool.BATCH_COST`` each: handing a task to a pool thread and the GIL
-        switches around it cost more than reading and decoding a blob of a few KB.
+        With ``cost`` (an item's size in bytes, say), consecutive items of a local (or in-memory)
+        store are grouped into pool tasks of at least ``pool.BATCH_COST`` each: handing a task over
+        costs more than reading a blob of a few KB. Elsewhere a call is a request whose round trip
+        outweighs that: each item is a task (grouped, S3 reads ran one after another).
         """
-        return self.pool.map(fn, items, cost)
+        return self.pool.map(fn, items, cost if self._groups else None)
 
     @property
     def _pool(self) -> Optional[ThreadPoolExecutor]:
