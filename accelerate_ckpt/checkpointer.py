@@ -119,6 +119,7 @@ class AcceleratorCheckpointer:
             return
         self._start(accelerator)
         lifecycle.register_owner(self._close_at_exit)  # at exit, before the engines it commits with
+        lifecycle.register_busy(self._uncommitted)  # the SIGTERM grace waits for the indexes too
         # an Accelerator dropped without end_training() (a trial function that returns, a notebook cell
         # run again): its pending checkpoints commit and the engines' threads and memory go
         weakref.finalize(accelerator, _closer, self, os.getpid()).atexit = False  # at exit: the exit hook above
@@ -672,6 +673,11 @@ class AcceleratorCheckpointer:
         path = None if path == "latest" else path
         type(self.accelerator).load_state(self.accelerator, path, load_kwargs=load_kwargs or None, **model_kwargs)
         return str(path)
+
+    def _uncommitted(self) -> int:
+        """Checkpoints of this checkpointer not committed yet (lock-free, for the SIGTERM handler)."""
+        group = getattr(self, "_group", None)
+        return group.pending_unlocked() if group is not None else 0
 
     def _close_at_exit(self) -> None:
         try:

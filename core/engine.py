@@ -96,7 +96,8 @@ class CheckpointEngine:
             except BaseException:
                 self._coord.release_slot()
                 raise
-        job = Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started, slot, self)
+        job = Job(snap, store, name, handle, dirstate, started, time.perf_counter() - started, slot, self,
+                  None if slot else dirstate.leader[0])  # a repeat's leader (replaced below)
         dirstate.last, dirstate.leader = handle, (handle, weakref.ref(snap))  # the job owns the snapshot
         for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: mark this save's position
             steplog.on_save(store, name, snap.stamp)

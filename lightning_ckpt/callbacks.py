@@ -43,6 +43,13 @@ def in_flight(filepath: _PATH, trainer: "pl.Trainer") -> bool:
     return save_in_flight(normalize_path(filepath), storage_options=options or None)
 
 
+def removal_waiting(filepath: _PATH, trainer: "pl.Trainer") -> bool:
+    """Whether the trainer's ``CheckrunCheckpointIO`` holds a removal of ``filepath`` waiting for saves in
+    flight: ``ModelCheckpoint`` removed it, so its name is free (stock's file would be gone)."""
+    plugin = find_plugin(trainer)
+    return plugin is not None and plugin.removal_waiting(filepath)
+
+
 class CheckpointMetrics(Callback):
     """Log each checkpoint save's figures to the Trainer's loggers.
 
@@ -155,13 +162,14 @@ class CheckrunModelCheckpoint(ModelCheckpoint):
             check_strategy(trainer.strategy)
 
     def file_exists(self, filepath: _PATH, trainer: "pl.Trainer") -> bool:
-        """True if ``filepath`` exists or a save to it is in flight (decided on rank 0, shared by all)."""
+        """True if ``filepath`` exists or a save to it is in flight, not if its removal waits for saves in
+        flight (decided on rank 0, shared by all)."""
         local = False
         if trainer.is_global_zero:
             pending = in_flight(filepath, trainer)
             if not pending:
                 self._fs.invalidate_cache(str(filepath))  # s3fs answers exists() from stale listings
-            local = pending or self._fs.exists(filepath)
+            local = not removal_waiting(filepath, trainer) and (pending or self._fs.exists(filepath))
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     def _find_last_checkpoints(self, trainer: "pl.Trainer") -> set[str]:

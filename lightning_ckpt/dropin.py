@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckpt_core import wait_for_save
 
-from .callbacks import find_plugin, in_flight
+from .callbacks import find_plugin, in_flight, removal_waiting
 from .loading import is_checkrun_file, load_checkpoint_dict
 from .paths import normalize_path
 
@@ -98,8 +98,12 @@ def _wrap_torch_io_load(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_file_exists(original: Callable[..., bool]) -> Callable[..., bool]:
     @functools.wraps(original)
     def file_exists(self: ModelCheckpoint, filepath: _PATH, trainer: "pl.Trainer") -> bool:
+        if trainer.is_global_zero and removal_waiting(filepath, trainer):
+            # removed by ModelCheckpoint, the file (or its save) still there until the saves the removal waits
+            # for commit: its name is free, as stock's would be (else "-v1" names depended on timing: an
+            # independent check). Same collective as Lightning's own check: the other ranks reduce theirs.
+            return trainer.strategy.reduce_boolean_decision(False, all=False)
         if trainer.is_global_zero and in_flight(filepath, trainer):
-            # Same collective as Lightning's own check: the other ranks reduce their (False) decision.
             return trainer.strategy.reduce_boolean_decision(True, all=False)
         if trainer.is_global_zero and find_plugin(trainer) is not None:
             # checkrun writes through a filesystem object of its own: s3fs answers Lightning's exists() from
@@ -118,7 +122,8 @@ def _wrap_link_checkpoint(original: Callable[..., None]) -> Callable[..., None]:
         handle = plugin.pending_save(filepath) if plugin is not None else None
         if handle is None:
             return original(trainer, filepath, linkpath)
-        handle.add_done_callback(lambda h: _relink(original, h, filepath, linkpath))
+        # first: before the removal of the top-k file the link points at now (it would dangle in between)
+        handle.add_done_callback(lambda h: _relink(original, h, filepath, linkpath), first=True)
         trainer.strategy.barrier()
         return None
 

@@ -198,7 +198,8 @@ class CheckrunCheckpointIO(CheckpointIO):
             return
         if self._steplog is not None:  # before the save, so that it marks its position in the log
             self._steplog.before_save(self.engine, calling_strategy(), url)
-        self._deferred.pop(path_key(url), None)  # a new save to a path replaces it: no removal after it
+        with self._deferred_lock:  # a new save to a path replaces it: no removal after it
+            self._deferred.pop(path_key(url), None)
         handle = self.engine.save(checkpoint, url, storage_options=options)
         self._track(url, handle, checkpoint)
         self._remove_ready()  # the save waited for its slot: earlier saves are likely done
@@ -261,8 +262,9 @@ class CheckrunCheckpointIO(CheckpointIO):
 
     def _remove_or_defer(self, url: str) -> None:
         key, directory = path_key(url), path_key(parent_dir(url))
-        saves = [h for k, h in self._pending.items()
-                 if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
+        with self._deferred_lock:  # the engine's thread pops from _pending (_remove_on_commit)
+            saves = [h for k, h in self._pending.items()
+                     if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
         if saves and checkpoint_kind(url) == "regular":
             with self._deferred_lock:
                 self._deferred[key] = (url, saves)
@@ -286,12 +288,14 @@ class CheckrunCheckpointIO(CheckpointIO):
                 continue
             failed = next((handle.path for handle in saves if handle.failed()), None)
             if failed is not None:
-                self._deferred.pop(key, None)
+                with self._deferred_lock:
+                    self._deferred.pop(key, None)
                 log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed",
                             url, failed)
                 continue
             self._remove_now(url)  # dropped only once done: an error or ^C in it leaves it to the next call
-            self._deferred.pop(key, None)
+            with self._deferred_lock:
+                self._deferred.pop(key, None)
 
     def _remove_on_commit(self, key: str, finishing: SaveHandle) -> None:
         """The engine's thread, as a save a waiting removal waits for finishes: once all of them did, the
@@ -320,8 +324,9 @@ class CheckrunCheckpointIO(CheckpointIO):
                 if self._pending.get(key) is mine:  # no new save to that path since
                     self._deferred.setdefault(key, entry)
             return
-        self._pending.pop(key, None)
-        self._removed_dirs.add(parent_dir(url))
+        with self._deferred_lock:
+            self._pending.pop(key, None)
+            self._removed_dirs.add(parent_dir(url))
 
     def _close_at_exit(self) -> None:
         """At interpreter exit, before the engines are flushed: the removals still waiting (a ddp_spawn
@@ -342,7 +347,8 @@ class CheckrunCheckpointIO(CheckpointIO):
             if not self._remove_directory(url):
                 raise
             return
-        self._pending.pop(path_key(url), None)
+        with self._deferred_lock:
+            self._pending.pop(path_key(url), None)
         if checkpoint_kind(url) == "temporary":
             self._collect_temporary(engine, parent_dir(url))
         else:
@@ -407,6 +413,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         """True while a save to ``path`` started by this plugin is not committed yet."""
         return self.pending_save(path) is not None
 
+    def removal_waiting(self, path: _PATH) -> bool:
+        """True while a removal of ``path`` waits for saves in flight: ``ModelCheckpoint`` counts it removed
+        (its file is still there until they commit), so its name is free, as after stock Lightning's removal."""
+        with self._deferred_lock:
+            return path_key(normalize_path(path)) in self._deferred
+
     def pending_save(self, path: _PATH) -> Optional[SaveHandle]:
         """The handle of this plugin's save to ``path`` while it is not committed (or failed) yet, else None."""
         handle = self._pending.get(path_key(path))
@@ -451,8 +463,9 @@ class CheckrunCheckpointIO(CheckpointIO):
         return storage_options
 
     def _track(self, url: str, handle: SaveHandle, checkpoint: Any) -> None:
-        self._pending = {k: h for k, h in self._pending.items() if not h.done()}
-        self._pending[path_key(url)] = handle
+        with self._deferred_lock:
+            self._pending = {k: h for k, h in self._pending.items() if not h.done()}
+            self._pending[path_key(url)] = handle
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         if len(self._save_steps) > 1000:  # nobody is reading them (no CheckpointMetrics)
             self._save_steps.clear()

@@ -21,7 +21,7 @@ from .capture import Snapshot
 from ..config import EngineConfig
 from ..errors import CheckrunError, FormatError
 from ..format.limits import MAX_MANIFEST_BYTES, check_json, json_shape, limits_for
-from .fence import CommitStamp, commit_guard
+from .fence import CommitStamp, ReplacedManifest, commit_guard
 from .handles import WriteStats
 from ..format.manifest import Manifest
 from .quant_rules import RuleMatcher
@@ -46,6 +46,8 @@ class Committed:
     stream_updates: dict
     """Row stream key -> (plan, record, spec id, detected): applied by ``commit_streams``."""
     unmatched_rules: tuple
+    replaced: bytes | None = None
+    """The manifest the commit replaced at its name (``fence.ReplacedManifest``): its blobs are collection candidates."""
 
 
 Publish = Callable[[bytes, Callable[[], None]], None]
@@ -69,8 +71,9 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
         data = manifest.to_bytes()
         _check_loadable(data, store.url(name), config, manifest)
         guard = lambda: _guard(store, lease, manifest)  # noqa: E731
+        replaced = None
         if publish is None:
-            publish_manifest(store, name, snap.stamp, data, guard)
+            replaced = publish_manifest(store, name, snap.stamp, data, guard)
         else:
             publish(data, guard)
         _check_after(store, name, lease, manifest, data)
@@ -84,7 +87,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
     quantized = [r for r in manifest.tensors if r.quant]
     return Committed(WriteStats.from_manifest(stats), len(data), new, len(manifest.blobs()) - new, len(quantized),
                      sum(r.nbytes - sum(b.size for b in r.blobs()) for r in quantized),
-                     writer.stream_updates, matcher.unmatched_rules())
+                     writer.stream_updates, matcher.unmatched_rules(), replaced)
 
 
 def _check_loadable(data: bytes, url: str, config: EngineConfig, manifest: Manifest) -> None:
@@ -111,10 +114,12 @@ def _check_loadable(data: bytes, url: str, config: EngineConfig, manifest: Manif
 
 
 def publish_manifest(store: Store, name: str, stamp: CommitStamp | None, data: bytes,
-                     guard: Callable[[], None] | None = None) -> None:
+                     guard: Callable[[], None] | None = None) -> bytes | None:
     """Commit the manifest ``data`` as ``name`` (``Store.write_manifest``); right before the
-    rename/PUT, ``guard`` runs, then the fence (``fence.commit_guard``) of a stamped save."""
-    fence = commit_guard(store, name, stamp) if stamp is not None else None
+    rename/PUT, ``guard`` runs, then the fence (``fence.commit_guard``) of a stamped save. Returns the
+    manifest it replaced, as the fence read it (None: none there, or not read)."""
+    replaced = ReplacedManifest()
+    fence = commit_guard(store, name, stamp, replaced) if stamp is not None else None
 
     def check() -> None:
         if guard is not None:
@@ -123,6 +128,7 @@ def publish_manifest(store: Store, name: str, stamp: CommitStamp | None, data: b
             fence()
 
     store.write_manifest(name, data, guard=check)
+    return replaced.data
 
 
 def _guard(store: Store, lease: SaveLease, manifest: Manifest) -> None:

@@ -25,7 +25,10 @@ from typing import Callable
 
 from .. import forksafe
 from ..config import EngineConfig
-from ..retain import after_commit
+from ..errors import CheckrunError
+from ..format.limits import limits_for
+from ..format.manifest import parse_manifest
+from ..retain import after_commit, note_removed
 from ..storage.store import Store
 from . import inflight, lifecycle
 from .capture import Snapshot
@@ -60,6 +63,8 @@ class Job:
     owner: object = None
     """The engine, kept alive while the job is queued or runs: an engine that only a returned function's
     local held was collected with its saves in flight, and the exit hook (``lifecycle``) flushed nothing."""
+    leader: SaveHandle | None = None
+    """The save this one repeats (``repeat``): if it failed, so does this one."""
 
 
 class Coordinator:
@@ -214,6 +219,9 @@ class Coordinator:
         try:
             t0 = time.perf_counter()
             try:
+                if job.leader is not None and job.leader.failed():
+                    raise CheckrunError(f"{job.handle.path}: not saved: it repeats the save to {job.leader.path}, "
+                                        "which failed (as a failed torch.save stops what comes after it)")
                 if self.process is not None:
                     done = self.process.commit(job.snap, job.store, job.name)
                 else:
@@ -223,8 +231,15 @@ class Coordinator:
                 self.release_staging(job.snap)
             commit_streams(job.snap, done, self.config.incremental.max_chain)
             info = _info(job, done, time.perf_counter() - t0)
+            if done.replaced is not None:  # an overwrite (last.ckpt): the blobs only the old one used are garbage
+                note_removed(job.dir, lambda: parse_manifest(done.replaced, job.handle.path,
+                                                             limits=limits_for(self.config)).blobs())
+            job.handle.settle(info, None)  # committed: its done-callbacks now, not after retention and gc
             self._after_commit(job, info, done.unmatched_rules)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
+            if info is not None:  # committed (settled): what failed came after, in retention or gc
+                log.error("checkrun: after saving %s: %s", job.handle.path, exc)
+                return
             job.dir.invalidate()
             error = exc
             # superseded by a later save of this process (another engine's, same name): its caller decides

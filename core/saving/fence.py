@@ -114,12 +114,23 @@ def read_stamp(head: bytes) -> Optional[CommitStamp]:
     return CommitStamp(int(m.group(1)), m.group(3).decode(), int(m.group(2))) if m else None
 
 
-def commit_guard(store: "Store", name: str, stamp: CommitStamp) -> Callable[[], None]:
+class ReplacedManifest:
+    """What the fence found at the name it let a commit replace: the bytes of the intact stamped manifest it
+    read there (None: none, or not read), whose blobs the collection after the commit looks at."""
+
+    data: Optional[bytes] = None
+
+
+def commit_guard(store: "Store", name: str, stamp: CommitStamp,
+                 replaced: Optional[ReplacedManifest] = None) -> Callable[[], None]:
     """The check ``Store.write_manifest`` runs right before the rename/PUT of ``name``: raises
-    ``SupersededError`` when the manifest in place is newer than ``stamp``."""
+    ``SupersededError`` when the manifest in place is newer than ``stamp``; records in ``replaced`` the
+    manifest it read there."""
 
     def check() -> None:
-        existing = _existing_stamp(store, name)
+        existing, data = _existing_stamp(store, name)
+        if replaced is not None:
+            replaced.data = data
         if existing is not None and existing.newer_than(stamp):
             error = SupersededError(
                 f"{store.url(name)} not committed: a newer checkpoint of that name was committed by "
@@ -131,25 +142,25 @@ def commit_guard(store: "Store", name: str, stamp: CommitStamp) -> Callable[[], 
     return check
 
 
-def _existing_stamp(store: "Store", name: str) -> Optional[CommitStamp]:
-    """The stamp of the manifest now at ``name`` if it has one and is intact, else None."""
+def _existing_stamp(store: "Store", name: str) -> tuple[Optional[CommitStamp], Optional[bytes]]:
+    """The stamp of the manifest now at ``name`` if it has one and is intact, else None; with its bytes."""
     try:
         stamp = read_stamp(store.read_head(name, HEAD_BYTES))
         if stamp is None:
-            return None
+            return None, None
         data = store.read_manifest(name)  # claims to be newer: believe it only if it is intact
     except CheckpointNotFoundError:
-        return None
+        return None, None
     except CorruptCheckpointError as exc:  # read_manifest: larger than any manifest may be
         log.warning("checkrun: replacing %s: %s", store.url(name), exc)
-        return None
+        return None, None
     stamp = read_stamp(data[:HEAD_BYTES])
     if stamp is None or not checksum_matches(data):
         log.warning("checkrun: replacing %s: its checksum does not match (damaged)", store.url(name))
-        return None
+        return None, None
     ahead = stamp.ns / 1e9 - time.time()
     if ahead > FUTURE_SLACK_SECONDS:
         log.warning("checkrun: replacing %s: its commit stamp lies %.0f s ahead of this host's clock (a clock "
                     "running ahead, or forged)", store.url(name), ahead)
-        return None
-    return stamp
+        return None, data
+    return stamp, data

@@ -242,6 +242,10 @@ class GroupCommitter:
         with self._cond:
             return self._pending
 
+    def pending_unlocked(self) -> int:
+        """``pending`` without taking the lock (a signal handler's look: ``lifecycle.register_busy``)."""
+        return self._pending
+
     def take_errors(self) -> list[str]:
         """Errors of failed checkpoints not taken yet (the same on every rank)."""
         with self._cond:

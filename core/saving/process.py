@@ -152,13 +152,13 @@ class WriterProcess:
         if snap.event is not None:
             snap.event.synchronize()
             snap = dataclasses.replace(snap, event=None)
-        refused = None  # the commit's own error, raised rather than the writer's report of it
+        refused, replaced = None, None  # the commit's own error, raised rather than the writer's report of it
         try:
             conn = self._send(("save", (store.fs, store.root, store.url_prefix, store.cache_key), name, snap))
             status, value = pickle.loads(conn.recv_bytes())
             if status == "publish":  # the blobs are written: the commit is this process's
                 try:
-                    publish_manifest(store, name, snap.stamp, value)
+                    replaced = publish_manifest(store, name, snap.stamp, value)
                 except BaseException as exc:  # noqa: BLE001 - raised below, once the writer has its answer
                     refused = exc
                 self._send(("published", None if refused is None else f"{type(refused).__name__}: {refused}"))
@@ -170,7 +170,7 @@ class WriterProcess:
             raise refused
         if status == "error":
             raise value
-        return value
+        return dataclasses.replace(value, replaced=replaced)
 
     def adopt(self, store: Store, blobs: list, records: list, since: float) -> None:
         """Blobs and records of a checkpoint loaded from ``since`` on: the next save there reuses them."""

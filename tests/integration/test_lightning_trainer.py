@@ -298,6 +298,74 @@ def test_a_removal_waiting_for_a_save_is_made_when_that_save_commits(tmp_path, m
     assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["step=6.ckpt"]
 
 
+def test_the_removal_and_the_link_swap_come_right_at_the_commit_link_first(tmp_path, monkeypatch) -> None:
+    """They waited for the commit's retention and collection (8-18 ms locally, up to 0.3 s on S3): a kill
+    there left the old top-k file for good; and the removal came before the link swap, so ``last.ckpt``
+    pointed at a removed file in between (found by an independent check). Both are made as the save commits,
+    the link first."""
+    from ckpt_core import CheckpointEngine
+    from ckpt_core.saving import coordinator
+
+    ckpt_dir, seen = tmp_path / "ckpts", []
+    after, remove = coordinator.after_commit, CheckpointEngine.remove
+
+    def look_after(store, name, *args, **kwargs):  # retention and gc of each commit start here
+        if name == "step=4.ckpt":
+            seen.append(("after commit", (ckpt_dir / "step=2.ckpt").exists(), os.readlink(ckpt_dir / "last.ckpt")))
+        return after(store, name, *args, **kwargs)
+
+    def look_remove(self, path, *args, **kwargs):
+        if str(path).endswith("step=2.ckpt"):
+            seen.append(("removal", os.readlink(ckpt_dir / "last.ckpt")))
+        return remove(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "after_commit", look_after)
+    monkeypatch.setattr(CheckpointEngine, "remove", look_remove)
+    release = _hold_commit(monkeypatch, "step=4.ckpt")  # so that the removal of step=2 waits for its commit
+
+    class Release(Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if trainer.global_step == 4:
+                release.set()
+
+    mc = ModelCheckpoint(dirpath=str(ckpt_dir), filename="{step}", every_n_train_steps=2, save_top_k=1,
+                         monitor="step", mode="max", save_last="link")
+    try:
+        trainer(str(tmp_path), make_io(max_pending=2), callbacks=[mc, Release()], max_steps=6).fit(TinyModel())
+    finally:
+        release.set()
+    # (Lightning asks for the removal of step=2 again later: the file is gone by then, nothing to do)
+    assert seen[:2] == [("removal", "step=4.ckpt"), ("after commit", False, "step=4.ckpt")]
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["last.ckpt", "step=6.ckpt"]
+
+
+@pytest.mark.parametrize("callback", [ModelCheckpoint, CheckrunModelCheckpoint])
+def test_a_name_whose_removal_waits_is_free_as_after_stock_removal(tmp_path, monkeypatch, callback) -> None:
+    """``ModelCheckpoint`` asks whether a file name is taken (``-v1`` if so); a file it removed while a save was
+    in flight was still there, so the name counted as taken: names got ``-v1`` depending on timing, where
+    stock reuses the name (found by an independent check)."""
+    ckpt_dir = tmp_path / "ckpts"
+    release = _hold_commit(monkeypatch, "flip=1.ckpt")  # the removal of flip=0 waits for its commit
+
+    class Flip(TinyModel):
+        def training_step(self, batch, batch_idx):
+            self.log("flip", float(self.global_step % 2))
+            return super().training_step(batch, batch_idx)
+
+    class Release(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 3:  # after ModelCheckpoint's: flip=0 of step 2 named while flip=1 was held
+                release.set()
+
+    mc = callback(dirpath=str(ckpt_dir), filename="{flip:.0f}", every_n_train_steps=1, save_top_k=1)
+    try:
+        trainer(str(tmp_path), make_io(max_pending=2), callbacks=[mc, Release()], max_steps=3).fit(Flip())
+    finally:
+        release.set()
+    assert mc.best_model_path == str(ckpt_dir / "flip=0.ckpt")  # step 2's save, under its own name
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["flip=0.ckpt"]
+
+
 def test_last_on_remote_storage(s3_root, s3_storage_options, monkeypatch) -> None:
     """Lightning's ModelCheckpoint drops the scheme of remote listings, so ``ckpt_path="last"`` on S3
     finds nothing (it warns and starts from scratch); CheckrunModelCheckpoint finds it."""
