@@ -144,7 +144,8 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
             others = sum(m.checkpoint == name for m in index.markers)
             why = (f"it has {others} marker(s) of that name, none of this save's commit stamp: saved again "
                    "without the log, or the marker was damaged" if others else
-                   "saved by another engine, or before engine.step_log was called")
+                   "saved by another engine, before engine.step_log was called, or again over a checkpoint "
+                   "the log marked, whose marker went with it")
             raise NoMarkerError(f"the step log of {store.url('')} has no marker for checkpoint {store.url(name)} "
                                f"({why})")
         return marker, manifest
