@@ -140,7 +140,9 @@ class AcceleratorCheckpointer:
         self._token = self._group.token()
         self._committer = None
         if self.rank == 0:  # rank 0 commits the indexes with a synchronous engine of its own
-            index_cfg = engine_cfg.replace(**{"saving.asynchronous": False, "saving.sigterm_grace_seconds": None})
+            # an index holds no tensors: no quantization rules (each save warned that they matched none of it)
+            index_cfg = engine_cfg.replace(**{"saving.asynchronous": False, "saving.sigterm_grace_seconds": None,
+                                              "quantization": []})
             self._committer = CompositeCommitter(CheckpointEngine(index_cfg), engine_cfg, self.storage_options,
                                                  self._keep_last, self._protected)
         if self._steplog is not None:  # reopened: the same log state (its step count), the new engine

@@ -4,10 +4,9 @@ Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`
 the training thread (one thread at a time). ``save`` takes the snapshot here (``saving.capture``) and hands the
 rest to the engine's ``saving.coordinator.Coordinator``: one coordinator thread runs each save's background part
 in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads,
-or hands it to the writer process (``saving.background: process``); after each commit it runs
-``retain.after_commit``. An idle engine holds no thread: the coordinator and its workers end once no save is
-queued (``wait`` returns after they have), and the next save starts them again. ``load`` reads through
-``loading`` and leaves the directory's incremental state ready for the next save (``saving.streams.adopt_loaded``).
+or hands it to the writer process (``saving.background: process``); after each commit it runs ``retain.after_commit``.
+An idle engine holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
+they have). ``load`` leaves the directory's incremental state ready for the next save (``streams.adopt_loaded``).
 """
 from __future__ import annotations
 
@@ -197,18 +196,20 @@ class CheckpointEngine:
 
     def gc(self, directory: PathLike, grace_seconds: float | None = None, dry_run: bool = False,
            storage_options: dict | None = None, full: bool = True) -> GCReport:
-        """Delete blobs in ``directory`` that no manifest references and no live lease protects.
-
-        ``full=False``: only the blobs of checkpoints this engine removed there and of dead writers'
-        leases (no listing of the blobs). ``grace_seconds``: also keep unreferenced blobs younger than
-        this (default 0; ``retention.gc_grace_seconds`` where no lease-aware writer ever wrote)."""
+        """Delete blobs in ``directory`` that no manifest references and no live lease protects. ``full=False``:
+        only the blobs of checkpoints this engine removed there and of dead writers' leases (no listing of the
+        blobs). ``grace_seconds``: also keep unreferenced blobs younger than this (default 0;
+        ``retention.gc_grace_seconds`` where no lease-aware writer ever wrote)."""
         self._check_open()
         store = self._dir_store(directory, storage_options)
         if full:  # a full collection reports on settled saves; leases protect those in flight anyway
             self._wait_dir(store)
         state = self._dirstate(store)
-        return collect(store, self.config, memory=state, grace_seconds=grace_seconds, dry_run=dry_run,
-                       candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store))
+        try:  # then the store's io threads go (Lightning removing a .temp.ckpt left 4: an independent check)
+            return collect(store, self.config, memory=state, grace_seconds=grace_seconds, dry_run=dry_run,
+                           candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store))
+        finally:
+            self._coord.release_if_idle()
 
     def list(self, directory: PathLike, storage_options: dict | None = None, heads: bool = False) -> list[Entry]:
         """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error;
@@ -276,9 +277,7 @@ class CheckpointEngine:
     @property
     def pending(self) -> int:
         """Number of saves not yet committed or failed (0 in a forked child: they are the parent's)."""
-        if self._forked():
-            return 0
-        return self._coord.pending
+        return 0 if self._forked() else self._coord.pending
 
     @property
     def staging(self) -> BufferPool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import types
 import warnings
 from typing import Any, Optional
 
@@ -88,7 +89,7 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
     if getattr(current, "_checkrun_closure_first", False):
         return
 
-    def step(closure: Any = None, **kwargs: Any) -> Any:
+    def step(self: Any, closure: Any = None, **kwargs: Any) -> Any:
         if closure is None:
             return current(**kwargs)
         with torch.enable_grad():
@@ -97,7 +98,9 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
         return loss
 
     step._checkrun_closure_first = True  # type: ignore[attr-defined]
-    optimizer.step = step  # type: ignore[method-assign]
+    # a bound method, as torch's LR schedulers expect of ``optimizer.step`` (they wrap its ``__func__``): a
+    # plain function broke a scheduler made after the log started, e.g. StochasticWeightAveraging's SWALR
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
 def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) -> None:

@@ -41,11 +41,14 @@ def test_async_engine_ends_its_threads_when_idle_and_stays_usable(tmp_path) -> N
 
 def test_sync_engine_holds_no_thread_after_a_save_or_a_load(tmp_path) -> None:
     with CheckpointEngine({"saving": {"asynchronous": False}, "compression": {"chunk_bytes": 1 << 18}}) as engine:
-        for step in range(2):
+        for step in range(3):
             engine.save(state(step), tmp_path / f"s{step}.ckpt")
             assert checkrun_threads() == []
         assert torch.equal(engine.load(tmp_path / "s0.ckpt")["big"], state(0)["big"])
         assert checkrun_threads() == []
+        # a collection (Lightning's removal of a .temp.ckpt runs one) left the store's io threads for good
+        engine.remove(tmp_path / "s0.ckpt")
+        assert engine.gc(tmp_path).deleted and checkrun_threads() == []
 
 
 def test_release_idle_keeps_a_pool_in_use(tmp_path) -> None:

@@ -1030,3 +1030,24 @@ def test_the_sigterm_grace_waits_for_the_index_of_a_checkpoint_whose_part_commit
     index = tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt"
     with ckpt_core.CheckpointEngine() as engine:
         assert index.exists() and engine.verify(index).ok
+
+
+def test_quantization_rules_that_match_the_parts_give_no_warning_about_the_index(tmp_path):
+    """The index engine got the user's quantization rules: every save_state warned that a rule matched no
+    tensor of .../checkrun.ckpt (the index holds none), pointing at a typo that is not there (found by
+    running accelerate's own tests with checkrun)."""
+    cfg = {"quantization": [{"pattern": "*weight*", "method": "uniform", "bits": 8, "min_numel": 1}],
+           "saving": {"asynchronous": False}}
+    acc = Accelerator(project_config=ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True),
+                      cpu=True)
+    model, opt = acc.prepare(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), torch.optim.SGD([torch.zeros(1)]))
+    AcceleratorCheckpointer(acc, config=cfg).attach()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.save_state()
+        acc.end_training()
+    assert not [w for w in caught if "quantization rule" in str(w.message)]
+    index = str(tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt")
+    with ckpt_core.CheckpointEngine() as engine:  # the rule did apply to the part
+        parts = composite.part_urls(index, composite.index_of(engine.read_manifest(index), index))
+        assert any(r.quant for r in engine.read_manifest(parts[0]).tensors)

@@ -296,3 +296,17 @@ def test_callbacks_of_a_resuming_trainer_can_be_copied_and_pickled(tmp_path):
     assert second.global_step == 10
     assert_bit_equal(_live(second, module), at_10)
     assert ours(second) and pickle.loads(pickle.dumps(ours(second)))
+
+
+def test_a_scheduler_made_after_the_log_started_works(tmp_path):
+    """StochasticWeightAveraging swaps in its SWALR scheduler at its first epoch, after the log wrapped
+    ``optimizer.step``; torch's schedulers wrap ``step.__func__``, and the log's plain function made that
+    fit fail (AttributeError: 'function' object has no attribute '__func__'; found by running Lightning's
+    own SWA tests with the step log). The wrapper is a bound method."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)
+    trainer, _ = _fit(str(tmp_path / "ckpts"), 16, every_n_train_steps=4, extra=[swa],
+                      trainer_kwargs={"limit_train_batches": 4})
+    assert trainer.global_step == 16 and trainer.current_epoch == 4
+    assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SWALR"
