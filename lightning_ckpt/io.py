@@ -263,8 +263,12 @@ class CheckrunCheckpointIO(CheckpointIO):
     def _remove_or_defer(self, url: str) -> None:
         key, directory = path_key(url), path_key(parent_dir(url))
         with self._deferred_lock:  # the engine's thread pops from _pending (_remove_on_commit)
-            saves = [h for k, h in self._pending.items()
-                     if k != key and not h.done() and path_key(parent_dir(h.path)) == directory]
+            mine = [h for k, h in self._pending.items() if k != key and path_key(parent_dir(h.path)) == directory]
+        failed = next((h.path for h in mine if h.failed()), None)  # since the last save call: that save
+        if failed is not None and checkpoint_kind(url) == "regular":  # failed already, before its removal
+            log.warning("lightning_ckpt: kept %s: the save of %s, after which it was to be removed, failed", url, failed)
+            return
+        saves = [h for h in mine if not h.done()]
         if saves and checkpoint_kind(url) == "regular":
             with self._deferred_lock:
                 self._deferred[key] = (url, saves)

@@ -205,6 +205,32 @@ def test_a_failed_save_keeps_the_checkpoint_model_checkpoint_removes_after_it(tm
         assert make_io().load_checkpoint(f"{root}/ckpts/{names[1]}")["global_step"] == step
 
 
+def test_a_save_that_failed_before_its_removal_was_asked_for_keeps_the_checkpoint(tmp_path, monkeypatch) -> None:
+    """The same when the save fails fast, before ModelCheckpoint asks for the removal: no save was in flight
+    any more, so the removal was made at once and no checkpoint was left (seen once in a full test run)."""
+    root = tmp_path / "run"
+    plugin = make_io()
+    save = lightning_ckpt.CheckrunCheckpointIO.save_checkpoint
+
+    def save_and_settle(self, checkpoint, path, storage_options=None):  # the save's outcome known at return
+        save(self, checkpoint, path, storage_options)
+        handle = self.pending_save(path)
+        if handle is not None:
+            handle.wait()
+
+    monkeypatch.setattr(lightning_ckpt.CheckrunCheckpointIO, "save_checkpoint", save_and_settle)
+    mc = ModelCheckpoint(dirpath=f"faultfile://{root}/ckpts", every_n_train_steps=5, save_top_k=1)
+    t = trainer(str(root), plugin, callbacks=[mc, FailSavesFrom(plugin, 7)], max_steps=12)
+    try:
+        with pytest.raises(ckpt_core.BackgroundSaveError, match="No space left"):
+            t.fit(TinyModel())
+    finally:
+        FaultyFS.reset()
+    names = ls(str(root / "ckpts"))
+    assert names == [".checkrun", "epoch=0-step=5.ckpt"], names
+    assert make_io().load_checkpoint(f"{root}/ckpts/{names[1]}")["global_step"] == 5
+
+
 def test_hooks_are_installed_once_and_defer_to_lightning() -> None:
     import lightning.fabric.plugins.io.torch_io as torch_io
     import lightning.pytorch.core.saving as saving

@@ -392,8 +392,8 @@ def test_s3_a_writer_paused_after_its_fence_check_replaces_no_newer_manifest(s3_
     paused, resume = threading.Event(), threading.Event()
     real_guard = commit_module.commit_guard
 
-    def pausing_guard(store, name, stamp):
-        check = real_guard(store, name, stamp)
+    def pausing_guard(store, name, stamp, *rest):
+        check = real_guard(store, name, stamp, *rest)
 
         def guarded():
             check()
