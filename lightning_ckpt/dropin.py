@@ -119,10 +119,11 @@ def _wrap_link_checkpoint(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def _link_checkpoint(trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
         plugin = find_plugin(trainer) if trainer.is_global_zero else None
-        handle = plugin.pending_save(filepath) if plugin is not None else None
+        handle = plugin.save_handle(filepath) if plugin is not None else None
         if handle is None:
             return original(trainer, filepath, linkpath)
-        # first: before the removal of the top-k file the link points at now (it would dangle in between)
+        # in flight: swapped at its commit, first (before the removal of the top-k file the link points at
+        # now, which would dangle in between); done: at once, unless it failed (it may fail before this call)
         handle.add_done_callback(lambda h: _relink(original, h, filepath, linkpath), first=True)
         trainer.strategy.barrier()
         return None

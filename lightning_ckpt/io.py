@@ -423,6 +423,11 @@ class CheckrunCheckpointIO(CheckpointIO):
         with self._deferred_lock:
             return path_key(normalize_path(path)) in self._deferred
 
+    def save_handle(self, path: _PATH) -> Optional[SaveHandle]:
+        """The handle of this plugin's latest save to ``path`` since its previous save call, done or not, else None."""
+        with self._deferred_lock:
+            return self._pending.get(path_key(path))
+
     def pending_save(self, path: _PATH) -> Optional[SaveHandle]:
         """The handle of this plugin's save to ``path`` while it is not committed (or failed) yet, else None."""
         handle = self._pending.get(path_key(path))

@@ -231,11 +231,13 @@ class Coordinator:
                 self.release_staging(job.snap)
             commit_streams(job.snap, done, self.config.incremental.max_chain)
             info = _info(job, done, time.perf_counter() - t0)
-            if done.replaced is not None:  # an overwrite (last.ckpt): the blobs only the old one used are garbage
-                note_removed(job.dir, lambda: parse_manifest(done.replaced, job.handle.path,
-                                                             limits=limits_for(self.config)).blobs())
             job.handle.settle(info, None)  # committed: its done-callbacks now, not after retention and gc
             self._after_commit(job, info, done.unmatched_rules)
+            if done.replaced is not None:  # an overwrite (last.ckpt): the blobs only the old one used are garbage,
+                # collected after the next commit here, not this one: a load that read the old manifest has a
+                # checkpoint interval to finish (an independent check: "missing blob" under a concurrent reader)
+                note_removed(job.dir, lambda: parse_manifest(done.replaced, job.handle.path,
+                                                             limits=limits_for(self.config)).blobs())
         except BaseException as exc:  # noqa: BLE001 - surfaced through the handle/next call
             if info is not None:  # committed (settled): what failed came after, in retention or gc
                 log.error("checkrun: after saving %s: %s", job.handle.path, exc)

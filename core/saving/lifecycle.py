@@ -64,6 +64,7 @@ def register_busy(pending) -> None:
     its part committed. The SIGTERM grace waits for it too (it passed over the idle part's engine before the
     index save began, and the checkpoint was lost: found by an independent check)."""
     with _lock:
+        _busy[:] = [ref for ref in _busy if ref() is not None]  # the objects gone since
         _busy.append(weakref.WeakMethod(pending))
 
 

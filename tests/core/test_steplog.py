@@ -419,8 +419,9 @@ def test_a_checkpoint_saved_again_without_the_log_says_why_it_has_no_marker(tmp_
         engine.save(state(net, opt, sched), f"{directory}/step{CKPT_AT}.ckpt").result()
         with pytest.raises(NoMarkerError, match="1 marker.* of that name, none of this save's commit stamp"):
             engine.replay(directory, opt, sched, after=f"{directory}/step{CKPT_AT}.ckpt")
-    with CheckpointEngine() as engine:  # the collection after the save takes the replaced checkpoint's marker
+    with CheckpointEngine() as engine:  # a collection after the save takes the replaced checkpoint's marker
         engine.save(state(net, opt, sched), f"{directory}/step{CKPT_AT}.ckpt").result()
+        engine.gc(directory)
         with pytest.raises(NoMarkerError, match="or again over a checkpoint the log marked"):
             engine.replay(directory, opt, sched, after=f"{directory}/step{CKPT_AT}.ckpt")
 

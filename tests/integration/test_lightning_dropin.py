@@ -205,12 +205,16 @@ def test_a_failed_save_keeps_the_checkpoint_model_checkpoint_removes_after_it(tm
         assert make_io().load_checkpoint(f"{root}/ckpts/{names[1]}")["global_step"] == step
 
 
-def test_a_save_that_failed_before_its_removal_was_asked_for_keeps_the_checkpoint(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("save_last", [False, "link"])
+def test_a_save_that_failed_before_its_removal_was_asked_for_keeps_the_checkpoint(tmp_path, monkeypatch,
+                                                                                  save_last) -> None:
     """The same when the save fails fast, before ModelCheckpoint asks for the removal: no save was in flight
-    any more, so the removal was made at once and no checkpoint was left (seen once in a full test run)."""
-    root = tmp_path / "run"
-    plugin = make_io()
-    save = lightning_ckpt.CheckrunCheckpointIO.save_checkpoint
+    any more, so the removal was made at once and no checkpoint was left (seen once in a full test run);
+    and ``save_last="link"`` swapped last.ckpt to the failed file (an independent check)."""
+    from ckpt_core.storage.store import Store
+
+    ckpt_dir, plugin, full = tmp_path / "ckpts", make_io(), threading.Event()
+    save, commit = lightning_ckpt.CheckrunCheckpointIO.save_checkpoint, Store.write_manifest
 
     def save_and_settle(self, checkpoint, path, storage_options=None):  # the save's outcome known at return
         save(self, checkpoint, path, storage_options)
@@ -218,17 +222,27 @@ def test_a_save_that_failed_before_its_removal_was_asked_for_keeps_the_checkpoin
         if handle is not None:
             handle.wait()
 
+    def disk_full(self, name, *args, **kwargs):  # from step 7 on, no checkpoint commits
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device", name)
+        return commit(self, name, *args, **kwargs)
+
+    class Fill(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 7:
+                plugin.wait()
+                full.set()
+
     monkeypatch.setattr(lightning_ckpt.CheckrunCheckpointIO, "save_checkpoint", save_and_settle)
-    mc = ModelCheckpoint(dirpath=f"faultfile://{root}/ckpts", every_n_train_steps=5, save_top_k=1)
-    t = trainer(str(root), plugin, callbacks=[mc, FailSavesFrom(plugin, 7)], max_steps=12)
-    try:
-        with pytest.raises(ckpt_core.BackgroundSaveError, match="No space left"):
-            t.fit(TinyModel())
-    finally:
-        FaultyFS.reset()
-    names = ls(str(root / "ckpts"))
-    assert names == [".checkrun", "epoch=0-step=5.ckpt"], names
-    assert make_io().load_checkpoint(f"{root}/ckpts/{names[1]}")["global_step"] == 5
+    monkeypatch.setattr(Store, "write_manifest", disk_full)
+    mc = ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=5, save_top_k=1, save_last=save_last)
+    with pytest.raises(ckpt_core.BackgroundSaveError, match="No space left"):
+        trainer(str(tmp_path), plugin, callbacks=[mc, Fill()], max_steps=12).fit(TinyModel())
+    names = sorted(os.listdir(ckpt_dir))
+    assert names == [".checkrun", "epoch=0-step=5.ckpt", *(["last.ckpt"] if save_last else [])], names
+    assert make_io().load_checkpoint(str(ckpt_dir / "epoch=0-step=5.ckpt"))["global_step"] == 5
+    if save_last:
+        assert os.readlink(ckpt_dir / "last.ckpt") == "epoch=0-step=5.ckpt"
 
 
 def test_hooks_are_installed_once_and_defer_to_lightning() -> None:
