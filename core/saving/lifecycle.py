@@ -25,7 +25,7 @@ _busy: list = []
 """``weakref.WeakMethod``s counting work to commit besides the engines' own saves (``register_busy``)."""
 _lock = threading.Lock()
 _atexit_done = False
-_sigterm = {"installed": False, "grace": None, "previous": None}
+_sigterm = {"installed": False, "grace": None, "previous": None, "watcher": None}
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -151,26 +151,67 @@ def install_sigterm(grace_seconds: float | None) -> None:
     found at its start, which removed ours when the first save was inside a fit (later saves then had no
     grace: found by an independent check). Another handler installed since is left alone: it may call ours."""
     current = signal.getsignal(signal.SIGTERM)
-    if grace_seconds is None or current is _on_sigterm or (_sigterm["installed"] and current != signal.SIG_DFL):
-        return
     if threading.current_thread() is not threading.main_thread():
+        return
+    if current is _on_sigterm and grace_seconds is not None:
+        _watch()  # Lightning's fit put ours back with ``signal.signal``, which replaced the C hook
+    if grace_seconds is None or current is _on_sigterm or (_sigterm["installed"] and current != signal.SIG_DFL):
         return
     _sigterm["grace"] = grace_seconds
     _sigterm["previous"] = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _sigterm["installed"] = True
+    _watch()
+
+
+def _watch() -> None:
+    """Main thread, ``_on_sigterm`` installed: put the C hook (``ckpt_core._csig``) in front of it, so that
+    a SIGTERM is seen by the watcher thread even while the main thread is blocked in C code (then Python
+    would run ``_on_sigterm`` only when that call returns: a hung collective did not end at SIGTERM at
+    all, found by an independent check). Again after a handler installed since replaced the hook."""
+    lib = _csig()
+    if lib is None or _sigterm["previous"] != signal.SIG_DFL or lib.checkrun_sigterm_hook() < 0:
+        return
+    if _sigterm["watcher"] is None or not _sigterm["watcher"].is_alive():
+        _sigterm["watcher"] = threading.Thread(target=_watcher, args=(lib,), name="checkrun-sigterm", daemon=True)
+        _sigterm["watcher"].start()
+
+
+def _csig():
+    if "csig" not in _sigterm:
+        from ..codecs._common import load_native  # late: codecs import torch
+        _sigterm["csig"] = load_native("_csig", "checkrun_csig_abi", 1, "the SIGTERM grace runs on the main thread")
+        if _sigterm["csig"] is not None:
+            _sigterm["csig"].checkrun_sigterm_wait.argtypes = []
+    return _sigterm["csig"]
+
+
+def _watcher(lib) -> None:
+    # A SIGTERM while checkrun's handler, chained to the default one, is installed: the grace, then the
+    # process ends as with no handler. ``_on_sigterm`` also runs if the main thread gets to it first.
+    while True:
+        lib.checkrun_sigterm_wait()  # a ctypes call: without the GIL
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm and _sigterm["previous"] == signal.SIG_DFL:
+            _grace()
+            lib.checkrun_sigterm_default()
+
+
+def _grace() -> None:
+    """Wait up to the grace for every pending save; log once if some are still pending then."""
+    deadline = time.monotonic() + float(_sigterm["grace"])
+    while _pending_work() and time.monotonic() < deadline:  # all of them at once: one save may start another
+        time.sleep(0.05)  # polling keeps the handler free of locks the interrupted main thread may hold
+    pending = _pending_work()
+    if pending and not _sigterm.get("told"):  # only at the deadline, once (the watcher may wait too)
+        _sigterm["told"] = True
+        log.error("checkrun: SIGTERM grace of %.1f s ran out with %d save(s) pending", _sigterm["grace"], pending)
 
 
 def _on_sigterm(signum, frame) -> None:
     # Not the installed handler: another one (Lightning's during fit, which stops the loop gracefully
     # and saves an OnExceptionCheckpoint) calls us in its chain. It owns SIGTERM; we only wait.
     owner = signal.getsignal(signal.SIGTERM) is _on_sigterm
-    deadline = time.monotonic() + float(_sigterm["grace"])
-    while _pending_work() and time.monotonic() < deadline:  # all of them at once: one save may start another
-        time.sleep(0.05)  # polling keeps the handler free of locks the interrupted main thread may hold
-    pending = _pending_work()
-    if pending:  # only at the deadline
-        log.error("checkrun: SIGTERM grace of %.1f s ran out with %d save(s) pending", _sigterm["grace"], pending)
+    _grace()
     previous = _sigterm["previous"]
     if callable(previous):
         previous(signum, frame)

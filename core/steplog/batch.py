@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import xxhash
+
 from ..config import EngineConfig
 from . import rng
 from .capture import Staging, StepRecord
@@ -27,6 +29,8 @@ class _Batch:
         """Per dtype name, the segment's pack chunks in order (``{"numel", "data": range}``)."""
         self._pack_numel: dict[str, int] = {}
         self.size = 0
+        self.csum = xxhash.xxh3_64()
+        """Of ``payload`` so far (``extend``): each part hashed as it comes, while it is in cache."""
         self.started = time.monotonic()
         self.held: tuple[dict, list[bytes], list[list], dict, Any] | None = None
         self.rng: tuple[int, int | None, rng.RngState] | None = None
@@ -70,6 +74,13 @@ class _Batch:
         nxt.held, self.held = self.held, None
         return nxt
 
+    def extend(self, parts: list[bytes]) -> None:
+        """Append ``parts`` to the payload."""
+        for part in parts:
+            self.payload.append(part)
+            self.csum.update(part)
+            self.size += memoryview(part).nbytes
+
     def _append(self, event: dict, parts: list[bytes], ranges: list[list], chunks: dict, states: Any = None) -> None:
         for r in ranges:  # offsets were relative to the event's own bytes
             r[0] += self.size
@@ -81,8 +92,7 @@ class _Batch:
             self.packs.setdefault(name, []).append({"numel": numel, "data": r})
             self._pack_numel[name] = self._pack_numel.get(name, 0) + numel
         self.events.append(event)
-        self.payload.extend(parts)
-        self.size += sum(len(p) for p in parts)
+        self.extend(parts)
         self.hi += 1
         if event["kind"] == "step":
             self.rng = None if states is None else (self.hi, event["step"], states)

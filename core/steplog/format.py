@@ -25,7 +25,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from ..errors import FormatError
@@ -243,42 +242,28 @@ def parse_marker(data: bytes, where: str, name: str) -> Marker:
 
 
 # ----------------------------------------------------------------------------- segments
-class SegmentBuffer:
-    """A writer thread's reused buffer for the segments it writes (``pack_segment``): joining a
-    segment's parts into fresh bytes page-faulted its megabytes in every time (~4 of a 9 MB segment's
-    ~6 ms of joining and writing on the DLRM benchmark, on the core the training leaves free)."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.uint8)
-
-    def join(self, parts: list[bytes | memoryview], size: int) -> memoryview:
-        """``parts`` (``size`` bytes in all) one after another in the buffer: valid until the next call."""
-        if self._buf.size < size:
-            self._buf = np.empty(size + size // 4, np.uint8)
-        at = 0
-        for part in parts:
-            n = memoryview(part).nbytes
-            self._buf[at:at + n] = np.frombuffer(part, np.uint8)
-            at += n
-        return memoryview(self._buf[:size])
-
-
-def pack_segment(header: dict, payload: list[bytes | memoryview], out: SegmentBuffer | None = None) -> bytes | memoryview:
-    """The bytes of one segment; ``header`` gets the payload's length and checksum added. With ``out``,
-    a view of ``out``'s buffer, valid until its next use."""
-    h = xxhash.xxh3_64()
-    size = 0
-    for part in payload:
-        h.update(part)
-        size += memoryview(part).nbytes
+def segment_parts(header: dict, payload: list[bytes | memoryview], csum: Any = None) -> list[bytes | memoryview]:
+    """The parts of one segment, in order (``Store.write_manifest`` writes them one after another on a
+    local disk: the payload's megabytes are not copied into one buffer first); ``header`` gets the
+    payload's length and checksum added. ``csum``: an ``xxhash.xxh3_64`` already fed with ``payload``
+    (the encoder hashes each part as it makes it, while it is in cache); None: computed here."""
+    size = sum(memoryview(part).nbytes for part in payload)
+    if csum is None:
+        csum = xxhash.xxh3_64()
+        for part in payload:
+            csum.update(part)
     folded = any("runs" in g for ev in header.get("events", ()) if isinstance(ev, dict)
                  for g in ev.get("grads", ()) if isinstance(g, dict))
     version = _written(folded, "buffers" in header, "rng" in header)
     header = {**header, "_checkrun": "steplog-segment", "format_version": version,
-              "payload_bytes": size, "payload_csum": h.hexdigest()}
+              "payload_bytes": size, "payload_csum": csum.hexdigest()}
     text = _dump(header)
-    parts = [_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)), *payload]
-    return b"".join(parts) if out is None else out.join(parts, _PREFIX.size + len(text) + _CSUM.size + size)
+    return [_PREFIX.pack(SEG_MAGIC, len(text)), text, _CSUM.pack(xxhash.xxh3_64_intdigest(text)), *payload]
+
+
+def pack_segment(header: dict, payload: list[bytes | memoryview]) -> bytes:
+    """The bytes of one segment (``segment_parts`` joined)."""
+    return b"".join(segment_parts(header, payload))
 
 
 class SegmentDamaged(Exception):

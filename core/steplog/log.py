@@ -35,7 +35,7 @@ from . import meta, rng
 from .batch import _Batch
 from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
-from .format import (MAX_RUN_BYTES, Marker, RunInfo, SegmentBuffer, StepLogError, marker_to_bytes, mark_name, pack_segment,
+from .format import (MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, segment_parts,
                      run_name, run_to_bytes, seg_name)
 
 log = logging.getLogger("ckpt_core")
@@ -419,7 +419,6 @@ class StepLog:
 
     def _write_loop(self, writes: queue.Queue) -> None:
         lower_thread_priority(self.config.saving.thread_nice)
-        self._out = SegmentBuffer()  # the writer thread's alone
         while True:
             job = writes.get()
             if job is None:
@@ -440,11 +439,12 @@ class StepLog:
         if any("bufs" in ev for ev in batch.events):  # what the steps' ``bufs`` entries index
             header["buffers"] = [name for name, _, _ in self._buffers]
         if batch.rng is not None:  # the RNG states after its last step or flush point (a resume ends there)
-            entry = rng.encode(batch.rng[2], *batch.rng[:2], batch.payload, batch.size, RAW_PIPELINE.to_list())
+            entry = rng.encode(batch.rng[2], *batch.rng[:2], parts := [], batch.size, RAW_PIPELINE.to_list())
+            batch.extend(parts)
             if entry is not None:
                 header["rng"] = entry
-        data = pack_segment(header, batch.payload, self._out)
-        batch.payload.clear()  # the joined copy is all that is needed now
+        data = segment_parts(header, batch.payload, batch.csum)
         self._segs.write_manifest(seg_name(self.run, seq, batch.lo, batch.hi), data, what="step-log segment")
-        self.bytes_logged += len(data)
+        batch.payload.clear()
+        self.bytes_logged += sum(memoryview(part).nbytes for part in data)
         self.segments += 1

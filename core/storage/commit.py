@@ -33,6 +33,19 @@ _LOG = logging.getLogger("ckpt_core.storage.store")
 _S3_SINGLE_PUT_CHUNKSIZE = 5 * 2**30
 
 Guard = Optional[Callable[[], None]]
+Data = "bytes | memoryview | list[bytes | memoryview]"
+"""What a write takes: the bytes, or a list of parts that follow each other (written one after another on
+a local disk, joined for a PUT: the step log's segments, whose megabytes are not copied once more)."""
+
+
+def joined(data: Any) -> bytes | memoryview:
+    """``data`` (``Data``) as one buffer."""
+    return b"".join(data) if isinstance(data, list) else data
+
+
+def _write_all(f: Any, data: Any) -> None:
+    for part in (data if isinstance(data, list) else (data,)):
+        f.write(part)
 
 
 class CommitStrategy:
@@ -49,7 +62,7 @@ class CommitStrategy:
                  display: Callable[[str], str], holds: Callable[[str, bytes | memoryview], bool]) -> None:
         self.fs, self.config, self._display, self._holds = fs, config, display, holds
 
-    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+    def write(self, path: str, data: Data, *, single_put: bool, tmp_prefix: str = "",
               defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
         """Make ``path`` hold ``data`` atomically. ``single_put``: the object must be one PUT
         (manifests, leases); ``tmp_prefix`` starts the temp file name; ``defer_dir_sync`` leaves
@@ -63,7 +76,7 @@ class CommitStrategy:
         """Temp files interrupted writes left in ``root``, its blob store, lease and step-log directories."""
         return []
 
-    def _apply(self, path: str, data: bytes | memoryview, resolve: bool, step: Callable[[], Any]) -> None:
+    def _apply(self, path: str, data: Data, resolve: bool, step: Callable[[], Any]) -> None:
         """Run the step that makes ``path`` hold ``data`` (rename, PUT). If it fails and ``resolve``,
         look whether it was applied anyway (its answer lost): then it counts as done."""
         try:
@@ -89,7 +102,7 @@ class RenameCommit(CommitStrategy):
         self._lock = threading.Lock()
         self._unsynced: set[str] = set()  # blob directories whose new entries are not fsynced yet
 
-    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+    def write(self, path: str, data: Data, *, single_put: bool, tmp_prefix: str = "",
               defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
         # The temp file is opened through the filesystem object, so it gets the process umask like
         # any open() and a wrapped filesystem can inject faults; ``guard`` runs between its fsync
@@ -98,7 +111,7 @@ class RenameCommit(CommitStrategy):
         for again in (False, True):
             try:
                 self._makedirs(directory)
-                atomic.write_atomic(path, lambda f: f.write(data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
+                atomic.write_atomic(path, lambda f: _write_all(f, data), fsync=self.config.fsync, tmp_prefix=tmp_prefix,
                                     opener=lambda tmp: self.fs.open(tmp, "wb"), before_replace=guard,
                                     replace=lambda tmp, dst: self._apply(dst, data, resolve,
                                                                          lambda: os.replace(tmp, dst)))
@@ -162,10 +175,11 @@ class SinglePutCommit(CommitStrategy):
 
     name = "single-put"
 
-    def write(self, path: str, data: bytes | memoryview, *, single_put: bool, tmp_prefix: str = "",
+    def write(self, path: str, data: Data, *, single_put: bool, tmp_prefix: str = "",
               defer_dir_sync: bool = False, guard: Guard = None, resolve: bool = False) -> None:
         # bytes: botocore and other clients do not all accept memoryview bodies
-        body = bytes(data) if isinstance(data, memoryview) else data
+        body = joined(data)
+        body = bytes(body) if isinstance(body, memoryview) else body
         # One PUT up to S3's 5 GiB, blobs too: an interrupted multipart upload (a failed complete, a
         # killed writer) leaves parts that bill like objects and that no listing, hence no gc, sees.
         one_put = is_s3_fs(self.fs) and (single_put or len(body) <= _S3_SINGLE_PUT_CHUNKSIZE)

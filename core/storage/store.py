@@ -277,11 +277,11 @@ class Store:
         self.retry(lambda: aside.put_back(path, blob, self._remove) if blob else self._remove(path),
                    f"delete {self._display(path)}")
 
-    def write_manifest(self, name: str, data: bytes, guard: Optional[Callable[[], None]] = None,
+    def write_manifest(self, name: str, data: bytes | memoryview | list, guard: Optional[Callable[[], None]] = None,
                        what: str = "manifest") -> None:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores.
 
-        ``what`` names the file in errors (the step log writes its segments this way too).
+        ``what`` names the file in errors (the step log's segments too); ``data``: ``commit.Data``.
 
         ``guard`` (``fence.commit_guard``) runs right before each rename/PUT attempt and refuses
         the commit by raising. A rename/PUT that reports an error although it was applied (a lost
@@ -435,16 +435,16 @@ class Store:
         finally:
             self.fs.invalidate_cache(path)
 
-    def _write(self, path: str, data: bytes | memoryview, *, single_put: bool,
+    def _write(self, path: str, data: bytes | memoryview | list, *, single_put: bool,
                tmp_prefix: str = "", defer_dir_sync: bool = False,
                guard: Optional[Callable[[], None]] = None, resolve: bool = False) -> None:
         """Write ``path`` atomically with this store's commit strategy (``commit.CommitStrategy.write``)."""
         self.commit.write(path, data, single_put=single_put, tmp_prefix=tmp_prefix,
                           defer_dir_sync=defer_dir_sync, guard=guard, resolve=resolve)
 
-    def _holds(self, path: str, data: bytes | memoryview) -> bool:
-        """Whether ``path`` holds exactly ``data`` now (one read; an error counts as no)."""
+    def _holds(self, path: str, data: bytes | memoryview | list) -> bool:
+        """Whether ``path`` holds exactly ``data`` (``commit.Data``) now (one read; an error counts as no)."""
         try:
-            return self._read(path, len(data), "manifest") == data
+            return self._read(path, len(data := _commit.joined(data)), "manifest") == data
         except Exception:  # noqa: BLE001 - unreadable: not known to hold it, the error stands
             return False

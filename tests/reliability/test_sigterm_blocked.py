@@ -1,0 +1,71 @@
+"""SIGTERM while the training process's main thread is blocked in C code (a rendezvous or collective
+waiting for a peer that never comes), after checkrun installed its SIGTERM grace.
+
+Python runs a Python signal handler only when the main thread returns to the interpreter: before the
+C hook (``ckpt_core._csig``) such a process did not end at SIGTERM at all, as it does with no handler,
+but only when the blocked call gave up (an independent check: 39.9 s, stock 0.0 s). Here the call
+would block for 10 minutes, past the tests' wait for the process: only the hook ends it in time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import ckpt_core
+
+CHILD = """
+    import datetime, sys, threading, torch, ckpt_core
+    import torch.distributed as dist
+    sys.path.insert(0, sys.argv[2])
+    from ckpt_core.testing.faults import FaultFS
+    root = "gatefile://" + sys.argv[1]
+    engine = ckpt_core.CheckpointEngine({"saving": {"sigterm_grace_seconds": 300}})
+    engine.save({"w": torch.ones(10)}, root + "/a.ckpt").result()  # the handler is installed, nothing pending
+    if sys.argv[3] == "pending":  # a save held inside storage until the test writes a line
+        FaultFS.gate = threading.Event()
+        engine.save({"w": torch.arange(10)}, root + "/b.ckpt")
+        FaultFS.entered.acquire()
+        threading.Thread(target=lambda: (sys.stdin.readline(), FaultFS.gate.set()), daemon=True).start()
+    print("blocking", flush=True)
+    # waits in C++ for a second rank that never comes (torch's rendezvous; no check for Python's signals)
+    dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=600))
+    print("not reached", flush=True)
+"""
+
+
+def _start(tmp_path, mode: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path), os.getcwd(), mode],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "blocking", p.stderr.read() if p.poll() is not None else ""
+    # The signal must come once the main thread is inside the C++ wait (a sleep loop there), not while it
+    # still runs Python (then Python's handler runs at once, hook or not): its kernel wait channel says so.
+    wchan = Path(f"/proc/{p.pid}/task/{p.pid}/wchan")
+    while wchan.exists() and wchan.read_text() != "hrtimer_nanosleep":
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            assert p.wait(timeout=0.01) is None, p.stderr.read()
+    return p
+
+
+def test_sigterm_ends_a_process_blocked_in_c_code_after_its_saves(tmp_path):
+    p = _start(tmp_path, "idle")
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err
+    assert "not reached" not in out
+    assert torch.equal(ckpt_core.load(tmp_path / "a.ckpt")["w"], torch.ones(10))
+
+
+def test_sigterm_grace_commits_a_pending_save_while_the_main_thread_is_blocked(tmp_path):
+    p = _start(tmp_path, "pending")
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate("go\n", timeout=120)  # the held save goes on; the grace waits for it
+    assert p.returncode == -signal.SIGTERM, err
+    assert "not reached" not in out
+    assert torch.equal(ckpt_core.load(tmp_path / "b.ckpt")["w"], torch.arange(10))
