@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckpt_core
@@ -40,9 +41,19 @@ CHILD = """
 """
 
 
-def _start(tmp_path, mode: str) -> subprocess.Popen:
+@pytest.fixture
+def children():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:  # one that failed the test would block for 10 minutes
+        p.kill()
+        p.wait()
+
+
+def _start(tmp_path, mode: str, children: list) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path), os.getcwd(), mode],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children.append(p)
     assert p.stdout.readline().strip() == "blocking", p.stderr.read() if p.poll() is not None else ""
     # The signal must come once the main thread is inside the C++ wait (a sleep loop there), not while it
     # still runs Python (then Python's handler runs at once, hook or not): its kernel wait channel says so.
@@ -53,8 +64,8 @@ def _start(tmp_path, mode: str) -> subprocess.Popen:
     return p
 
 
-def test_sigterm_ends_a_process_blocked_in_c_code_after_its_saves(tmp_path):
-    p = _start(tmp_path, "idle")
+def test_sigterm_ends_a_process_blocked_in_c_code_after_its_saves(tmp_path, children):
+    p = _start(tmp_path, "idle", children)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGTERM, err
@@ -62,8 +73,8 @@ def test_sigterm_ends_a_process_blocked_in_c_code_after_its_saves(tmp_path):
     assert torch.equal(ckpt_core.load(tmp_path / "a.ckpt")["w"], torch.ones(10))
 
 
-def test_sigterm_grace_commits_a_pending_save_while_the_main_thread_is_blocked(tmp_path):
-    p = _start(tmp_path, "pending")
+def test_sigterm_grace_commits_a_pending_save_while_the_main_thread_is_blocked(tmp_path, children):
+    p = _start(tmp_path, "pending", children)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate("go\n", timeout=120)  # the held save goes on; the grace waits for it
     assert p.returncode == -signal.SIGTERM, err
