@@ -84,6 +84,12 @@ def _names(index_url: str) -> tuple[str, str]:
     return index_url.rstrip("/").rpartition("/")[2], folder.rpartition("/")[2]
 
 
+def _dir_key(directory: str) -> str:
+    """One spelling of a directory: ``file://`` and plain local paths alike, symlinks resolved."""
+    text = directory[len("file://"):] if directory.startswith("file://") else directory
+    return text.rstrip("/") if "://" in text else os.path.realpath(text)
+
+
 class AcceleratorCheckpointer:
     """Saves and loads an ``accelerate.Accelerator``'s state with checkrun (see ``docs/accelerate.md``).
 
@@ -371,7 +377,7 @@ class AcceleratorCheckpointer:
         with self._names_lock:
             self._resumed.add(layout.checkpoint_key(url))
         if self._steplog is not None:  # every rank: the steps logged after it, into the live objects
-            self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes)
+            self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes, own=self._saves_into(url))
         return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:
@@ -532,7 +538,9 @@ class AcceleratorCheckpointer:
         return self._project_config
 
     def _keep_last(self) -> int | None:
-        return self.config.retention.keep_last or self._project().total_limit
+        # accelerate's total_limit=0 deletes every older folder before a save: the newest one stays
+        limit = self._project().total_limit
+        return self.config.retention.keep_last or (None if limit is None else max(1, limit))
 
     def _default_root(self) -> str | None:
         pc = self._project()
@@ -541,6 +549,12 @@ class AcceleratorCheckpointer:
         if pc.automatic_checkpoint_naming and pc.project_dir:
             return _home(os.path.join(os.fspath(pc.project_dir), "checkpoints"))
         return None
+
+    def _saves_into(self, url: str) -> bool:
+        """Whether the checkpoint ``url`` is in the directory where ``save_state()`` saves (automatic naming
+        or a configured directory); False with neither (each ``save_state(output_dir)`` has its own)."""
+        root = self._default_root()
+        return root is not None and _dir_key(layout.parent(layout.folder_of(url))) == _dir_key(root)
 
     def _target(self, output_dir: str | os.PathLike | None, number: int) -> Target:
         """Where this save goes: ``ROOT/checkpoint_{number}`` when there is a ROOT, else ``output_dir``."""

@@ -124,10 +124,15 @@ class AccelerateStepLog:
         if self.rank == 0:
             self.close()
 
-    def after_load(self, part_url: str, saved: dict | None, replay: bool = True) -> int:
+    def after_load(self, part_url: str, saved: dict | None, replay: bool = True, own: bool = True) -> int:
         """Every rank: replay the steps logged after ``part_url`` (rank 0's part of the loaded
         checkpoint) into the live optimizer and scheduler; returns how many. ``replay=False`` (an older
-        checkpoint loaded by name: a rewind): none; rank 0's log starts a chain of its own there."""
+        checkpoint loaded by name: a rewind): none; rank 0's log starts a chain of its own there.
+        ``own``: the checkpoint is in the directory this Accelerator saves to, where rank 0 logs on at
+        once; else (another project's checkpoint, a folder of its own) the log starts at the next save,
+        in its directory (logging on in the loaded one made a later resume of that project replay this
+        run's steps: found by an independent check). A log that cannot start here (a read-only
+        directory) is a warning: loading works, the next save starts it."""
         optimizer, scheduler = self.targets()
         if optimizer is None:
             return 0
@@ -153,8 +158,12 @@ class AccelerateStepLog:
             models = [self.accelerator.unwrap_model(m) for m in self.accelerator._models]
             warn_forward_state(torch.nn.ModuleList(models), replayed, part_url)
         self.optimizer_steps = int((saved or {}).get("optimizer_steps", 0)) + replayed
-        if self.rank == 0:
-            self._open(directory, optimizer, scheduler)
+        if self.rank == 0 and own:
+            try:
+                self._open(directory, optimizer, scheduler)
+            except Exception as exc:  # noqa: BLE001 - the load stands; the next save starts the log
+                warnings.warn(f"accelerate_ckpt: the step log does not go on in {directory} after the load "
+                              f"({exc}); it starts at the next save_state", RuntimeWarning, stacklevel=3)
         return replayed
 
     def _open(self, directory: str, optimizer: Any, scheduler: Any) -> None:

@@ -279,6 +279,15 @@ def _warn_averaging(trainer: Any, steps: int) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def _checkpoint_dirs(trainer: Any) -> set[str]:
+    """The directories the trainer's ``ModelCheckpoint``s save into. A resume goes on logging in the
+    checkpoint's directory only if it is one of them: logging on in another run's directory (a fine-tune
+    from its last.ckpt, a new ``version_N``) made a later resume of that run replay this one's steps
+    (found by an independent check)."""
+    return {parent_dir(f"{cb.dirpath}/x") for cb in getattr(trainer, "checkpoint_callbacks", ())
+            if getattr(cb, "dirpath", None)}
+
+
 def _last_dirs(trainer: Any) -> set[str]:
     """The directories of the trainer's ``ModelCheckpoint``s that keep a ``last.ckpt`` (``save_last``)."""
     return {parent_dir(f"{cb.dirpath}/x") for cb in getattr(trainer, "checkpoint_callbacks", ())
@@ -356,8 +365,12 @@ class LightningStepLog:
             batch = logged.get("batch")
             batches = None if batch is None else max(0, batch - self._batch_at(trainer))
             advance_counters(trainer, moved, batches)
-        if trainer.is_global_zero:
-            self._open(engine, directory, trainer, optimizer, scheduler)
+        if trainer.is_global_zero and directory in _checkpoint_dirs(trainer):
+            try:  # else another run's checkpoint (a fine-tune from it): the log starts at the first save
+                self._open(engine, directory, trainer, optimizer, scheduler)
+            except Exception as exc:  # noqa: BLE001 - the resume stands (a read-only directory)
+                warnings.warn(f"checkrun: the step log does not go on in {directory} after the resume ({exc}); "
+                              "it starts at the next save", RuntimeWarning, stacklevel=2)
         log.info("lightning_ckpt: replayed %d logged step(s) after %s (global_step %d)", steps, url,
                  trainer.global_step)
         return steps

@@ -106,6 +106,7 @@ class Coordinator:
         with self._cond:
             self._inflight.append(job.handle)
         inflight.begin(job.handle.path)
+        lifecycle.arm()  # pending: a SIGTERM now waits for it (lifecycle._watch); the run's end settles it
         if asynchronous:
             with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
                 self._ensure_thread()
@@ -116,6 +117,7 @@ class Coordinator:
             self._run(job, workers)
         finally:
             forksafe.stop_executor(workers)
+            lifecycle.settle()
         self.release_if_idle()
 
     def wait_idle(self) -> None:
@@ -198,6 +200,7 @@ class Coordinator:
                 if job is not None:
                     self._run(job, workers)
                     job = None  # not held while idle: the job's handle reaches the caller's objects
+                    lifecycle.settle()
                     continue
                 with self._cond:
                     if not self._queue.empty():  # a save came in meanwhile (queued under _cond)

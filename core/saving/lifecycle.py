@@ -25,7 +25,8 @@ _busy: list = []
 """``weakref.WeakMethod``s counting work to commit besides the engines' own saves (``register_busy``)."""
 _lock = threading.Lock()
 _atexit_done = False
-_sigterm = {"installed": False, "grace": None, "previous": None, "watcher": None}
+_sigterm: dict = {"installed": False, "grace": None, "previous": None}
+_arm_lock = threading.Lock()
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -165,35 +166,39 @@ def install_sigterm(grace_seconds: float | None) -> None:
 
 
 def _watch() -> None:
-    """Main thread, ``_on_sigterm`` installed: put the C hook (``ckpt_core._csig``) in front of it, so that
-    a SIGTERM is seen by the watcher thread even while the main thread is blocked in C code (then Python
-    would run ``_on_sigterm`` only when that call returns: a hung collective did not end at SIGTERM at
-    all, found by an independent check). Again after a handler installed since replaced the hook."""
+    """Main thread, ``_on_sigterm`` installed in front of the default handler: put the C hook
+    (``ckpt_core._csig``) in front of it, so that a SIGTERM while no save is pending ends the process at
+    once, as with no handler, even while the main thread is blocked in C code (Python would run
+    ``_on_sigterm`` only when that call returns: a hung collective did not end at SIGTERM at all, found
+    by an independent check). Again after a handler installed since replaced the hook."""
     lib = _csig()
-    if lib is None or _sigterm["previous"] != signal.SIG_DFL or lib.checkrun_sigterm_hook() < 0:
-        return
-    if _sigterm["watcher"] is None or not _sigterm["watcher"].is_alive():
-        _sigterm["watcher"] = threading.Thread(target=_watcher, args=(lib,), name="checkrun-sigterm", daemon=True)
-        _sigterm["watcher"].start()
+    if lib is not None and _sigterm["previous"] == signal.SIG_DFL and lib.checkrun_sigterm_hook() >= 0:
+        _sigterm["hooked"] = lib
 
 
 def _csig():
     if "csig" not in _sigterm:
         from ..codecs._common import load_native  # late: codecs import torch
-        _sigterm["csig"] = load_native("_csig", "checkrun_csig_abi", 1, "the SIGTERM grace runs on the main thread")
-        if _sigterm["csig"] is not None:
-            _sigterm["csig"].checkrun_sigterm_wait.argtypes = []
+        _sigterm["csig"] = load_native("_csig", "checkrun_csig_abi", 2, "every SIGTERM goes to the Python handler")
     return _sigterm["csig"]
 
 
-def _watcher(lib) -> None:
-    # A SIGTERM while checkrun's handler, chained to the default one, is installed: the grace, then the
-    # process ends as with no handler. ``_on_sigterm`` also runs if the main thread gets to it first.
-    while True:
-        lib.checkrun_sigterm_wait()  # a ctypes call: without the GIL
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm and _sigterm["previous"] == signal.SIG_DFL:
-            _grace()
-            lib.checkrun_sigterm_default()
+def arm() -> None:
+    """Training thread, after a save is queued: a SIGTERM now gets the grace (``_on_sigterm``)."""
+    lib = _sigterm.get("hooked")
+    if lib is not None:
+        with _arm_lock:
+            lib.checkrun_sigterm_arm(1)
+
+
+def settle() -> None:
+    """A coordinator, after a save ended or when it goes idle: with no work pending anywhere, a SIGTERM
+    ends the process at once again (``arm`` and this under one lock: the last word is right)."""
+    lib = _sigterm.get("hooked")
+    if lib is not None:
+        with _arm_lock:
+            if not _pending_work():
+                lib.checkrun_sigterm_arm(0)
 
 
 def _grace() -> None:
@@ -202,8 +207,7 @@ def _grace() -> None:
     while _pending_work() and time.monotonic() < deadline:  # all of them at once: one save may start another
         time.sleep(0.05)  # polling keeps the handler free of locks the interrupted main thread may hold
     pending = _pending_work()
-    if pending and not _sigterm.get("told"):  # only at the deadline, once (the watcher may wait too)
-        _sigterm["told"] = True
+    if pending:  # only at the deadline
         log.error("checkrun: SIGTERM grace of %.1f s ran out with %d save(s) pending", _sigterm["grace"], pending)
 
 

@@ -77,6 +77,8 @@ class _Pickler(pickle.Pickler):
             name = self.shared.name_of(obj)
             if name is not None:
                 return (name, obj.dtype, obj.numel())
+            if not obj.numel():  # a zero-size staging buffer is a plain tensor (no file): rebuilt, not pickled
+                return (None, obj.dtype, tuple(obj.shape))  # (pickle fails for uint16/float8/complex32 tensors)
         return None
 
 
@@ -87,6 +89,8 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         name, dtype, numel = pid
+        if name is None:
+            return torch.empty(numel, dtype=dtype)
         t = self.maps.get(name)
         if t is None:
             t = self.maps[name] = map_shared(self.directory, name, dtype, numel)
@@ -298,6 +302,7 @@ def serve(fd: int, parent: int | None = None) -> None:
     dirs: dict[tuple, DirState] = {}
     maps: dict[str, torch.Tensor] = {}
     stopped = False  # the engine said stop: it deletes its buffers itself
+    ended = False  # end of file: the engine's process is gone
 
     def receive() -> Any:
         """The next message other than a notice (handled here); EOFError when the engine is gone."""
@@ -341,6 +346,7 @@ def serve(fd: int, parent: int | None = None) -> None:
             try:
                 message = receive()
             except EOFError:
+                ended = True
                 return
             if message is None:
                 stopped = True
@@ -356,13 +362,18 @@ def serve(fd: int, parent: int | None = None) -> None:
                 try:
                     conn.send_bytes(data)
                 except OSError:
+                    ended = True
                     return  # the engine's process is gone
+    except EOFError:  # from ``answer``: the engine's process is gone
+        ended = True
     finally:
         workers.shutdown(wait=True)
         for store in stores.values():
             store.close()
         # End of file without a stop: the engine's process is gone, though getppid() may not say so
-        # yet (an exiting process closes its files before its children are re-parented).
-        if not stopped or os.getppid() != parent:  # nobody else deletes its buffers
+        # yet (an exiting process closes its files before its children are re-parented). Not on an
+        # error of this process: its engine lives on and starts another writer on the same buffers (the
+        # directory deleted under it failed every later save: found by an independent check).
+        if (ended and not stopped) or os.getppid() != parent:  # nobody else deletes its buffers
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -82,6 +82,38 @@ def test_a_killed_writer_process_fails_one_save_and_the_next_starts_a_new_one(tm
         assert sorted(e.name for e in engine.list(tmp_path)) == ["0.ckpt", "2.ckpt"]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                                   torch.complex32, torch.float32])
+def test_zero_size_tensors_of_every_dtype_are_saved(tmp_path, dtype) -> None:
+    """A zero-size staging buffer is a plain tensor, pickled to the writer by torch, which cannot unpickle
+    uint16/uint32/uint64/float8/complex32 tensors: the writer died, and every later save failed (found by
+    an independent check). They are rebuilt in the writer, not pickled."""
+    with CheckpointEngine(PROCESS) as engine:
+        state = {"w": torch.ones(4), "e": torch.empty(0, 3, dtype=dtype)}
+        engine.save(state, tmp_path / "a.ckpt").result()
+        loaded = engine.load(tmp_path / "a.ckpt")
+        assert loaded["e"].dtype == dtype and loaded["e"].shape == (0, 3)
+        engine.save({"w": torch.zeros(4)}, tmp_path / "b.ckpt").result()
+
+
+def test_a_writer_that_fails_on_an_error_leaves_the_staging_buffers_to_the_next_one(tmp_path, monkeypatch) -> None:
+    """The writer's exit on an error of its own deleted the engine's staging directory: every later save
+    failed (its next writer could not register, and was killed after 10 s; found by an independent check)."""
+    from ckpt_core.saving import process
+
+    with CheckpointEngine(PROCESS) as engine:
+        engine.save(_state(), tmp_path / "0.ckpt").result()
+        real = process._Pickler.persistent_id
+        monkeypatch.setattr(process._Pickler, "persistent_id",  # a buffer the writer cannot map: it fails
+                            lambda self, obj: ("missing.buf", torch.float32, 4) if type(obj) is torch.Tensor else None)
+        with pytest.raises(CheckrunError, match=r"writer process died \(exit status 1\).*1\.ckpt"):
+            engine.save(_state(1), tmp_path / "1.ckpt").result()
+        monkeypatch.setattr(process._Pickler, "persistent_id", real)
+        state = _state(2)
+        engine.save(state, tmp_path / "2.ckpt").result()
+        assert _equal(engine.load(tmp_path / "2.ckpt"), state)
+
+
 def test_blobs_collected_by_gc_are_written_again(tmp_path) -> None:
     a, b = _state(0), _state(1)
     with CheckpointEngine(PROCESS) as engine:

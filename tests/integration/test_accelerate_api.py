@@ -909,6 +909,20 @@ def test_a_dropped_accelerators_checkpoints_commit_with_its_total_limit(tmp_path
         == ["checkpoint_2"]
 
 
+def test_total_limit_zero_keeps_the_newest_checkpoint_as_accelerate_does(tmp_path: Path, make_setup) -> None:
+    """accelerate deletes every older folder before a save with ``total_limit=0``: the newest stays. It was
+    read as no limit, and the checkpoints piled up (found by an independent check)."""
+    acc, model, opt, sched, counter = make_setup(tmp_path / "proj")
+    acc.project_configuration.total_limit = 0
+    ckpt = attach(acc)
+    for _ in range(4):
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+    ckpt.wait()
+    assert _names(str(tmp_path / "proj" / "checkpoints")) == ["checkpoint_3"]
+    ckpt.close()
+
+
 def test_save_and_load_state_after_end_training_reopen_checkrun(tmp_path: Path, make_setup) -> None:
     """A script that ends training, then loads its last checkpoint to evaluate (and saves again): accelerate's
     own methods work after ``end_training()`` in one process; with checkrun they were given back by the close,

@@ -115,6 +115,32 @@ def test_a_second_accelerator_of_the_process_replays_the_first_ones_unflushed_st
     ckpt.close()
 
 
+def test_another_project_loading_a_checkpoint_leaves_its_log_alone(tmp_path: Path) -> None:
+    """Project B loads project A's newest checkpoint and trains 3 steps. B's log went on in A's directory,
+    so A's next load_state() replayed B's 3 steps: another run's state, silently (found by an independent
+    check). B logs from its own first save on; A resumes exactly where it was."""
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "a")
+    for step in range(1, 6):
+        _step(acc, net, opt, sched, step)
+    acc.save_state()
+    at_5 = _state(net, opt, sched)
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc_b, net_b, opt_b, sched_b, ckpt_b = _setup(tmp_path / "b")
+    acc_b.load_state(str(tmp_path / "a" / "checkpoints" / "checkpoint_0"))
+    for step in range(6, 9):
+        _step(acc_b, net_b, opt_b, sched_b, step)
+    ckpt_b.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc_a, net_a, opt_a, sched_a, ckpt_a = _setup(tmp_path / "a")
+    acc_a.load_state()
+    assert (ckpt_a.replayed_steps, ckpt_a.optimizer_steps) == (0, 5)
+    assert_bit_equal(_state(net_a, opt_a, sched_a), at_5, "project A resumed")
+    ckpt_a.close()
+
+
 def test_folders_in_temporary_directories_are_deleted_with_the_log_open_and_the_next_one_logs(tmp_path: Path) -> None:
     """accelerate's own tests save into a ``TemporaryDirectory``: with the log on, its cleanup failed with
     "Directory not empty: 'steplog'" (the log's writer went on creating segments there; found by an

@@ -229,6 +229,22 @@ def test_a_second_resume_replays_through_the_steps_logged_after_the_first(tmp_pa
     assert_bit_equal(_live(third, module), at_14)
 
 
+def test_a_fine_tune_from_another_runs_last_checkpoint_leaves_that_runs_log_alone(tmp_path):
+    """A run logs into ``base``; a fine-tune resumes from base/last.ckpt into ``tune`` and trains on. It went
+    on logging in ``base``'s log, so a later resume of the base run replayed the fine-tune's steps: another
+    run's weights, silently (found by an independent check). It logs in its own directory from its first save."""
+    base, tune = str(tmp_path / "base"), str(tmp_path / "tune")
+    first, module = _fit(base, 100, crash_at=10, every_n_train_steps=8)  # last.ckpt at 8; 9, 10 logged
+    at_10 = _live(first, module)
+    logged = sorted(os.listdir(os.path.join(base, ".checkrun", "steplog")))
+    tuned, _ = _fit(tune, 100, ckpt_path=os.path.join(base, "last.ckpt"), crash_at=16, every_n_train_steps=14)
+    assert tuned.global_step == 16
+    assert sorted(os.listdir(os.path.join(base, ".checkrun", "steplog"))) == logged
+    assert os.listdir(os.path.join(tune, ".checkrun", "steplog"))  # its log starts at its save at step 14
+    resumed, module = _fit(base, 10, ckpt_path="last", every_n_train_steps=8)
+    assert_bit_equal(_live(resumed, module), at_10)
+
+
 def test_a_last_checkpoint_that_links_to_the_newest_one_replays_too(tmp_path):
     directory = str(tmp_path / "ckpts")
     first, module = _fit(directory, 100, crash_at=10, every_n_train_steps=4, save_last="link")
