@@ -35,6 +35,7 @@ from typing import Optional
 from ..storage import owner
 from ..errors import CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError
 from ..format.dtypes import is_blob_key
+from ..format.limits import json_shape
 from ..storage.store import LEASE_DIR, Store
 
 log = logging.getLogger("ckpt_core")
@@ -96,6 +97,8 @@ def parse(data: bytes, where: str) -> LeaseRecord:
     """Validate and decode a lease object; ``FormatError`` naming ``where`` for anything else."""
     if len(data) > MAX_LEASE_BYTES:
         raise FormatError(f"lease {where}: {len(data)} bytes, more than the limit of {MAX_LEASE_BYTES}")
+    if data.count(b"[") + data.count(b"{") > 64 and json_shape(data)[2] > 8:  # json.loads recurses (C stack)
+        raise FormatError(f"lease {where}: JSON nested deeper than a lease object")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:

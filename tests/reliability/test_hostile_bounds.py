@@ -287,3 +287,31 @@ def test_the_pre_scan_counts_exactly_outside_strings(monkeypatch, window):
     for _ in range(300):
         data = json.dumps(_random_json(rnd), separators=(",", ":")).encode()
         assert manifest_limits.json_shape(data) == _reference_shape(data), data
+
+
+@pytest.mark.parametrize("what", ["manifest", "lease"])
+def test_deep_json_under_a_megabyte_is_refused_with_a_raised_recursion_limit(tmp_path, what):
+    """A program that raised its recursion limit (deep models do) let ``json.loads`` recurse into a small
+    but deeply nested manifest or lease until the C stack overflowed: the process crashed (SIGSEGV) at a
+    load, or at the gc after a save (found by an independent check). Refused before parsing."""
+    code = textwrap.dedent("""
+        import os, sys, torch, ckpt_core
+        sys.setrecursionlimit(100_000)
+        d, what = sys.argv[1], sys.argv[2]
+        deep = b"[" * 200_000 + b"]" * 200_000
+        ckpt_core.save({"w": torch.ones(2)}, f"{d}/a.ckpt")
+        if what == "manifest":
+            open(f"{d}/b.ckpt", "wb").write(b'{"_checkrun":"manifest","x":' + deep + b"}")
+            try:
+                ckpt_core.load(f"{d}/b.ckpt")
+            except ckpt_core.errors.FormatError as exc:
+                print("refused:", exc)
+        else:
+            open(f"{d}/.checkrun/leases/ffffffffffffffff-1.json", "wb").write(deep)
+            print("refused:", ckpt_core.CheckpointEngine().gc(d).problems)
+    """)
+    (tmp_path / ".checkrun" / "leases").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path), what], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "nest" in done.stdout, done.stdout
