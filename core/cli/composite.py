@@ -131,7 +131,7 @@ def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None, cach
     "blobs_checked", "bytes_checked"}``; ``cache``: a ``VerifyCache`` shared with other checkpoints."""
     rep = ctx.engine.verify(url, storage_options=ctx.storage_options, decode=decode, progress=progress, cache=cache)
     out = {"path": url, "ok": rep.ok, "problems": list(rep.problems), "parts": None,
-           "blobs_checked": rep.blobs_checked, "bytes_checked": rep.bytes_checked}
+           "blobs_checked": rep.blobs_checked, "bytes_checked": rep.bytes_checked, "unverified": rep.unverified}
     if not rep.ok:
         return out
     try:
@@ -141,17 +141,19 @@ def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None, cach
         return out
     if index is None:
         return out
-    out["parts"] = []
+    out["parts"], failed = [], []  # per failing part: whether its problems are all unverified checks
     for part in composite.part_urls(url, index):
         try:
             prep = ctx.engine.verify(part, storage_options=ctx.storage_options, decode=decode, progress=progress,
                                      cache=cache)
             problems, blobs, nbytes = list(prep.problems), prep.blobs_checked, prep.bytes_checked
+            failed += [] if prep.ok else [prep.unverified]
         except CheckpointNotFoundError as exc:
             problems, blobs, nbytes = [f"missing part: {exc}"], 0, 0
+            failed.append(False)
         out["parts"].append(part)
         out["problems"].extend(problems)
         out["blobs_checked"] += blobs
         out["bytes_checked"] += nbytes
-    out["ok"] = not out["problems"]
+    out["ok"], out["unverified"] = not out["problems"], bool(failed) and all(failed)
     return out

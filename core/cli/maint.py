@@ -79,14 +79,16 @@ def cmd_verify(ctx: Context) -> int:
             parts = f"{len(r['parts'])} part(s), " if r.get("parts") is not None else ""
             if r["ok"]:
                 print(f"OK       {safe(r['path'])}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
-            else:
-                print(f"CORRUPT  {safe(r['path'])}")
+            else:  # UNVERIFIED: only checks that could not run within load.max_total_bytes failed
+                print(f"{'UNVERIFIED' if r.get('unverified') else 'CORRUPT':8} {safe(r['path'])}")
                 for p in r["problems"]:
                     print(f"  - {safe(p)}")
         if step_log is not None:
             print_log_report(step_log)
-        bad = sum(1 for r in results if not r["ok"])
-        print(f"\n{len(results) - bad} intact, {bad} corrupt"
+        bad = sum(1 for r in results if not r["ok"] and not r.get("unverified"))
+        unverified = sum(1 for r in results if not r["ok"] and r.get("unverified"))
+        print(f"\n{len(results) - bad - unverified} intact, {bad} corrupt"
+              + (f", {unverified} not verified (load.max_total_bytes)" if unverified else "")
               + ("" if step_log is None else "; step log " + ("intact" if step_log["ok"] else "unreadable"
                                                             if step_log.get("unreadable") else "damaged")))
     return EXIT_OK if ok else EXIT_PROBLEM

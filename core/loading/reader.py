@@ -289,10 +289,14 @@ class VerifyReport:
     bytes_checked: int = 0
     unreadable: bool = False
     """Some problem is the storage's (a ``StorageError`` after retries): the checkpoint may be intact."""
+    unverified: bool = False
+    """Every problem is a check that could not run within ``load.max_total_bytes`` (a tensor larger than
+    it): the checkpoint is not known to be corrupt (before 2026-12-06 it was reported corrupt)."""
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
     """The parsed manifest (None if it could not be read)."""
 
-    def add(self, problem: str, unreadable: bool = False) -> None:
+    def add(self, problem: str, unreadable: bool = False, unverified: bool = False) -> None:
+        self.unverified = unverified and (self.unverified or self.ok)
         self.ok = False
         self.problems.append(problem)
         self.unreadable = self.unreadable or unreadable
@@ -386,6 +390,8 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
                 decode_metadata(manifest.meta["dcp"], manifest, report.path)
             _decode_all(store, manifest, report.path, config, cache)
             _check_objects(store, manifest, report.path, config)
+        except ResourceLimitError as exc:
+            report.add(f"{exc}; not decoded, so not verified (the blobs' checksums matched)", unverified=True)
         except CheckrunError as exc:
             report.add(str(exc), is_outage(exc))
     return report

@@ -304,6 +304,22 @@ def test_verify_decodes_a_checkpoint_larger_than_the_memory_limit_in_groups(tmp_
     assert report.ok and report.problems == []
 
 
+def test_a_tensor_larger_than_the_memory_limit_is_not_verified_rather_than_corrupt(capsys, tmp_path):
+    """One tensor over ``load.max_total_bytes`` cannot be decoded in any group: verify said CORRUPT of an
+    intact checkpoint (a script may delete it; found by an independent check). It says UNVERIFIED."""
+    (tmp_path / "small.yaml").write_text("load:\n  max_total_bytes: 200000\n")
+    with CheckpointEngine() as engine:
+        engine.save({"big": torch.randn(100_000), "small": torch.ones(4)}, tmp_path / "c" / "a.ckpt").result()
+    with CheckpointEngine({"load": {"max_total_bytes": 200_000}}) as engine:
+        report = engine.verify(tmp_path / "c" / "a.ckpt")
+    assert not report.ok and report.unverified and "not verified" in report.problems[0]
+    code, out, _ = run(capsys, "verify", "--config", str(tmp_path / "small.yaml"), str(tmp_path / "c"))
+    assert code == 1 and out.startswith("UNVERIFIED") and "0 corrupt, 1 not verified" in out
+    (tmp_path / "c" / "a.ckpt").write_bytes(b"garbage")  # a real problem is still CORRUPT
+    code, out, _ = run(capsys, "verify", "--config", str(tmp_path / "small.yaml"), str(tmp_path / "c" / "a.ckpt"))
+    assert code == 1 and out.startswith("CORRUPT")
+
+
 def test_progress_bar_only_on_a_tty(capsys, local_run, monkeypatch):
     root, _ = local_run
     assert "verifying" not in run(capsys, "verify", root)[2]
