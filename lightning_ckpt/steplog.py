@@ -279,18 +279,24 @@ def _warn_averaging(trainer: Any, steps: int) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def _dir_key(directory: str) -> str:
+    """One spelling of a directory: symlinks resolved for local ones (Lightning resolves a ModelCheckpoint's
+    ``dirpath`` so; a symlinked scratch directory broke the chain), no trailing ``/`` for URLs."""
+    return directory.rstrip("/") if is_remote(directory) else os.path.realpath(local_path(directory))
+
+
 def _checkpoint_dirs(trainer: Any) -> set[str]:
-    """The directories the trainer's ``ModelCheckpoint``s save into. A resume goes on logging in the
-    checkpoint's directory only if it is one of them: logging on in another run's directory (a fine-tune
-    from its last.ckpt, a new ``version_N``) made a later resume of that run replay this one's steps
-    (found by an independent check)."""
-    return {parent_dir(f"{cb.dirpath}/x") for cb in getattr(trainer, "checkpoint_callbacks", ())
+    """The directories (``_dir_key``) the trainer's ``ModelCheckpoint``s save into. A resume goes on logging
+    in the checkpoint's directory only if it is one of them: logging on in another run's directory (a
+    fine-tune from its last.ckpt, a new ``version_N``) made a later resume of that run replay this one's
+    steps (found by an independent check)."""
+    return {_dir_key(str(cb.dirpath)) for cb in getattr(trainer, "checkpoint_callbacks", ())
             if getattr(cb, "dirpath", None)}
 
 
 def _last_dirs(trainer: Any) -> set[str]:
-    """The directories of the trainer's ``ModelCheckpoint``s that keep a ``last.ckpt`` (``save_last``)."""
-    return {parent_dir(f"{cb.dirpath}/x") for cb in getattr(trainer, "checkpoint_callbacks", ())
+    """The directories (``_dir_key``) of the trainer's ``ModelCheckpoint``s that keep a ``last.ckpt``."""
+    return {_dir_key(str(cb.dirpath)) for cb in getattr(trainer, "checkpoint_callbacks", ())
             if getattr(cb, "save_last", None) and getattr(cb, "dirpath", None)}
 
 
@@ -320,7 +326,7 @@ class LightningStepLog:
         if trainer is None or not trainer.optimizers:  # e.g. trainer.save_checkpoint before fit
             return
         if self.log is not None and not (fnmatch.fnmatch(url.rpartition("/")[2], LAST_PATTERN)
-                                         or directory in _last_dirs(trainer)):
+                                         or _dir_key(directory) in _last_dirs(trainer)):
             return
         optimizer, scheduler = targets(trainer)
         self.close()
@@ -365,7 +371,7 @@ class LightningStepLog:
             batch = logged.get("batch")
             batches = None if batch is None else max(0, batch - self._batch_at(trainer))
             advance_counters(trainer, moved, batches)
-        if trainer.is_global_zero and directory in _checkpoint_dirs(trainer):
+        if trainer.is_global_zero and _dir_key(directory) in _checkpoint_dirs(trainer):
             try:  # else another run's checkpoint (a fine-tune from it): the log starts at the first save
                 self._open(engine, directory, trainer, optimizer, scheduler)
             except Exception as exc:  # noqa: BLE001 - the resume stands (a read-only directory)

@@ -106,18 +106,19 @@ class Coordinator:
         with self._cond:
             self._inflight.append(job.handle)
         inflight.begin(job.handle.path)
-        lifecycle.arm()  # pending: a SIGTERM now waits for it (lifecycle._watch); the run's end settles it
         if asynchronous:
             with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
                 self._ensure_thread()
                 self._queue.put(job)
+            # queued (a SIGTERM handled in here waits for it: before the put, the save never ran): a SIGTERM
+            # now gets the grace (lifecycle._watch); the coordinator settles after it
+            lifecycle.arm()
             return
         workers = self._new_workers()  # any thread: the Accelerate index committer's is a background one
         try:
             self._run(job, workers)
         finally:
             forksafe.stop_executor(workers)
-            lifecycle.settle()
         self.release_if_idle()
 
     def wait_idle(self) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import lifecycle
 from .handles import ByteRatios, SaveHandle
 
 log = logging.getLogger("ckpt_core")
@@ -294,6 +295,7 @@ class GroupCommitter:
                     self._figures.append(verdict.figures)
                 self._pending -= 1
                 self._cond.notify_all()
+            lifecycle.settle()  # the last work of a checkpoint may end here: SIGTERM ends an idle process again
 
     def _process(self, job: Job) -> Verdict:
         mine = _part_outcome(job.handle)

@@ -26,7 +26,6 @@ _busy: list = []
 _lock = threading.Lock()
 _atexit_done = False
 _sigterm: dict = {"installed": False, "grace": None, "previous": None}
-_arm_lock = threading.Lock()
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -184,21 +183,23 @@ def _csig():
 
 
 def arm() -> None:
-    """Training thread, after a save is queued: a SIGTERM now gets the grace (``_on_sigterm``)."""
+    """After a save is counted as pending: a SIGTERM now gets the grace (``_on_sigterm``). No lock: a
+    signal handler may run inside this on the main thread, and a coordinator's ``settle`` must not wait
+    for it (the queued saves stopped until the grace ran out: found by an independent check)."""
     lib = _sigterm.get("hooked")
     if lib is not None:
-        with _arm_lock:
-            lib.checkrun_sigterm_arm(1)
+        lib.checkrun_sigterm_arm(1)
 
 
 def settle() -> None:
-    """A coordinator, after a save ended or when it goes idle: with no work pending anywhere, a SIGTERM
-    ends the process at once again (``arm`` and this under one lock: the last word is right)."""
+    """After work ended (a save, an Accelerate checkpoint's index): with no work pending anywhere, a SIGTERM
+    ends the process at once again. Looked again after disarming: work counted meanwhile arms it back
+    (``arm`` always runs after its work is counted, so the last word is right)."""
     lib = _sigterm.get("hooked")
-    if lib is not None:
-        with _arm_lock:
-            if not _pending_work():
-                lib.checkrun_sigterm_arm(0)
+    if lib is not None and not _pending_work():
+        lib.checkrun_sigterm_arm(0)
+        if _pending_work():
+            lib.checkrun_sigterm_arm(1)
 
 
 def _grace() -> None:

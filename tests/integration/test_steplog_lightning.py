@@ -229,6 +229,27 @@ def test_a_second_resume_replays_through_the_steps_logged_after_the_first(tmp_pa
     assert_bit_equal(_live(third, module), at_14)
 
 
+@pytest.mark.parametrize("spelling", ["symlink", "trailing-slash"])
+def test_a_resume_in_place_continues_the_chain_whatever_the_spelling_of_its_directory(tmp_path, spelling):
+    """The log goes on after a resume only in a directory the trainer's ModelCheckpoints save into: Lightning
+    resolves their ``dirpath`` (symlinks), URLs keep a trailing ``/``, and the comparison missed both: the
+    run after the resume logged nothing, and a second crash resumed 4 steps back (found by an independent
+    check)."""
+    if spelling == "symlink":  # ckpt_path given through the symlink, as the dirpath
+        (tmp_path / "real").mkdir()
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        directory = str(tmp_path / "link" / "ckpts")
+    else:
+        directory = f"memory://{tmp_path.name}-chain/ckpts/"
+    last = directory.rstrip("/") + "/last.ckpt"
+    _fit(directory, 100, crash_at=10, every_n_train_steps=8)  # last.ckpt at 8; 9, 10 logged
+    second, module = _fit(directory, 100, ckpt_path=last, crash_at=14, every_n_train_steps=8)
+    at_14 = _live(second, module)
+    third, module = _fit(directory, 14, ckpt_path=last, every_n_train_steps=8)
+    assert third.global_step == 14
+    assert_bit_equal(_live(third, module), at_14)
+
+
 def test_a_fine_tune_from_another_runs_last_checkpoint_leaves_that_runs_log_alone(tmp_path):
     """A run logs into ``base``; a fine-tune resumes from base/last.ckpt into ``tune`` and trains on. It went
     on logging in ``base``'s log, so a later resume of the base run replayed the fine-tune's steps: another
