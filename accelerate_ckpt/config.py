@@ -100,6 +100,10 @@ def split_sections(data: dict) -> tuple[dict, dict | None]:
 def from_mapping(data: dict, origin: str = "config") -> tuple[EngineConfig, AdapterOptions]:
     """An ``EngineConfig`` mapping (optionally wrapped in ``checkpointing:``) -> settings."""
     if SECTION in data:
+        stray = sorted(k for k in data if k == ADAPTER_KEY or k in {f.name for f in fields(EngineConfig)})
+        if stray:  # beside the section they were dropped silently (found by an independent check)
+            raise ConfigError(f"{origin}: {', '.join(map(repr, stray))} beside a {SECTION!r} section: put the "
+                              f"settings under {SECTION}: (the keys beside it are accelerate's own)")
         data = {} if data[SECTION] is None else data[SECTION]
         if not isinstance(data, dict):
             raise ConfigError(f"{origin}: {SECTION}: expected a mapping, got {type(data).__name__}")

@@ -159,6 +159,10 @@ def test_config_precedence(tmp_path: Path) -> None:
             resolve(bad)
     with pytest.raises(ckpt_core.ConfigError, match=r"^dict argument|saving: expected a mapping, got int"):
         resolve({"saving": 5})
+    # engine settings beside a checkpointing: section were dropped silently (found by an independent check)
+    with pytest.raises(ckpt_core.ConfigError, match="'step_log' beside a 'checkpointing' section"):
+        resolve({"step_log": {"enabled": True}, "checkpointing": {"accelerate": {"directory": "x"}}})
+    assert resolve({"mixed_precision": "no", "checkpointing": {"step_log": {"enabled": True}}})[0].step_log.enabled
 
 
 # -- attach / save / load ----------------------------------------------------------------------------
