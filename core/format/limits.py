@@ -56,6 +56,8 @@ class ManifestLimits:
     max_bytes: int = MAX_MANIFEST_BYTES
     max_depth: int = MAX_JSON_DEPTH
     max_elements: int = MAX_JSON_ELEMENTS
+    kind: str = "manifest"
+    """What messages call the object (a step-log object's limits are the format's own, no setting)."""
 
     @property
     def max_containers(self) -> int:
@@ -115,8 +117,9 @@ def check_json(data: bytes, where: str, limits: ManifestLimits) -> None:
     are scanned only when they hold more brackets than ``max_depth`` (with a recursion limit raised
     by the program, a deep one under 1 MB crashed ``json.loads`` with a C stack overflow: found by an
     independent check)."""
+    kind, settings = limits.kind, limits.kind == "manifest"
     if len(data) > limits.max_bytes:
-        raise FormatError(f"{where}: manifest is {len(data)} bytes, more than the limit of {limits.max_bytes}")
+        raise FormatError(f"{where}: {kind} is {len(data)} bytes, more than the limit of {limits.max_bytes}")
     if len(data) <= limits.max_containers and data.count(b"[") + data.count(b"{") <= limits.max_depth:
         return
     state = _ScanState()
@@ -128,7 +131,8 @@ def check_json(data: bytes, where: str, limits: ManifestLimits) -> None:
                  "load.max_manifest_elements / 4"),
                 (state.elements, limits.max_elements, "JSON elements", "load.max_manifest_elements")):
             if value > limit:  # stop at once: the rest of a hostile manifest is not even scanned
-                raise FormatError(f"{where}: manifest has more {what} than the limit of {limit} ({name})")
+                source = name if settings or "DEPTH" in name else "the step-log format's own limit"
+                raise FormatError(f"{where}: {kind} has more {what} than the limit of {limit} ({source})")
 
 
 def json_shape(data: bytes) -> tuple[int, int, int]:

@@ -47,7 +47,9 @@ def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> byt
         data = store.get_blob(ref.key, ref.size) if buf is None else store.get_blob_into(ref.key, ref.size, buf)
         if len(data) != ref.size:  # a short read too (a body cut off, no response checksum: found by h57)
             what = "size mismatch"
-            why = f"size {len(data)} != {ref.size} declared in the manifest (truncated or replaced blob)"
+            why = (f"size {len(data)} != {ref.size} declared in the manifest (truncated or replaced blob)"
+                   if len(data) < ref.size else  # read one byte past the declared size: its real size is unknown
+                   f"larger than the {ref.size} bytes declared in the manifest (replaced or appended to)")
         elif xxhash.xxh3_64_hexdigest(data) == ref.csum:
             if first is not None:
                 log.warning("checkrun: %s: %s on the first read, the second matched (bytes damaged in transit)",

@@ -178,7 +178,7 @@ class LeaseDir:
     def read(self, name: str) -> Optional[LeaseRecord]:
         """A lease object, validated; None if it is gone (released meanwhile)."""
         try:
-            data = self._raw.read_manifest(self._checked(name), MAX_LEASE_BYTES)
+            data = self._raw.read_manifest(self._checked(name), MAX_LEASE_BYTES, what="lease")
         except CheckpointNotFoundError:
             return None
         except CorruptCheckpointError as exc:  # larger than the limit

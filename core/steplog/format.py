@@ -64,9 +64,9 @@ SEG_MAGIC = b"CKRSLOG\x01"
 MAX_HEADER_BYTES = 16 << 20
 MAX_SMALL_BYTES = 64 << 10  # marker objects
 MAX_RUN_BYTES = 8 << 20  # run objects: their parameter names (``meta.MAX_NAMES``)
-HEADER_LIMITS = ManifestLimits(max_bytes=MAX_HEADER_BYTES, max_elements=2_000_000)
-_SMALL_LIMITS = ManifestLimits(max_bytes=MAX_SMALL_BYTES, max_elements=10_000)
-_RUN_LIMITS = ManifestLimits(max_bytes=MAX_RUN_BYTES, max_elements=250_000)
+HEADER_LIMITS = ManifestLimits(max_bytes=MAX_HEADER_BYTES, max_elements=2_000_000, kind="step-log segment header")
+_SMALL_LIMITS = ManifestLimits(max_bytes=MAX_SMALL_BYTES, max_elements=10_000, kind="step-log object")
+_RUN_LIMITS = ManifestLimits(max_bytes=MAX_RUN_BYTES, max_elements=250_000, kind="step-log run object")
 _PREFIX = struct.Struct("<8sI")
 _CSUM = struct.Struct("<Q")
 PREFIX_BYTES = _PREFIX.size  # magic + header length: what header_end needs
@@ -168,11 +168,18 @@ _RUN_KEYS = {"_checkrun", "format_version", "run", "created", "start", "start_st
 _RUN_KEYS_V2 = {"optimizer", "param_names", "owner", "closed"}  # optional from version 2 (and "end" from 8)
 
 
+def _check_json(data: bytes, where: str, limits: ManifestLimits) -> None:
+    try:
+        check_json(data, where, limits)
+    except FormatError as exc:  # a step-log object's, as every other refusal of one
+        raise StepLogFormatError(str(exc)) from None
+
+
 def _load_small(data: bytes, where: str, magic: str, keys: set[str], optional: set[str] = frozenset(),
                 limits: ManifestLimits = _SMALL_LIMITS, newest: int = OBJECT_VERSION) -> dict:
     if len(data) > limits.max_bytes:
         raise StepLogFormatError(f"{where}: {len(data)} bytes, more than the limit of {limits.max_bytes}")
-    check_json(data, where, limits)
+    _check_json(data, where, limits)
     body = _json(data, where)
     if not isinstance(body, dict) or body.get("_checkrun") != magic:
         raise StepLogFormatError(f"{where}: not a checkrun {magic} object")
@@ -294,7 +301,7 @@ def parse_header(head: bytes | memoryview, where: str, payload_len: int) -> dict
     text = bytes(head[_PREFIX.size:end])
     if _CSUM.unpack_from(head, end)[0] != xxhash.xxh3_64_intdigest(text):
         raise SegmentDamaged(f"{where}: header checksum mismatch")
-    check_json(text, where, HEADER_LIMITS)
+    _check_json(text, where, HEADER_LIMITS)
     header = _json(text, where)
     _check_header(header, where, payload_len)
     return header

@@ -132,6 +132,9 @@ def _dense(h: dict) -> dict:
      "scheduler state 'last_epoch'"),
     (lambda h: h.__setitem__("hi", h["hi"] + 1), "hi - lo"),
     (lambda h: h.__setitem__("run", "../x"), "field 'run'"),
+    # named as what it is, not as a manifest with a setting that does not apply (h94)
+    (lambda h: h.__setitem__("pad", [0] * 2_000_001),
+     "step-log segment header has more JSON elements than the limit of 2000000 (the step-log format's own limit)"),
 ])
 def test_hostile_segment_header_is_refused(logged, mutate, message):
     bad = _after_checkpoint(logged)[0]
