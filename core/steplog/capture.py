@@ -166,7 +166,7 @@ class _Packer:
 
     def add(self, t: torch.Tensor) -> tuple[int, int]:
         """Queue ``t`` (any shape); its ``(start, numel)`` in its dtype's pack."""
-        flat = t.detach().reshape(-1)
+        flat = (t.detach() if t.requires_grad else t).reshape(-1)
         return self.add_flat(flat, t.dtype, flat.numel())
 
     def add_flat(self, flat: torch.Tensor, dtype: torch.dtype, numel: int) -> tuple[int, int]:
@@ -179,9 +179,10 @@ class _Packer:
     def fill(self, staging: Staging, slot: int) -> dict[torch.dtype, torch.Tensor]:
         packs = {}
         for dtype, srcs in self.srcs.items():
-            pin = any(s.device.type == "cuda" for s in srcs)
+            cpu = all(s.is_cpu for s in srcs)  # (``device.type`` costs 4x as much: ~40 tensors a step)
+            pin = not cpu and any(s.is_cuda for s in srcs)
             pack = staging.span(slot, ("pack", dtype), self.sizes[dtype], dtype, pin)
-            if all(s.device.type == "cpu" for s in srcs):
+            if cpu:
                 torch.cat(srcs, out=pack)
             else:  # one device-side cat, one transfer (a cat cannot mix devices)
                 pack.copy_(torch.cat([s.to(srcs[0].device) for s in srcs]))
@@ -344,25 +345,29 @@ def _dense(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer
 
 def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packer, step: int) -> Grad:
     # The uncoalesced form as it is: SGD adds duplicate rows one by one, and coalescing first
-    # would round differently.
+    # would round differently. Few torch calls: this runs per table and step on the training thread.
     if g.sparse_dim() != 1:
         raise StepLogError(f"step log: parameter {i} has a sparse gradient with {g.sparse_dim()} sparse "
                            "dimensions; only row-sparse gradients (nn.Embedding(sparse=True)) can be logged")
-    idx, vals = g._indices().detach(), g._values().detach()
-    item = Grad(i, "sparse", tuple(g.shape), g.dtype, coalesced=bool(g.is_coalesced()), n=int(vals.shape[0]))
-    small = _small(vals)  # the gradient's own size decides where its parts go, folded or not
-    folded = _fold(i, vals, staging, slot, step)
+    if g.requires_grad:  # a gradient of a graph (backward(create_graph=True)): its parts would be too
+        g = g.detach()
+    idx, vals = g._indices(), g._values()
+    dtype, shape = vals.dtype, vals.shape
+    item = Grad(i, "sparse", tuple(g.shape), dtype, coalesced=g.is_coalesced(), n=shape[0])
+    small = vals.numel() * vals.element_size() < PACK_MAX_BYTES  # its own size decides, folded or not
+    folded = _fold(i, vals, shape, staging, slot, step)
     if small and folded is None:
-        item.data_at, item.idx_at = packer.add(vals), packer.add(idx)
+        item.data_at, item.idx_at = packer.add(vals), packer.add_flat(idx.view(-1), torch.int64, shape[0])
         return item
     if small:
         rows, runs, item.u = folded
-        item.data_at = packer.add_flat(rows, vals.dtype, rows.numel())
-        item.idx_at, item.runs_at = packer.add(idx), packer.add_flat(runs, torch.int32, item.u)
+        item.data_at = packer.add_flat(rows, dtype, rows.numel())
+        item.idx_at = packer.add_flat(idx.view(-1), torch.int64, shape[0])
+        item.runs_at = packer.add_flat(runs, torch.int32, item.u)
         return item
     pin = g.device.type == "cuda"
     if folded is None:
-        item.data = staging.span(slot, ("rows", i), vals.numel(), vals.dtype, pin).view(vals.shape)
+        item.data = staging.span(slot, ("rows", i), vals.numel(), dtype, pin).view(shape)
         item.data.copy_(vals)
     else:
         item.data, item.runs, item.u = folded
@@ -371,19 +376,18 @@ def _sparse(i: int, g: torch.Tensor, staging: Staging, slot: int, packer: _Packe
     return item
 
 
-def _fold(i: int, vals: torch.Tensor, staging: Staging, slot: int,
+def _fold(i: int, vals: torch.Tensor, shape: torch.Size, staging: Staging, slot: int,
           step: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(rows, run lengths, runs)`` of a CPU sparse gradient's values whose equal adjacent rows fold
     to at most ``FOLD_MAX_FRACTION`` of them, in this step's staging (both 1-D); else None (logged
     as they are). A parameter whose gradient did not fold 4 steps in a row is tried only every 8th
-    step after that (a token embedding's rows never repeat: the pass would only cost a copy).
-    Few torch calls: this runs per table and step on the training thread."""
-    shape = vals.shape
-    if (_FOLD is None or len(shape) < 2 or shape[0] < MIN_ROWS_FOR_SPARSE or shape[0] >= 2**31
-            or (staging.fold_streak.get(i, 0) >= 4 and step % 8) or vals.device.type != "cpu"
+    step after that (a token embedding's rows never repeat: the pass would only cost a copy)."""
+    n = shape[0]
+    if (_FOLD is None or len(shape) < 2 or n < MIN_ROWS_FOR_SPARSE or n >= 2**31
+            or (staging.fold_streak.get(i, 0) >= 4 and step % 8) or not vals.is_cpu
             or not vals.is_contiguous()):
         return None
-    n, cols = shape[0], math.prod(shape[1:])
+    cols = shape[1] if len(shape) == 2 else math.prod(shape[1:])
     if not cols:
         return None
     limit = math.floor(FOLD_MAX_FRACTION * n)
