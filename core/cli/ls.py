@@ -273,6 +273,8 @@ def _print_logged(rows: list[dict], step_log: dict) -> None:
         print(f"\nstep log {safe(step_log['url'])}: unreadable: {safe(one_line(step_log['error']))}")
         return
     print(f"\nstep log {safe(step_log['url'])}: {step_log['segments']} segment(s), {step_log['markers']} marker(s)")
+    if step_log.get("damaged"):
+        print(f"step log {safe(step_log['url'])}: unreadable marker(s): {safe(step_log['damaged'])}")
     for r in rows:
         text = logged_text(r)
         if text is not None:

@@ -30,8 +30,8 @@ from .steplog import chain_of, chain_steps, segments_store, has_log
 from .util import EXIT_USAGE, CliError, Context, log, one_line
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..steplog.format import SegmentDamaged
-from ..steplog.index import LogIndex, read_index
-from ..steplog.replay import Payload, apply_event, find_marker, read_segment
+from ..steplog.index import LogIndex, find_marker, read_index
+from ..steplog.replay import Payload, apply_event, read_segment
 from ..steplog.capture import flat_params
 from ..steplog.meta import SCALER_KEYS
 

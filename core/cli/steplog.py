@@ -17,10 +17,10 @@ from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
     PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name)
-from ..steplog.index import LogIndex, read_index
+from ..steplog.index import LogIndex, find_marker, read_index
 from ..storage.retry import is_outage
 from ..steplog.log import STEPLOG_DIR, log_store
-from ..steplog.replay import Payload, find_marker, read_segment, unfold
+from ..steplog.replay import Payload, read_segment, unfold
 from ..storage.store import Store
 
 def is_segment_path(path: str) -> bool:
@@ -146,8 +146,11 @@ def logged_after(ctx: Context, directory: str, rows: list[dict]) -> dict | None:
         r.update(logged_steps_after=count, logged_through_step=last, logged_from_step=marker.step)
         if problem:
             r["step_log_problem"] = problem
-    return {"url": shown_url(directory), "segments": sum(len(s) for s in index.segments.values()),
-            "markers": len(index.markers), "runs": len(index.runs)}
+    out = {"url": shown_url(directory), "segments": sum(len(s) for s in index.segments.values()),
+           "markers": len(index.markers), "runs": len(index.runs)}
+    if index.damaged:
+        out["damaged"] = index.damage_note()
+    return out
 
 
 def logged_text(r: dict) -> str | None:
@@ -224,6 +227,8 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
     except CheckrunError as exc:
         result.update(ok=False, problems=[one_line(exc)])
         return result
+    result["problems"] += [f"{one_line(m.checkpoint)} (a damaged marker: the checkpoint it marks cannot be resumed "
+                           "through the log; gc removes it)" for m in index.damaged.values()]
     good: dict[str, dict] = {}
     readers, gaps = _readers(ctx, directory, index)
     max_bytes = ctx.engine.config.load.max_blob_bytes

@@ -13,12 +13,12 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.store import Store
-from .index import read_index
-from .format import NoMarkerError, StepLogError
+from .index import dir_key, find_marker, read_index
+from .format import NoMarkerError, StepLogError, StepLogFormatError
 from . import rng as rng_states
 from .capture import fingerprint, warn_forward_state
 from .log import ENDED, StepLog, active_log, log_store, open_logs
-from .replay import find_marker, replay_chain
+from .replay import replay_chain
 
 log = logging.getLogger("ckpt_core")
 
@@ -37,7 +37,8 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
                            "them, so it cannot replay that: use the optimizer without fused=True")
     store = engine._dir_store(directory, storage_options)
     logs = engine.__dict__.setdefault("_steplogs", [])
-    other = next((lg for lg in logs if not lg._stop.is_set() and lg.store.url("") == store.url("")
+    key = dir_key(store)
+    other = next((lg for lg in logs if not lg._stop.is_set() and dir_key(lg.store) == key
                   and lg.optimizer is not optimizer), None)
     if other is not None:  # a save would mark both logs; replay could not tell whose steps are whose
         raise StepLogError(f"step log of {store.url('')}: a log of another optimizer "
@@ -46,9 +47,10 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
     # where this optimizer's last replay or last closed log here ended, if untouched since (taken: a
     # later log continues this one instead; found by independent checks: a log closed and opened again
     # started a chain of its own, and a replay's end went to the next log of any optimizer, or to every log)
-    resume = ended_at(optimizer, store.url(""))
+    resume = ended_at(optimizer, key)
     slog = StepLog(store, optimizer, scheduler, engine.config, parent=resume, scaler=scaler, model=model,
                    counters=counters)
+    ENDED.get(optimizer, {}).pop(key, None)  # taken by this log (one that failed to open left it for a retry)
     logs[:] = [lg for lg in logs if not lg._stop.is_set()] + [slog]
     return slog
 
@@ -66,9 +68,12 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     engine._check_open()
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
-    _commit_others(store.url(""), optimizer)
+    _commit_others(store, optimizer)
     index = read_index(log_store(store))
     marker, manifest = _start(engine, store, index, after, storage_options)
+    if (note := index.damage_note()) is not None:  # another checkpoint's: this one's marker is intact
+        log.warning("checkrun: step log of %s: %s", store.url(""), note)
+        warnings.warn(f"checkrun: step log of {store.url('')}: {note}", RuntimeWarning, stacklevel=3)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
                        scaler, model)
     if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
@@ -93,22 +98,27 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
         counters.clear()
         counters.update(pos.counters or {})
     slog = active_log(optimizer)  # a log opened before the replay continues the chain too
-    if slog is None or slog.store.url("") != store.url("") or not slog.continue_chain((pos.run, pos.event, pos.step)):
-        ENDED.setdefault(optimizer, {})[store.url("")] = ((pos.run, pos.event, pos.step), fingerprint(optimizer))
+    if slog is None or dir_key(slog.store) != dir_key(store):
+        ENDED.setdefault(optimizer, {})[dir_key(store)] = ((pos.run, pos.event, pos.step), fingerprint(optimizer))
+    elif not slog.continue_chain((pos.run, pos.event, pos.step)):  # it logged already: a chain of its own
+        warnings.warn(f"checkrun: the step log open in {store.url('')} logged before this replay (a flush, a step or "
+                      f"a save), so it does not continue the replayed chain: a resume from a checkpoint before the "
+                      f"next save there ends at step {pos.step}; open the log after replay()", RuntimeWarning,
+                      stacklevel=3)
     return pos.replayed
 
 
-def ended_at(optimizer: Any, url: str) -> tuple[str, int, int] | None:
-    """``(run, event, step)`` where the last replay into ``optimizer`` or its last closed log in ``url``
-    ended, if neither its parameters nor its state changed since (else None: a new log starts a chain of
-    its own). Taken: the next log continues the one opened now."""
-    ended = ENDED.get(optimizer, {}).pop(url, None)
+def ended_at(optimizer: Any, key: str) -> tuple[str, int, int] | None:
+    """``(run, event, step)`` where the last replay into ``optimizer`` or its last closed log in the
+    directory ``key`` (``dir_key``) ended, if neither its parameters nor its state changed since (else
+    None: a new log starts a chain of its own). ``step_log`` takes it once its log is open."""
+    ended = ENDED.get(optimizer, {}).get(key)
     if ended is None:
         return None
     if ended[1] != fingerprint(optimizer):
         log.info("checkrun: the optimizer's parameters or state changed since its last replay or step log in %s "
                  "ended at step %d: the new log starts a chain of its own (replays from earlier checkpoints end "
-                 "at step %d)", url, ended[0][2], ended[0][2])
+                 "at step %d)", key, ended[0][2], ended[0][2])
         return None
     return ended[0]
 
@@ -117,11 +127,12 @@ def ended_at(optimizer: Any, url: str) -> tuple[str, int, int] | None:
 COMMIT_OTHERS_SECONDS = 60.0
 
 
-def _commit_others(url: str, optimizer: Any) -> None:
+def _commit_others(store: Store, optimizer: Any) -> None:
     """Commit the steps the other logs of this process open in ``url`` hold (a second Accelerator or
     Trainer of the process: found by an independent check), each within ``COMMIT_OTHERS_SECONDS``; one
     that cannot (its writer paused or failing, a flush already under way) is replayed without them."""
-    for other in open_logs(url):
+    url = store.url("")
+    for other in open_logs(store):
         if other.optimizer is optimizer:
             continue
         try:
@@ -140,6 +151,9 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
         name = os.fspath(after).replace("\\", "/").rstrip("/").rpartition("/")[2]
         manifest = engine.read_manifest(store.url(name), storage_options)
         marker = find_marker(index, name, manifest.commit, strict=True)
+        if marker is None and index.damaged:  # perhaps its marker
+            raise StepLogFormatError(f"the step log of {store.url('')} has no intact marker for checkpoint "
+                                     f"{store.url(name)}: {index.damage_note()}")
         if marker is None:
             others = sum(m.checkpoint == name for m in index.markers)
             why = (f"it has {others} marker(s) of that name, none of this save's commit stamp: saved again "
@@ -155,6 +169,9 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
         marker = find_marker(index, entry.name, entry.manifest.commit, strict=True)
         if marker is not None:
             return marker, entry.manifest
+    if index.damaged:  # perhaps the newest's marker
+        raise StepLogFormatError(f"{store.url('')}: no committed checkpoint that the step log marks with an intact "
+                                 f"marker: {index.damage_note()}")
     raise CheckpointNotFoundError(f"{store.url('')}: no committed checkpoint that the step log marks")
 
 

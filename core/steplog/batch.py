@@ -1,6 +1,7 @@
 """The segment being filled by the log's encoder thread (``log.StepLog._loop``): its events and encoded bytes."""
 from __future__ import annotations
 
+import queue
 import time
 from typing import Any
 
@@ -98,3 +99,12 @@ class _Batch:
             self.rng = None if states is None else (self.hi, event["step"], states)
 
 
+class _Inbox(queue.Queue):
+    """The encoder thread's queue. Each wake-up of the encoder takes the GIL back from the training
+    thread, which then waits for it (measured: ~7 waits per DLRM step): ``put_quiet`` queues an item
+    that another item wakes the encoder for (a step's scheduler state, whose step follows)."""
+
+    def put_quiet(self, item: Any) -> None:
+        with self.mutex:
+            self._put(item)
+            self.unfinished_tasks += 1

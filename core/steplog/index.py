@@ -6,12 +6,20 @@ so every segment listed has its run object and the markers before it listed too.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.store import Store
-from .format import (MARK_RE, MAX_RUN_BYTES, MAX_SMALL_BYTES, RUN_RE, Marker, RunInfo, SegName, parse_marker,
-                     parse_run, parse_seg_name)
+from .format import (MARK_RE, MAX_RUN_BYTES, MAX_SMALL_BYTES, RUN_RE, Marker, RunInfo, SegName, StepLogError,
+                     StepLogFormatError, parse_marker, parse_run, parse_seg_name)
+
+
+def dir_key(store: Store) -> str:
+    """A checkpoint directory's identity: a local one by its real path (a log opened through a symlink
+    and a save through the real path are one directory: found by an independent fault program), others
+    by URL."""
+    return os.path.realpath(store.root) if store.is_local else store.url("")
 
 
 @dataclass
@@ -20,6 +28,17 @@ class LogIndex:
     """Per run, its segments by sequence number."""
     markers: list[Marker] = field(default_factory=list)
     runs: dict[str, RunInfo] = field(default_factory=dict)
+    damaged: dict[str, Marker] = field(default_factory=dict)
+    """Markers that do not parse, by name: what their names tell (run, event), ``checkpoint`` the error.
+    Which checkpoint one marks is unknown: a replay that finds its own marker goes on (warned), one
+    that does not raises the error; gc keeps the steps after each, as for a retained checkpoint's."""
+
+    def damage_note(self) -> str | None:
+        """A line naming the damaged markers, or None."""
+        if not self.damaged:
+            return None
+        return (f"{len(self.damaged)} step-log marker(s) do not parse and are ignored: "
+                + "; ".join(m.checkpoint for m in list(self.damaged.values())[:3]))
 
     def children(self, run: str, after: int) -> list[RunInfo]:
         """Runs that continue ``run`` from an event at or after ``after``, newest first."""
@@ -54,9 +73,24 @@ class LogIndex:
         return None
 
 
+def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
+    """The marker of checkpoint ``name`` whose commit stamp is ``commit`` (the manifest's); for a
+    manifest without a stamp, the newest marker of that name. ``strict`` (a replay): StepLogError
+    when one save is marked by several runs (logs of two optimizers in one directory)."""
+    same = [m for m in index.markers if m.checkpoint == name]
+    if commit is not None:
+        same = [m for m in same if m.commit == commit]
+        if strict and len({m.run for m in same}) > 1:  # one save, two logs open in the directory (two optimizers)
+            raise StepLogError(f"checkpoint {name} is marked by {len({m.run for m in same})} step-log runs at once "
+                               "(two logs, e.g. of two optimizers, were open in its directory): replay cannot "
+                               "tell which one is this optimizer's; log one optimizer per directory")
+    return max(same, key=lambda m: (index.runs[m.run].created if m.run in index.runs else 0.0, m.event),
+               default=None)
+
+
 def read_index(segs: Store) -> LogIndex:
-    """List and read the step log of one directory. A malformed run or marker object raises
-    ``StepLogFormatError`` naming it; objects whose names match no pattern are ignored."""
+    """List and read the step log of one directory. A malformed run object raises ``StepLogFormatError``
+    naming it, a malformed marker goes to ``damaged``; objects whose names match no pattern are ignored."""
     index = LogIndex()
     files = segs.list_files()
     for f in files:
@@ -67,10 +101,14 @@ def read_index(segs: Store) -> LogIndex:
         run_segs.sort(key=lambda s: s.seq)
     names = [f.name for f in segs.list_files()]  # listed again: markers written since count (see above)
     for name in names:
-        if MARK_RE.fullmatch(name):
-            data = _read(segs, name, MAX_SMALL_BYTES)
-            if data is not None:
-                index.markers.append(parse_marker(data, segs.url(name), name))
+        m = MARK_RE.fullmatch(name)
+        if m:
+            try:
+                data = _read(segs, name, MAX_SMALL_BYTES)
+                if data is not None:
+                    index.markers.append(parse_marker(data, segs.url(name), name))
+            except (StepLogFormatError, CorruptCheckpointError) as exc:  # one damaged marker blocked every replay
+                index.damaged[name] = Marker(name, m.group(1), int(m.group(2)), -1, str(exc), None)
     for name in names:
         m = RUN_RE.fullmatch(name)
         if m:

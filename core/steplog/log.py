@@ -32,9 +32,10 @@ from ..saving.lifecycle import lower_thread_priority
 from ..storage.paths import STEPLOG_DIR
 from ..storage.store import Store
 from . import meta, rng
-from .batch import _Batch
+from .batch import _Batch, _Inbox
 from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
+from .index import dir_key
 from .format import (MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, segment_parts,
                      run_name, run_to_bytes, seg_name)
 
@@ -68,9 +69,9 @@ def active_log(optimizer: Any) -> "StepLog | None":
     return _ACTIVE.get(optimizer)
 
 
-def open_logs(url: str) -> list["StepLog"]:
-    """The logs of this process (any engine) open in the checkpoint directory ``url``."""
-    return [lg for lg in list(_ACTIVE.values()) if lg.store.url("") == url and not lg._stop.is_set()]
+def open_logs(store: Store) -> list["StepLog"]:
+    """The logs of this process (any engine) open in the checkpoint directory of ``store``."""
+    return [lg for lg in list(_ACTIVE.values()) if lg.key == dir_key(store) and not lg._stop.is_set()]
 
 
 def _close_under(prefix: str) -> None:
@@ -88,17 +89,6 @@ inflight.before_rmtree(_close_under)
 ENDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple]]" = weakref.WeakKeyDictionary()
 
 
-class _Inbox(queue.Queue):
-    """The encoder thread's queue. Each wake-up of the encoder takes the GIL back from the training
-    thread, which then waits for it (measured: ~7 waits per DLRM step): ``put_quiet`` queues an item
-    that another item wakes the encoder for (a step's scheduler state, whose step follows)."""
-
-    def put_quiet(self, item: Any) -> None:
-        with self.mutex:
-            self._put(item)
-            self.unfinished_tasks += 1
-
-
 class StepLog:
     """The log of one optimizer (and its LR scheduler) into one directory. Build with
     ``engine.step_log(directory, optimizer, scheduler)``; ``flush()`` commits what is logged,
@@ -110,6 +100,7 @@ class StepLog:
         if active_log(optimizer) is not None:
             raise StepLogError("this optimizer already has an open step log: close it first")
         self.store, self.optimizer, self.scheduler, self.config = store, optimizer, scheduler, config
+        self.key = dir_key(store)  # the directory, however a save spells it
         self.scaler = scaler  # a GradScaler: its state goes with the scheduler's (meta.scaler_state)
         self.counters = counters  # the caller's counters (names to ints), logged with each state record
         self._buffers = forward_buffers(model)  # running statistics, logged with each step (model given)
@@ -159,10 +150,11 @@ class StepLog:
         self._flushing, done, deadline = True, threading.Event(), time.monotonic() + (seconds or float("inf"))
         try:
             self._write_due()
+            self._drop_held()
+            self._state_event()  # before an error is raised: the encoder writes the held step at the stop,
+            # and without the scheduler step after it a resume there was one scheduler step behind (h99)
             if check:  # commit_for (another log's replay) leaves errors to this log's owner
                 self._check()
-            self._drop_held()
-            self._state_event()
             if point:
                 self._point()
             self._queue.put(("flush", done))
@@ -193,7 +185,7 @@ class StepLog:
             return
         try:
             if self._thread.is_alive():
-                self._flush(point=False, check=check)
+                self._flush(point=False, check=False)  # an error is raised below, once the run object is
         finally:
             self._stop.set()
             self._queue.put(("stop", None))
@@ -202,13 +194,17 @@ class StepLog:
                 h.remove()
             if _ACTIVE.get(self.optimizer) is self:
                 del _ACTIVE[self.optimizer]
-        # gc may drop a closed run's markers of checkpoints it does not list: only once no save
-        # (whose marker this run wrote) can still commit
-        if self._error is None and inflight.wait_under(self.store.url("").rstrip("/") + "/",
-                                                       self.config.retention.lease_seconds):
-            self._write_run(dataclasses.replace(self._info, closed=True, end=(self.event, self.segments)))
-            ENDED.setdefault(self.optimizer, {})[self.store.url("")] = ((self.run, self.event, self.step),
-                                                                        fingerprint(self.optimizer))
+        # gc may drop a closed run's markers of checkpoints it does not list: only once no save (whose
+        # marker this run wrote) can still commit. Where it ended goes in the same object, after an error
+        # too (a resume then reports the lost tail), and is kept for the optimizer's next log here (h99:
+        # both went missing after an error or a save slower than the lease: later resumes stopped early)
+        if inflight.wait_under(self.store.url("").rstrip("/") + "/", self.config.retention.lease_seconds):
+            try:
+                self._write_run(dataclasses.replace(self._info, closed=True, end=(self.event, self.segments)))
+            except Exception as exc:  # noqa: BLE001 - raised below unless an earlier error is
+                self._error = self._error or exc
+        ENDED.setdefault(self.optimizer, {})[self.key] = ((self.run, self.event, self.step),
+                                                          fingerprint(self.optimizer))
         if check:
             self._check()
 
@@ -230,7 +226,7 @@ class StepLog:
         the marker of checkpoint ``name`` (one small object, so every checkpoint that commits has
         one) and close the open segment, if it is this log's directory. Never raises: an error
         surfaces at the log's next hook, ``flush`` or ``close``."""
-        if store.url("") != self.store.url("") or self._stop.is_set() or os.getpid() != self._pid:
+        if dir_key(store) != self.key or self._stop.is_set() or os.getpid() != self._pid:
             return
         marker = None
         try:  # the marker is written here, not by the encoder: it lands before the checkpoint commits
@@ -270,10 +266,13 @@ class StepLog:
         that a crash before the next checkpoint still resumes through this run. Returns whether it did."""
         if self.event != self._first or self.step != self._first_step or self._mark_seq or self._stop.is_set():
             return False
+        # the run object first: if its write fails, this log goes on numbering from its own start, as its
+        # encoder does (the counters moved first made the two disagree: a later resume replayed wrong
+        # steps; found by an independent fault program)
+        self._info = self._write_run(dataclasses.replace(self._info, created=time.time(), start=parent[1],
+                                                         start_step=parent[2], parent=(parent[0], parent[1])))
         self.event, self.step = parent[1], parent[2]
         self._first, self._first_step = self.event, self.step
-        self._info = self._write_run(dataclasses.replace(self._info, created=time.time(), start=self.event,
-                                                         start_step=self.step, parent=(parent[0], parent[1])))
         self._queue.put(("rebase", self.event))
         return True
 

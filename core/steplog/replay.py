@@ -56,21 +56,6 @@ class Position:
     """The GradScaler scale of the last state record applied: a lower one next means a skipped step."""
 
 
-def find_marker(index: LogIndex, name: str, commit: dict | None, strict: bool = False) -> Marker | None:
-    """The marker of checkpoint ``name`` whose commit stamp is ``commit`` (the manifest's); for a
-    manifest without a stamp, the newest marker of that name. ``strict`` (a replay): StepLogError
-    when one save is marked by several runs (logs of two optimizers in one directory)."""
-    same = [m for m in index.markers if m.checkpoint == name]
-    if commit is not None:
-        same = [m for m in same if m.commit == commit]
-        if strict and len({m.run for m in same}) > 1:  # one save, two logs open in the directory (two optimizers)
-            raise StepLogError(f"checkpoint {name} is marked by {len({m.run for m in same})} step-log runs at once "
-                               "(two logs, e.g. of two optimizers, were open in its directory): replay cannot "
-                               "tell which one is this optimizer's; log one optimizer per directory")
-    return max(same, key=lambda m: (index.runs[m.run].created if m.run in index.runs else 0.0, m.event),
-               default=None)
-
-
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
                  max_bytes: int, scaler: Any = None, model: Any = None) -> Position:
     """Apply every logged event after ``start`` (and the logged forward-pass state to ``model``'s
@@ -80,8 +65,7 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
                                  "(each run continues an older one): a damaged or forged run object")
     _warn_superseded(segs, index, start)
     if (note := index.orphan_note(segs.url(""))) is not None:
-        log.warning(note)
-        warnings.warn(note, UserWarning, stacklevel=3)
+        _warn(note)
     pos = Position(start.run, start.event, start.step)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
@@ -108,11 +92,11 @@ def _warn_superseded(segs: Store, index: LogIndex, start: Marker) -> None:
     trainer was superseded by a restart (paused, then woken); the newer run's steps are not on this path."""
     newer = [r for r in index.runs.values() if r.parent is not None and r.parent[0] == start.run
              and r.parent[1] < start.event]
-    if newer:
-        log.warning("checkrun: checkpoint %s was saved by step-log run %s after the step where run %s resumed from "
-                    "that run (a restart while its trainer was paused or still running, which committed the "
-                    "checkpoint late): the newer run's logged steps are not replayed after it (resume from the "
-                    "checkpoint that run resumed from to replay them)", start.checkpoint, start.run, newer[0].run)
+    if newer:  # a Python warning too, as every other end of a replay short of the newest step (h99)
+        _warn(f"checkrun: checkpoint {start.checkpoint} was saved by step-log run {start.run} after the step where "
+              f"run {newer[0].run} resumed from that run (a restart while its trainer was paused or still running, "
+              "which committed the checkpoint late): the newer run's logged steps are not replayed after it (resume "
+              "from the checkpoint that run resumed from to replay them)")
 
 
 def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_bytes: int,
@@ -219,8 +203,13 @@ def _stop(pos: Position, where: str, why: str = "") -> None:
         f"checkrun: step log segment {where} is damaged or missing ({why}); replay stopped after "
         f"step {pos.step} (event {pos.event}) of the log's run, counted from its start: {pos.replayed} "
         "step(s) replayed after the checkpoint")
+    _warn(msg)
+
+
+def _warn(msg: str) -> None:
+    """To the log and as a ``UserWarning`` (the caller of ``engine.replay``'s line)."""
     log.warning(msg)
-    warnings.warn(msg, UserWarning, stacklevel=4)
+    warnings.warn(msg, UserWarning, stacklevel=5)
 
 
 class Payload:

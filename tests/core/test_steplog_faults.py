@@ -1,0 +1,270 @@
+"""The step log when storage fails under it (found by an independent fault program, h99): a run
+object or marker write that fails, a segment write that fails at the end, a damaged marker of a
+deleted checkpoint, a directory reached through a symlink. Every later resume is exact up to where
+it says it stops, and says so when it stops early."""
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+
+import pytest
+
+from ckpt_core import CheckpointEngine
+from ckpt_core.errors import StorageError
+from ckpt_core.steplog import StepLogError, StepLogFormatError
+from ckpt_core.testing import FaultFS, Policy
+
+from .steplog_train import assert_bit_equal, load_into, make, state, train_step
+
+ONE_TRY = {"step_log": {"flush_every_steps": 3}, "storage": {"retry": {"max_attempts": 1}}}
+
+
+@pytest.fixture(autouse=True)
+def _faults():
+    FaultFS.reset()
+    yield
+    FaultFS.reset()
+
+
+class FailWrites(Policy):
+    """EIO for writes of step-log objects whose name starts with ``prefix`` (``.run-``, ``.mark-``,
+    ``.seg-``: their temp files), after ``skip`` of them, while ``on``."""
+
+    def __init__(self, prefix: str, skip: int = 0, on: bool = True) -> None:
+        self.prefix, self.skip, self.on_ = prefix, skip, on
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if self.on_ and op == "open" and f"/steplog/{self.prefix}" in str(path):
+            if self.skip:
+                self.skip -= 1
+                return
+            raise OSError(errno.EIO, "injected EIO", str(path))
+
+
+def _reference(kind: str, steps: int) -> dict:
+    net, opt, sched = make(kind)
+    for s in range(1, steps + 1):
+        train_step(net, opt, sched, s)
+    return state(net, opt, sched)
+
+
+def _resume(directory: str, after: str, kind: str = "adam") -> tuple[int, dict, list[str]]:
+    """Load ``after`` into a fresh model and replay: (steps replayed, the state, the warnings)."""
+    net, opt, sched = make(kind)
+    with warnings.catch_warnings(record=True) as caught, CheckpointEngine() as engine:
+        warnings.simplefilter("always")
+        load_into(engine.load(f"{directory}/{after}"), net, opt, sched)
+        n = engine.replay(directory, opt, sched, after=f"{directory}/{after}")
+    return n, state(net, opt, sched), [str(w.message) for w in caught]
+
+
+def _first_run(url: str, steps: int = 20, save_at: int = 10) -> None:
+    net, opt, sched = make("adam")
+    with CheckpointEngine(ONE_TRY) as engine:
+        slog = engine.step_log(url, opt, sched)
+        for s in range(1, steps + 1):
+            train_step(net, opt, sched, s)
+            if s == save_at:
+                engine.save(state(net, opt, sched), f"{url}/s{s}.ckpt").result()
+        slog.close()
+
+
+def test_a_replay_whose_run_object_write_fails_leaves_the_open_log_numbered_as_its_encoder(tmp_path):
+    """The log was opened before the replay; continuing the chain rewrites its run object, which
+    failed. The counters had moved first: training thread and encoder numbered events differently,
+    and a later resume replayed wrong steps (and ``ls`` claimed steps never logged)."""
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    _first_run(url)
+    net, opt, sched = make("adam")
+    with CheckpointEngine(ONE_TRY) as engine:
+        load_into(engine.load(f"{url}/s10.ckpt"), net, opt, sched)
+        slog = engine.step_log(url, opt, sched)
+        FaultFS.policy = FailWrites(".run-")
+        with pytest.raises(StorageError, match="run record"):
+            engine.replay(url, opt, sched, after=f"{url}/s10.ckpt")
+        FaultFS.policy = None
+        for s in range(21, 41):  # the replay applied its 10 steps; the user goes on
+            train_step(net, opt, sched, s)
+            if s == 25:
+                engine.save(state(net, opt, sched), f"{url}/s25.ckpt").result()
+        slog.close()
+    n, st, msgs = _resume(d, "s25.ckpt")
+    assert n == 15 and not msgs
+    assert_bit_equal(st, _reference("adam", 40))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_close_with_a_pending_error_logs_the_scheduler_step_after_the_last_step(tmp_path, kind):
+    """Marker writes fail from the second save on; the loop catches each ``StepLogError`` and finishes
+    its iteration (as docs allow); ``close`` raised before it logged the last step's scheduler step,
+    and a resume there was one scheduler step behind, silently."""
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    policy = FaultFS.policy = FailWrites(".mark-", on=False)
+    net, opt, sched = make(kind)
+    engine = CheckpointEngine({**ONE_TRY, "step_log": {"flush_every_steps": 4}})
+    slog = engine.step_log(url, opt, sched)
+    raised = []
+    for s in range(1, 14):
+        try:
+            train_step(net, opt, sched, s)
+        except StepLogError:  # raised in the post-hook, after the step: the scheduler step is ours
+            raised.append(s)
+            sched.step()
+        if s == 5:
+            engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
+        if s == 10:
+            policy.on_ = True
+            engine.save(state(net, opt, sched), f"{url}/s10.ckpt").result()
+    with pytest.raises(StepLogError, match="marker"):
+        slog.close()
+    engine.close()
+    FaultFS.policy = None
+    assert raised
+    n, st, _ = _resume(d, "s5.ckpt", kind)
+    assert n == 8
+    assert_bit_equal(st, _reference(kind, 13))
+
+
+def test_a_lost_tail_after_a_failed_close_is_reported(tmp_path):
+    """The last segments' writes fail; ``close`` raises. It skipped the run object's ``end`` then, so a
+    resume stopped early without a warning and ``verify`` called the log intact."""
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    policy = FaultFS.policy = FailWrites(".seg-", on=False)
+    net, opt, sched = make("adam")
+    engine = CheckpointEngine(ONE_TRY)
+    slog = engine.step_log(url, opt, sched)
+    for s in range(1, 21):
+        if s == 16:
+            slog.flush()
+            policy.on_ = True
+        try:
+            train_step(net, opt, sched, s)
+        except StepLogError:
+            sched.step()
+        if s == 5:
+            engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
+    with pytest.raises(StepLogError, match="segment"):
+        slog.close()
+    engine.close()
+    FaultFS.policy = None
+    n, st, msgs = _resume(d, "s5.ckpt")
+    assert n == 10 and any("replay stopped after step 15" in m and "before it was closed" in m for m in msgs), msgs
+    assert_bit_equal(st, _reference("adam", 15))
+
+
+def test_a_retried_step_log_after_a_failed_open_continues_the_chain(tmp_path):
+    """``step_log`` after a replay failed once (its run object's write); the retry started a chain of
+    its own, so a crash before the next checkpoint resumed 10 steps short, silently."""
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    _first_run(url)
+    net, opt, sched = make("adam")
+    engine = CheckpointEngine(ONE_TRY)
+    load_into(engine.load(f"{url}/s10.ckpt"), net, opt, sched)
+    assert engine.replay(url, opt, sched, after=f"{url}/s10.ckpt") == 10
+    FaultFS.policy = FailWrites(".run-")
+    with pytest.raises(StorageError):
+        engine.step_log(url, opt, sched)
+    FaultFS.policy = None
+    slog = engine.step_log(url, opt, sched)
+    for s in range(21, 31):
+        train_step(net, opt, sched, s)
+    slog.flush()  # then the process dies (its log is not closed)
+    n, st, _ = _resume(d, "s10.ckpt")
+    assert n == 20
+    assert_bit_equal(st, _reference("adam", 30))
+    slog.close()
+    engine.close()
+
+
+def test_a_log_that_logged_before_a_replay_warns_that_it_does_not_continue_the_chain(tmp_path):
+    d = str(tmp_path / "run")
+    _first_run(d)
+    net, opt, sched = make("adam")
+    with CheckpointEngine(ONE_TRY) as engine:
+        load_into(engine.load(f"{d}/s10.ckpt"), net, opt, sched)
+        slog = engine.step_log(d, opt, sched)
+        slog.flush()
+        with pytest.warns(RuntimeWarning, match="does not continue the replayed chain"):
+            engine.replay(d, opt, sched, after=f"{d}/s10.ckpt")
+        slog.close()
+
+
+def test_a_damaged_marker_of_a_deleted_checkpoint_blocks_neither_replay_nor_gc(tmp_path):
+    """One flipped byte in the marker of a checkpoint retention deleted made every replay of the
+    directory raise and its step-log gc refuse for ever."""
+    d = str(tmp_path / "run")
+    logdir = os.path.join(d, ".checkrun", "steplog")
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(d, opt, sched)
+        for s in range(1, 7):
+            train_step(net, opt, sched, s)
+            if s in (3, 6):
+                engine.save(state(net, opt, sched), f"{d}/s{s}.ckpt").result()
+        slog.close()
+    mark = sorted(n for n in os.listdir(logdir) if n.startswith("mark-"))[0]  # s3.ckpt's
+    with open(os.path.join(logdir, mark), "r+b") as f:
+        f.seek(30)
+        byte = f.read(1)
+        f.seek(30)
+        f.write(bytes([byte[0] ^ 1]))
+    os.remove(os.path.join(d, "s3.ckpt"))
+    n, st, msgs = _resume(d, "s6.ckpt")
+    assert n == 0 and any(mark in m and "do not parse" in m for m in msgs), msgs
+    with CheckpointEngine({"retention": {"keep_last": 1}}) as engine:
+        net, opt, sched = make("adam")
+        load_into(engine.load(f"{d}/s6.ckpt"), net, opt, sched)
+        slog = engine.step_log(d, opt, sched)
+        for s in range(7, 13):
+            train_step(net, opt, sched, s)
+            if s in (9, 12):
+                engine.save(state(net, opt, sched), f"{d}/s{s}.ckpt").result()
+        slog.close()
+    assert mark not in os.listdir(logdir)  # gc went on, and removed it (its run is closed)
+    n, st, msgs = _resume(d, "s12.ckpt")
+    assert n == 0 and not msgs
+
+
+def test_a_damaged_marker_of_the_resumed_checkpoint_is_named(tmp_path):
+    d = str(tmp_path / "run")
+    _first_run(d)
+    logdir = os.path.join(d, ".checkrun", "steplog")
+    mark = next(n for n in os.listdir(logdir) if n.startswith("mark-"))
+    with open(os.path.join(logdir, mark), "r+b") as f:
+        f.seek(20)
+        f.write(b"#")
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{d}/s10.ckpt"), net, opt, sched)
+        with pytest.raises(StepLogFormatError, match=f"no intact marker.*{mark}"):
+            engine.replay(d, opt, sched, after=f"{d}/s10.ckpt")
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="symlinks")
+@pytest.mark.parametrize("how", ["log through the link", "reopened through the link"])
+def test_a_directory_reached_through_a_symlink_is_one_directory(tmp_path, how):
+    """A log opened through a symlink gave a save through the real path no marker (the resume blamed
+    another engine), and a log reopened through the symlink started a chain of its own."""
+    d = str(tmp_path / "run")
+    os.makedirs(d)
+    link = str(tmp_path / "link")
+    os.symlink(d, link)
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:
+        slog = engine.step_log(link if how == "log through the link" else d, opt, sched)
+        for s in range(1, 21):
+            train_step(net, opt, sched, s)
+            if s == 5:
+                engine.save(state(net, opt, sched), f"{d}/s5.ckpt").result()
+            if s == 10 and how == "reopened through the link":
+                slog.close()
+                slog = engine.step_log(link, opt, sched)
+        slog.close()
+    n, st, msgs = _resume(d, "s5.ckpt")
+    assert n == 15 and not msgs
+    assert_bit_equal(st, _reference("adam", 20))
