@@ -98,6 +98,8 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
         return loss
 
     step._checkrun_closure_first = True  # type: ignore[attr-defined]
+    if getattr(current, "_wrapped_by_lr_sched", False):  # a scheduler's counting wrapper is inside: it told
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch so (else it warns; h98)
     # a bound method, as torch's LR schedulers expect of ``optimizer.step`` (they wrap its ``__func__``): a
     # plain function broke a scheduler made after the log started, e.g. StochasticWeightAveraging's SWALR
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]

@@ -19,7 +19,8 @@ from ..steplog.format import (
     PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name)
 from ..steplog.index import LogIndex, find_marker, read_index
 from ..storage.retry import is_outage
-from ..steplog.log import STEPLOG_DIR, log_store
+from ..steplog.registry import log_store
+from ..storage.paths import STEPLOG_DIR
 from ..steplog.replay import Payload, read_segment, unfold
 from ..storage.store import Store
 

@@ -98,6 +98,9 @@ def _forget_in_child() -> None:
     # only the parent can finish. The parent keeps its obligations; the child has none.
     global _engines, _owners, _busy, _lock, _retiring
     _engines, _owners, _busy, _lock, _retiring = weakref.WeakSet(), [], [], threading.Lock(), weakref.WeakSet()
+    lib = _sigterm.get("hooked")
+    if lib is not None:  # nothing of it to wait for: SIGTERM ends it at once (it was forked armed: found by h98)
+        lib.checkrun_sigterm_arm(0)
 
 
 _retiring: "weakref.WeakSet" = weakref.WeakSet()

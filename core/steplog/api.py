@@ -17,7 +17,8 @@ from .index import dir_key, find_marker, read_index
 from .format import NoMarkerError, StepLogError, StepLogFormatError
 from . import rng as rng_states
 from .capture import fingerprint, warn_forward_state
-from .log import ENDED, StepLog, active_log, log_store, open_logs
+from .log import StepLog
+from .registry import ENDED, active_log, log_store, open_logs
 from .replay import replay_chain
 
 log = logging.getLogger("ckpt_core")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 from ..storage.store import Store
 from .format import Marker, run_name
 from .index import LogIndex, read_index
-from .log import log_store
+from .registry import log_store
 from .meta import owner_gone
 
 log = logging.getLogger("ckpt_core")

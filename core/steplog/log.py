@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import uuid
-import weakref
 from typing import Any
 
 import torch
@@ -29,18 +28,17 @@ from ..errors import FormatError
 from .. import forksafe
 from ..saving import inflight, lifecycle
 from ..saving.lifecycle import lower_thread_priority
-from ..storage.paths import STEPLOG_DIR
 from ..storage.store import Store
 from . import meta, rng
 from .batch import _Batch, _Inbox
 from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
 from .index import dir_key
+from .registry import _ACTIVE, ENDED, active_log, log_store  # noqa: F401 - log_store, active_log: importers'
 from .format import (MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, segment_parts,
                      run_name, run_to_bytes, seg_name)
 
 log = logging.getLogger("ckpt_core")
-_ACTIVE: "weakref.WeakKeyDictionary[Any, StepLog]" = weakref.WeakKeyDictionary()
 # torch's wrapper that runs the step hooks around a class's step(): a subclass whose step() calls
 # super().step() runs the hooks once per class, nested (found by checking a step that raises)
 _HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
@@ -58,35 +56,6 @@ def _inner_call(optimizer: Any) -> bool:
                 return True
         frame = frame.f_back
     return False
-
-
-def log_store(store: Store) -> Store:
-    """The store of ``<dir>/.checkrun/steplog`` for the checkpoint directory ``store``."""
-    return store.at(store.root.rstrip("/") + "/" + STEPLOG_DIR)
-
-
-def active_log(optimizer: Any) -> "StepLog | None":
-    return _ACTIVE.get(optimizer)
-
-
-def open_logs(store: Store) -> list["StepLog"]:
-    """The logs of this process (any engine) open in the checkpoint directory of ``store``."""
-    return [lg for lg in list(_ACTIVE.values()) if lg.key == dir_key(store) and not lg._stop.is_set()]
-
-
-def _close_under(prefix: str) -> None:
-    """``shutil.rmtree`` of ``prefix`` (an ``inflight`` key) is about to delete the logs open under it."""
-    for lg in list(_ACTIVE.values()):
-        if not lg._stop.is_set() and inflight._key(lg.store.url("").rstrip("/") + "/").startswith(prefix):
-            log.info("checkrun: closing the step log of %s: its directory is being deleted", lg.store.url(""))
-            lg._close(check=False)  # its error stays for its owner's next close(); inflight logs one of closing
-
-
-inflight.before_rmtree(_close_under)
-
-#: Per optimizer, per directory: where its last log there ended when closed, and the optimizer's
-#: ``fingerprint`` then (a log opened later continues that chain while the fingerprint holds).
-ENDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple]]" = weakref.WeakKeyDictionary()
 
 
 class StepLog:
@@ -110,6 +79,7 @@ class StepLog:
         self.step = parent[2] if parent else 0  # optimizer steps logged
         self._pid = os.getpid()
         self._paused = self._flushing = False
+        self._lock = threading.RLock()  # held by a flush and by close (``commit_for`` from another thread)
         self._unflushed = self._mark_seq = 0
         self._error: BaseException | None = None
         self._queue = _Inbox()
@@ -140,13 +110,25 @@ class StepLog:
 
     def commit_for(self, seconds: float) -> bool:
         """A replay of this directory by another log of the process: commit what is logged as ``close``
-        does, waiting at most ``seconds``; False if a flush is under way already or it did not finish."""
-        if self._flushing or self._stop.is_set() or self._error is not None:
+        does, waiting at most ``seconds`` (first for a flush or close under way on another thread: an
+        Accelerator dropped closes its log on a thread of its own, and a replay that did not wait went
+        without its steps, found by an independent check); False if it did not finish."""
+        if not self._lock.acquire(timeout=seconds):
             return False
-        return self._flush(point=False, seconds=seconds, check=False) and self._error is None
+        try:
+            if self._stop.is_set():  # closed meanwhile: its close committed what it held
+                return self._error is None
+            return (not self._flushing and self._error is None
+                    and self._flush(point=False, seconds=seconds, check=False) and self._error is None)
+        finally:
+            self._lock.release()
 
     def _flush(self, point: bool, seconds: float | None = None, check: bool = True) -> bool:
         """``flush``; ``close`` logs no RNG states (the process may have drawn or reseeded since its last step)."""
+        with self._lock:
+            return self._flush_held(point, seconds, check)
+
+    def _flush_held(self, point: bool, seconds: float | None, check: bool) -> bool:
         self._flushing, done, deadline = True, threading.Event(), time.monotonic() + (seconds or float("inf"))
         try:
             self._write_due()
@@ -179,21 +161,24 @@ class StepLog:
         self._close(check=True)
 
     def _close(self, check: bool) -> None:
-        if self._stop.is_set() or os.getpid() != self._pid:
-            if check and os.getpid() == self._pid:
-                self._check()
+        if os.getpid() != self._pid:  # a forked child: not its log (nor its lock's holder)
             return
-        try:
-            if self._thread.is_alive():
-                self._flush(point=False, check=False)  # an error is raised below, once the run object is
-        finally:
-            self._stop.set()
-            self._queue.put(("stop", None))
-            self._thread.join()
-            for h in self._hooks:
-                h.remove()
-            if _ACTIVE.get(self.optimizer) is self:
-                del _ACTIVE[self.optimizer]
+        with self._lock:  # a replay's commit_for waits for it
+            if self._stop.is_set():
+                if check:
+                    self._check()
+                return
+            try:
+                if self._thread.is_alive():
+                    self._flush(point=False, check=False)  # an error is raised below, once the run object is
+            finally:
+                self._stop.set()
+                self._queue.put(("stop", None))
+                self._thread.join()
+                for h in self._hooks:
+                    h.remove()
+                if _ACTIVE.get(self.optimizer) is self:
+                    del _ACTIVE[self.optimizer]
         # gc may drop a closed run's markers of checkpoints it does not list: only once no save (whose
         # marker this run wrote) can still commit. Where it ended goes in the same object, after an error
         # too (a resume then reports the lost tail), and is kept for the optimizer's next log here (h99:

@@ -25,10 +25,10 @@ from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import TENSOR_LIST, flat_params, forward_buffers
-from .format import Marker, SegmentDamaged, SegName, StepLogFormatError, run_name, split_segment
+from .format import Marker, SegmentDamaged, SegName, StepLogError, StepLogFormatError, run_name, split_segment
 from . import rng
 from .index import LogIndex
-from .log import StepLogError, active_log
+from .registry import active_log
 
 log = logging.getLogger("ckpt_core")
 

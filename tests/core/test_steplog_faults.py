@@ -5,6 +5,7 @@ it says it stops, and says so when it stops early."""
 from __future__ import annotations
 
 import errno
+import threading
 import os
 import warnings
 
@@ -268,3 +269,41 @@ def test_a_directory_reached_through_a_symlink_is_one_directory(tmp_path, how):
     n, st, msgs = _resume(d, "s5.ckpt")
     assert n == 15 and not msgs
     assert_bit_equal(st, _reference("adam", 20))
+
+
+def test_a_replay_waits_for_another_logs_close_under_way_on_another_thread(tmp_path, monkeypatch):
+    """An Accelerator dropped closes its checkpointer (and step log) on a thread of its own; a second
+    Accelerator's ``load_state`` right after replayed without the steps that close was committing
+    (``commit_for`` saw a flush under way and gave up: found by an independent check)."""
+    from ckpt_core.steplog.log import StepLog
+    from ckpt_core.testing import Gate
+
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    net, opt, sched = make("adam")
+    engine = CheckpointEngine({"step_log": {"flush_every_steps": 100}})
+    slog = engine.step_log(url, opt, sched)
+    for s in range(1, 13):
+        train_step(net, opt, sched, s)
+        if s == 5:
+            engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
+    gate = FaultFS.policy = Gate("open", match="/steplog/.seg-")  # the close's segment write waits
+    closer = threading.Thread(target=slog.close)
+    closer.start()
+    assert gate.entered.wait(60), "the close never wrote its segment"
+    real = StepLog.commit_for
+
+    def commit_for(self, seconds):  # the close goes on as the replay asks the log to commit
+        gate.release()
+        return real(self, seconds)
+
+    monkeypatch.setattr(StepLog, "commit_for", commit_for)
+    net2, opt2, sched2 = make("adam")  # another optimizer (a second Accelerator), same directory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "did not commit the steps it holds" would fail here
+        with CheckpointEngine() as engine2:
+            load_into(engine2.load(f"{url}/s5.ckpt"), net2, opt2, sched2)
+            assert engine2.replay(url, opt2, sched2) == 7
+    closer.join(60)
+    engine.close()
+    assert_bit_equal(state(net2, opt2, sched2), _reference("adam", 12))

@@ -347,3 +347,30 @@ def test_a_scheduler_made_after_the_log_started_works(tmp_path):
                       trainer_kwargs={"limit_train_batches": 4})
     assert trainer.global_step == 16 and trainer.current_epoch == 4
     assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SWALR"
+
+
+def test_the_log_keeps_torchs_scheduler_marker_on_optimizer_step(tmp_path):
+    """The log wraps ``optimizer.step`` (the closure runs before the step's hooks) after the scheduler wrapped
+    it; torch warned 'Seems like `optimizer.step()` has been overridden after learning rate scheduler
+    initialization' at the first ``scheduler.step()``, which stock Lightning does not (found by running
+    Lightning's own tests with the step log)."""
+    import warnings
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1)]  # stepped at each epoch's end
+
+    trainer = Trainer(default_root_dir=tmp_path, max_epochs=2, limit_train_batches=3, limit_val_batches=0,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      plugins=[CheckrunCheckpointIO(step_log=True)],
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model())
+    assert trainer.global_step == 6
+    assert not [w for w in caught if "overridden after learning rate" in str(w.message)]

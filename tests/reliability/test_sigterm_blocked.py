@@ -9,6 +9,7 @@ would block for 10 minutes, past the test's wait for the process: only the hook 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -117,3 +118,50 @@ def test_a_sigterm_handled_while_a_save_is_queued_gets_the_grace(tmp_path):
     assert p.returncode == -signal.SIGTERM, p.stderr[-2000:]
     assert "ran out" not in p.stderr and "not reached" not in p.stdout
     assert torch.equal(ckpt_core.load(tmp_path / "b.ckpt")["w"], torch.ones(4))
+
+
+FORKER = """
+    import datetime, os, sys, torch, ckpt_core
+    import torch.distributed as dist
+    from ckpt_core.testing import FaultFS, Gate
+    root = sys.argv[1]
+    engine = ckpt_core.CheckpointEngine({"saving": {"sigterm_grace_seconds": 300}})
+    engine.save({"w": torch.zeros(4)}, root + "/warm.ckpt").result()  # the handler and the C hook
+    gate = FaultFS.policy = Gate("open", kind="blob")
+    pending = engine.save({"w": torch.ones(4)}, "faultfile://" + root + "/held.ckpt")  # armed: a save pending
+    assert gate.entered.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child has no save of its own; blocked in C++ as before
+        dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=600))
+        os._exit(3)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(status, flush=True)
+    gate.release()
+    pending.result()
+"""
+
+
+def test_a_child_forked_while_a_save_is_pending_ends_at_sigterm_while_blocked_in_c(tmp_path, children):
+    """The child inherited the hook armed (it has no saves: the parent's are not its own), so a SIGTERM went to
+    the Python handler, which runs only when the blocked call returns (found by an independent check)."""
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FORKER), str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children.append(p)
+    line = p.stdout.readline().strip()
+    assert line.isdigit(), p.stderr.read() if p.poll() is not None else line
+    child = int(line)
+    try:
+        wchan = Path(f"/proc/{child}/task/{child}/wchan")
+        while wchan.exists() and wchan.read_text() != "hrtimer_nanosleep":
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                assert p.wait(timeout=0.01) is None, p.stderr.read()
+        os.kill(child, signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    assert p.returncode == 0, err
+    status = int(out.strip())
+    assert status & 0x7F == signal.SIGTERM, status  # killed by the signal, at once
+    assert torch.equal(ckpt_core.load(tmp_path / "held.ckpt")["w"], torch.ones(4))
