@@ -99,7 +99,7 @@ class CheckpointEngine:
                   None if slot else dirstate.leader[0])  # a repeat's leader (replaced below)
         dirstate.last, dirstate.leader = handle, (handle, weakref.ref(snap))  # the job owns the snapshot
         for steplog in getattr(self, "_steplogs", ()):  # engine.step_log: mark this save's position
-            steplog.on_save(store, name, snap.stamp)
+            steplog.on_save(store, name, snap.stamp, handle)
         asynchronous = self.config.saving.asynchronous
         if asynchronous:
             lifecycle.install_sigterm(self.config.saving.sigterm_grace_seconds)

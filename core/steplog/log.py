@@ -97,6 +97,7 @@ class StepLog:
         self._last_state: dict | None = None
         self._held: Any = None  # the record captured by the pre-hook of the step() in progress
         self._due: list[Marker] = []  # markers whose write failed at their save: written again (_write_due)
+        self._void: set[str] = set()  # markers in ``_due`` whose save failed (added by its done-callback)
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         _ACTIVE[optimizer] = self
@@ -206,7 +207,7 @@ class StepLog:
         self._segs.write_manifest(run_name(self.run), data, what="step-log run record")
         return info
 
-    def on_save(self, store: Store, name: str, stamp: Any) -> None:
+    def on_save(self, store: Store, name: str, stamp: Any, handle: Any = None) -> None:
         """Training thread, in ``engine.save`` after the snapshot, before the save is queued: write
         the marker of checkpoint ``name`` (one small object, so every checkpoint that commits has
         one) and close the open segment, if it is this log's directory. Never raises: an error
@@ -230,12 +231,17 @@ class StepLog:
             self._error = self._error or exc
             if marker is not None:
                 self._due.append(marker)
+                if handle is not None:  # a save that fails marks nothing: its marker is not tried again at
+                    handle.add_done_callback(lambda h, m=marker.name: h.failed() and self._void.add(m))  # each step
 
     def _write_due(self) -> None:
         """Training thread: write again the markers whose write failed at their save (the checkpoint may
         have committed without one: the steps logged after it are reachable once it lands)."""
         while self._due:
             marker = self._due[0]
+            if marker.name in self._void:  # its save failed (h99: retried and raised at every later step)
+                self._due.pop(0)
+                continue
             try:
                 self._segs.write_manifest(marker.name, marker_to_bytes(marker), what="step-log marker")
             except Exception as exc:  # noqa: BLE001 - tried again at the next step

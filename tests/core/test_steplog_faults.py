@@ -307,3 +307,42 @@ def test_a_replay_waits_for_another_logs_close_under_way_on_another_thread(tmp_p
     closer.join(60)
     engine.close()
     assert_bit_equal(state(net2, opt2, sched2), _reference("adam", 12))
+
+
+class _FailMarkersAndBlobs(Policy):
+    """Marker writes fail while ``on``; blob writes too while ``blobs`` (the save then fails)."""
+
+    on_, blobs = False, False
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if op == "open" and ((self.on_ and "/steplog/.mark-" in str(path)) or (self.blobs and kind == "blob")):
+            raise OSError(errno.ENOSPC, "injected ENOSPC", str(path))
+
+
+def test_the_marker_of_a_save_that_failed_is_not_tried_again(tmp_path):
+    """A full disk failed a save and its marker; the marker was written again (and failed, raising a
+    ``StepLogError``) at every later step, although no checkpoint could ever need it (h99)."""
+    from ckpt_core.errors import BackgroundSaveError
+
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    policy = FaultFS.policy = _FailMarkersAndBlobs()
+    net, opt, sched = make("adam")
+    engine = CheckpointEngine(ONE_TRY)
+    slog = engine.step_log(url, opt, sched)
+    raised = []
+    for s in range(1, 16):
+        try:
+            train_step(net, opt, sched, s)
+        except StepLogError:
+            raised.append(s)
+            sched.step()
+        if s == 5:
+            policy.on_ = policy.blobs = True
+            with pytest.raises(BackgroundSaveError):
+                engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
+            policy.blobs = False  # the markers still fail
+    assert raised == [6]  # once, for the failed write; not at every step after
+    policy.on_ = False
+    slog.close()
+    engine.close()
