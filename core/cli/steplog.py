@@ -98,6 +98,9 @@ def chain_of(index: LogIndex, marker: Marker) -> Chain:
         if target is None and end is not None and event < end[0]:
             out.gap = (f"events {event + 1}..{end[0]} of run {run} are missing (its object says they were logged "
                        "before it was closed)")
+        if target is not None and out.gap is None and event < target.parent[1]:
+            out.gap = (f"events {event + 1}..{target.parent[1]} of run {run} are missing (run {target.run} "
+                       "continues after them)")
         if target is None or event != target.parent[1]:
             return out
         run = target.run
@@ -229,7 +232,7 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
         result.update(ok=False, problems=[one_line(exc)])
         return result
     result["problems"] += [f"{one_line(m.checkpoint)} (a damaged marker: the checkpoint it marks cannot be resumed "
-                           "through the log; gc removes it)" for m in index.damaged.values()]
+                           "through the log; gc keeps it, and the steps after it)" for m in index.damaged.values()]
     good: dict[str, dict] = {}
     readers, gaps = _readers(ctx, directory, index)
     max_bytes = ctx.engine.config.load.max_blob_bytes

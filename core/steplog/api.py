@@ -72,7 +72,7 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     _commit_others(store, optimizer)
     index = read_index(log_store(store))
     marker, manifest = _start(engine, store, index, after, storage_options)
-    if (note := index.damage_note()) is not None:  # another checkpoint's: this one's marker is intact
+    if (note := index.damage_note()) is not None:  # not this checkpoint's: its marker is intact
         log.warning("checkrun: step log of %s: %s", store.url(""), note)
         warnings.warn(f"checkrun: step log of {store.url('')}: {note}", RuntimeWarning, stacklevel=3)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
@@ -170,7 +170,10 @@ def _start(engine: Any, store: Store, index: Any, after: Any, storage_options: d
         marker = find_marker(index, entry.name, entry.manifest.commit, strict=True)
         if marker is not None:
             return marker, entry.manifest
-    if index.damaged:  # perhaps the newest's marker
+        if index.damaged:  # perhaps its marker: an older checkpoint's would replay onto the wrong state (h100)
+            raise StepLogFormatError(f"the step log of {store.url('')} has no intact marker for checkpoint "
+                                     f"{entry.url} (its newest): {index.damage_note()}")
+    if index.damaged:
         raise StepLogFormatError(f"{store.url('')}: no committed checkpoint that the step log marks with an intact "
                                  f"marker: {index.damage_note()}")
     raise CheckpointNotFoundError(f"{store.url('')}: no committed checkpoint that the step log marks")

@@ -19,8 +19,8 @@ No lease is needed for segments being written: a writer writes its run object be
 and a marker before the segments after it, and ``read_index`` lists segments before markers and runs,
 so a segment this collection sees has every marker and run object that can make it needed seen too.
 A malformed run object stops the collection (``StepLogFormatError``), deleting nothing. A malformed
-marker marks no checkpoint a replay can start from: it goes as a marker of no retained checkpoint would
-(kept while its run may still be saving), with a warning naming it.
+marker is kept with the steps after it, as a retained checkpoint's (which checkpoint it marks is
+unknown), with a warning naming it.
 """
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry
         log.warning(index.orphan_note(segs.url("")))
     victims = [s.name for run, segments in index.segments.items() if run not in lost
                for s in segments if s.hi <= floors[run]]
-    victims += [m.name for m in [*index.markers, *index.damaged.values()] if m.name not in live]
-    if any(name in index.damaged for name in victims):  # it marks no checkpoint a replay can start from
-        log.warning("checkrun: step log of %s: removing damaged marker(s), which no replay can start from: %s",
-                    store.url(""), "; ".join(index.damaged[n].checkpoint for n in victims if n in index.damaged))
+    live.update(index.damaged)  # which checkpoint one marks is unknown (a read damaged in transit, too): kept
+    victims += [m.name for m in index.markers if m.name not in live]
+    if index.damaged:
+        log.warning("checkrun: step log of %s: %s (kept, with the steps after them)", store.url(""),
+                    index.damage_note())
     left = {s.run for run, segments in index.segments.items() for s in segments if s.hi > floors[run]}
     left |= {m.run for m in live.values()}
     victims += [run_name(run) for run in sorted(finished) if run not in left and floors[run] == math.inf]
@@ -78,7 +79,7 @@ def _live_markers(index: LogIndex, checkpoints: list[Any], finished: set[str]) -
     newest: dict[str, int] = {}
     for m in retained:
         newest[m.run] = max(newest.get(m.run, -1), m.event)
-    return {m.name: m for m in [*index.markers, *index.damaged.values()]  # a damaged one: what its name says
+    return {m.name: m for m in index.markers
             if m in retained or (m.run not in finished and m.event >= newest.get(m.run, -1))}
 
 

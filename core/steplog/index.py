@@ -29,9 +29,9 @@ class LogIndex:
     markers: list[Marker] = field(default_factory=list)
     runs: dict[str, RunInfo] = field(default_factory=dict)
     damaged: dict[str, Marker] = field(default_factory=dict)
-    """Markers that do not parse, by name: what their names tell (run, event), ``checkpoint`` the error.
-    Which checkpoint one marks is unknown: a replay that finds its own marker goes on (warned), one
-    that does not raises the error; gc keeps the steps after each, as for a retained checkpoint's."""
+    """Markers that do not parse (read twice), by name: what their names tell (run, event), ``checkpoint``
+    the error. Which checkpoint one marks is unknown: a replay that finds its own marker goes on (warned),
+    one that does not raises the error; gc keeps each, and the steps after it, as a retained checkpoint's."""
 
     def damage_note(self) -> str | None:
         """A line naming the damaged markers, or None."""
@@ -103,12 +103,15 @@ def read_index(segs: Store) -> LogIndex:
     for name in names:
         m = MARK_RE.fullmatch(name)
         if m:
-            try:
-                data = _read(segs, name, MAX_SMALL_BYTES)
-                if data is not None:
-                    index.markers.append(parse_marker(data, segs.url(name), name))
-            except (StepLogFormatError, CorruptCheckpointError) as exc:  # one damaged marker blocked every replay
-                index.damaged[name] = Marker(name, m.group(1), int(m.group(2)), -1, str(exc), None)
+            for attempt in (1, 2):  # read once more: damaged in transit, not at rest (as segments and blobs)
+                try:
+                    data = _read(segs, name, MAX_SMALL_BYTES)
+                    if data is not None:
+                        index.markers.append(parse_marker(data, segs.url(name), name))
+                    break
+                except (StepLogFormatError, CorruptCheckpointError) as exc:  # one blocked every replay (h99)
+                    if attempt == 2:
+                        index.damaged[name] = Marker(name, m.group(1), int(m.group(2)), -1, str(exc), None)
     for name in names:
         m = RUN_RE.fullmatch(name)
         if m:

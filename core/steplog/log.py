@@ -114,7 +114,7 @@ class StepLog:
         does, waiting at most ``seconds`` (first for a flush or close under way on another thread: an
         Accelerator dropped closes its log on a thread of its own, and a replay that did not wait went
         without its steps, found by an independent check); False if it did not finish."""
-        if not self._lock.acquire(timeout=seconds):
+        if os.getpid() != self._pid or not self._lock.acquire(timeout=seconds):  # a forked child's: not its own
             return False
         try:
             if self._stop.is_set():  # closed meanwhile: its close committed what it held
@@ -126,6 +126,8 @@ class StepLog:
 
     def _flush(self, point: bool, seconds: float | None = None, check: bool = True) -> bool:
         """``flush``; ``close`` logs no RNG states (the process may have drawn or reseeded since its last step)."""
+        if os.getpid() != self._pid:  # a forked child: the encoder is the parent's (and the lock maybe held)
+            return False
         with self._lock:
             return self._flush_held(point, seconds, check)
 
@@ -212,7 +214,8 @@ class StepLog:
         the marker of checkpoint ``name`` (one small object, so every checkpoint that commits has
         one) and close the open segment, if it is this log's directory. Never raises: an error
         surfaces at the log's next hook, ``flush`` or ``close``."""
-        if dir_key(store) != self.key or self._stop.is_set() or os.getpid() != self._pid:
+        if ((dir_key(store) != self.key and store.url("") != self.store.url("")) or self._stop.is_set()
+                or os.getpid() != self._pid):  # the same directory, however spelled (a symlink moved since: its URL)
             return
         marker = None
         try:  # the marker is written here, not by the encoder: it lands before the checkpoint commits

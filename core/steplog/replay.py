@@ -76,6 +76,9 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
             target = next(iter(index.children(pos.run, pos.event)), None)
             _apply_run(segs, index, pos, (optimizer, scheduler, scaler, buffers), max_bytes,
                        None if target is None else target.parent[1])
+            if target is not None and not pos.stopped and pos.event < target.parent[1]:  # lost before the branch
+                _stop(pos, segs.url(f"seg-{pos.run}-*.bin"), f"missing: events {pos.event + 1}..{target.parent[1]} "
+                      f"of run {pos.run}, after which run {target.run} continues it")  # (h100: no warning)
             if target is None or pos.stopped or pos.event != target.parent[1]:
                 break
             pos.run = target.run

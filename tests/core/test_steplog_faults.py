@@ -197,7 +197,8 @@ def test_a_log_that_logged_before_a_replay_warns_that_it_does_not_continue_the_c
 
 def test_a_damaged_marker_of_a_deleted_checkpoint_blocks_neither_replay_nor_gc(tmp_path):
     """One flipped byte in the marker of a checkpoint retention deleted made every replay of the
-    directory raise and its step-log gc refuse for ever."""
+    directory raise and its step-log gc refuse for ever (h99). gc keeps it (h100: a marker damaged in
+    transit is intact at rest; one read twice damaged may still be a retained checkpoint's)."""
     d = str(tmp_path / "run")
     logdir = os.path.join(d, ".checkrun", "steplog")
     net, opt, sched = make("adam")
@@ -226,9 +227,10 @@ def test_a_damaged_marker_of_a_deleted_checkpoint_blocks_neither_replay_nor_gc(t
             if s in (9, 12):
                 engine.save(state(net, opt, sched), f"{d}/s{s}.ckpt").result()
         slog.close()
-    assert mark not in os.listdir(logdir)  # gc went on, and removed it (its run is closed)
+    assert mark in os.listdir(logdir)  # gc went on, and kept it (which checkpoint it marks is unknown)
+    assert "s9.ckpt" not in os.listdir(d) and "s6.ckpt" not in os.listdir(d)  # retention ran
     n, st, msgs = _resume(d, "s12.ckpt")
-    assert n == 0 and not msgs
+    assert n == 0 and any(mark in m for m in msgs)
 
 
 def test_a_damaged_marker_of_the_resumed_checkpoint_is_named(tmp_path):
@@ -346,3 +348,91 @@ def test_the_marker_of_a_save_that_failed_is_not_tried_again(tmp_path):
     policy.on_ = False
     slog.close()
     engine.close()
+
+
+def test_a_replay_from_before_a_lost_tail_that_a_later_log_continues_warns(tmp_path):
+    """The last segments were lost (close raised), the same optimizer's next log continued the chain after
+    them: a resume from before the loss stopped there without a warning, and verify called the log intact
+    (h100)."""
+    from ckpt_core.cli import main as cli
+
+    d = str(tmp_path / "run")
+    url = f"faultfile://{d}"
+    policy = FaultFS.policy = FailWrites(".seg-", on=False)
+    net, opt, sched = make("adam")
+    engine = CheckpointEngine(ONE_TRY)
+    slog = engine.step_log(url, opt, sched)
+    for s in range(1, 21):
+        if s == 16:
+            slog.flush()
+            policy.on_ = True
+        try:
+            train_step(net, opt, sched, s)
+        except StepLogError:
+            sched.step()
+        if s == 5:
+            engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
+    with pytest.raises(StepLogError):
+        slog.close()
+    policy.on_ = False
+    slog = engine.step_log(url, opt, sched)  # continues after step 20
+    for s in range(21, 26):
+        train_step(net, opt, sched, s)
+    slog.close()
+    engine.close()
+    n, st, msgs = _resume(d, "s5.ckpt")
+    assert n == 10 and any("replay stopped after step 15" in m and "continues it" in m for m in msgs), msgs
+    assert_bit_equal(st, _reference("adam", 15))
+    assert cli(["verify", d]) == 1
+
+
+def test_replay_without_after_refuses_when_the_newest_checkpoints_marker_may_be_the_damaged_one(tmp_path):
+    """``replay`` without ``after=`` went on from an older checkpoint's marker, onto the state of the newest
+    that the caller loaded: wrong values (h100)."""
+    d = str(tmp_path / "run")
+    _first_run(d, steps=12, save_at=5)
+    net, opt, sched = make("adam")
+    with CheckpointEngine({"step_log": {"flush_every_steps": 3}}) as engine:  # a second checkpoint, at 12
+        load_into(engine.load(f"{d}/s5.ckpt"), net, opt, sched)
+        engine.replay(d, opt, sched, after=f"{d}/s5.ckpt")
+        slog = engine.step_log(d, opt, sched)
+        engine.save(state(net, opt, sched), f"{d}/s12.ckpt").result()
+        slog.close()
+    logdir = os.path.join(d, ".checkrun", "steplog")
+    newest = sorted((n for n in os.listdir(logdir) if n.startswith("mark-")),
+                    key=lambda n: os.path.getmtime(os.path.join(logdir, n)))[-1]
+    with open(os.path.join(logdir, newest), "r+b") as f:
+        f.seek(20)
+        f.write(b"#")
+    net, opt, sched = make("adam")
+    with CheckpointEngine() as engine:
+        load_into(engine.load(engine.latest(d)), net, opt, sched)
+        with pytest.raises(StepLogFormatError, match="s12.ckpt \\(its newest\\)"):
+            engine.replay(d, opt, sched)
+
+
+def test_a_marker_damaged_in_transit_once_is_read_again_and_kept(tmp_path, monkeypatch):
+    """A marker read that returned a flipped byte once made gc delete the intact marker of a kept
+    checkpoint for good (h100): a marker is read twice before it counts as damaged, as segments are."""
+    from ckpt_core.storage.store import Store
+
+    d = str(tmp_path / "run")
+    _first_run(d)
+    real, flipped = Store.read_manifest, []
+
+    def read_manifest(self, name, *args, **kwargs):
+        data = real(self, name, *args, **kwargs)
+        if name.startswith("mark-") and not flipped:
+            flipped.append(name)
+            data = data[:20] + bytes([data[20] ^ 1]) + data[21:]
+        return data
+
+    monkeypatch.setattr(Store, "read_manifest", read_manifest)
+    from ckpt_core.steplog import collect_segments
+
+    with CheckpointEngine() as engine:
+        removed = collect_segments(engine._dir_store(d, None), lambda: engine.list(d))
+    assert flipped and flipped[0] not in removed
+    monkeypatch.undo()
+    n, st, msgs = _resume(d, "s10.ckpt")
+    assert n == 10 and not msgs
