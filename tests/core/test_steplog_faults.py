@@ -129,11 +129,9 @@ def test_close_with_a_pending_error_logs_the_scheduler_step_after_the_last_step(
     assert_bit_equal(st, _reference(kind, 13))
 
 
-def test_a_lost_tail_after_a_failed_close_is_reported(tmp_path):
-    """The last segments' writes fail; ``close`` raises. It skipped the run object's ``end`` then, so a
-    resume stopped early without a warning and ``verify`` called the log intact."""
-    d = str(tmp_path / "run")
-    url = f"faultfile://{d}"
+def _lose_the_tail(url: str) -> tuple:
+    """Steps 1-20 logged (s5.ckpt saved at 5), the segments of steps 16-20 fail to write, ``close`` raises;
+    the engine and the model, optimizer and scheduler at step 20."""
     policy = FaultFS.policy = FailWrites(".seg-", on=False)
     net, opt, sched = make("adam")
     engine = CheckpointEngine(ONE_TRY)
@@ -150,8 +148,16 @@ def test_a_lost_tail_after_a_failed_close_is_reported(tmp_path):
             engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
     with pytest.raises(StepLogError, match="segment"):
         slog.close()
-    engine.close()
     FaultFS.policy = None
+    return engine, net, opt, sched
+
+
+def test_a_lost_tail_after_a_failed_close_is_reported(tmp_path):
+    """The last segments' writes fail; ``close`` raises. It skipped the run object's ``end`` then, so a
+    resume stopped early without a warning and ``verify`` called the log intact."""
+    d = str(tmp_path / "run")
+    engine, *_ = _lose_the_tail(f"faultfile://{d}")
+    engine.close()
     n, st, msgs = _resume(d, "s5.ckpt")
     assert n == 10 and any("replay stopped after step 15" in m and "before it was closed" in m for m in msgs), msgs
     assert_bit_equal(st, _reference("adam", 15))
@@ -358,23 +364,7 @@ def test_a_replay_from_before_a_lost_tail_that_a_later_log_continues_warns(tmp_p
 
     d = str(tmp_path / "run")
     url = f"faultfile://{d}"
-    policy = FaultFS.policy = FailWrites(".seg-", on=False)
-    net, opt, sched = make("adam")
-    engine = CheckpointEngine(ONE_TRY)
-    slog = engine.step_log(url, opt, sched)
-    for s in range(1, 21):
-        if s == 16:
-            slog.flush()
-            policy.on_ = True
-        try:
-            train_step(net, opt, sched, s)
-        except StepLogError:
-            sched.step()
-        if s == 5:
-            engine.save(state(net, opt, sched), f"{url}/s5.ckpt").result()
-    with pytest.raises(StepLogError):
-        slog.close()
-    policy.on_ = False
+    engine, net, opt, sched = _lose_the_tail(url)
     slog = engine.step_log(url, opt, sched)  # continues after step 20
     for s in range(21, 26):
         train_step(net, opt, sched, s)
