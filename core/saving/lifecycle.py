@@ -143,8 +143,13 @@ def _flush_all() -> None:
             except Exception as exc:  # at exit nobody can catch it: log instead
                 log.error("checkrun: pending save failed at interpreter exit: %s", exc)
     except KeyboardInterrupt:  # ^C while the exit waits for saves: one line, not a traceback (exit goes on)
-        log.error("checkrun: interrupted at exit while waiting for %d pending save(s): they may not be committed",
-                  _pending_work())
+        pending = _pending_work()
+        if pending:
+            log.error("checkrun: interrupted at exit while waiting for %d pending save(s): they may not be "
+                      "committed", pending)
+        else:  # closing a step log (its last segment) or an idle engine
+            log.error("checkrun: interrupted at exit while closing (no save pending; a step log's unflushed "
+                      "steps may not be committed)")
 
 
 def install_sigterm(grace_seconds: float | None) -> None:

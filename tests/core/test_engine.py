@@ -466,3 +466,26 @@ def test_a_local_folder_with_double_colons_in_its_name_holds_each_checkpoint(tmp
         assert torch.equal(ckpt_core.load(folder / f"step={step}.ckpt")["w"], torch.full((4,), float(step)))
     with CheckpointEngine() as engine:  # and a listing of the folder
         assert [e.name for e in engine.list(folder)] == ["step=1.ckpt", "step=2.ckpt"]
+
+
+def test_ctrl_c_at_exit_names_what_it_interrupted(monkeypatch, caplog) -> None:
+    """^C while the exit closes a step log (no save pending) says so, not "waiting for 0 pending save(s)"
+    (h98: torch's parent-death SIGINT reached a spawned rank flushing its log at exit)."""
+    import logging
+    import weakref
+
+    from ckpt_core.saving import lifecycle
+    monkeypatch.setattr(lifecycle, "_owners", [])
+    monkeypatch.setattr(lifecycle, "_engines", weakref.WeakSet())
+    monkeypatch.setattr(lifecycle, "_busy", [])
+
+    class Log:
+        def close(self) -> None:
+            raise KeyboardInterrupt
+
+    closing = Log()
+    lifecycle.register_owner(closing.close)
+    with caplog.at_level(logging.ERROR, logger="ckpt_core"):
+        lifecycle._flush_all()
+    assert "interrupted at exit while closing (no save pending" in caplog.text
+    assert "0 pending" not in caplog.text
