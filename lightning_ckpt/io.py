@@ -177,8 +177,10 @@ class CheckrunCheckpointIO(CheckpointIO):
         if not self._warned_async_wrapper and called_by_async_wrapper():
             self._warned_async_wrapper = True
             warnings.warn("CheckrunCheckpointIO is already asynchronous: wrapping it in AsyncCheckpointIO adds a "
-                          "full clone of the state per save and a second thread, and AsyncCheckpointIO.teardown "
-                          "does not wait for checkrun's saves. Pass CheckrunCheckpointIO(...) directly to "
+                          "full clone of the state per save and a second thread, AsyncCheckpointIO.teardown "
+                          "does not wait for checkrun's saves, and ModelCheckpoint's top-k removals and loads in "
+                          "this process do not see saves still queued in the wrapper (a removed file comes "
+                          "back). Pass CheckrunCheckpointIO(...) directly to "
                           "Trainer(plugins=[...]).", UserWarning, stacklevel=2)
         url = normalize_path(path)
         options = self._storage_options(storage_options)
