@@ -6,8 +6,7 @@ rest to the engine's ``saving.coordinator.Coordinator``: one coordinator thread 
 in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads,
 or hands it to the writer process (``saving.background: process``); after each commit it runs ``retain.after_commit``.
 An idle engine holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
-they have). ``load`` leaves the directory's incremental state ready for the next save (``streams.adopt_loaded``).
-"""
+they have). ``load`` leaves the directory's incremental state ready for the next save (``streams.adopt_loaded``)."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +30,7 @@ from .loading.reader import (VerifyCache, VerifyReport, load_manifest_state, map
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry as Entry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
+from .storage.paths import refuse_directory
 from .storage.store import Store
 from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, keep_recent_streams, wants_stream
 from .saving.tracking import EmbeddingTracker
@@ -76,6 +76,7 @@ class CheckpointEngine:
         self._raise_pending_error()
         started, stamp = time.perf_counter(), stamp or new_stamp()  # stamped when asked for, not after waiting
         store, name = self._store(path, storage_options)
+        refuse_directory(store, name)
         if self._process is not None:
             check_store(store)
         handle = SaveHandle(store.url(name))

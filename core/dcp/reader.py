@@ -28,6 +28,7 @@ from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotAChe
 from ..format.limits import memory_limit
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from ..loading.reader import check_structure, decode_chunk, fetch_blob, read_manifest
+from ..storage.paths import is_local_fs, join
 from ..storage.store import Store
 
 __all__ = ["CheckrunStorageReader"]
@@ -75,6 +76,7 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
         self.metadata_error = None
         try:
             store, name = self._resolve()
+            _refuse_directory(store, name)
             manifest = read_manifest(store, name, self.config)
             dcp = manifest.meta.get("dcp")
             if not isinstance(dcp, dict):
@@ -224,3 +226,14 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
             t = t.narrow(dim, o, l)
     return t
 
+
+def _refuse_directory(store: Store, name: str) -> None:
+    """A local directory where the checkpoint file should be: say so (and what it may hold) instead of
+    "no checkpoint at" it."""
+    path = join(store.root, name)
+    if not (is_local_fs(store.fs) and os.path.isdir(path)):
+        return
+    hint = ("; it holds a .metadata file: a checkpoint of DCP's FileSystemWriter, which dcp.load reads without "
+            "a checkrun storage reader" if os.path.isfile(os.path.join(path, ".metadata")) else "")
+    raise NotACheckpointError(f"{store.url(name)} is a directory, not a checkrun DCP checkpoint (one file, e.g. "
+                              f"{store.url(name)}/step=100.dcp){hint}")

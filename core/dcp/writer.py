@@ -51,6 +51,7 @@ from ..saving.quant_rules import RuleMatcher
 from ..retain import after_commit
 from ..saving.handles import ByteRatios
 from ..saving.lease import SaveLease
+from ..storage.paths import refuse_directory
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
@@ -141,7 +142,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         self.rank = int(rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._resolve()
+        refuse_directory(*self._resolve(), dcp=True)  # every rank, before any write
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
-from ..errors import ConfigError, UnsafePathError
+from ..errors import ConfigError, StorageError, UnsafePathError
 from .options import merge_options, open_options, options_key
 
 META_DIR = ".checkrun"
@@ -119,6 +120,20 @@ def _local_with_colons(text: str) -> bool:
     fsspec chain, ``simplecache::s3://b/x``, has protocols or URLs there; for a path it would write every
     checkpoint into one file named after the part before ``::``)."""
     return any("/" in head and "://" not in head for head in text.split("::")[:-1])
+
+
+def refuse_directory(store: Any, name: str, dcp: bool = False) -> None:
+    """Before a save writes anything to ``name`` of ``store``: a local directory there fails now, not
+    at the commit after every blob was written (the manifest cannot replace a directory). ``dcp``:
+    the words for ``torch.distributed.checkpoint``, whose own writer takes a directory."""
+    if not (is_local_fs(store.fs) and os.path.isdir(join(store.root, name))):
+        return
+    url = store.url(name)
+    if dcp:
+        raise StorageError(f"{url} is a directory: a checkrun DCP checkpoint is one file, not a folder as with "
+                           f"DCP's FileSystemWriter; pass a file path inside it, e.g. {url}/step=100.dcp")
+    raise StorageError(f"{url} is a directory: a checkpoint is one file; save to a file inside it, "
+                       f"e.g. {url}/step=100.ckpt")
 
 
 def join(root: str, *parts: str) -> str:

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 import ckpt_core
 from ckpt_core import dcp as cdcp
 from ckpt_core.dcp import CheckrunStorageReader, CheckrunStorageWriter
-from ckpt_core.errors import CorruptCheckpointError, FormatError, NotACheckpointError, UnsafeLoadError
+from ckpt_core.errors import (CorruptCheckpointError, FormatError, NotACheckpointError, StorageError,
+                              UnsafeLoadError)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -123,6 +124,25 @@ def test_plain_dcp_api_with_checkpoint_id(tmp_path) -> None:
         dcp.load(target, checkpoint_id=path, storage_reader=CheckrunStorageReader())
     assert torch.equal(target["w"], state["w"]) and target["n"] == 3
     assert sorted(os.listdir(tmp_path / "run")) == [".checkrun", "a.dcp"]
+
+
+def test_a_directory_as_the_checkpoint_path_fails_before_any_write(tmp_path) -> None:
+    """DCP's own tests (and FileSystemWriter's users) pass a folder, e.g. one ``mkdtemp`` made (h101: the
+    blobs went into its parent, then the commit failed with a bare IsADirectoryError)."""
+    folder = tmp_path / "run" / "step_100"
+    folder.mkdir(parents=True)
+    state = {"w": torch.randn(4, 4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(BaseException, match="is a directory: a checkrun DCP checkpoint is one file"):
+            dcp.save(state, checkpoint_id=str(folder), storage_writer=CheckrunStorageWriter())
+        assert sorted(os.listdir(tmp_path / "run")) == ["step_100"] and not os.listdir(folder)
+        dcp.save(state, checkpoint_id=str(folder))  # DCP's own FileSystemWriter checkpoint: a folder
+    with pytest.raises(NotACheckpointError, match="is a directory, not a checkrun DCP checkpoint.*FileSystemWriter"):
+        cdcp.load_state_dict(str(folder))
+    with pytest.raises(StorageError, match="is a directory: a checkpoint is one file"):
+        ckpt_core.save({"w": torch.ones(2)}, str(folder))  # the engine: before any write too
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_100"]
 
 
 def _plans(world: int, replicated: dict, unique: dict[int, dict]) -> list[SavePlan]:
