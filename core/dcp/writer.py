@@ -45,7 +45,7 @@ from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
 from .format import CheckpointIdMixin, ItemResult, build_manifest
 from ..saving.lifecycle import lower_thread_priority
-from ..errors import CheckrunError, FormatError
+from ..errors import CheckrunError, CommitRefusedError, FormatError
 from ..format.manifest import ObjectRecord, TensorRecord
 from ..saving.quant_rules import RuleMatcher
 from ..retain import after_commit
@@ -95,16 +95,20 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         storage_options: fsspec options, merged over ``config.storage.storage_options``.
         cache_staged_state_dict: for ``dcp.async_save``: keep the CPU staging copy between saves and copy
             into it (needs the same writer for every save). Default False: a fresh copy each time.
+        overwrite: as ``FileSystemWriter``'s: False refuses (before any write) a save to a path that
+            already holds a checkpoint. Default True: the commit replaces it atomically.
 
     One instance per rank; reuse it across saves. ``last_save`` (coordinator) and ``last_written_bytes``
     (every rank) describe the latest save.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, config: EngineConfig | dict | str | None = None,
-                 storage_options: dict | None = None, *, cache_staged_state_dict: bool = False) -> None:
+                 storage_options: dict | None = None, *, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = None if path is None else os.fspath(path)
+        self.overwrite = overwrite
         self.config = coerce_config(config)
         self.storage_options = storage_options
         self.matcher = RuleMatcher(self.config.quantization)
@@ -142,7 +146,11 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         self.rank = int(rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        refuse_directory(*self._resolve(), dcp=True)  # every rank, before any write
+        store, name = self._resolve()
+        refuse_directory(store, name, dcp=True)  # every rank, before any write
+        if not self.overwrite and store.manifest_exists(name):
+            raise CommitRefusedError(f"{store.url(name)}: a checkpoint exists there and overwrite=False "
+                                     "(CheckrunStorageWriter)")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -145,6 +145,22 @@ def test_a_directory_as_the_checkpoint_path_fails_before_any_write(tmp_path) -> 
     assert sorted(os.listdir(tmp_path / "run")) == ["step_100"]
 
 
+def test_overwrite_false_refuses_an_existing_checkpoint_before_any_write(tmp_path) -> None:
+    """``FileSystemWriter(overwrite=False)``'s counterpart (torch's own ``test_overwrite``, h101)."""
+    path = str(tmp_path / "a.dcp")
+    first, second = {"w": torch.ones(4)}, {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(first, checkpoint_id=path, storage_writer=CheckrunStorageWriter(overwrite=False))
+        blobs = sorted(p.name for p in (tmp_path / ".checkrun" / "blobs").rglob("*"))
+        with pytest.raises(BaseException, match="a checkpoint exists there and overwrite=False"):
+            dcp.save(second, checkpoint_id=path, storage_writer=CheckrunStorageWriter(overwrite=False))
+        assert sorted(p.name for p in (tmp_path / ".checkrun" / "blobs").rglob("*")) == blobs
+        assert torch.equal(cdcp.load_state_dict(path)["w"], first["w"])
+        dcp.save(second, checkpoint_id=path, storage_writer=CheckrunStorageWriter())  # the default replaces it
+    assert torch.equal(cdcp.load_state_dict(path)["w"], second["w"])
+
+
 def _plans(world: int, replicated: dict, unique: dict[int, dict]) -> list[SavePlan]:
     plans = []
     for rank in range(world):
