@@ -1,7 +1,11 @@
-"""``GCReport``: what a garbage collection (``retention.collect_garbage``) found and deleted."""
+"""``GCReport``: what a garbage collection (``retention.collect_garbage``) found and deleted; ``CheckpointEntry``:
+one manifest file of a directory as ``retention.list_checkpoints`` lists it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+from ..format.manifest import FUTURE_SLACK_SECONDS, Manifest
 
 
 @dataclass
@@ -28,3 +32,38 @@ class GCReport:
     """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
     step_log: list[str] = field(default_factory=list)
     """Step-log objects (segments, markers, run objects) deleted (or, ``dry_run``, that would be)."""
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One manifest file of a directory; ``manifest`` is None and ``error`` set if it is corrupt."""
+
+    name: str
+    url: str
+    mtime: float
+    size: int
+    manifest: Manifest | None
+    error: str | None = None
+    unreadable: bool = False
+    """``error`` is the storage's (a ``StorageError`` after retries), not the file's: it may be intact."""
+    head: tuple[float, dict | None] | None = None
+    """``(created, commit)`` from the manifest's first bytes (``list_checkpoints(heads=True)``, with
+    ``manifest`` None and no ``error``): ordered without parsing it, not checked yet; or, with ``keys``,
+    from the parsed manifest."""
+    keys: frozenset[str] | None = None
+    """``list_checkpoints(keys=True)``: the blob keys the parsed manifest references (``manifest`` None:
+    not held)."""
+
+    @property
+    def created(self) -> float:
+        """The manifest's commit time; its file's time when it has none or claims one later than
+        ``FUTURE_SLACK_SECONDS`` ahead of this host's clock (if that is earlier)."""
+        if self.manifest is None and self.head is None:
+            return self.mtime
+        created = self.manifest.created if self.manifest is not None else self.head[0]
+        return min(created, self.mtime) if created > time.time() + FUTURE_SLACK_SECONDS else created
+
+    @property
+    def commit(self) -> dict | None:
+        """The manifest's commit stamp (``saving.fence``), if it has one."""
+        return self.manifest.commit if self.manifest is not None else self.head[1] if self.head else None

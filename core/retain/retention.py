@@ -11,8 +11,9 @@ Order within a round (the argument is in docs/operations.md, "Leases"): write th
 lease object, read the leases, read the manifests, delete within the round's window; a round that
 runs out of time starts again with a fresh lease object and fresh reads. If any manifest or lease
 object cannot be parsed, nothing is collected: what it protects is unknown. A manifest removed
-between the listing and its read (retention of another writer) is gone, not unreadable: it is left
-out and does not stop gc. ``retention.gc_grace_seconds`` (default 0) keeps unreferenced blobs younger
+between the listing and its read (retention of another writer) makes gc list once more; still listed
+and gone (an object store's stale listing, which may miss a newer manifest reusing its blobs), the
+round collects nothing. ``retention.gc_grace_seconds`` (default 0) keeps unreferenced blobs younger
 than it as well: set it while a writer of a version without leases may still write to the directory.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass
 
 from ..storage import owner
 from ..config import EngineConfig
@@ -31,49 +31,14 @@ from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.retry import is_outage
 from . import keycache
 from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection
-from .report import GCReport
-from ..format.manifest import (FUTURE_SLACK_SECONDS, SNIFF_BYTES, Manifest, checksum_matches, is_manifest_head,
-                               looks_damaged, parse_manifest)
+from .report import CheckpointEntry, GCReport
+from ..format.manifest import (SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged,
+                               parse_manifest)
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
 from ..storage.store import BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
-
-
-@dataclass(frozen=True)
-class CheckpointEntry:
-    """One manifest file of a directory; ``manifest`` is None and ``error`` set if it is corrupt."""
-
-    name: str
-    url: str
-    mtime: float
-    size: int
-    manifest: Manifest | None
-    error: str | None = None
-    unreadable: bool = False
-    """``error`` is the storage's (a ``StorageError`` after retries), not the file's: it may be intact."""
-    head: tuple[float, dict | None] | None = None
-    """``(created, commit)`` from the manifest's first bytes (``list_checkpoints(heads=True)``, with
-    ``manifest`` None and no ``error``): ordered without parsing it, not checked yet; or, with ``keys``,
-    from the parsed manifest."""
-    keys: frozenset[str] | None = None
-    """``list_checkpoints(keys=True)``: the blob keys the parsed manifest references (``manifest`` None:
-    not held)."""
-
-    @property
-    def created(self) -> float:
-        """The manifest's commit time; its file's time when it has none or claims one later than
-        ``FUTURE_SLACK_SECONDS`` ahead of this host's clock (if that is earlier)."""
-        if self.manifest is None and self.head is None:
-            return self.mtime
-        created = self.manifest.created if self.manifest is not None else self.head[0]
-        return min(created, self.mtime) if created > time.time() + FUTURE_SLACK_SECONDS else created
-
-    @property
-    def commit(self) -> dict | None:
-        """The manifest's commit stamp (``saving.fence``), if it has one."""
-        return self.manifest.commit if self.manifest is not None else self.head[1] if self.head else None
 
 
 def _require_bucket(store: Store) -> None:
@@ -122,8 +87,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         try:
             head = store.read_head(info.name, SNIFF_BYTES)
         except CheckpointNotFoundError:
-            log.debug("checkrun: %s was removed while listing", store.url(info.name))
-            return None
+            return _gone(store, info, keys)
         except CheckrunError as exc:
             # Unreadable (after retries): it may well be a checkpoint. Dropping it would let gc
             # collect the blobs it needs; listed as broken, it makes gc collect nothing.
@@ -151,10 +115,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, m)
         except CheckpointNotFoundError:
-            # Removed between the listing and this read (retention of another writer): it is
-            # gone, not corrupt, and gc must not stop because of it.
-            log.debug("checkrun: %s was removed while listing", store.url(info.name))
-            return None
+            return _gone(store, info, keys)
         except CheckrunError as exc:
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, str(exc),
                                    is_outage(exc))
@@ -173,6 +134,18 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             return CheckpointEntry(e.name, e.url, e.mtime, e.size, None, str(exc), is_outage(exc))
 
     return _oldest_first(entries, check if heads else None)
+
+
+_GONE = "listed, but gone when read"
+
+
+def _gone(store: Store, info, keys: bool) -> CheckpointEntry | None:
+    """A listed manifest removed before its read (retention of another writer): left out, except for
+    gc (``keys``), to which it is an error entry: the listing may be older than the store (an object
+    store's stale listing), without a newer manifest reusing this one's blobs (``_read_state``)."""
+    log.debug("checkrun: %s was removed while listing", store.url(info.name))
+    return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
+                           f"{store.url(info.name)}: {_GONE} (a stale listing?)") if keys else None
 
 
 def _oldest_first(entries: list[CheckpointEntry], check=None) -> list[CheckpointEntry]:
@@ -314,6 +287,8 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
         log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
         return None
     entries = list_checkpoints(store, config, keys=True)
+    if any(_GONE in (e.error or "") for e in entries):  # removed meanwhile, or a stale listing: one more
+        entries = list_checkpoints(store, config, keys=True)  # (a stale one stays so: nothing collected)
     broken = [e for e in entries if e.error is not None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)

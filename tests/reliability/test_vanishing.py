@@ -165,3 +165,25 @@ def test_latest_and_list_do_not_report_it(run, caplog, at):
         with caplog.at_level("WARNING", logger="ckpt_core"):
             assert engine.latest(run.url).endswith("keep.ckpt")
     assert not [r for r in caplog.records if "corrupt" in r.getMessage()]
+
+
+def test_gc_under_a_stale_listing_keeps_the_blobs_of_a_checkpoint_it_does_not_list(run, monkeypatch):
+    """h102 (an S3 proxy serving an old listing): retention removed ``old.ckpt``; the listing still shows
+    it and not yet ``keep.ckpt``, which reuses its (old) blobs. gc must not collect them, grace or not."""
+    fs, root = FaultFS(), str(run.root)
+    stale = [e for e in fs.ls(root, detail=True) if not e["name"].endswith("keep.ckpt")]
+    run.victim.unlink()  # retention of the newer save
+    real = FaultFS.ls
+
+    def ls(self, path, detail=False, **kwargs):
+        if self._strip_protocol(path).rstrip("/") == root:
+            return [dict(e) for e in stale] if detail else [e["name"] for e in stale]
+        return real(self, path, detail=detail, **kwargs)
+    monkeypatch.setattr(FaultFS, "ls", ls)
+    with CheckpointEngine(config()) as engine:
+        report = engine.gc(run.url, grace_seconds=3)
+    assert report.deleted == [] and any("gone when read" in p for p in report.problems), report
+    assert all(p.exists() for p in run.keep_blobs.values())
+    monkeypatch.setattr(FaultFS, "ls", real)
+    with CheckpointEngine(config()) as engine:
+        assert engine.verify(run.root / "keep.ckpt").ok
