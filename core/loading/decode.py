@@ -25,8 +25,11 @@ import xxhash
 
 from ..codecs import Pipeline, index_pipeline
 from ..codecs._common import CROWS_ABI, load_native, tensor_bytes
+from ..config import EngineConfig
 from ..errors import CheckrunError, CorruptCheckpointError, FormatError
-from ..format.manifest import BlobRef, ChunkRef, DeltaRef
+from ..format.limits import limits_for
+from ..format.manifest import (SNIFF_BYTES, BlobRef, ChunkRef, DeltaRef, Manifest, is_manifest_head, looks_damaged,
+                               parse_manifest)
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
@@ -35,6 +38,30 @@ log = logging.getLogger("ckpt_core")
 Alloc = Callable[[int, torch.dtype, str], torch.Tensor]
 #: ``scratch(slot, nbytes)``: a per-thread reusable byte buffer (``reader.Scratch.get``).
 ScratchGet = Callable[[Hashable, int], memoryview]
+
+
+def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
+    """Read and validate the manifest ``name`` of ``store`` (errors name its URL). One that does not
+    check (checksum, cut short) is read once more, as ``fetch_blob`` reads a blob: bytes damaged in
+    transit are not a damaged checkpoint (a flipped byte failed the load of an intact one: h102)."""
+    first = None
+    while True:
+        try:
+            data = store.read_manifest(name)
+        except CorruptCheckpointError:  # larger than any manifest: a big file of another kind says so
+            if not is_manifest_head(head := store.read_head(name, SNIFF_BYTES)) and not looks_damaged(head):
+                parse_manifest(head, store.url(name))  # NotACheckpointError, as for a small such file
+            raise
+        try:
+            manifest = parse_manifest(data, store.url(name), limits=limits_for(config))
+        except CorruptCheckpointError as exc:
+            if first is not None:
+                raise
+            first = exc
+            continue
+        if first is not None:
+            log.warning("checkrun: %s on the first read, the second matched (bytes damaged in transit)", first)
+        return manifest
 
 
 def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> bytes | memoryview:

@@ -24,11 +24,10 @@ from ..config import EngineConfig
 from ..errors import (CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError,
                       UnsafeLoadError)
 from ..storage.retry import is_outage
-from ..format.manifest import (DTYPES, SNIFF_BYTES, BlobRef, ChunkRef, Manifest, TensorRecord, is_manifest_head,
-                               looks_damaged, parse_manifest)
-from ..format.limits import check_load_bytes, limits_for, memory_limit
+from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord
+from ..format.limits import check_load_bytes, memory_limit
 from ..format.objects import deserialize_object, object_load_bytes
-from .decode import Pass, decode_limit, fetch_blob, pack_limit
+from .decode import Pass, decode_limit, fetch_blob, pack_limit, read_manifest
 from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
@@ -37,17 +36,6 @@ from ..storage.paths import BLOB_DIR, join
 from ..format.skeleton import unflatten, validate_skeleton
 
 log = logging.getLogger("ckpt_core")
-
-
-def read_manifest(store: Store, name: str, config: EngineConfig) -> Manifest:
-    """Read and validate the manifest ``name`` of ``store`` (errors name its URL)."""
-    try:
-        data = store.read_manifest(name)
-    except CorruptCheckpointError:  # larger than any manifest: a big file of another kind says so
-        if not is_manifest_head(head := store.read_head(name, SNIFF_BYTES)) and not looks_damaged(head):
-            parse_manifest(head, store.url(name))  # NotACheckpointError, as for a small such file
-        raise
-    return parse_manifest(data, store.url(name), limits=limits_for(config))
 
 
 class Scratch:

@@ -76,7 +76,7 @@ class SharedBuffers:
             self.on_release(names)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(numel, dtype=dtype)
         with self._lock:

@@ -170,7 +170,7 @@ class BufferPool:
         """A flat buffer of ``numel`` elements: a free one of that size, else a new one."""
         pinned = for_cuda and self.pin_memory and torch.cuda.is_available()
         key = (dtype, numel, pinned)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         with self._lock:
             buf = self._reuse(key)
             if buf is not None:

@@ -374,13 +374,13 @@ def test_latest_parses_only_the_checkpoints_it_tries(tmp_path, monkeypatch):
     bytes and parses newest first: one manifest when the newest is intact, the next when it is not
     (a damaged body behind an intact head), and a manifest whose head does not read so is parsed
     where it is listed, as before."""
-    from ckpt_core.loading import reader
+    from ckpt_core.loading import decode
     from ckpt_core.retain import retention
 
     with CheckpointEngine({"incremental": {"enabled": False}}) as engine:
         for step in range(12):
             engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step:02d}.ckpt").result()
-    parsed = _count_parses(monkeypatch, reader, retention)
+    parsed = _count_parses(monkeypatch, decode, retention)
     with CheckpointEngine() as engine:
         assert engine.latest(tmp_path).endswith("s11.ckpt") and parsed == ["s11.ckpt"]
         newest = tmp_path / "s11.ckpt"
@@ -489,3 +489,29 @@ def test_ctrl_c_at_exit_names_what_it_interrupted(monkeypatch, caplog) -> None:
         lifecycle._flush_all()
     assert "interrupted at exit while closing (no save pending" in caplog.text
     assert "0 pending" not in caplog.text
+
+
+def test_a_manifest_damaged_in_transit_once_is_read_again(tmp_path, monkeypatch, caplog) -> None:
+    """As blobs are: one read with a flipped byte (a store without response checksums) does not fail the
+    load of an intact checkpoint (h102); damaged at rest, it still fails."""
+    import logging
+
+    from ckpt_core.errors import CorruptCheckpointError
+    from ckpt_core.storage.store import Store
+    path = tmp_path / "a.ckpt"
+    ckpt_core.save({"w": torch.arange(6.0)}, path)
+    real, flips = Store.read_manifest, []
+
+    def read(self, name, *args, **kwargs):
+        data = real(self, name, *args, **kwargs)
+        if flips and flips.pop():
+            data = data[:40] + bytes([data[40] ^ 1]) + data[41:]
+        return data
+    monkeypatch.setattr(Store, "read_manifest", read)
+    flips[:] = [True]
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        assert ckpt_core.load(path)["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert "on the first read, the second matched" in caplog.text
+    flips[:] = [True, True]
+    with pytest.raises(CorruptCheckpointError, match="a.ckpt"):
+        ckpt_core.load(path)
