@@ -191,13 +191,17 @@ def chain_restore(bs: BenchState, reps: int, root: Path) -> dict:
     ref = floor_copy(bs.payload, None)
     last = root / f"step={CHAIN_SAVES - 1}.ckpt"
     out = {"depth": infos[-1].chain_depth, "written": [i.written_bytes for i in infos], "full": [], "chain": [],
-           "read": {k: _blob_bytes(root / f"step={i}.ckpt") for k, i in (("full", 0), ("chain", CHAIN_SAVES - 1))}}
+           "read": {k: _blob_bytes(root / f"step={i}.ckpt") for k, i in (("full", 0), ("chain", CHAIN_SAVES - 1))},
+           "raw_full": [], "raw_chain": []}
+    files = {key: _blob_files(root, path) for key, path in (("full", root / "step=0.ckpt"), ("chain", last))}
     for _ in range(reps):
         for key, path in (("full", root / "step=0.ckpt"), ("chain", last)):
             zero(bs.payload)
             with ckpt_core.CheckpointEngine(CHAIN) as engine:
                 drop_caches()
                 out[key].append(timed(lambda: engine_load_into(engine, path, bs.payload))[0])
+            drop_caches()
+            out[f"raw_{key}"].append(timed(lambda: _read_all(files[key]))[0])
     assert same_as(ref, bs.payload), f"{last}: the chain restore differs from the state it saved"
     shutil.rmtree(root)
     return out
@@ -215,6 +219,29 @@ def _blob_bytes(path: Path) -> tuple[int, int]:
     return sum(sizes.values()) - link_bytes, link_bytes
 
 
+def _blob_files(root: Path, path: Path) -> list[Path]:
+    """The blob files a restore of ``path`` reads (each once), largest first."""
+    import ckpt_core
+
+    with ckpt_core.CheckpointEngine() as engine:
+        m = engine.read_manifest(path)
+    sizes = {b.key: b.size for b in m.blobs()}
+    return [root / ".checkrun" / "blobs" / k[:2] / k[2:] for k in sorted(sizes, key=lambda k: -sizes[k])]
+
+
+def _read_all(files: list[Path]) -> int:
+    """Read every file whole on as many threads as checkrun's io threads: the raw-read floor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ckpt_core
+
+    def read(p: Path) -> int:
+        with open(p, "rb", buffering=0) as f:
+            return len(f.read())
+    with ThreadPoolExecutor(ckpt_core.EngineConfig().storage.io_threads) as pool:
+        return sum(pool.map(read, files))
+
+
 def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
     print(f"\n### DLRM restore at the end of a chain of {res['depth']} consecutive deltas (checkrun threads, "
           f"{'cold' if cold else 'warm (could not drop caches)'})\n")
@@ -229,6 +256,10 @@ def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
     (fb, fl), (cb, cl) = res["read"]["full"], res["read"]["chain"]
     print(f"- blobs read: full {fb / MB:.1f} MB; end of chain {cb / MB:.1f} MB of bases + {cl / MB:.1f} MB of "
           f"delta links = {(cb + cl) / max(1, fb + fl):.2f}x the bytes (cold restores here are bound by bytes)")
+    if res.get("raw_full") and res.get("raw_chain"):
+        print(f"- raw reads of the same blob files (cold, whole files on the io threads, no decoding): full "
+              f"{cell(res['raw_full'])} s, end of chain {cell(res['raw_chain'])} s: "
+              f"{ratio(res['raw_chain'], res['raw_full']):.2f}x (the disk's floor for the ratio above)")
 
 
 # -- 4. a restarted job ---------------------------------------------------------------------------
