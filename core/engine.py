@@ -30,7 +30,7 @@ from .loading.reader import (VerifyCache, VerifyReport, load_manifest_state, map
 from .retain import collect, note_removed
 from .retain.retention import CheckpointEntry as Entry, GCReport, list_checkpoints
 from .saving.staging import BufferPool, Copier, MemoryBudget
-from .storage.paths import refuse_directory
+from .storage.paths import blob_url, refuse_directory
 from .storage.store import Store
 from .saving.streams import DirState, adopt_loaded, dense_keys, drop_streams, keep_recent_streams, wants_stream
 from .saving.tracking import EmbeddingTracker
@@ -179,7 +179,7 @@ class CheckpointEngine:
             require_readable(report.unreadable, entry.url, problems[0] if problems else "")
             if not verify and not problems:
                 sizes = sizes if sizes is not None else {b.key: b.size for b in store.list_blobs()}
-                problems = [f"missing or truncated blob {store.blob_path(b.key)}"
+                problems = [f"missing or truncated blob {blob_url(store, b.key)}"
                             for b in report.manifest.blobs() if sizes.get(b.key) != b.size]
             if problems:
                 log.warning("checkrun: skipping checkpoint %s: %s", entry.url, problems[0])

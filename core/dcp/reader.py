@@ -28,7 +28,7 @@ from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotAChe
 from ..format.limits import memory_limit
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from ..loading.reader import check_structure, decode_chunk, fetch_blob, read_manifest
-from ..storage.paths import is_local_fs, join
+from ..storage.paths import blob_url, is_local_fs, join
 from ..storage.store import Store
 
 __all__ = ["CheckrunStorageReader"]
@@ -124,7 +124,7 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
                 try:
                     planner.load_bytes(req, io.BytesIO(data))
                 except CheckrunError as exc:  # name the checkpoint and blob
-                    blob = store.blob_path(_object(objects, key, where).blob.key)
+                    blob = blob_url(store, _object(objects, key, where).blob.key)
                     raise type(exc)(f"{where}: {exc} ({blob})") from exc
         batch, size = [], 0
         for key, reqs in by_record.items():

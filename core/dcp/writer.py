@@ -51,7 +51,7 @@ from ..saving.quant_rules import RuleMatcher
 from ..retain import after_commit
 from ..saving.handles import ByteRatios
 from ..saving.lease import SaveLease
-from ..storage.paths import refuse_directory
+from ..storage.paths import blob_url, refuse_directory
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
@@ -220,7 +220,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         gone = [k for k, info in zip(keys, store.map(store.blob_info, keys)) if info is None]
         if gone:
             raise CheckrunError(f"{len(gone)} blob(s) of the DCP save to {store.url('')} were collected while "
-                                f"the ranks waited for the commit (e.g. {store.blob_path(gone[0])}); not committed")
+                                f"the ranks waited for the commit (e.g. {blob_url(store, gone[0])}); not committed")
 
     def release_lease(self, committed: bool = True) -> None:
         """Release this rank's lease of the last save (call on every rank once the checkpoint is

@@ -30,6 +30,7 @@ from ..errors import CheckrunError, CorruptCheckpointError, FormatError
 from ..format.limits import limits_for
 from ..format.manifest import (SNIFF_BYTES, BlobRef, ChunkRef, DeltaRef, Manifest, is_manifest_head, looks_damaged,
                                parse_manifest)
+from ..storage.paths import blob_url
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
@@ -80,12 +81,12 @@ def fetch_blob(store: Store, ref: BlobRef, buf: memoryview | None = None) -> byt
         elif xxhash.xxh3_64_hexdigest(data) == ref.csum:
             if first is not None:
                 log.warning("checkrun: %s: %s on the first read, the second matched (bytes damaged in transit)",
-                            store.blob_path(ref.key), first)
+                            blob_url(store, ref.key), first)
             return data
         else:
             what, why = "checksum mismatch", "checksum mismatch (corrupted blob)"
         first = first or what
-    raise CorruptCheckpointError(f"{store.blob_path(ref.key)}: {why}")
+    raise CorruptCheckpointError(f"{blob_url(store, ref.key)}: {why}")
 
 
 def decode_limit(chunk: ChunkRef, dtype: torch.dtype) -> int:
@@ -193,7 +194,7 @@ class Pass:
         try:
             pipe.decode_into(data, dest, limit, self.scratch)
         except FormatError as exc:
-            raise FormatError(f"{self.store.blob_path(ref.key)}: {exc}") from None
+            raise FormatError(f"{blob_url(self.store, ref.key)}: {exc}") from None
 
     def _base(self, target: Target, chunk: ChunkRef, dtype: torch.dtype) -> None:
         n = chunk.rows * chunk.cols
@@ -211,7 +212,7 @@ class Pass:
         try:
             first_target.pipe.decode_into(data, pack.view(dtype).view(1, -1), pack_limit(total), self.scratch)
         except FormatError as exc:
-            raise FormatError(f"{self.store.blob_path(first.blob.key)}: {exc}") from None
+            raise FormatError(f"{blob_url(self.store, first.blob.key)}: {exc}") from None
         for target, chunk, _ in members:
             n = chunk.rows * chunk.cols
             part = pack[chunk.part[0]:chunk.part[0] + n * dtype.itemsize]
@@ -226,7 +227,7 @@ class Pass:
                                                                                   torch.int64))
         if n and (int(link.idx.min()) < 0 or int(link.idx.max()) >= rows):
             raise CorruptCheckpointError(f"{self.where}: tensor {target.loaded.record.key!r}: delta row index "
-                                         f"out of range ({self.store.blob_path(link.ref.idx.key)})")
+                                         f"out of range ({blob_url(self.store, link.ref.idx.key)})")
         self._done(target)
 
     def _link_values(self, target: Target, link: Link, chunk: ChunkRef) -> None:

@@ -32,7 +32,7 @@ from .into import finish_into, plan_into
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
 from ..storage.store import Store
-from ..storage.paths import BLOB_DIR, join
+from ..storage.paths import BLOB_DIR, blob_url, join
 from ..format.skeleton import unflatten, validate_skeleton
 
 log = logging.getLogger("ckpt_core")
@@ -75,7 +75,7 @@ def decode_chunk(store: Store, pipeline: Pipeline, chunk: ChunkRef, dtype: torch
         first = start // dtype.itemsize
         return pack[first:first + chunk.rows * chunk.cols].clone().view(chunk.rows, chunk.cols)
     except FormatError as exc:
-        raise FormatError(f"{store.blob_path(chunk.blob.key)}: {exc}") from None
+        raise FormatError(f"{blob_url(store, chunk.blob.key)}: {exc}") from None
 
 
 def _pipeline(rec: TensorRecord, where: str) -> Pipeline:
@@ -215,7 +215,7 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
                                               allowed_globals=config.load.allowed_globals,
                                               map_location=object_location))
         except CheckrunError as exc:  # name the checkpoint and blob
-            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
+            raise type(exc)(f"{where}: {exc} ({blob_url(store, rec.blob.key)})") from exc
     try:
         state = unflatten(manifest.skeleton, [plan.leaves.get(j, tensors[i]) for j, i in enumerate(leaves)], objects)
     except CheckrunError:
@@ -247,7 +247,7 @@ def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes:
         try:
             need += object_load_bytes(data, key=rec.key, type_name=rec.type, max_bytes=left - need)
         except CheckrunError as exc:  # name the checkpoint and blob
-            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
+            raise type(exc)(f"{where}: {exc} ({blob_url(store, rec.blob.key)})") from exc
         blobs.append(data)
     return blobs, need
 
@@ -419,7 +419,7 @@ def _check_objects(store: Store, manifest: Manifest, where: str, config: EngineC
         except UnsafeLoadError:
             continue
         except CheckrunError as exc:
-            raise type(exc)(f"{where}: {exc} ({store.blob_path(rec.blob.key)})") from exc
+            raise type(exc)(f"{where}: {exc} ({blob_url(store, rec.blob.key)})") from exc
 
 
 def _copied_hint(store: Store) -> str:

@@ -26,6 +26,7 @@ from .handles import WriteStats
 from ..format.manifest import Manifest
 from .quant_rules import RuleMatcher
 from .lease import SaveLease
+from ..storage.paths import blob_url
 from ..storage.store import Store
 from .streams import DirState
 from .write import SnapshotWriter
@@ -141,7 +142,7 @@ def _guard(store: Store, lease: SaveLease, manifest: Manifest) -> None:
         gone = [k for k, info in zip(keys, store.map(store.blob_info, keys)) if info is None]
         if gone:
             raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url('')} were collected "
-                                f"while its lease had lapsed (e.g. {store.blob_path(gone[0])}); not committed")
+                                f"while its lease had lapsed (e.g. {blob_url(store, gone[0])}); not committed")
 
 
 def _check_after(store: Store, name: str, lease: SaveLease, manifest: Manifest, data: bytes) -> None:
@@ -162,7 +163,7 @@ def _check_after(store: Store, name: str, lease: SaveLease, manifest: Manifest, 
     except CheckrunError as exc:
         log.warning("checkrun: could not remove %s after its blobs were collected: %s", store.url(name), exc)
     raise CheckrunError(f"{len(gone)} blob(s) of the save to {store.url(name)} were collected while its commit "
-                        f"was paused past its lease (e.g. {store.blob_path(gone[0])}); the manifest was removed: "
+                        f"was paused past its lease (e.g. {blob_url(store, gone[0])}); the manifest was removed: "
                         "not committed")
 
 

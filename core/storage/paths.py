@@ -122,6 +122,11 @@ def _local_with_colons(text: str) -> bool:
     return any("/" in head and "://" not in head for head in text.split("::")[:-1])
 
 
+def blob_url(store: Any, key: str) -> str:
+    """A blob as messages name it: spelled as ``store.url`` spells paths (``s3://`` included)."""
+    return store.url(join(BLOB_DIR, key[:2], key[2:]))
+
+
 def refuse_directory(store: Any, name: str, dcp: bool = False) -> None:
     """Before a save writes anything to ``name`` of ``store``: a local directory there fails now, not
     at the commit after every blob was written (the manifest cannot replace a directory). ``dcp``:

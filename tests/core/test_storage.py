@@ -710,3 +710,23 @@ def test_local_reads_go_through_the_os_and_refuse_what_is_not_a_regular_file(tmp
                 localio.read_file_into(str(tmp_path / name), buf, 1000)
     finally:
         sock.close()
+
+
+def test_a_damaged_blob_on_s3_is_named_by_its_url(s3_root, s3_storage_options, _s3_admin):
+    """Errors name a blob as every other message names objects: ``s3://bucket/...`` (h102: the bucket path
+    without the scheme)."""
+    import torch
+
+    import ckpt_core
+
+    path = f"{s3_root}/a.ckpt"
+    ckpt_core.save({"w": torch.arange(4096.0)}, path, storage_options=s3_storage_options)
+    with ckpt_core.CheckpointEngine() as engine:
+        key = next(iter(engine.read_manifest(path, storage_options=s3_storage_options).blobs())).key
+    blob = f"{s3_root}/.checkrun/blobs/{key[:2]}/{key[2:]}"
+    data = bytearray(_s3_admin.cat_file(blob))
+    data[-1] ^= 1
+    _s3_admin.pipe_file(blob, bytes(data))
+    with pytest.raises(CorruptCheckpointError) as err:
+        ckpt_core.load(path, storage_options=s3_storage_options)
+    assert f"{blob}: checksum mismatch" in str(err.value)
