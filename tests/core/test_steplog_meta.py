@@ -444,7 +444,9 @@ class _Clock:
     ``flush_seconds`` whenever the encoder looks, so it cuts one each time its queue is empty."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        # from the real clock: a segment's opening time may come from another module's (real) clock, and a
+        # fake one starting at 0 stayed behind it once the machine had been up for a day (24 reads)
+        self.now = time.monotonic()
 
     def monotonic(self) -> float:
         self.now += 3600.0
