@@ -257,7 +257,8 @@ def print_chain(res: dict, dcp_full: list[float] | None, cold: bool) -> None:
     print(f"- blobs read: full {fb / MB:.1f} MB; end of chain {cb / MB:.1f} MB of bases + {cl / MB:.1f} MB of "
           f"delta links = {(cb + cl) / max(1, fb + fl):.2f}x the bytes (cold restores here are bound by bytes)")
     if res.get("raw_full") and res.get("raw_chain"):
-        print(f"- raw reads of the same blob files (cold, whole files on the io threads, no decoding): full "
+        print(f"- raw reads of the same blob files ({'cold' if cold else 'warm'}, whole files on the io threads, "
+              f"no decoding): full "
               f"{cell(res['raw_full'])} s, end of chain {cell(res['raw_chain'])} s: "
               f"{ratio(res['raw_chain'], res['raw_full']):.2f}x (the disk's floor for the ratio above)")
 

@@ -149,8 +149,8 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         store, name = self._resolve()
         refuse_directory(store, name, dcp=True)  # every rank, before any write
         if not self.overwrite and store.manifest_exists(name):
-            raise CommitRefusedError(f"{store.url(name)}: a checkpoint exists there and overwrite=False "
-                                     "(CheckrunStorageWriter)")
+            raise CommitRefusedError(f"{store.url(name)}: a file exists there (a checkpoint or another) and "
+                                     "overwrite=False (CheckrunStorageWriter)")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -159,6 +159,10 @@ def collect(store: Store, config: EngineConfig, *, memory: GcMemory | None = Non
             memory.pending = dict(report.pending)
             memory.full_due = memory.full_due and candidates is not None
             memory.leases_seen = report.leases > 0
+        elif candidates is None:  # a round that collected nothing (a manifest unreadable or gone twice):
+            memory.full_due = True  # its garbage is looked for again at the next one
+        else:
+            memory.pending.update(candidates)
         memory.forget(list(report.deleted))
     if forget is not None:
         forget(list(report.deleted))

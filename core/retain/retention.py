@@ -27,7 +27,7 @@ import time
 
 from ..storage import owner
 from ..config import EngineConfig
-from ..errors import CheckpointNotFoundError, CheckrunError
+from ..errors import CheckpointNotFoundError, CheckrunError, UnsafePathError
 from ..storage.retry import is_outage
 from . import keycache
 from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection
@@ -36,6 +36,7 @@ from ..format.manifest import (SNIFF_BYTES, checksum_matches, is_manifest_head, 
                                parse_manifest)
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
+from ..storage.paths import check_name
 from ..storage.store import BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -79,7 +80,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
     manifests were all held parsed: 1 GB). ``keys``: each is parsed and only its blob keys kept
     (``CheckpointEntry.keys``; garbage collection)."""
     entries = []
-    files = [f for f in store.list_files() if f.size > 0]
+    files = [f for f in store.list_files() if f.size > 0 and _nameable(f.name)]  # others: never a checkpoint
     if not files:
         _require_bucket(store)
 
@@ -100,7 +101,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
                                    f"{store.url(info.name)}: damaged manifest header {head[:16]!r}: not a checkrun "
                                    "manifest's, but close to one")
         try:
-            data = store.read_manifest(info.name)
+            data = _read_checked(store, info.name)
             top = _head(data) if heads else None
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
@@ -126,7 +127,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
 
     def check(e: CheckpointEntry) -> CheckpointEntry | None:  # a head that lifts others: parsed, or an error
         try:
-            parse_manifest(store.read_manifest(e.name), e.url, limits=limits_for(config))
+            parse_manifest(_read_checked(store, e.name), e.url, limits=limits_for(config))
             return e
         except CheckpointNotFoundError:
             return None
@@ -134,6 +135,29 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             return CheckpointEntry(e.name, e.url, e.mtime, e.size, None, str(exc), is_outage(exc))
 
     return _oldest_first(entries, check if heads else None)
+
+
+def _nameable(name: str) -> bool:
+    """Whether a save could have written ``name`` (``check_name``): a user's ``notes\\v2.txt`` beside the
+    checkpoints made gc refuse to collect and ``latest()`` warn of a corrupt checkpoint (h104)."""
+    try:
+        return bool(check_name(name))
+    except UnsafePathError:
+        return False
+
+
+def _read_checked(store: Store, name: str) -> bytes:
+    """A manifest's bytes, read once more when they fail its checksum (damaged in transit, not at rest,
+    as ``loading.decode.read_manifest`` reads them: one flipped byte made ``latest()`` skip an intact
+    newest checkpoint, and a resume go back to an older one)."""
+    data = store.read_manifest(name)
+    if checksum_matches(data) or not is_manifest_head(data[:SNIFF_BYTES]):
+        return data
+    again = store.read_manifest(name)
+    if checksum_matches(again):
+        log.warning("checkrun: %s: manifest checksum mismatch on the first read, the second matched (bytes "
+                    "damaged in transit)", store.url(name))
+    return again
 
 
 _GONE = "listed, but gone when read"
@@ -218,7 +242,7 @@ def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[
 def _parsed(store: Store, config: EngineConfig, e: CheckpointEntry) -> CheckpointEntry | None:
     """``e`` (listed by its head) with its manifest parsed; None if it is gone or does not parse."""
     try:
-        return dataclasses.replace(e, manifest=parse_manifest(store.read_manifest(e.name), e.url,
+        return dataclasses.replace(e, manifest=parse_manifest(_read_checked(store, e.name), e.url,
                                                               limits=limits_for(config)), head=None)
     except CheckrunError:
         return None

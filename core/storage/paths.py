@@ -131,7 +131,8 @@ def refuse_directory(store: Any, name: str, dcp: bool = False) -> None:
     """Before a save writes anything to ``name`` of ``store``: a local directory there fails now, not
     at the commit after every blob was written (the manifest cannot replace a directory). ``dcp``:
     the words for ``torch.distributed.checkpoint``, whose own writer takes a directory."""
-    if not (is_local_fs(store.fs) and os.path.isdir(join(store.root, name))):
+    path = join(store.root, name)
+    if not (is_local_fs(store.fs) and os.path.isdir(path)) or os.path.islink(path):  # a link: the save replaces it
         return
     url = store.url(name)
     if dcp:

@@ -515,3 +515,36 @@ def test_a_manifest_damaged_in_transit_once_is_read_again(tmp_path, monkeypatch,
     flips[:] = [True, True]
     with pytest.raises(CorruptCheckpointError, match="a.ckpt"):
         ckpt_core.load(path)
+
+
+def test_latest_reads_a_manifest_damaged_in_transit_once_again(tmp_path, monkeypatch, caplog) -> None:
+    """``latest()`` lists by manifest heads and checksums: one flipped byte in transit made it skip the intact
+    newest checkpoint, and a resume go back to an older one (h104)."""
+    import logging
+
+    from ckpt_core.storage.store import Store
+    for step in range(3):
+        ckpt_core.save({"w": torch.full((4,), float(step))}, tmp_path / f"s{step}.ckpt")
+    real, flips = Store.read_manifest, ["s2.ckpt"]
+
+    def read(self, name, *args, **kwargs):
+        data = real(self, name, *args, **kwargs)
+        if name in flips:
+            flips.remove(name)
+            data = data[:-20] + bytes([data[-20] ^ 1]) + data[-19:]
+        return data
+    monkeypatch.setattr(Store, "read_manifest", read)
+    with CheckpointEngine() as engine, caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        assert engine.latest(tmp_path).endswith("s2.ckpt")
+        assert [e.name for e in engine.list(tmp_path) if e.manifest is not None] == ["s0.ckpt", "s1.ckpt", "s2.ckpt"]
+    assert "the second matched" in caplog.text and "corrupt" not in caplog.text
+
+
+def test_a_save_onto_a_symlink_to_a_directory_replaces_the_link(tmp_path) -> None:
+    """Saves replace a link itself (``Store.for_path``), also one to a directory; a directory itself is
+    refused before any write."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "x.ckpt").symlink_to(tmp_path / "folder")
+    ckpt_core.save({"w": torch.ones(3)}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").is_symlink() and (tmp_path / "folder").is_dir()
+    assert ckpt_core.load(tmp_path / "x.ckpt")["w"].tolist() == [1.0, 1.0, 1.0]

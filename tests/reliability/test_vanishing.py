@@ -167,9 +167,8 @@ def test_latest_and_list_do_not_report_it(run, caplog, at):
     assert not [r for r in caplog.records if "corrupt" in r.getMessage()]
 
 
-def test_gc_under_a_stale_listing_keeps_the_blobs_of_a_checkpoint_it_does_not_list(run, monkeypatch):
-    """h102 (an S3 proxy serving an old listing): retention removed ``old.ckpt``; the listing still shows
-    it and not yet ``keep.ckpt``, which reuses its (old) blobs. gc must not collect them, grace or not."""
+def _stale_listing(run: Run, monkeypatch) -> None:
+    """From now on the directory lists as it was, less ``keep.ckpt``; ``old.ckpt`` (the victim) is removed."""
     fs, root = FaultFS(), str(run.root)
     stale = [e for e in fs.ls(root, detail=True) if not e["name"].endswith("keep.ckpt")]
     run.victim.unlink()  # retention of the newer save
@@ -180,6 +179,13 @@ def test_gc_under_a_stale_listing_keeps_the_blobs_of_a_checkpoint_it_does_not_li
             return [dict(e) for e in stale] if detail else [e["name"] for e in stale]
         return real(self, path, detail=detail, **kwargs)
     monkeypatch.setattr(FaultFS, "ls", ls)
+
+
+def test_gc_under_a_stale_listing_keeps_the_blobs_of_a_checkpoint_it_does_not_list(run, monkeypatch):
+    """h102 (an S3 proxy serving an old listing): retention removed ``old.ckpt``; the listing still shows
+    it and not yet ``keep.ckpt``, which reuses its (old) blobs. gc must not collect them, grace or not."""
+    real = FaultFS.ls
+    _stale_listing(run, monkeypatch)
     with CheckpointEngine(config()) as engine:
         report = engine.gc(run.url, grace_seconds=3)
     assert report.deleted == [] and any("gone when read" in p for p in report.problems), report
@@ -187,3 +193,34 @@ def test_gc_under_a_stale_listing_keeps_the_blobs_of_a_checkpoint_it_does_not_li
     monkeypatch.setattr(FaultFS, "ls", real)
     with CheckpointEngine(config()) as engine:
         assert engine.verify(run.root / "keep.ckpt").ok
+
+
+def test_a_targeted_collection_that_collects_nothing_keeps_its_candidates(run, monkeypatch):
+    """The round a stale listing stops must not drop the blobs retention just made garbage: the next
+    round collects them (h104: they stayed until a full ``gc``)."""
+    from ckpt_core.retain.after import Memory, collect
+    from ckpt_core.storage.store import Store
+
+    real = FaultFS.ls
+    _stale_listing(run, monkeypatch)
+    store = Store.for_directory(run.url, None, config().storage)
+    own = {p.parent.name + p.name: p.stat().st_size for p in run.own_blobs}
+    memory = Memory()
+    report = collect(store, config(), memory=memory, candidates=own)
+    assert report.problems and report.deleted == [] and own.items() <= memory.pending.items()
+    monkeypatch.setattr(FaultFS, "ls", real)
+    report = collect(store, config(), memory=memory, candidates=dict(memory.pending))
+    assert set(report.deleted) == set(own) and not any(p.exists() for p in run.own_blobs)
+    assert all(p.exists() for p in run.keep_blobs.values())
+
+
+def test_a_file_no_save_could_name_does_not_block_gc_or_latest(run, caplog):
+    """A user's ``notes\\v2.txt`` beside the checkpoints (h104): gc refused to collect and ``latest()``
+    warned of a corrupt checkpoint."""
+    (run.root / "notes\\v2.txt").write_text("hello")
+    with CheckpointEngine(config()) as engine:
+        with caplog.at_level("WARNING", logger="ckpt_core"):
+            assert engine.latest(run.url).endswith("keep.ckpt")
+        report = engine.gc(run.url, grace_seconds=0)
+    assert report.problems == [] and run.orphan <= set(report.deleted)
+    assert "corrupt" not in caplog.text
