@@ -20,7 +20,7 @@ from lightning.pytorch.core.saving import _default_map_location, _load_state, lo
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 from ckpt_core import CheckpointEngine, CorruptCheckpointError, EngineConfig, NotACheckpointError
-from ckpt_core.format.manifest import is_manifest_head
+from ckpt_core.format.manifest import is_manifest_head, looks_damaged
 from ckpt_core.storage.options import open_options
 
 from .config import build_config
@@ -34,7 +34,8 @@ T = TypeVar("T", "pl.LightningModule", "pl.LightningDataModule")
 
 
 def is_checkrun_file(path: _PATH, storage_options: Optional[dict] = None) -> bool:
-    """Whether the file at ``path`` starts with a checkrun manifest header (reads its first bytes only).
+    """Whether the file at ``path`` starts with a checkrun manifest header, or is a damaged checkrun
+    manifest (``looks_damaged``: its header damaged, or zeroed); reads its first bytes only.
 
     False for a missing file or a directory: the caller's own loader then reports it as it always did.
     """
@@ -44,7 +45,8 @@ def is_checkrun_file(path: _PATH, storage_options: Optional[dict] = None) -> boo
         head = fs.cat_file(fspath, start=0, end=_HEAD_BYTES)
     except (OSError, ValueError):  # missing, a directory, unreadable: not ours to report
         return False
-    return is_manifest_head(head)
+    return is_manifest_head(head) or looks_damaged(head)  # h106: a zeroed one went to torch.load, whose
+    # error advised weights_only=False
 
 
 def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_only: Optional[bool] = None,
@@ -56,6 +58,10 @@ def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_onl
     url = normalize_path(path)
     fs, fspath = fsspec.core.url_to_fs(url, **open_options(url, storage_options))
     with fs.open(fspath, "rb") as f:
+        if not f.read(1):  # torch.load's error would be a bare EOFError
+            raise NotACheckpointError(f"{url}: an empty file: not a checkpoint (a crash or the storage may have "
+                                      "emptied it)")
+        f.seek(0)
         return torch.load(f, map_location=map_location, weights_only=True if weights_only is None else weights_only)
 
 

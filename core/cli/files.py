@@ -79,9 +79,14 @@ class _ProgressWriter:
 
     def __init__(self, f: Any, bar: Any) -> None:
         self.f, self.bar, self.written = f, bar, 0
+        self.error: OSError | None = None  # the first failed write (torch.save's own error does not say it)
 
     def write(self, data: bytes) -> int:
-        n = self.f.write(data)
+        try:
+            n = self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
         size = memoryview(data).nbytes
         self.written += size
         self.bar.update(size)
@@ -95,11 +100,23 @@ def write_file(ctx: Context, url: str, produce: Callable[[Any], None], desc: str
     """Write ``url`` through ``produce(fileobj)``: local files via temp + rename, remote ones
     discarded (multipart aborted) when ``produce`` fails, so no partial file is left behind."""
     fs, path = ctx.fs(url)
+    writer = _ProgressWriter(None, None)
+    try:
+        return _write_file(fs, path, produce, ctx, desc, writer)
+    except Exception as exc:  # a full disk: torch.save's zip writer reported only a bad position (h106)
+        err = writer.error or exc
+        if isinstance(exc, CheckrunError) or not isinstance(err, OSError):
+            raise
+        raise CliError(f"{url}: writing failed: {err.strerror or err} (nothing was written there)") from exc
+
+
+def _write_file(fs: Any, path: str, produce: Callable[[Any], None], ctx: Context, desc: str,
+                writer: _ProgressWriter) -> int:
     with ctx.bar(None, desc) as bar:
+        writer.bar = bar
         if is_local_fs(fs):
             path = os.path.abspath(path)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            writer = _ProgressWriter(None, bar)
 
             def fill(f: Any) -> None:
                 writer.f = f
@@ -107,8 +124,7 @@ def write_file(ctx: Context, url: str, produce: Callable[[Any], None], desc: str
 
             write_atomic(path, fill)
         else:
-            f = fs.open(path, "wb")
-            writer = _ProgressWriter(f, bar)
+            f = writer.f = fs.open(path, "wb")
             try:
                 produce(writer)
             except BaseException:

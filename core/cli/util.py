@@ -24,8 +24,12 @@ log = logging.getLogger("ckpt_core.cli")
 
 
 def dangling(path: str) -> str:
-    """What is wrong with a symbolic link that points at nothing (the message names its target)."""
-    return f"a symbolic link to {os.readlink(path)}, which does not exist (its checkpoint is gone)"
+    """What is wrong with a symbolic link that points at nothing, or at no regular file (the message
+    names its target)."""
+    target = os.readlink(path)
+    if os.path.exists(path):  # a device, a directory, a pipe (h106: /dev/zero was said not to exist)
+        return f"a symbolic link to {target}, which is not a regular file (not a checkpoint)"
+    return f"a symbolic link to {target}, which does not exist (its checkpoint is gone)"
 
 
 class CliError(Exception):

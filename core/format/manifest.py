@@ -23,8 +23,7 @@ _WRITER_RE = re.compile(r"[0-9a-f]{1,32}")
 MAGIC = "manifest"
 MAGIC_KEY = "_checkrun"
 MAGIC_PREFIX = b'{"_checkrun":'
-HEAD_BYTES = len(MAGIC_PREFIX) + 8
-"""How many leading bytes of a file ``is_manifest_head`` needs (the header after some white space)."""
+HEAD_BYTES = len(MAGIC_PREFIX) + 8  # how many leading bytes ``is_manifest_head`` needs (after some white space)
 FORMAT_VERSION = 2  # 2: chunks may be parts of a pack (ChunkRef.part); everything else as in 1
 SUPPORTED_VERSIONS = (1, 2)
 
@@ -222,19 +221,18 @@ ordered by its file's modification time instead (``CheckpointEntry.created``), a
 fence later commits of its name (``saving.fence``): otherwise it would stay the newest for years,
 ``latest()`` would return it and retention would delete the checkpoints committed after it."""
 
-SNIFF_BYTES = 64
-"""How many leading bytes listing reads to tell a damaged manifest from another file (``looks_damaged``)."""
+SNIFF_BYTES = 64  # how many leading bytes listing reads to tell a damaged manifest from another file
 
 
 def looks_damaged(head: bytes) -> bool:
     """Whether a file starting with ``head`` (its first ``SNIFF_BYTES``; not empty) that
     ``is_manifest_head`` refuses is still most likely a checkrun manifest whose first bytes were
-    damaged (a flipped bit, a few overwritten bytes, a truncation inside the header): 3 of every 4 bytes
-    of the header every manifest starts with, ``{"_checkrun":"manifest","checksum":"``, in place.
-    Listing counts such a file as a broken checkpoint, so gc deletes nothing, not as another file."""
+    damaged (a flipped bit, a few overwritten bytes, a cut in the header: 3 of every 4 bytes of the header
+    every manifest starts with, ``{"_checkrun":"manifest","checksum":"``, in place) or zeroed (all zero
+    bytes, as a crash leaves a file): listed as a broken checkpoint (gc deletes nothing), not another file."""
     signature = _HEAD + _FIELD + b'"'
     n = min(len(head), len(signature))
-    return n > 0 and 4 * sum(a == b for a, b in zip(head[:n], signature[:n])) >= 3 * n
+    return n > 0 and (4 * sum(a == b for a, b in zip(head[:n], signature[:n])) >= 3 * n or not head.strip(b"\0"))
 
 
 def _no_constants(name: str) -> Any:
@@ -247,6 +245,8 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
     ``limits`` (``manifest_limits.limits_for(config)``; ``max_blob_bytes`` replaces theirs)."""
     limits = resolve_limits(limits, max_blob_bytes)
     if not is_manifest_head(data):
+        if data and not data[:SNIFF_BYTES].strip(b"\0"):
+            raise FormatError(f"{where}: damaged checkpoint: its first bytes are all zero (zeroed by a crash)")
         raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
     check_json(data, where, limits)  # json.loads builds every value: bound them first
     try:

@@ -97,9 +97,10 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         if not is_manifest_head(head):
             if not looks_damaged(head):
                 return None  # another file (a torch checkpoint, the user's notes)
+            why = "all zero bytes (zeroed by a crash)" if not head.strip(b"\0") else (
+                f"damaged manifest header {head[:16]!r}: not a checkrun manifest's, but close to one")
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
-                                   f"{store.url(info.name)}: damaged manifest header {head[:16]!r}: not a checkrun "
-                                   "manifest's, but close to one")
+                                   f"{store.url(info.name)}: {why}")
         try:
             data = _read_checked(store, info.name)
             top = _head(data) if heads else None

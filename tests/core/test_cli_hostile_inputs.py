@@ -347,3 +347,36 @@ def test_gc_and_verify_hold_no_directory_of_parsed_manifests(capsys, tmp_path, c
     got = json.loads(out)
     assert code == 0 and (got["referenced"] >= 40 if command == "gc" else len(got["checkpoints"]) == 40)
     assert peak < 0.7 * listing, (peak, listing)  # before: 1.1x; now 0.5x
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE (POSIX)")
+@pytest.mark.parametrize("out", ["x.pt", "x.safetensors"])
+def test_export_onto_a_full_disk_names_the_file_and_the_cause(tmp_path, out):
+    """A write that fails (here: past the process's file size limit, as a full disk fails it) failed
+    a ``.pt`` export with torch's zip writer's "unexpected pos 704 vs 598", naming neither the file nor
+    the cause, and a ``.safetensors`` one with a bare errno (h106, on a real full tmpfs)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    ckpt_core.save({"w": torch.randn(300_000)}, tmp_path / "run" / "x.ckpt")
+    target = tmp_path / "out" / out
+
+    def limit():  # a write past 64 KiB fails with EFBIG instead of killing the process (SIGXFSZ)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "export", str(tmp_path / "run" / "x.ckpt"),
+                           str(target)], capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{target}: writing failed: File too large (nothing was written there)" in proc.stderr, proc.stderr
+    assert not target.exists() and not [p for p in (tmp_path / "out").iterdir()]  # no temporary file left
+
+
+def test_verify_says_a_link_to_something_other_than_a_file_is_not_a_checkpoint(capsys, tmp_path):
+    """A link to /dev/null was said to point at something that "does not exist" (h106)."""
+    ckpt_core.save({"w": torch.ones(3)}, tmp_path / "run" / "a.ckpt")
+    os.symlink("/dev/null", tmp_path / "run" / "z.ckpt")
+    code, out, _ = run(capsys, "verify", str(tmp_path / "run"))
+    assert code == 1 and "z.ckpt: a symbolic link to /dev/null, which is not a regular file" in out, out

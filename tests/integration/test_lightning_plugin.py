@@ -19,7 +19,7 @@ from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 import lightning_ckpt
-from ckpt_core import BackgroundSaveError, ConfigError, EngineConfig
+from ckpt_core import BackgroundSaveError, ConfigError, CorruptCheckpointError, EngineConfig, NotACheckpointError
 from lightning_ckpt import CheckrunCheckpointIO, UnsupportedStrategyError, check_strategy
 from lightning_ckpt.paths import checkpoint_kind, normalize_path
 from ckpt_core.testing.faults import FaultFS as FaultyFS
@@ -241,6 +241,22 @@ def test_reads_torch_checkpoints_of_the_default_plugin(tmp_path) -> None:
     assert t2.global_step == 3
     with pytest.raises(Exception, match="not a checkrun|manifest"):
         make_io(fallback_to_torch=False).load_checkpoint(old)
+
+
+def test_a_zeroed_or_emptied_checkpoint_gets_checkrun_s_error_not_torch_load_s(tmp_path) -> None:
+    """A checkpoint zeroed by a crash fell through to torch.load, whose error advised
+    ``weights_only=False``; an emptied one gave a bare EOFError (h106)."""
+    t = trainer(str(tmp_path), make_io(), max_steps=1)
+    t.fit(TinyModel())
+    path = tmp_path / "zeroed.ckpt"
+    t.save_checkpoint(str(path))
+    t.strategy.checkpoint_io.teardown()
+    path.write_bytes(b"\0" * path.stat().st_size)
+    with pytest.raises(CorruptCheckpointError, match="zeroed.ckpt: damaged checkpoint: its first bytes are all zero"):
+        make_io().load_checkpoint(str(path))
+    path.write_bytes(b"")
+    with pytest.raises(NotACheckpointError, match="zeroed.ckpt: an empty file: not a checkpoint"):
+        make_io().load_checkpoint(str(path))
 
 
 def test_fabric_save_and_load(tmp_path) -> None:

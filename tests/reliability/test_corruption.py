@@ -21,6 +21,7 @@ from ckpt_core.format.manifest import parse_manifest
 from ckpt_core.retain.retention import list_checkpoints
 from ckpt_core.storage.store import Store
 
+from ..core.test_cli import run
 from .crash_child import Marker, digest
 
 NAMES = ["c1.ckpt", "c2.ckpt", "c3.ckpt", "c4.ckpt"]
@@ -145,7 +146,7 @@ def test_damage_to_a_manifests_first_bytes_is_a_broken_checkpoint_not_another_fi
     target = work / "c4.ckpt"
     original = target.read_bytes()
     store = Store.for_directory(str(work), None, config().storage)
-    variants = [original[:n] for n in range(1, 41)]
+    variants = [original[:n] for n in range(1, 41)] + [b"\0" * len(original), b"\0" * 64 + original[64:]]
     for i in range(40):
         for bit in range(8):
             buf = bytearray(original)
@@ -162,6 +163,28 @@ def test_damage_to_a_manifests_first_bytes_is_a_broken_checkpoint_not_another_fi
     assert sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file()) == blobs
     target.write_bytes(b'{"step": 1, "note": "a JSON file of the user\'s"}')  # other files stay other files
     assert "c4.ckpt" not in {e.name for e in list_checkpoints(store, config())}
+
+
+def test_a_zeroed_manifest_is_a_broken_checkpoint_that_latest_skips_with_a_warning(pristine, tmp_path, caplog,
+                                                                                   capsys):
+    """A crash (or the storage) can leave a committed file full of zero bytes, its size intact. It was
+    taken for another file: ``latest()`` went back to the previous checkpoint without a word, ``verify
+    DIR`` said everything was intact and gc deleted the blobs only it referenced (h106)."""
+    work = tmp_path / "run"
+    shutil.copytree(pristine.path, work)
+    target = work / "c4.ckpt"
+    target.write_bytes(b"\0" * target.stat().st_size)
+    with CheckpointEngine(config()) as engine:
+        with caplog.at_level("WARNING", logger="ckpt_core"):
+            assert Path(engine.latest(work)).name == "c3.ckpt"
+        assert f"{target}: all zero bytes (zeroed by a crash)" in caplog.text
+        code, out, _ = run(capsys, "verify", str(work))
+        assert code == 1 and "c4.ckpt: all zero bytes" in out and "3 intact, 1 corrupt" in out, out
+        with pytest.raises(CheckrunError, match=r"c4\.ckpt: damaged checkpoint: its first bytes are all zero"):
+            engine.load(target)
+        blobs = sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file())
+        assert not engine.gc(work, grace_seconds=0).deleted
+    assert sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file()) == blobs
 
 
 def test_flips_that_parse_to_the_same_body_are_detected(pristine):
