@@ -122,20 +122,22 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
     automatic = trainer.lightning_module.automatic_optimization
     acc = max(1, int(trainer.accumulate_grad_batches))
     if automatic:
-        batches = steps * acc
+        batches = steps * acc if batches is None else batches
         optim = loop.automatic_optimization.optim_progress.optimizer
-        per_step = [optim.step, optim.zero_grad]
+        # Lightning zeroes the gradients at a window's first batch: a checkpoint inside a window counted
+        # that window's zero_grad already
+        ahead = max(0, optim.zero_grad.total.ready - optim.step.total.ready)
+        per_step = [(optim.step, steps), (optim.zero_grad, steps - ahead)]
     else:
         batches = steps if batches is None else batches
-        per_step = [loop.manual_optimization.optim_step_progress]
+        per_step = [(loop.manual_optimization.optim_step_progress, steps)]
     updates = _step_updates(trainer, steps) if automatic else 0
     stepped = _bts_after_reset(loop) + (steps if automatic else batches)
     position = _position(trainer, steps, batches)
     if position is None:  # counters Lightning's loops cannot take exactly (see _position)
         epoch = trainer.num_training_batches
         at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
-        for progress in (*per_step, loop.batch_progress, loop.scheduler_progress):
-            n = batches if progress is loop.batch_progress else updates if progress is loop.scheduler_progress else steps
+        for progress, n in (*per_step, (loop.batch_progress, batches), (loop.scheduler_progress, updates)):
             _shift(progress, n, current=not at_end)
         loop._batches_that_stepped += steps if automatic else batches
         if at_end:
@@ -149,8 +151,8 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
     finished, into, begun, batches = position
     epoch = trainer.fit_loop.epoch_progress.current
     first = epoch.processed  # the first epoch the replay finishes; the checkpoint's own, if not over
-    for progress in per_step:  # manual optimization: Lightning never sets the current count back
-        _shift(progress, steps, current=not (begun and automatic))
+    for progress, n in per_step:  # manual optimization: Lightning never sets the current count back
+        _shift(progress, n, current=not (begun and automatic))
     _shift(loop.batch_progress, batches, current=False)
     if automatic:
         ended = first > 0 and epoch.processed == epoch.started
@@ -158,7 +160,7 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
                current=not begun)
     if begun:  # the counters of the epoch the replay ends in, which Lightning sets to 0 at its start
         steps_in = -(-(into or trainer.num_training_batches) // acc)
-        for progress in per_step if automatic else ():
+        for progress, _ in per_step if automatic else ():
             _set_current(progress, steps_in)
         if automatic:
             _set_current(loop.scheduler_progress, _step_updates(trainer, steps_in))
@@ -189,9 +191,13 @@ def _position(trainer: Any, steps: int, batches: int) -> Optional[tuple[int, int
     left = 0 if ended else n - at  # batches left in the checkpoint's epoch
     if trainer.lightning_module.automatic_optimization:
         acc = max(1, int(trainer.accumulate_grad_batches))
-        steps_left = -(-left // acc)
+        # the epoch's steps done before the checkpoint: one inside an accumulation window (a resumed fit
+        # saves again one batch in) is ended by the first replayed step (h105: counted from it, one batch on)
+        done = 0 if ended else at // acc
+        steps_left = 0 if ended else -(-n // acc) - done
         if steps < steps_left:  # within the checkpoint's epoch
-            return 0, at + steps * acc, 0, steps * acc
+            end = (done + steps) * acc
+            return 0, end, 0, end - at
         finished, rest = divmod(steps - steps_left, -(-n // acc))
         into = rest * acc
     else:
@@ -368,8 +374,8 @@ class LightningStepLog:
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)
         if moved:
-            # manual optimization: the batches up to the one of the last replayed step (the log's
-            # "batch" counter); the batches after it are to run again, their gradients are not logged
+            # the batches up to the one of the last replayed step (the log's "batch" counter; manual
+            # optimization: the batches after it are to run again, their gradients are not logged)
             batch = logged.get("batch")
             batches = None if batch is None else max(0, batch - self._batch_at(trainer))
             advance_counters(trainer, moved, batches)

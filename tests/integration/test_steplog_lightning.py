@@ -6,6 +6,7 @@ in a checkpoint Lightning itself saved at that step of an uninterrupted run; no 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import random
 import signal
 import subprocess
@@ -227,6 +228,50 @@ def test_a_second_resume_replays_through_the_steps_logged_after_the_first(tmp_pa
     third, module = _fit(directory, 14, ckpt_path="last", every_n_train_steps=8)
     assert third.global_step == 14  # 8 + 2 (the first run's log) + 4 (the second run's, chained)
     assert_bit_equal(_live(third, module), at_14)
+
+
+class _AtStart:
+    """Keeps the loops' and the objects' state as the resumed fit starts, then ends the fit."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch import Callback
+
+        outer = self
+
+        class Keep(Callback):
+            def on_train_start(self, trainer, pl_module):
+                import copy
+
+                outer.state = {**_live(trainer, pl_module), "loops": copy.deepcopy(trainer.fit_loop.state_dict())}
+                raise _Crash
+
+        self.callback = Keep()
+
+
+def test_a_resume_from_a_checkpoint_saved_inside_an_accumulation_window_has_exact_counters(tmp_path, monkeypatch):
+    """``accumulate_grad_batches=3``: a resumed fit saves again at the end of its first batch
+    (``every_n_train_steps`` fires again at the same global step), one batch into an accumulation window.
+    A resume from there replayed the logged steps but moved the batch counters 3 per step, as from a
+    window's start: one batch ahead (and one zero_grad), so every later window was one batch off and
+    training drifted (found by an independent check). They stand now as Lightning's own restore of a
+    checkpoint saved at the step the replay ends on."""
+    from tests.integration import steplog_lightning_child
+
+    monkeypatch.setattr(steplog_lightning_child, "ACCUMULATE", 3)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    directory, at_10 = str(tmp_path / "ckpts"), str(tmp_path / "at-10")
+    _fit(directory, 8, every_n_train_steps=4)
+    # resumed from step 8: saves step 8 again one batch in; steps 9 and 10 logged after it; a second
+    # ModelCheckpoint saves step 10 elsewhere (what Lightning's own restore at step 10 is compared with)
+    _fit(directory, 10, ckpt_path="last", every_n_train_steps=4,
+         extra=[ModelCheckpoint(dirpath=at_10, every_n_train_steps=10)])
+    resumed, restored = _AtStart(), _AtStart()
+    _fit(directory, 12, ckpt_path="last", every_n_train_steps=4, extra=[resumed.callback])
+    _fit(at_10, 12, ckpt_path=str(next(Path(at_10).glob("*step=10.ckpt"))), every_n_train_steps=10,
+         extra=[restored.callback])
+    assert resumed.state["global_step"] == 10
+    assert_bit_equal(resumed.state, restored.state)
 
 
 @pytest.mark.parametrize("spelling", ["symlink", "trailing-slash"])
