@@ -263,7 +263,8 @@ def _print_links(links: list[dict]) -> None:
     if links:
         print()
     for k in links:
-        gone = "" if k["ok"] else "  (dangling: it does not exist)"
+        gone = "" if k["ok"] else f"  (dangling: {k['problem']})" if k["problem"] != "not a regular file" else (
+            "  (not a regular file: not a checkpoint)")
         print(safe(f"{k['name']} -> {k['target']}{gone}"))
 
 

@@ -136,7 +136,10 @@ class Context:
             return []
         for e in entries:
             if e.is_symlink() and not e.name.startswith(".") and not os.path.isdir(e.path):
-                out.append({"name": e.name, "target": os.readlink(e.path), "ok": os.path.isfile(e.path)})
+                item = {"name": e.name, "target": os.readlink(e.path), "ok": os.path.isfile(e.path)}
+                if not item["ok"]:  # at nothing, or at a device, a pipe (h107: said not to exist)
+                    item["problem"] = "not a regular file" if os.path.exists(e.path) else "it does not exist"
+                out.append(item)
         return out
 
     def checkpoint(self, url: str) -> str:

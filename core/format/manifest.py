@@ -228,11 +228,11 @@ def looks_damaged(head: bytes) -> bool:
     """Whether a file starting with ``head`` (its first ``SNIFF_BYTES``; not empty) that
     ``is_manifest_head`` refuses is still most likely a checkrun manifest whose first bytes were
     damaged (a flipped bit, a few overwritten bytes, a cut in the header: 3 of every 4 bytes of the header
-    every manifest starts with, ``{"_checkrun":"manifest","checksum":"``, in place) or zeroed (all zero
-    bytes, as a crash leaves a file): listed as a broken checkpoint (gc deletes nothing), not another file."""
+    every manifest starts with, ``{"_checkrun":"manifest","checksum":"``, in place, after any zero bytes it
+    starts with: a crash zeroes a file from its start): listed as a broken checkpoint, not another file."""
     signature = _HEAD + _FIELD + b'"'
-    n = min(len(head), len(signature))
-    return n > 0 and (4 * sum(a == b for a, b in zip(head[:n], signature[:n])) >= 3 * n or not head.strip(b"\0"))
+    n, z = min(len(head), len(signature)), len(head) - len(head.lstrip(b"\0"))
+    return n > 0 and (z >= n or 4 * sum(head[i] == signature[i] for i in range(z, n)) >= 3 * (n - z))
 
 
 def _no_constants(name: str) -> Any:
@@ -245,8 +245,8 @@ def parse_manifest(data: bytes, where: str, *, max_blob_bytes: int | None = None
     ``limits`` (``manifest_limits.limits_for(config)``; ``max_blob_bytes`` replaces theirs)."""
     limits = resolve_limits(limits, max_blob_bytes)
     if not is_manifest_head(data):
-        if data and not data[:SNIFF_BYTES].strip(b"\0"):
-            raise FormatError(f"{where}: damaged checkpoint: its first bytes are all zero (zeroed by a crash)")
+        if data[:1] == b"\0" and looks_damaged(data[:SNIFF_BYTES]):
+            raise FormatError(f"{where}: damaged checkpoint: it starts with zero bytes (zeroed by a crash)")
         raise NotACheckpointError(f"{where}: not a checkrun checkpoint (no checkrun manifest header)")
     check_json(data, where, limits)  # json.loads builds every value: bound them first
     try:

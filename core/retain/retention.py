@@ -97,7 +97,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         if not is_manifest_head(head):
             if not looks_damaged(head):
                 return None  # another file (a torch checkpoint, the user's notes)
-            why = "all zero bytes (zeroed by a crash)" if not head.strip(b"\0") else (
+            why = "it starts with zero bytes (zeroed by a crash)" if head[:1] == b"\0" else (
                 f"damaged manifest header {head[:16]!r}: not a checkrun manifest's, but close to one")
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
                                    f"{store.url(info.name)}: {why}")

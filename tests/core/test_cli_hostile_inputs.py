@@ -375,8 +375,10 @@ def test_export_onto_a_full_disk_names_the_file_and_the_cause(tmp_path, out):
 
 
 def test_verify_says_a_link_to_something_other_than_a_file_is_not_a_checkpoint(capsys, tmp_path):
-    """A link to /dev/null was said to point at something that "does not exist" (h106)."""
+    """A link to /dev/null was said to point at something that "does not exist" (h106, h107)."""
     ckpt_core.save({"w": torch.ones(3)}, tmp_path / "run" / "a.ckpt")
     os.symlink("/dev/null", tmp_path / "run" / "z.ckpt")
     code, out, _ = run(capsys, "verify", str(tmp_path / "run"))
     assert code == 1 and "z.ckpt: a symbolic link to /dev/null, which is not a regular file" in out, out
+    code, out, _ = run(capsys, "ls", str(tmp_path / "run"))  # h107: "(dangling: it does not exist)"
+    assert code == 1 and "z.ckpt -> /dev/null  (not a regular file: not a checkpoint)" in out, out

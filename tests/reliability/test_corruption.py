@@ -140,13 +140,15 @@ def test_damage_to_a_manifests_first_bytes_is_a_broken_checkpoint_not_another_fi
     """A flipped bit in a manifest's header (``{"_checkrun":"manifest","checksum":"``), or a truncation
     inside it, must not make the file look like someone else's: listing then left it out, ``verify DIR``
     said intact and gc deleted the blobs only it referenced. Every bit of the first 40 bytes, and every
-    truncation to 1-40 bytes, is listed as a broken checkpoint; gc deletes nothing while it is there."""
+    truncation to 1-40 bytes, and its first 1-64 bytes (or all) zeroed as a crash zeroes a file (h106, h107:
+    all of them, then its first 10-63 bytes, were taken for another file), is listed as a broken
+    checkpoint; gc deletes nothing while it is there."""
     work = tmp_path / "run"
     shutil.copytree(pristine.path, work)
     target = work / "c4.ckpt"
     original = target.read_bytes()
     store = Store.for_directory(str(work), None, config().storage)
-    variants = [original[:n] for n in range(1, 41)] + [b"\0" * len(original), b"\0" * 64 + original[64:]]
+    variants = [original[:n] for n in range(1, 41)] + [b"\0" * n + original[n:] for n in (*range(1, 65), len(original))]
     for i in range(40):
         for bit in range(8):
             buf = bytearray(original)
@@ -177,10 +179,10 @@ def test_a_zeroed_manifest_is_a_broken_checkpoint_that_latest_skips_with_a_warni
     with CheckpointEngine(config()) as engine:
         with caplog.at_level("WARNING", logger="ckpt_core"):
             assert Path(engine.latest(work)).name == "c3.ckpt"
-        assert f"{target}: all zero bytes (zeroed by a crash)" in caplog.text
+        assert f"{target}: it starts with zero bytes (zeroed by a crash)" in caplog.text
         code, out, _ = run(capsys, "verify", str(work))
-        assert code == 1 and "c4.ckpt: all zero bytes" in out and "3 intact, 1 corrupt" in out, out
-        with pytest.raises(CheckrunError, match=r"c4\.ckpt: damaged checkpoint: its first bytes are all zero"):
+        assert code == 1 and "c4.ckpt: it starts with zero bytes" in out and "3 intact, 1 corrupt" in out, out
+        with pytest.raises(CheckrunError, match=r"c4\.ckpt: damaged checkpoint: it starts with zero bytes"):
             engine.load(target)
         blobs = sorted(p for p in (work / ".checkrun" / "blobs").rglob("*") if p.is_file())
         assert not engine.gc(work, grace_seconds=0).deleted
