@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -349,29 +353,21 @@ def test_gc_and_verify_hold_no_directory_of_parsed_manifests(capsys, tmp_path, c
     assert peak < 0.7 * listing, (peak, listing)  # before: 1.1x; now 0.5x
 
 
-@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE (POSIX)")
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash (ulimit -f)")
 @pytest.mark.parametrize("out", ["x.pt", "x.safetensors"])
 def test_export_onto_a_full_disk_names_the_file_and_the_cause(tmp_path, out):
-    """A write that fails (here: past the process's file size limit, as a full disk fails it) failed
-    a ``.pt`` export with torch's zip writer's "unexpected pos 704 vs 598", naming neither the file nor
-    the cause, and a ``.safetensors`` one with a bare errno (h106, on a real full tmpfs)."""
-    import resource
-    import signal
-    import subprocess
-    import sys
-
+    """A write that fails (here: past the file size limit of ``ulimit -f``, as a full disk fails it;
+    Python ignores SIGXFSZ, so the write gets EFBIG) failed a ``.pt`` export with torch's zip writer's
+    "unexpected pos 704 vs 598", naming neither the file nor the cause, and a ``.safetensors`` one with a
+    bare errno (h106, on a real full tmpfs)."""
     ckpt_core.save({"w": torch.randn(300_000)}, tmp_path / "run" / "x.ckpt")
     target = tmp_path / "out" / out
-
-    def limit():  # a write past 64 KiB fails with EFBIG instead of killing the process (SIGXFSZ)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
-
-    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "export", str(tmp_path / "run" / "x.ckpt"),
-                           str(target)], capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    command = f"ulimit -f 64 && exec {shlex.quote(sys.executable)} -m ckpt_core.cli export " \
+              f"{shlex.quote(str(tmp_path / 'run' / 'x.ckpt'))} {shlex.quote(str(target))}"
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert f"{target}: writing failed: File too large (nothing was written there)" in proc.stderr, proc.stderr
-    assert not target.exists() and not [p for p in (tmp_path / "out").iterdir()]  # no temporary file left
+    assert not target.exists() and not list((tmp_path / "out").iterdir())  # no temporary file left
 
 
 def test_verify_says_a_link_to_something_other_than_a_file_is_not_a_checkpoint(capsys, tmp_path):
