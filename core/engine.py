@@ -408,15 +408,15 @@ class CheckpointEngine:
 
     def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
                after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None,
-               counters: dict | None = None, model: Any = None, rng: bool = True) -> int:
+               counters: dict | None = None, model: Any = None, rng: bool = True, max_steps: int | None = None) -> int:
         """After loading checkpoint ``after`` (default: the newest one the log marks) into ``model``,
-        ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since; returns how many.
-        ``counters`` receives the logged counters; ``model`` the logged running statistics (BatchNorm);
-        ``rng``: the RNGs end as logged with the last step replayed (docs/steplog.md)."""
+        ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since (at most ``max_steps``);
+        returns how many. ``counters`` receives the logged counters; ``model`` the logged running
+        statistics (BatchNorm); ``rng``: the RNGs end as logged with the last step replayed (docs/steplog.md)."""
         from .steplog import replay
 
         return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
-                      counters=counters, model=model, rng=rng)
+                      counters=counters, model=model, rng=rng, max_steps=max_steps)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:

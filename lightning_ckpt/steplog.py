@@ -362,9 +362,13 @@ class LightningStepLog:
         if trainer.is_global_zero:
             self.close()
         steps, logged = 0, {}
+        # a fit with a smaller max_steps than the logged run's stops there, as it would from a checkpoint
+        limit = None if trainer.max_steps < 0 else max(0, trainer.max_steps - trainer.global_step)
         try:
-            steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
-                                  counters=logged, model=trainer.lightning_module)
+            with warnings.catch_warnings():  # the fit ends at the limit: no random number is drawn after it
+                warnings.filterwarnings("ignore", r"checkrun: the RNG states are not set .* inside a segment")
+                steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
+                                      counters=logged, model=trainer.lightning_module, max_steps=limit)
         except NoMarkerError as exc:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=2)

@@ -58,15 +58,19 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
 
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
            after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
-           scaler: Any = None, counters: dict | None = None, model: Any = None, rng: bool = True) -> int:
+           scaler: Any = None, counters: dict | None = None, model: Any = None, rng: bool = True,
+           max_steps: int | None = None) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
-    ``directory`` that the log marks); returns how many optimizer steps were replayed. ``scaler`` (a
+    ``directory`` that the log marks), at most ``max_steps`` of them (None: all); returns how many
+    optimizer steps were replayed. ``scaler`` (a
     ``GradScaler``) ends in the logged state; ``counters`` (a dict) receives the logged counters of the
     last state record applied; ``model`` receives the logged forward-pass state (running statistics)
     of the last step replayed, when the log has it (``step_log(model=)``); warns when it cannot. ``rng``:
     set the RNG states (python, numpy, torch, CUDA) to those logged with the last step replayed, when
     its segment holds them and this process has the logging process's rank (``steplog.rng``)."""
     engine._check_open()
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 0):
+        raise ValueError(f"replay: max_steps must be a non-negative int or None, got {max_steps!r}")
     store = engine._dir_store(directory, storage_options)
     engine._wait_dir(store)  # a checkpoint in flight here commits (or fails) first
     _commit_others(store, optimizer)
@@ -76,7 +80,7 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
         log.warning("checkrun: step log of %s: %s", store.url(""), note)
         warnings.warn(f"checkrun: step log of {store.url('')}: {note}", RuntimeWarning, stacklevel=3)
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
-                       scaler, model)
+                       scaler, model, max_steps)
     if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
         rng_states.restore(pos.rng, pos.rng.where)
     elif rng and pos.rng_lost:

@@ -54,19 +54,21 @@ class Position:
     """Why the log's RNG states do not hold there (``_track_rng``)."""
     scale: float | None = None
     """The GradScaler scale of the last state record applied: a lower one next means a skipped step."""
+    limit: int | None = None
+    """The most steps to replay (``replay(max_steps=)``): the replay ends before the step after them."""
 
 
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
-                 max_bytes: int, scaler: Any = None, model: Any = None) -> Position:
+                 max_bytes: int, scaler: Any = None, model: Any = None, limit: int | None = None) -> Position:
     """Apply every logged event after ``start`` (and the logged forward-pass state to ``model``'s
-    buffers, if given); returns where it ended."""
+    buffers, if given), up to ``limit`` steps and the state records after the last; returns where it ended."""
     if (looped := index.cycle(start.run, start.event)) is not None:  # before anything is applied
         raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
                                  "(each run continues an older one): a damaged or forged run object")
     _warn_superseded(segs, index, start)
     if (note := index.orphan_note(segs.url(""))) is not None:
         _warn(note)
-    pos = Position(start.run, start.event, start.step)
+    pos = Position(start.run, start.event, start.step, limit=limit)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
     slog = active_log(optimizer)
     if slog is not None:
@@ -133,6 +135,12 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
             if event <= pos.event:
                 continue
             if stop_at is not None and event > stop_at:
+                return
+            if ev["kind"] == "step" and pos.limit is not None and pos.replayed >= pos.limit:
+                pos.stopped = True  # the state records after the last step were applied: its scheduler's too
+                if pos.rng is None and pos.rng_lost is None:
+                    pos.rng_lost = (f"step {pos.step} is inside a segment, the log holds them at segment ends"
+                                    if pos.replayed else None)
                 return
             try:
                 nbuf = apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler, buffers)

@@ -5,6 +5,7 @@ import copy
 import os
 import threading
 import uuid
+import warnings
 
 import fsspec
 import pytest
@@ -86,6 +87,35 @@ def test_replay_after_named_checkpoint_and_default(tmp_path, scheme):
     n, resumed = _resume(directory, "adam")  # the newest marked checkpoint: s7
     assert n == 3
     assert_bit_equal(state(*resumed), _reference("adam", 10))
+
+
+def test_replay_max_steps_stops_there_and_a_log_opened_after_it_branches_from_there(tmp_path):
+    directory = _dir(tmp_path, "file")
+    _logged_run(directory, "adam")  # checkpoint after step 5, logged to step 14
+    with CheckpointEngine() as engine:
+        net, opt, sched = make("adam")
+        with pytest.raises(ValueError, match="max_steps"):
+            engine.replay(directory, opt, sched, max_steps=-1)
+        for limit, steps in ((0, 5), (4, 9), (100, 14)):
+            net, opt, sched = make("adam")
+            load_into(engine.load(engine.latest(directory)), net, opt, sched)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "checkrun: the RNG states are not set")  # step 9: mid-segment
+                assert engine.replay(directory, opt, sched, max_steps=limit) == steps - CKPT_AT
+            assert_bit_equal(state(net, opt, sched), _reference("adam", steps))
+        # the last replay ended at step 9: the log goes on from there (a branch), to step 12
+        net, opt, sched = make("adam")
+        load_into(engine.load(engine.latest(directory)), net, opt, sched)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "checkrun: the RNG states are not set")
+            engine.replay(directory, opt, sched, max_steps=4)
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(10, 13):
+            train_step(net, opt, sched, step)
+        slog.close()
+    n, resumed = _resume(directory, "adam")
+    assert n == 12 - CKPT_AT
+    assert_bit_equal(state(*resumed), _reference("adam", 12))
 
 
 def test_sparse_embedding_logs_touched_rows_only(tmp_path):

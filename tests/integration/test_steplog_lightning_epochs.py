@@ -279,3 +279,28 @@ def test_a_replay_to_an_epoch_end_goes_on_with_the_uninterrupted_runs_random_num
                   [ModelCheckpoint(dirpath=directory, every_n_train_steps=7, save_last=True)], ckpt_path="last")
     for key, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("max_steps", [10, 7, 4])
+def test_a_resume_with_a_smaller_max_steps_than_the_logged_run_stops_there(tmp_path, max_steps):
+    """A run logged to step 13 (checkpoint at step 7) resumed by a fit with ``max_steps`` 10 (inside the
+    log), 7 (the checkpoint's own step) or 4 (before it): the fit ends at step 10, 7 and 7 (Lightning's own
+    resume of the checkpoint does not train below its step), holding the uninterrupted run's state there
+    (h111: the replay went on to step 13, past the fit's budget)."""
+    kwargs = {"max_epochs": 3, "default_root_dir": str(tmp_path)}
+    stock, stock_model = _fit([_Stop(max(7, max_steps))], [], {}, False, **kwargs)
+    directory = str(tmp_path / "ckpts")
+    _fit([ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=7), _Stop(13)],
+         [CheckrunCheckpointIO(step_log=True)], {}, False, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="checkrun", category=RuntimeWarning)
+        resumed, model = _fit([ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=7)],
+                              [CheckrunCheckpointIO(step_log=True)], {}, False, ckpt_path="last",
+                              max_steps=max_steps, **kwargs)
+    assert resumed.global_step == stock.global_step == max(7, max_steps)
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    ours, theirs = resumed.optimizers[0].state_dict()["state"], stock.optimizers[0].state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for i, state in theirs.items():
+        assert all(torch.equal(ours[i][k], v) for k, v in state.items()), i
