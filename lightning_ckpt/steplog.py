@@ -105,10 +105,13 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
-def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) -> None:
+def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None, acc: Optional[int] = None) -> None:
     """Move the fit loop's progress on by ``steps`` optimizer steps, as if Lightning had run them.
     Automatic optimization: batches (``accumulate_grad_batches`` each), optimizer steps and
-    zero_grads, scheduler updates and the logging step counter (once per step). Manual optimization,
+    zero_grads, scheduler updates and the logging step counter (once per step); ``batches``: up to
+    the batch of the last replayed step, as logged, and ``acc`` the logged run's ``accumulate_grad_batches``
+    there (a ``GradientAccumulationScheduler`` sets the trainer's only at the next epoch start; a resume
+    may change it: h111). Manual optimization,
     where the module decides when to step: ``batches`` batches (up to the one of the last replayed
     step, as logged), the optimizer steps, and the logging step counter (once per batch, as Lightning
     counts it there); Lightning leaves the schedulers to the module, so their progress stays.
@@ -120,7 +123,8 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
     dataloader from the start, as Lightning resumes a dataloader without state mid-epoch."""
     loop = trainer.fit_loop.epoch_loop
     automatic = trainer.lightning_module.automatic_optimization
-    acc = max(1, int(trainer.accumulate_grad_batches))
+    acc = max(1, int(acc or trainer.accumulate_grad_batches))
+    logged = batches is not None
     if automatic:
         batches = steps * acc if batches is None else batches
         optim = loop.automatic_optimization.optim_progress.optimizer
@@ -133,7 +137,7 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
         per_step = [(loop.manual_optimization.optim_step_progress, steps)]
     updates = _step_updates(trainer, steps) if automatic else 0
     stepped = _bts_after_reset(loop) + (steps if automatic else batches)
-    position = _position(trainer, steps, batches)
+    position = _position(trainer, steps, batches, acc, logged)
     if position is None:  # counters Lightning's loops cannot take exactly (see _position)
         epoch = trainer.num_training_batches
         at_end = isinstance(epoch, int) and loop.batch_progress.current.ready >= epoch
@@ -168,13 +172,15 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None) ->
     _enter(trainer, finished, into or trainer.num_training_batches, stepped)
 
 
-def _position(trainer: Any, steps: int, batches: int) -> Optional[tuple[int, int, int, int]]:
-    """Where the replayed steps (``batches`` batches in manual optimization) end: (epochs they finish,
+def _position(trainer: Any, steps: int, batches: int, acc: int,
+              logged: bool) -> Optional[tuple[int, int, int, int]]:
+    """Where the replayed steps (``batches`` batches: ``logged``, or one ``acc`` window per step) end: (epochs they finish,
     batches into the epoch after those (or into the checkpoint's own, if none), epochs begun after the
     checkpoint's, batches replayed); None where the loops cannot be set exactly (a Lightning without
     restart stages; an epoch of unknown length, unless the checkpoint ended one: the replayed steps are
     then taken to lie in the next one, not past its end). Automatic optimization steps at every
-    ``accumulate_grad_batches``-th batch and at an epoch's last one."""
+    ``accumulate_grad_batches``-th batch and at an epoch's last one: where the log holds no batch count
+    (a log of before 2026-12-05), its steps are counted in windows of ``acc`` batches."""
     fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
     n = trainer.num_training_batches
     if not hasattr(fit, "_restart_stage") or not hasattr(loop, "_restart_stage"):
@@ -189,8 +195,7 @@ def _position(trainer: Any, steps: int, batches: int) -> Optional[tuple[int, int
         return None
     ended = at >= n and epoch.ready == epoch.started == epoch.processed  # the checkpoint's epoch is over
     left = 0 if ended else n - at  # batches left in the checkpoint's epoch
-    if trainer.lightning_module.automatic_optimization:
-        acc = max(1, int(trainer.accumulate_grad_batches))
+    if trainer.lightning_module.automatic_optimization and not logged:
         # the epoch's steps done before the checkpoint: one inside an accumulation window (a resumed fit
         # saves again one batch in) is ended by the first replayed step (h105: counted from it, one batch on)
         done = 0 if ended else at // acc
@@ -380,9 +385,14 @@ class LightningStepLog:
         if moved:
             # the batches up to the one of the last replayed step (the log's "batch" counter; manual
             # optimization: the batches after it are to run again, their gradients are not logged)
-            batch = logged.get("batch")
+            batch, acc = logged.get("batch"), logged.get("acc")
+            if batch is not None and trainer.lightning_module.automatic_optimization:
+                # steps replayed after the last state record applied (a replay stopped early, before
+                # the record after its last step): one window each
+                behind = trainer.global_step + steps - logged.get("global_step", 0)
+                batch += max(0, behind) * max(1, int(acc or trainer.accumulate_grad_batches))
             batches = None if batch is None else max(0, batch - self._batch_at(trainer))
-            advance_counters(trainer, moved, batches)
+            advance_counters(trainer, moved, batches, acc)
         if trainer.is_global_zero and _dir_key(directory) in _checkpoint_dirs(trainer):
             try:  # else another run's checkpoint (a fine-tune from it): the log starts at the first save
                 self._open(engine, directory, trainer, optimizer, scheduler)
@@ -408,7 +418,8 @@ class LightningStepLog:
         self._hook = optimizer.register_step_post_hook(lambda *_: batch.__setitem__(0, self._batch_at(trainer)))
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
                                    model=trainer.lightning_module,
-                                   counters=lambda: {"global_step": trainer.global_step, "batch": batch[0]})
+                                   counters=lambda: {"global_step": trainer.global_step, "batch": batch[0],
+                                                     "acc": int(trainer.accumulate_grad_batches)})
         self.directory = directory
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import CheckrunCheckpointIO
@@ -304,3 +304,31 @@ def test_a_resume_with_a_smaller_max_steps_than_the_logged_run_stops_there(tmp_p
     assert ours.keys() == theirs.keys()
     for i, state in theirs.items():
         assert all(torch.equal(ours[i][k], v) for k, v in state.items()), i
+
+
+@pytest.mark.parametrize("how", ["accumulation_scheduler", "accumulation_changed_at_the_resume"])
+def test_a_resume_counts_the_replayed_batches_of_the_logged_runs_accumulation(tmp_path, how):
+    """Steps 8-11 logged with 3 batches per step, resumed by a Trainer whose ``accumulate_grad_batches``
+    is 1 when the replay runs: a ``GradientAccumulationScheduler({0: 3})`` (it sets 3 only at the epoch's
+    start), or a resume with another accumulation (fewer devices). The loops stand as in Lightning's own
+    resume of a checkpoint at step 11 (h111: the replayed steps were counted as one batch each, 6 batches
+    behind, and the rest of the run trained on other batches)."""
+    kwargs = {"max_epochs": 4, "default_root_dir": str(tmp_path)}
+    first = {"accumulate_grad_batches": 3} if how.endswith("resume") else {}
+    extra = (lambda: [GradientAccumulationScheduler({0: 3})]) if not first else list
+    stock_dir = str(tmp_path / "stock")
+    _fit([ModelCheckpoint(dirpath=stock_dir, filename="k", every_n_train_steps=11, save_top_k=-1), _Stop(11),
+          *extra()], [], {}, False, **first, **kwargs)
+    stock_start = _AtStart()
+    stock, stock_model = _fit([stock_start, *extra()], [], {}, False, ckpt_path=f"{stock_dir}/k.ckpt", **kwargs)
+    directory = str(tmp_path / "ckpts")
+    _fit([ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=7), _Stop(11), *extra()],
+         [CheckrunCheckpointIO(step_log=True)], {}, False, **first, **kwargs)
+    start = _AtStart()
+    resumed, model = _fit([start, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=7),
+                           *extra()], [CheckrunCheckpointIO(step_log=True)], {}, False, ckpt_path="last", **kwargs)
+    assert start.loops["global_step"] == 11
+    assert start.loops == stock_start.loops
+    assert resumed.global_step == stock.global_step
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
