@@ -47,13 +47,15 @@ def collect_segments(store: Store, checkpoints: Callable[[], Iterable[Any]], dry
     index = read_index(segs)
     finished = {run for run, info in index.runs.items() if info.closed or owner_gone(info.owner)}
     live = _live_markers(index, list(checkpoints()), finished)
+    # which checkpoint a damaged marker marks is unknown (a read damaged in transit, too): it is kept, and
+    # the steps after it (its name holds its run and event; h112: they were deleted)
+    live.update(index.damaged)
     floors = {run: _floor(index, run, live) for run in set(index.segments) | set(index.runs)}
     lost = index.orphans()  # not provably garbage: kept (and named)
     if lost:
         log.warning(index.orphan_note(segs.url("")))
     victims = [s.name for run, segments in index.segments.items() if run not in lost
                for s in segments if s.hi <= floors[run]]
-    live.update(index.damaged)  # which checkpoint one marks is unknown (a read damaged in transit, too): kept
     victims += [m.name for m in index.markers if m.name not in live]
     if index.damaged:
         log.warning("checkrun: step log of %s: %s (kept, with the steps after them)", store.url(""),

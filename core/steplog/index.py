@@ -50,16 +50,26 @@ class LogIndex:
         segments, and gc deletes it after them), so no replay can place them on a chain."""
         return {run: segs for run, segs in self.segments.items() if run not in self.runs}
 
-    def orphan_note(self, url: str) -> str | None:
-        """A warning naming the orphaned runs of the step log at ``url`` (``orphans``), or None."""
+    def orphan_note(self, url: str, start: str | None = None) -> str | None:
+        """A warning naming the orphaned runs of the step log at ``url`` (``orphans``), or None. A
+        replay starting in run ``start`` (its checkpoint's marker names it) replays that run's segments
+        even without its object (h112: the warning said they were not replayed)."""
         lost = self.orphans()
         if not lost:
             return None
-        runs = "; ".join(f"run {run}: {len(segs)} segment(s), events {segs[0].lo}-{segs[-1].hi}"
-                         for run, segs in sorted(lost.items()))
-        return (f"checkrun: step log {url}: segments without their run object (deleted or lost), which no replay "
-                f"can place on a chain: {runs}; their steps are not replayed, so a replay may end before the "
-                "newest logged step, and gc keeps them")
+        notes = []
+        if start in lost:
+            segs = lost.pop(start)
+            notes.append(f"checkrun: step log {url}: run {start} of the resumed checkpoint has no run object (deleted "
+                         f"or lost): the steps of its {len(segs)} segment(s) (events {segs[0].lo}-{segs[-1].hi}) after the "
+                         "checkpoint are replayed, but a lost last segment, or a run that continued it, cannot be seen")
+        if lost:
+            runs = "; ".join(f"run {run}: {len(segs)} segment(s), events {segs[0].lo}-{segs[-1].hi}"
+                             for run, segs in sorted(lost.items()))
+            notes.append(f"checkrun: step log {url}: segments without their run object (deleted or lost), which no "
+                         f"replay can place on a chain: {runs}; their steps are not replayed, so a replay may end "
+                         "before the newest logged step, and gc keeps them")
+        return "; ".join(notes)
 
     def cycle(self, run: str, event: int) -> str | None:
         """The run whose parent closes a cycle on the chain continuing ``run`` after ``event`` (each

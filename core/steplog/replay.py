@@ -66,7 +66,7 @@ def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, sc
         raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
                                  "(each run continues an older one): a damaged or forged run object")
     _warn_superseded(segs, index, start)
-    if (note := index.orphan_note(segs.url(""))) is not None:
+    if (note := index.orphan_note(segs.url(""), start.run)) is not None:
         _warn(note)
     pos = Position(start.run, start.event, start.step, limit=limit)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}

@@ -378,3 +378,30 @@ def test_hostile_end_of_a_run_object_is_refused(logged, end, message):
     data = forged(body)
     with pytest.raises(StepLogFormatError, match=message):
         parse_run(data, name, name[4:-5])
+
+
+def test_gc_keeps_the_steps_after_a_damaged_marker(logged):
+    """A marker with a flipped byte: gc keeps it, and the segments after its event, which a resume from
+    its checkpoint needs (h112: the segments were deleted, only marker and run object stayed)."""
+    from ckpt_core.cli import main
+
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    mark = os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("mark-")))
+    _rewrite(mark, lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:])
+    needed = _after_checkpoint(logged)
+    assert needed and main(["gc", logged, "--grace", "0", "--no-progress"]) == 0
+    with CheckpointEngine() as engine:
+        engine.gc(logged)
+    assert all(os.path.exists(s) for s in needed) and os.path.exists(mark)
+
+
+def test_a_resume_from_a_run_whose_object_is_lost_replays_it_and_says_so(logged):
+    """The run object of the run the checkpoint's marker names is lost: its segments are still replayed
+    (the marker names the run), and the warning says so (h112: it said their steps were not replayed)."""
+    segdir = os.path.join(logged, ".checkrun", "steplog")
+    os.remove(os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("run-"))))
+    with pytest.warns(UserWarning, match="of the resumed checkpoint has no run object .* after the checkpoint are "
+                                         "replayed, but a lost last segment"):
+        n, resumed = _resume(logged)
+    assert n == STEPS - CKPT_AT
+    assert_bit_equal(state(*resumed), _reference("adamw", STEPS))
