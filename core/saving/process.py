@@ -121,11 +121,17 @@ class WriterProcess:
 
     def _start(self) -> Connection:
         ours, theirs = socket.socketpair()
-        code = ("import sys; sys.path[:0] = %r; from ckpt_core.saving.process import serve; serve(%d, %d)"
+        # SIGINT/SIGTERM ignored before torch is imported (2-3 s), and a process group of its own: a Ctrl-C or
+        # a preemption's signal to the trainer's group killed it while it started, losing the first save
+        # (h110); the trainer's handlers wait for its saves, and it exits when the trainer is gone
+        code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); import sys; sys.path[:0] = %r; "
+                "from ckpt_core.saving.process import serve; serve(%d, %d)"
                 % ([p for p in sys.path if p], theirs.fileno(), os.getpid()))
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
-                                          stdin=subprocess.DEVNULL)
+                                          stdin=subprocess.DEVNULL, **group)
         finally:
             theirs.close()
         # If the trainer dies with it, the next start deletes the staging files once both are gone.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -215,6 +216,59 @@ def test_a_writer_whose_trainer_died_while_it_started_commits_nothing(tmp_path) 
     assert not (tmp_path / "0.ckpt").exists()
     assert CheckpointEngine().latest(tmp_path) is None
     assert not os.path.exists(directory)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_trainers_process_group_while_the_writer_starts_does_not_lose_the_save(tmp_path, sig):
+    """Ctrl-C in a terminal, or a preemption's SIGTERM, reaches every process of the trainer's process
+    group. One that came while the writer process was still starting (importing torch: 2-3 s) killed
+    it, before it ignored them, and the first checkpoint was never committed (h110). The writer now
+    ignores them from its first line, in a process group of its own. Deterministic: a ``sitecustomize``
+    (on the PYTHONPATH the writer inherits) says when the writer has started and holds it until the
+    signal was sent."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    os.mkfifo(ready)
+    os.mkfifo(release)
+    (hold / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, select, sys
+        if sys.argv[:1] == ["-c"] and os.environ.get("CHECKRUN_TEST_READY"):  # the writer process only
+            fd = os.open(os.environ["CHECKRUN_TEST_RELEASE"], os.O_RDONLY | os.O_NONBLOCK)
+            with open(os.environ["CHECKRUN_TEST_READY"], "w") as f:  # until the test opens it for reading
+                f.write("started")
+            while not (select.select([fd], [], [])[0] and os.read(fd, 2)):  # until the test writes to it
+                pass
+            os.close(fd)
+    """))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(textwrap.dedent(f"""
+        import threading, torch, ckpt_core
+        engine = ckpt_core.CheckpointEngine({{"saving": {{"background": "process"}}}})
+        engine.save({{"w": torch.arange(1000.0)}}, {str(tmp_path / "0.ckpt")!r})
+        threading.Event().wait()  # training goes on until the signal's handler ends the process
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hold), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               CHECKRUN_TEST_READY=str(ready), CHECKRUN_TEST_RELEASE=str(release))
+    proc = subprocess.Popen([sys.executable, str(trainer)], env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        with open(ready) as f:  # the writer process runs (before the trainer can have been signalled)
+            assert f.read() == "started"
+        os.killpg(proc.pid, getattr(signal, sig))
+        try:
+            fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # no reader: the writer process is gone
+            assert exc.errno == errno.ENXIO
+        else:
+            os.write(fd, b"go")
+            os.close(fd)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "writer process died" not in err, err
+    assert torch.equal(CheckpointEngine().load(tmp_path / "0.ckpt")["w"], torch.arange(1000.0)), err
 
 
 def test_background_is_validated() -> None:
