@@ -99,6 +99,10 @@ class SegName:
     lo: int
     hi: int
 
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        return self.run, self.seq, self.lo, self.hi
+
 
 def parse_seg_name(name: str) -> SegName | None:
     m = SEG_RE.fullmatch(name)

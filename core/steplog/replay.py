@@ -25,7 +25,8 @@ from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import TENSOR_LIST, flat_params, forward_buffers
-from .format import Marker, SegmentDamaged, SegName, StepLogError, StepLogFormatError, run_name, split_segment
+from .format import Marker, SegmentDamaged, SegName, StepLogError, StepLogFormatError, parse_seg_name, run_name
+from .format import split_segment
 from . import rng
 from .index import LogIndex
 from .registry import active_log
@@ -54,8 +55,7 @@ class Position:
     """Why the log's RNG states do not hold there (``_track_rng``)."""
     scale: float | None = None
     """The GradScaler scale of the last state record applied: a lower one next means a skipped step."""
-    limit: int | None = None
-    """The most steps to replay (``replay(max_steps=)``): the replay ends before the step after them."""
+    limit: int | None = None  # the most steps to replay (``replay(max_steps=)``)
 
 
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
@@ -170,15 +170,18 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
 def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryview]:
     """``split_segment`` of a segment's bytes, read once more when they fail a checksum or length
     (damaged in transit: a flipped byte on a store without response checksums, a short read),
-    as blobs are; ``SegmentDamaged`` when the second read fails too (damaged at rest)."""
+    as blobs are; ``SegmentDamaged`` when the second read fails too (damaged at rest).
+    ``StepLogFormatError`` when its header's run, number or events are not its name's (h112: verify took it)."""
     where = segs.url(name)
     try:
-        return split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
+        header, payload = split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
     except SegmentDamaged as exc:
-        first = exc
-    out = split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
-    log.warning("checkrun: step log segment %s failed its check once (%s); read again, it matched", where, first)
-    return out
+        header, payload = split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
+        log.warning("checkrun: step log segment %s failed its check once (%s); read again, it matched", where, exc)
+    if (seg := parse_seg_name(name)) and (header["run"], header["seq"], header["lo"], header["hi"]) != seg.key:
+        raise StepLogFormatError(f"{where}: header says run {header['run']} seq {header['seq']} events "
+                                 f"({header['lo']}, {header['hi']}], its name says otherwise")
+    return header, payload
 
 
 def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> tuple[Any, Any]:
@@ -193,9 +196,6 @@ def _read_segment(segs: Store, seg: SegName, pos: Position, max_bytes: int) -> t
     except CheckrunError as exc:  # larger than max_bytes
         _stop(pos, where, str(exc))
         return None, None
-    if (header["run"], header["seq"], header["lo"], header["hi"]) != (seg.run, seg.seq, seg.lo, seg.hi):
-        raise StepLogFormatError(f"{where}: header says run {header['run']} seq {header['seq']} events "
-                                 f"({header['lo']}, {header['hi']}], its name says otherwise")
     return header, payload
 
 

@@ -295,6 +295,16 @@ def test_export_step_writes_the_replayed_state(logged, tmp_path, capsys, step):
     _assert_equal(torch.load(out, weights_only=True), _reference(step))
 
 
+def test_export_step_refuses_a_segment_copied_over_another(logged, tmp_path, capsys):
+    """Checksums intact, the header names another segment: export wrote a state no run ever had (h112)."""
+    first, second = _after_marker(logged)[:2]
+    first.write_bytes(second.read_bytes())
+    out = tmp_path / "s.pt"
+    code, _, err = _run(capsys, "export", logged, str(out), "--step", str(STEPS), "--optimizer", "Adam")
+    assert code != 0 and f"{first.name}: header says" in err
+    assert not out.exists()
+
+
 def test_export_step_safetensors_roundtrip(logged, tmp_path, capsys):
     out = tmp_path / "s.safetensors"
     code, _, _ = _run(capsys, "export", f"{logged}/ck.ckpt", str(out), "--step", "11", "--optimizer", "torch.optim.Adam")

@@ -405,3 +405,17 @@ def test_a_resume_from_a_run_whose_object_is_lost_replays_it_and_says_so(logged)
         n, resumed = _resume(logged)
     assert n == STEPS - CKPT_AT
     assert_bit_equal(state(*resumed), _reference("adamw", STEPS))
+
+
+def test_a_segment_copied_over_another_is_refused_by_replay_and_verify(logged, capsys):
+    """Its checksums hold, its header names another segment: replay raised, but ``checkrun verify`` said
+    the log was intact (h112; export: test_cli_steplog.py)."""
+    from ckpt_core.cli import main
+
+    first, second = _after_checkpoint(logged)[:2]
+    _rewrite(first, lambda _: open(second, "rb").read())
+    name = os.path.basename(first)
+    with pytest.raises(StepLogFormatError, match=f"{name}: header says .* its name says otherwise"):
+        _resume(logged)
+    assert main(["verify", logged, "--no-progress"]) == 1
+    assert f"{name}: header says" in capsys.readouterr().out
