@@ -146,9 +146,10 @@ class AcceleratorCheckpointer:
         self._token = self._group.token()
         self._committer = None
         if self.rank == 0:  # rank 0 commits the indexes with a synchronous engine of its own
-            # an index holds no tensors: no quantization rules (each save warned that they matched none of it)
+            # an index holds no tensors: no quantization rules (each save warned that they matched none of it),
+            # and no writer process of its own (h110: a second one, 0.2 GB and 2-3 s to start, for a small file)
             index_cfg = engine_cfg.replace(**{"saving.asynchronous": False, "saving.sigterm_grace_seconds": None,
-                                              "quantization": []})
+                                              "quantization": [], "saving.background": "thread"})
             self._committer = CompositeCommitter(CheckpointEngine(index_cfg), engine_cfg, self.storage_options,
                                                  self._keep_last, self._protected)
         if self._steplog is not None:  # reopened: the same log state (its step count), the new engine

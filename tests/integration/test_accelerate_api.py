@@ -1069,3 +1069,36 @@ def test_quantization_rules_that_match_the_parts_give_no_warning_about_the_index
     with ckpt_core.CheckpointEngine() as engine:  # the rule did apply to the part
         parts = composite.part_urls(index, composite.index_of(engine.read_manifest(index), index))
         assert any(r.quant for r in engine.read_manifest(parts[0]).tensors)
+
+
+_ONE_WRITER = """
+import os, sys, torch
+from accelerate import Accelerator
+from accelerate_ckpt import AcceleratorCheckpointer
+
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(8, 8)
+model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+ckpt = AcceleratorCheckpointer(acc, {"saving": {"background": "process"}}).attach()
+acc.save_state(sys.argv[1])
+ckpt.wait()
+writers = 0
+for pid in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rpartition(")")[2].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            writers += parent == os.getpid() and b"ckpt_core.saving.process import serve" in f.read()
+    except (OSError, ValueError):
+        continue
+print(writers)
+"""
+
+
+def test_process_mode_starts_one_writer_process_also_on_the_rank_that_commits_the_index(tmp_path: Path) -> None:
+    """Rank 0 commits each checkpoint's index with an engine of its own: in ``saving.background: process``
+    it started a second writer process (0.2 GB, 2-3 s to start) for that small file (h110)."""
+    out = subprocess.run([sys.executable, "-c", _ONE_WRITER, str(tmp_path / "ck")], check=True, timeout=600,
+                         capture_output=True, text=True).stdout
+    assert out.split()[-1] == "1"
+    assert (tmp_path / "ck" / "checkrun.ckpt").exists()
