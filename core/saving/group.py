@@ -301,11 +301,13 @@ class GroupCommitter:
         mine = _part_outcome(job.handle)
         if self._broken is not None:
             return Verdict(f"checkpoint not committed: the commit group failed earlier: {self._broken}")
+        verdict, posted = None, False  # rank 0's, once it decided; whether this rank's part reached rank 0
         try:
             if self.world == 1:
                 return self._finish(job, [mine])
             if self.rank != 0:
                 self._store.set(f"part/{job.key}/{self.rank}", pickle.dumps(mine))
+                posted = True
                 return self._verdict(job.key)
             outcomes = [mine] + [self._part(job.key, r) for r in range(1, self.world)]
             verdict = self._finish(job, outcomes)
@@ -315,7 +317,11 @@ class GroupCommitter:
         except Exception as exc:  # noqa: BLE001 - the store is gone (rank 0 died): no later commit is safe
             self._broken = f"{type(exc).__name__}: {exc}"
             log.error("checkrun: commit group failed on rank %d: %s", self.rank, exc)
-            return Verdict(f"checkpoint not committed: commit group failed: {exc}")
+            if verdict is not None:  # rank 0 decided (and committed) before the other ranks could be told (h110)
+                return verdict
+            return Verdict(f"checkpoint {'commit unknown' if posted else 'not committed'}: commit group failed: "
+                           f"{exc}" + (" before rank 0's verdict came (rank 0 may have committed it: load it or run "
+                                       "`checkrun verify` to tell)" if posted else ""))
 
     @staticmethod
     def _finish(job: Job, outcomes: list["PartOutcome | None"]) -> Verdict:

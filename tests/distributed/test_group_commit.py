@@ -19,3 +19,10 @@ def test_a_rank_whose_save_raised_after_announcing_fails_the_checkpoint() -> Non
 def test_a_save_in_flight_is_counted_in_the_process_group_it_began_in() -> None:
     r0, r1 = run_ranks(workers.inflight_count_follows_its_process_group, 2)
     assert r0 == r1 == {"during": [1, 1], "after": 0}
+
+
+def test_a_store_lost_after_rank_0_committed_is_not_called_a_failed_commit() -> None:
+    r0, r1 = run_ranks(workers.verdict_lost_after_rank0_committed, 2)
+    assert r0 == {"errors": []}
+    assert len(r1["errors"]) == 1 and r1["errors"][0].startswith("checkpoint commit unknown: commit group failed: ")
+    assert "rank 0 may have committed it" in r1["errors"][0]

@@ -295,6 +295,51 @@ def abandoned_part_fails_the_checkpoint(rank: int, world: int) -> dict:
     return {"errors": errors}
 
 
+class _LostStore:
+    """A c10d store whose connection is lost for the keys ``lost`` says (the launcher hosting it died)."""
+
+    def __init__(self, store, lost) -> None:
+        self._store, self._lost = store, lost
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            if self._lost(name, args):
+                raise RuntimeError("Broken pipe")
+            return method(*args, **kwargs)
+        return call
+
+
+def verdict_lost_after_rank0_committed(rank: int, world: int) -> dict:
+    """The store goes away after rank 0 committed the checkpoint, before its verdict reached rank 1:
+    every rank reported "checkpoint not committed" for a committed checkpoint (h110). Rank 0 keeps its
+    verdict; rank 1 says the outcome is unknown."""
+    from ckpt_core.saving.group import GroupCommitter, Job, Verdict
+
+    group = GroupCommitter(None, rank, world, timeout_seconds=60)
+    group.token()
+    key = group.announce("memory://run/checkpoint_0/index")
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        group._store = _LostStore(group._store, lambda name, args: name == "set" and args[0].startswith("verdict/"))
+        group.submit(Job(_Part("part0", lambda: None), lambda outcomes: Verdict(), key=key))
+        group.wait()
+        store.set("test/r0-decided", b"1")
+    else:
+        def lost(name: str, args: tuple) -> bool:  # waiting for the verdict, once rank 0 has decided
+            if name == "check" and args[0][0].startswith("verdict/"):
+                store.wait(["test/r0-decided"])
+                return True
+            return False
+        group._store = _LostStore(group._store, lost)
+        group.submit(Job(_Part("part1", lambda: None), None, key=key))
+        group.wait()
+    errors = [str(e) for e in group.take_errors()]
+    group.close()
+    return {"errors": errors}
+
+
 def inflight_count_follows_its_process_group(rank: int, world: int) -> dict:
     """Rank 0 begins a save under one process group, which is then destroyed and another one
     initialized (a second job in the same processes); the save ends under the new group. Its count
