@@ -595,7 +595,8 @@ class AcceleratorCheckpointer:
         if found:
             raise CheckpointExistsError(
                 f"{target.folder} or a later checkpoint_N already exists in {target.base} (an earlier run's, or "
-                f"one whose save failed before its commit: a folder without {layout.INDEX_NAME}): save_state() with "
+                f"one whose save failed before its commit: a folder without {layout.INDEX_NAME}, or one whose "
+                f"{layout.INDEX_NAME} cannot be read: load_state() names it): save_state() with "
                 f"automatic checkpoint naming does not replace it, as accelerate does not. Resume with load_state() "
                 f"first (it sets the iteration), set accelerator.project_configuration.iteration to the next free "
                 f"number, delete a folder that holds no checkpoint, or use another project_dir")

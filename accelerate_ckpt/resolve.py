@@ -51,13 +51,15 @@ def newest(engine: CheckpointEngine, root: str, storage_options: dict | None) ->
     root = layout.normalize(root)
     inflight.wait_under(composite.dir_url(root, storage_options, engine.config))
     entries = layout.list_checkpoints(engine, root, storage_options)
-    if not any(e.manifest is not None for e in entries):
-        raise CheckpointNotFoundError(f"no committed checkpoint in {root} (looked for folders holding "
-                                      f"{INDEX_NAME} and for earlier releases' index files)")
     for e in entries:  # an index the storage failed to return may be the newest: never resume an older one
         require_readable(e.unreadable, e.url, e.error)
         if e.manifest is None:
             log.warning("accelerate_ckpt: skipping unreadable checkpoint %s: %s", e.url, e.error)
+    if not any(e.manifest is not None for e in entries):  # a damaged only one is named (h112: it was not)
+        damaged = "; ".join(str(e.error) if str(e.error).startswith(e.url) else f"{e.url}: {e.error}" for e in entries)
+        raise CheckpointNotFoundError(f"no committed checkpoint in {root} (looked for folders holding "
+                                      f"{INDEX_NAME} and for earlier releases' index files)"
+                                      + (f"; unreadable: {damaged}" if damaged else ""))
     sizes: dict[str, dict[str, int]] = {}
     for e in reversed([e for e in entries if e.manifest is not None]):
         problem = _part_problem(engine, e.url, e.index, storage_options, sizes)

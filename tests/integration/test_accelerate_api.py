@@ -362,6 +362,25 @@ def test_load_state_resumes_the_newest_checkpoint_whose_parts_can_load(tmp_path:
             acc2.load_state(str(root / "checkpoint_1"))
 
 
+def test_a_damaged_index_of_the_only_checkpoint_is_named(tmp_path: Path, make_setup, caplog) -> None:
+    """The only checkpoint's index with a flipped byte: ``latest()`` returned None without a word and
+    ``load_state()`` said there was no committed checkpoint, naming nothing (h112)."""
+    acc, model, opt, sched, counter = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc).attach():
+        _train(acc, model, opt, sched, counter)
+        acc.save_state()
+    index = tmp_path / "checkpoints" / "checkpoint_0" / "checkrun.ckpt"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 1
+    index.write_bytes(bytes(data))
+    acc2, *objs = make_setup(tmp_path)
+    with AcceleratorCheckpointer(acc2).attach() as ckpt:
+        assert ckpt.latest() is None
+        assert f"skipping unreadable checkpoint {index}" in caplog.text
+        with pytest.raises(ckpt_core.CheckpointNotFoundError, match=f"unreadable: {index}: manifest "):
+            acc2.load_state()
+
+
 def test_orphaned_parts_of_a_crashed_save_are_removed_after_the_grace(tmp_path: Path, make_setup) -> None:
     root = tmp_path / "ckpts"
     parts = root / composite.PARTS_DIR
