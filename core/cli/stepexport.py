@@ -29,7 +29,7 @@ from .composite import open_view
 from .steplog import chain_of, chain_steps, segments_store, has_log
 from .util import EXIT_USAGE, CliError, Context, log, one_line
 from ..errors import CheckpointNotFoundError, CheckrunError
-from ..steplog.format import SegmentDamaged
+from ..steplog.format import SegmentDamaged, decode_limit
 from ..steplog.index import LogIndex, find_marker, read_index
 from ..steplog.replay import Payload, apply_event, read_segment
 from ..steplog.capture import flat_params
@@ -240,7 +240,7 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
         replayed, stats = replay_to(segs, chain, step, optimizer, None if sched is None else _SchedulerState(sched),
-                             ctx.engine.config.load.max_blob_bytes, None if scaler is None else _SchedulerState(scaler),
+                             decode_limit(ctx.engine.config.load), None if scaler is None else _SchedulerState(scaler),
                              model)
     except CliError:
         raise

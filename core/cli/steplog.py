@@ -16,7 +16,8 @@ from .util import Context, human_size, one_line, safe
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
-    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, header_end, parse_header, parse_seg_name)
+    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, decode_limit, header_end, parse_header,
+    parse_seg_name)
 from ..steplog.index import LogIndex, find_marker, read_index
 from ..storage.retry import is_outage
 from ..steplog.registry import log_store
@@ -235,7 +236,7 @@ def verify_log(ctx: Context, directory: str, decode: bool) -> dict | None:
                            "through the log; gc keeps it, and the steps after it)" for m in index.damaged.values()]
     good: dict[str, dict] = {}
     readers, gaps = _readers(ctx, directory, index)
-    max_bytes = ctx.engine.config.load.max_blob_bytes
+    max_bytes = decode_limit(ctx.engine.config.load)
     for run, run_segs in index.segments.items():
         for seg in run_segs:
             where = segs.url(seg.name)

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.store import Store
 from .index import dir_key, find_marker, read_index
-from .format import NoMarkerError, StepLogError, StepLogFormatError
+from .format import NoMarkerError, StepLogError, StepLogFormatError, decode_limit
 from . import rng as rng_states
 from .capture import fingerprint, warn_forward_state
 from .log import StepLog
@@ -79,7 +79,7 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     if (note := index.damage_note()) is not None:  # not this checkpoint's: its marker is intact
         log.warning("checkrun: step log of %s: %s", store.url(""), note)
         warnings.warn(f"checkrun: step log of {store.url('')}: {note}", RuntimeWarning, stacklevel=3)
-    pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, engine.config.load.max_blob_bytes,
+    pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, decode_limit(engine.config.load),
                        scaler, model, max_steps)
     if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
         rng_states.restore(pos.rng, pos.rng.where)

@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 
 from ..errors import FormatError
-from ..format.limits import ManifestLimits, check_json
+from ..format.limits import ManifestLimits, check_json, memory_limit
 from .checks import (_HEX16, MAX_EVENTS, MAX_GRADS, NoMarkerError, StepLogError, StepLogFormatError, _hex16,
                      _index, check_event, check_packs)
 from .meta import check_optimizer, check_owner, check_param_names
@@ -309,6 +309,13 @@ def parse_header(head: bytes | memoryview, where: str, payload_len: int) -> dict
     header = _json(text, where)
     _check_header(header, where, payload_len)
     return header
+
+
+def decode_limit(load: Any) -> int:
+    """The most bytes a segment (and each tensor or pack chunk in it) may take: ``load.max_blob_bytes``,
+    and ``load.max_total_bytes`` (this machine's memory when None), as a checkpoint's tensors (h112: a
+    forged chunk of zeros took 4 GiB whatever ``max_total_bytes`` said)."""
+    return min(load.max_blob_bytes, memory_limit(load.max_total_bytes))
 
 
 def split_segment(data: bytes, where: str) -> tuple[dict, memoryview]:

@@ -138,9 +138,8 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 return
             if ev["kind"] == "step" and pos.limit is not None and pos.replayed >= pos.limit:
                 pos.stopped = True  # the state records after the last step were applied: its scheduler's too
-                if pos.rng is None and pos.rng_lost is None:
-                    pos.rng_lost = (f"step {pos.step} is inside a segment, the log holds them at segment ends"
-                                    if pos.replayed else None)
+                if pos.rng is None and pos.rng_lost is None and pos.replayed:
+                    pos.rng_lost = f"step {pos.step} is inside a segment, the log holds them at segment ends"
                 return
             try:
                 nbuf = apply_event(ev, data, optimizer, scheduler, segs.url(seg.name), max_bytes, scaler, buffers)
@@ -240,7 +239,8 @@ class Payload:
     def tensor(self, ref: list | dict, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """The 1-D tensor of ``numel`` elements that ``ref`` names (checked by ``split_segment``)."""
         if numel * dtype.itemsize > self.max_bytes:
-            raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes allows")
+            raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes or max_total_bytes "
+                                     "allow")
         if not isinstance(ref, dict):
             return _decode(ref, self.view, numel, dtype, what, self.max_bytes)
         if not numel:
@@ -420,7 +420,7 @@ def unfold(g: dict, payload: Payload, n: int, cols: int, dtype: torch.dtype, wha
     if "runs" not in g:
         return payload.tensor(g["data"], n * cols, dtype, what)
     if n * cols * dtype.itemsize > payload.max_bytes:
-        raise StepLogFormatError(f"{what}: {n * cols} elements, more than load.max_blob_bytes allows")
+        raise StepLogFormatError(f"{what}: {n * cols} elements, more than load.max_blob_bytes or max_total_bytes allow")
     runs = payload.tensor(g["runs"], g["u"], torch.int32, what).to(torch.int64)
     if g["u"] and (int(runs.min()) < 1 or int(runs.sum()) != n):
         raise StepLogFormatError(f"{what}: run lengths of a folded gradient must be >= 1 and sum to {n} rows")
@@ -431,7 +431,7 @@ def unfold(g: dict, payload: Payload, n: int, cols: int, dtype: torch.dtype, wha
 def _decode(r: list, payload: memoryview, numel: int, dtype: torch.dtype, what: str, max_bytes: int) -> torch.Tensor:
     off, size, codecs = r
     if numel * torch.empty((), dtype=dtype).element_size() > max_bytes:
-        raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes allows")
+        raise StepLogFormatError(f"{what}: {numel} elements, more than load.max_blob_bytes or max_total_bytes allow")
     try:
         pipeline = Pipeline.from_list(codecs)
         if pipeline.lossy:

@@ -419,3 +419,22 @@ def test_a_segment_copied_over_another_is_refused_by_replay_and_verify(logged, c
         _resume(logged)
     assert main(["verify", logged, "--no-progress"]) == 1
     assert f"{name}: header says" in capsys.readouterr().out
+
+
+def test_load_max_total_bytes_bounds_what_a_segment_decodes(logged, tmp_path, capsys):
+    """A forged pack chunk of zeros (checksums resealed) declaring 2**29 elements made replay and
+    ``checkrun verify`` allocate 4 GiB whatever ``load.max_total_bytes`` said (h112): it bounds each
+    segment, tensor and pack chunk now, as a checkpoint's tensors (here: a limit below a segment's size,
+    which ends the replay before it with a warning, as ``load.max_blob_bytes`` does)."""
+    from ckpt_core.cli import main
+
+    net, opt, sched = make("adamw")
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{logged}/ck.ckpt"), net, opt, sched)
+    with CheckpointEngine({"load": {"max_total_bytes": 64}}) as engine:
+        with pytest.warns(UserWarning, match="more than the allowed 64.*0 step.s. replayed"):
+            assert engine.replay(logged, opt, sched) == 0
+    config = tmp_path / "small.yaml"
+    config.write_text("load:\n  max_total_bytes: 64\n")
+    assert main(["verify", logged, "--no-progress", "--config", str(config)]) == 1
+    assert "more than the allowed 64" in capsys.readouterr().out
