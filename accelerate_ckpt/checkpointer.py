@@ -33,7 +33,7 @@ from ckpt_core.saving.group import FailedPart, GroupCommitter, Job, make_group
 from . import layout, resolve as paths, state
 from .config import AdapterOptions, resolve
 from .layout import Target
-from .steplog import TREE_KEY, AccelerateStepLog
+from .steplog import TREE_KEY, AccelerateStepLog, batches_of_steps
 
 log = logging.getLogger("accelerate_ckpt")
 _PATCHED = ("save_state", "load_state", "end_training")
@@ -217,6 +217,16 @@ class AcceleratorCheckpointer:
     def replayed_steps(self) -> int:
         """Optimizer steps the last ``load_state`` replayed from the step log after the checkpoint."""
         return self._steplog.replayed_steps if self._steplog is not None else 0
+
+    def replayed_batches(self, batches_per_epoch: int, start_batch: int = 0) -> int:
+        """The batches the steps the last ``load_state`` replayed took, counted from batch ``start_batch``
+        of the checkpoint's epoch (the batches it had done there) in epochs of ``batches_per_epoch``
+        (``len(dataloader)``): ``gradient_accumulation_steps`` per step, fewer for an epoch's last
+        window, which accelerate ends with its dataloader. Skip ``start_batch`` + this many batches,
+        carried over epochs (docs/accelerate.md, "The resumed step")."""
+        acc = self.accelerator
+        return batches_of_steps(self.replayed_steps, start_batch, batches_per_epoch, acc.gradient_accumulation_steps,
+                                acc.gradient_state.sync_with_dataloader)
 
     @property
     def optimizer_steps(self) -> int | None:

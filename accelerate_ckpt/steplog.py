@@ -49,6 +49,27 @@ def _inner(obj: Any, attr: str) -> Any:
     return getattr(obj, attr, obj)
 
 
+def batches_of_steps(steps: int, start_batch: int, batches_per_epoch: int, accumulation: int,
+                     sync_with_dataloader: bool = True) -> int:
+    """The batches ``steps`` optimizer steps take from batch ``start_batch`` of an epoch of
+    ``batches_per_epoch``: ``accumulation`` per step; with ``sync_with_dataloader`` (accelerate's
+    default) an epoch's last window is cut at its end (h110: the documented ``steps x accumulation``
+    skipped too many batches across an epoch end)."""
+    if batches_per_epoch < 1 or not 0 <= start_batch <= batches_per_epoch:
+        raise ValueError(f"replayed_batches: start_batch must be in [0, batches_per_epoch] and batches_per_epoch "
+                         f">= 1, got {start_batch} and {batches_per_epoch}")
+    accumulation = max(1, int(accumulation))
+    if not sync_with_dataloader:
+        return steps * accumulation
+    taken, at = 0, start_batch
+    while steps > 0:
+        windows = -(-(batches_per_epoch - at) // accumulation)  # steps left in this epoch
+        if steps < windows:
+            return taken + steps * accumulation
+        taken, steps, at = taken + batches_per_epoch - at, steps - windows, 0
+    return taken
+
+
 class AccelerateStepLog:
     """The step log of one ``AcceleratorCheckpointer`` (built only when ``step_log.enabled``)."""
 

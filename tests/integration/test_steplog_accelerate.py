@@ -371,3 +371,84 @@ def test_accelerate_launch_sigkilled_at_a_random_step_resumes_bit_exact(tmp_path
         assert flushed <= got["steps"] <= last + 1, where
         assert (got["steps"] - got["replayed"]) % 7 == 0, where  # a checkpoint's step (one every 7) + the log
         assert_bit_equal(got["resumed"], got["reference"], where)
+
+
+class _Progress:
+    """The loop's own position, registered for checkpointing (as accelerate's examples keep theirs)."""
+
+    def __init__(self) -> None:
+        self.epoch = self.batch = self.steps = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch, self.steps = state["epoch"], state["batch"], state["steps"]
+
+
+def _accumulating(project: Path, shuffle: bool) -> tuple:
+    torch.manual_seed(0)
+    from accelerate.utils import DataLoaderConfiguration
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=3,  # shuffled: an order that a resume can redo
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=shuffle),
+                      project_config=ProjectConfiguration(str(project), automatic_checkpoint_naming=True))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(25, 4, generator=g), torch.randn(25, 1, generator=g))
+    net = torch.nn.Linear(4, 1)
+    net, opt, dl = acc.prepare(net, torch.optim.Adam(net.parameters(), lr=0.01),
+                               torch.utils.data.DataLoader(data, batch_size=1, shuffle=shuffle))
+    progress = _Progress()
+    acc.register_for_checkpointing(progress)
+    return acc, net, opt, dl, progress, AcceleratorCheckpointer(acc, CONFIG).attach()
+
+
+def _train(acc, net, opt, dl, progress, until: int, save_at: int | None = None, skip: int = 0) -> None:
+    """Steps until optimizer step ``until``, skipping ``skip`` batches first, carried over epochs."""
+    while progress.steps < until:
+        progress.batch = min(skip, len(dl))
+        skip -= progress.batch
+        dl.set_epoch(progress.epoch)  # the seedable sampler's order of this epoch
+        for x, y in acc.skip_first_batches(dl, progress.batch) if progress.batch else dl:
+            with acc.accumulate(net):
+                acc.backward(torch.nn.functional.mse_loss(net(x), y))
+                opt.step()
+                opt.zero_grad()
+            progress.batch += 1
+            if acc.sync_gradients:
+                progress.steps += 1
+                if progress.steps == save_at:
+                    acc.save_state()
+                if progress.steps == until:
+                    return
+        progress.epoch, progress.batch = progress.epoch + 1, 0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_documented_resume_skips_the_batches_the_replayed_steps_took(tmp_path: Path, shuffle: bool) -> None:
+    """25 batches per epoch, 3 per step: a checkpoint at step 7 (batch 21), steps 8-11 logged (batches
+    21-23, 24 alone at the epoch's end, then 6 of the next epoch). The documented recipe, skipping
+    ``start_batch + ckpt.replayed_batches(len(dl), start_batch)`` batches carried over epochs, goes on
+    as the uninterrupted run (h110: ``replayed_steps * gradient_accumulation_steps`` skipped 12)."""
+    acc, net, opt, dl, progress, ckpt = _accumulating(tmp_path / "a", shuffle)
+    _train(acc, net, opt, dl, progress, until=20)
+    want = copy.deepcopy(net.state_dict())
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, net, opt, dl, progress, ckpt = _accumulating(tmp_path / "b", shuffle)
+    _train(acc, net, opt, dl, progress, until=11, save_at=7)
+    ckpt.step_log.flush()
+    ckpt.close()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, net, opt, dl, progress, ckpt = _accumulating(tmp_path / "b", shuffle)
+    acc.load_state()
+    assert (progress.epoch, progress.batch, progress.steps, ckpt.replayed_steps) == (0, 21, 7, 4)
+    skip = progress.batch + ckpt.replayed_batches(len(dl), progress.batch)
+    assert skip == 31
+    progress.steps += ckpt.replayed_steps
+    _train(acc, net, opt, dl, progress, until=20, skip=skip)
+    for key, value in want.items():
+        assert torch.equal(net.state_dict()[key], value), key
+    ckpt.close()
