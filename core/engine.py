@@ -406,17 +406,17 @@ class CheckpointEngine:
         return open_log(self, directory, optimizer, scheduler, storage_options, scaler=scaler, model=model,
                         counters=counters)
 
-    def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None,
-               after: PathLike | None = None, storage_options: dict | None = None, *, scaler: Any = None,
-               counters: dict | None = None, model: Any = None, rng: bool = True, max_steps: int | None = None) -> int:
-        """After loading checkpoint ``after`` (default: the newest one the log marks) into ``model``,
-        ``optimizer``, ``scheduler`` and ``scaler``, apply the steps logged since (at most ``max_steps``);
-        returns how many. ``counters`` receives the logged counters; ``model`` the logged running
-        statistics (BatchNorm); ``rng``: the RNGs end as logged with the last step replayed (docs/steplog.md)."""
+    def replay(self, directory: PathLike, optimizer: Any, scheduler: Any = None, after: PathLike | None = None,
+               storage_options: dict | None = None, *, scaler: Any = None, counters: dict | None = None,
+               model: Any = None, rng: bool = True, max_steps: int | None = None,
+               until: Callable[[dict], bool] | None = None) -> int:
+        """After loading checkpoint ``after`` (default: the newest the log marks), apply the steps logged since
+        (at most ``max_steps``; none from a step before which ``until(counters)`` holds); returns how many.
+        ``counters``/``model``/``rng``: the logged counters, running statistics, RNG states (docs/steplog.md)."""
         from .steplog import replay
 
         return replay(self, directory, optimizer, scheduler, after, storage_options, scaler=scaler,
-                      counters=counters, model=model, rng=rng, max_steps=max_steps)
+                      counters=counters, model=model, rng=rng, max_steps=max_steps, until=until)
 
 
 def _lands_on_cpu(flat: torch.Tensor, device: str, map_location: Any) -> bool:

@@ -367,13 +367,14 @@ class LightningStepLog:
         if trainer.is_global_zero:
             self.close()
         steps, logged = 0, {}
-        # a fit with a smaller max_steps than the logged run's stops there, as it would from a checkpoint
-        limit = None if trainer.max_steps < 0 else max(0, trainer.max_steps - trainer.global_step)
+        # a fit with a smaller max_steps than the logged run's stops there, as it would from a checkpoint:
+        # by the logged global_step, which counts the steps a GradScaler skipped too (h113)
+        until = None if trainer.max_steps < 0 else lambda c: c.get("global_step", -1) >= trainer.max_steps
         try:
             with warnings.catch_warnings():  # the fit ends at the limit: no random number is drawn after it
                 warnings.filterwarnings("ignore", r"checkrun: the RNG states are not set .* inside a segment")
                 steps = engine.replay(directory, optimizer, scheduler, after=url, scaler=grad_scaler(trainer),
-                                      counters=logged, model=trainer.lightning_module, max_steps=limit)
+                                      counters=logged, model=trainer.lightning_module, until=until)
         except NoMarkerError as exc:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=2)
@@ -414,12 +415,16 @@ class LightningStepLog:
         # ("batch"): a post-hook, so the record a step's pre-hook makes (its segment closed there: the
         # state after the previous step) holds the previous step's batch, not the one in progress; a
         # record made at a flush after batches that did not step keeps the last step's batch
-        batch = [self._batch_at(trainer)]
-        self._hook = optimizer.register_step_post_hook(lambda *_: batch.__setitem__(0, self._batch_at(trainer)))
+        # and its accumulate_grad_batches (a record made after the next epoch started holds the batch of
+        # the previous epoch's last step: a GradientAccumulationScheduler may have changed it since; h113)
+        at = [self._batch_at(trainer), int(trainer.accumulate_grad_batches)]
+
+        def stepped(*_: Any) -> None:
+            at[:] = [self._batch_at(trainer), int(trainer.accumulate_grad_batches)]
+        self._hook = optimizer.register_step_post_hook(stepped)
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
                                    model=trainer.lightning_module,
-                                   counters=lambda: {"global_step": trainer.global_step, "batch": batch[0],
-                                                     "acc": int(trainer.accumulate_grad_batches)})
+                                   counters=lambda: {"global_step": trainer.global_step, "batch": at[0], "acc": at[1]})
         self.directory = directory
 
     def close(self) -> None:

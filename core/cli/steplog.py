@@ -16,8 +16,8 @@ from .util import Context, human_size, one_line, safe
 from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
-    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, decode_limit, header_end, parse_header,
-    parse_seg_name)
+    PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, check_seg_name, decode_limit, header_end,
+    parse_header, parse_seg_name)
 from ..steplog.index import LogIndex, find_marker, read_index
 from ..storage.retry import is_outage
 from ..steplog.registry import log_store
@@ -61,7 +61,9 @@ def read_header(segs: Store, name: str) -> dict:
     where = segs.url(name)
     end = header_end(segs.read_head(name, PREFIX_BYTES))
     head = segs.read_head(name, end) if end else b""
-    return parse_header(head, where, 1 << 62)  # payload ranges are checked when it is read
+    header = parse_header(head, where, 1 << 62)  # payload ranges are checked when it is read
+    check_seg_name(header, name, where)
+    return header
 
 
 # ----------------------------------------------------------------------------- chains

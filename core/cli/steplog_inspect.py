@@ -7,7 +7,8 @@ import os
 from .steplog import STEPLOG_DIR, has_log, read_header, segments_store
 from .util import EXIT_OK, CliError, Context, codecs_text, emit_json, human_size, one_line, safe, table
 from ..errors import CheckpointNotFoundError, CheckrunError
-from ..steplog.format import PREFIX_BYTES, RunInfo, SegmentDamaged, header_end, parse_header, split_segment
+from ..steplog.format import (PREFIX_BYTES, RunInfo, SegmentDamaged, check_seg_name, header_end, parse_header,
+                               split_segment)
 from ..steplog.index import read_index
 from ..storage.store import Store
 
@@ -68,6 +69,7 @@ def examine(data: bytes, where: str) -> tuple[dict, str]:
     Raises ``CliError`` when not even the header can be read."""
     try:
         header = parse_header(data[:header_end(data[:PREFIX_BYTES])], where, len(data))
+        check_seg_name(header, where.rpartition("/")[2], where)
     except (SegmentDamaged, CheckrunError) as exc:
         raise CliError(one_line(exc)) from None
     try:

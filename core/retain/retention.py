@@ -11,10 +11,9 @@ Order within a round (the argument is in docs/operations.md, "Leases"): write th
 lease object, read the leases, read the manifests, delete within the round's window; a round that
 runs out of time starts again with a fresh lease object and fresh reads. If any manifest or lease
 object cannot be parsed, nothing is collected: what it protects is unknown. A manifest removed
-between the listing and its read (retention of another writer) makes gc list once more; still listed
-and gone (an object store's stale listing, which may miss a newer manifest reusing its blobs), the
-round collects nothing. ``retention.gc_grace_seconds`` (default 0) keeps unreferenced blobs younger
-than it as well: set it while a writer of a version without leases may still write to the directory.
+between the listing and its read (another writer's retention) makes gc list once more; still listed
+and gone (a stale listing, which may miss a newer manifest reusing its blobs), the round collects
+nothing. ``retention.gc_grace_seconds`` keeps unreferenced blobs younger than it as well.
 """
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ _HEAD_RE = re.compile(rb'\{"_checkrun":"manifest","checksum":"[0-9a-f]{32}",(?:"
 
 
 def _head(data: bytes) -> tuple[float, dict | None] | None:
-    """``(created, commit stamp)`` from the first bytes of an intact manifest's ``data`` (its checksum
-    matches: a damaged one must not order the others, h49); None if it is not so (parse it)."""
+    """``(created, commit stamp)`` of an intact manifest's ``data`` (a damaged one orders nothing, h49), or None."""
     m = _HEAD_RE.match(data)
     if m is None or not checksum_matches(data):
         return None
@@ -87,6 +85,12 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
     def read(info):
         try:
             head = store.read_head(info.name, SNIFF_BYTES)
+            if len(head) < min(info.size, SNIFF_BYTES):  # the listing says more: read again, then an outage (h114:
+                head = store.read_head(info.name, SNIFF_BYTES)  # a HEAD saying 0 bytes made gc collect its blobs)
+            if len(head) < min(info.size, SNIFF_BYTES):
+                why = f"{len(head)} bytes read, the listing shows {info.size}: the storage disagrees"
+                return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
+                                       f"{store.url(info.name)}: {why}", True)
         except CheckpointNotFoundError:
             return _gone(store, info, keys)
         except CheckrunError as exc:
@@ -139,8 +143,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
 
 
 def _nameable(name: str) -> bool:
-    """Whether a save could have written ``name`` (``check_name``): a user's ``notes\\v2.txt`` beside the
-    checkpoints made gc refuse to collect and ``latest()`` warn of a corrupt checkpoint (h104)."""
+    """Whether a save could have written ``name`` (``check_name``; h104: a user's ``notes\\v2.txt``)."""
     try:
         return bool(check_name(name))
     except UnsafePathError:
@@ -148,9 +151,8 @@ def _nameable(name: str) -> bool:
 
 
 def _read_checked(store: Store, name: str) -> bytes:
-    """A manifest's bytes, read once more when they fail its checksum (damaged in transit, not at rest,
-    as ``loading.decode.read_manifest`` reads them: one flipped byte made ``latest()`` skip an intact
-    newest checkpoint, and a resume go back to an older one)."""
+    """A manifest's bytes, read once more when they fail its checksum (damaged in transit, as ``read_manifest``
+    reads them: one flipped byte made ``latest()`` skip an intact newest checkpoint)."""
     data = store.read_manifest(name)
     if checksum_matches(data) or not is_manifest_head(data[:SNIFF_BYTES]):
         return data
@@ -165,9 +167,8 @@ _GONE = "listed, but gone when read"
 
 
 def _gone(store: Store, info, keys: bool) -> CheckpointEntry | None:
-    """A listed manifest removed before its read (retention of another writer): left out, except for
-    gc (``keys``), to which it is an error entry: the listing may be older than the store (an object
-    store's stale listing), without a newer manifest reusing this one's blobs (``_read_state``)."""
+    """A listed manifest removed before its read (another writer's retention): left out, except for gc
+    (``keys``): an error entry (a stale listing, without a newer manifest reusing its blobs: ``_read_state``)."""
     log.debug("checkrun: %s was removed while listing", store.url(info.name))
     return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
                            f"{store.url(info.name)}: {_GONE} (a stale listing?)") if keys else None
@@ -177,9 +178,8 @@ def _oldest_first(entries: list[CheckpointEntry], check=None) -> list[Checkpoint
     """By commit time (``created``), except that one process's checkpoints keep the order of their
     capture (the commit stamp's sequence, as the commit fence compares them): a step back of that
     process's clock (an NTP step, a VM restored) made the checkpoints saved after it older than the
-    ones before, so retention deleted the newest and ``latest()`` answered an older one (found by an
-    independent check; local files' times come from the same clock, so they could not tell). Each
-    checkpoint of a process counts as no older than its predecessor in that order. ``check``: an entry
+    ones before, so retention deleted the newest and ``latest()`` answered an older one (an independent
+    check). Each checkpoint of a process counts as no older than its predecessor. ``check``: an entry
     listed by its head (unparsed) that lifts a later checkpoint of its process is checked first (its
     head's time could be a forgery's or an unreadable future format's: found by independent checks, h52);
     ``check`` returns it, its error entry, or None (gone), and the order is made again without it."""
@@ -243,8 +243,8 @@ def apply_retention(store: Store, config: EngineConfig, keep: set[str]) -> list[
 def _parsed(store: Store, config: EngineConfig, e: CheckpointEntry) -> CheckpointEntry | None:
     """``e`` (listed by its head) with its manifest parsed; None if it is gone or does not parse."""
     try:
-        return dataclasses.replace(e, manifest=parse_manifest(_read_checked(store, e.name), e.url,
-                                                              limits=limits_for(config)), head=None)
+        data = _read_checked(store, e.name)
+        return dataclasses.replace(e, manifest=parse_manifest(data, e.url, limits=limits_for(config)), head=None)
     except CheckrunError:
         return None
 

@@ -123,9 +123,11 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         # SIGINT/SIGTERM ignored before torch is imported (2-3 s), and a process group of its own: a Ctrl-C or
         # a preemption's signal to the trainer's group killed it while it started, losing the first save
-        # (h110); the trainer's handlers wait for its saves, and it exits when the trainer is gone
-        code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                "signal.signal(signal.SIGTERM, signal.SIG_IGN); import sys; sys.path[:0] = %r; "
+        # (h110); the trainer's handlers wait for its saves, and it exits when the trainer is gone. SIGHUP
+        # too: the kernel sends it to an orphaned process group holding a stopped process (the writer
+        # SIGSTOPped, its trainer killed), which then died without deleting the staging files
+        code = ("import signal; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, "
+                "signal.SIGHUP)]; import sys; sys.path[:0] = %r; "
                 "from ckpt_core.saving.process import serve; serve(%d, %d)"
                 % ([p for p in sys.path if p], theirs.fileno(), os.getpid()))
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
@@ -288,8 +290,8 @@ def serve(fd: int, parent: int | None = None) -> None:
     engine's pid, as the engine saw it (a writer whose engine died while it started up has been
     re-parented already: ``os.getppid()`` at its start would name the reaper, and it would commit
     the dead engine's save)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     from . import lifecycle
     from .quant_rules import RuleMatcher
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CheckpointNotFoundError, CheckrunError
 from ..storage.store import Store
@@ -59,10 +59,11 @@ def open_log(engine: Any, directory: str | os.PathLike, optimizer: Any, schedule
 def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler: Any = None,
            after: str | os.PathLike | None = None, storage_options: dict | None = None, *,
            scaler: Any = None, counters: dict | None = None, model: Any = None, rng: bool = True,
-           max_steps: int | None = None) -> int:
+           max_steps: int | None = None, until: Callable[[dict], bool] | None = None) -> int:
     """Apply the steps logged after checkpoint ``after`` (default: the newest committed checkpoint of
-    ``directory`` that the log marks), at most ``max_steps`` of them (None: all); returns how many
-    optimizer steps were replayed. ``scaler`` (a
+    ``directory`` that the log marks), at most ``max_steps`` of them (None: all), and none from a step
+    before which ``until(counters)`` is true (the logged counters so far); returns how many optimizer
+    steps were replayed. ``scaler`` (a
     ``GradScaler``) ends in the logged state; ``counters`` (a dict) receives the logged counters of the
     last state record applied; ``model`` receives the logged forward-pass state (running statistics)
     of the last step replayed, when the log has it (``step_log(model=)``); warns when it cannot. ``rng``:
@@ -79,8 +80,11 @@ def replay(engine: Any, directory: str | os.PathLike, optimizer: Any, scheduler:
     if (note := index.damage_note()) is not None:  # not this checkpoint's: its marker is intact
         log.warning("checkrun: step log of %s: %s", store.url(""), note)
         warnings.warn(f"checkrun: step log of {store.url('')}: {note}", RuntimeWarning, stacklevel=3)
+    def limit(pos: Any) -> bool:
+        return (max_steps is not None and pos.replayed >= max_steps) or (until is not None and until(pos.counters or {}))
+
     pos = replay_chain(log_store(store), index, marker, optimizer, scheduler, decode_limit(engine.config.load),
-                       scaler, model, max_steps)
+                       scaler, model, limit if max_steps is not None or until is not None else None)
     if rng and pos.rng is not None and pos.rng.rank == rng_states.rank():
         rng_states.restore(pos.rng, pos.rng.where)
     elif rng and pos.rng_lost:

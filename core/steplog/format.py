@@ -311,6 +311,15 @@ def parse_header(head: bytes | memoryview, where: str, payload_len: int) -> dict
     return header
 
 
+def check_seg_name(header: dict, name: str, where: str) -> None:
+    """``StepLogFormatError`` when a segment's header does not name its run, number and events as its
+    file name ``name`` does (a segment copied or renamed over another: only replay refused it; h112, h113)."""
+    seg = parse_seg_name(name)
+    if seg is not None and (header["run"], header["seq"], header["lo"], header["hi"]) != seg.key:
+        raise StepLogFormatError(f"{where}: header says run {header['run']} seq {header['seq']} events "
+                                 f"({header['lo']}, {header['hi']}], its name says otherwise")
+
+
 def decode_limit(load: Any) -> int:
     """The most bytes a segment (and each tensor or pack chunk in it) may take: ``load.max_blob_bytes``,
     and ``load.max_total_bytes`` (this machine's memory when None), as a checkpoint's tensors (h112: a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.store import Store
@@ -50,19 +51,21 @@ class LogIndex:
         segments, and gc deletes it after them), so no replay can place them on a chain."""
         return {run: segs for run, segs in self.segments.items() if run not in self.runs}
 
-    def orphan_note(self, url: str, start: str | None = None) -> str | None:
-        """A warning naming the orphaned runs of the step log at ``url`` (``orphans``), or None. A
-        replay starting in run ``start`` (its checkpoint's marker names it) replays that run's segments
-        even without its object (h112: the warning said they were not replayed)."""
+    def orphan_note(self, url: str, marked: Iterable[str] | None = None) -> str | None:
+        """A warning naming the orphaned runs of the step log at ``url`` (``orphans``), or None. A run
+        that a checkpoint's marker names (``marked``, default: every marker's) is replayed from that
+        checkpoint even without its object (h112: the warning said its steps were not replayed)."""
         lost = self.orphans()
         if not lost:
             return None
+        marked = {m.run for m in self.markers} if marked is None else set(marked)
         notes = []
-        if start in lost:
-            segs = lost.pop(start)
-            notes.append(f"checkrun: step log {url}: run {start} of the resumed checkpoint has no run object (deleted "
-                         f"or lost): the steps of its {len(segs)} segment(s) (events {segs[0].lo}-{segs[-1].hi}) after the "
-                         "checkpoint are replayed, but a lost last segment, or a run that continued it, cannot be seen")
+        for run in sorted(set(lost) & marked):
+            segs = lost.pop(run)
+            notes.append(f"checkrun: step log {url}: run {run}, which a checkpoint's marker names, has no run object "
+                         f"(deleted or lost): the steps of its {len(segs)} segment(s) (events {segs[0].lo}-"
+                         f"{segs[-1].hi}) after that checkpoint are replayed, but a lost last segment, or a run that "
+                         "continued it, cannot be seen")
         if lost:
             runs = "; ".join(f"run {run}: {len(segs)} segment(s), events {segs[0].lo}-{segs[-1].hi}"
                              for run, segs in sorted(lost.items()))

@@ -25,7 +25,7 @@ from ..format.dtypes import DTYPES
 from ..format.skeleton import unflatten
 from ..storage.store import Store
 from .capture import TENSOR_LIST, flat_params, forward_buffers
-from .format import Marker, SegmentDamaged, SegName, StepLogError, StepLogFormatError, parse_seg_name, run_name
+from .format import Marker, SegmentDamaged, SegName, StepLogError, StepLogFormatError, check_seg_name, run_name
 from .format import split_segment
 from . import rng
 from .index import LogIndex
@@ -55,18 +55,18 @@ class Position:
     """Why the log's RNG states do not hold there (``_track_rng``)."""
     scale: float | None = None
     """The GradScaler scale of the last state record applied: a lower one next means a skipped step."""
-    limit: int | None = None  # the most steps to replay (``replay(max_steps=)``)
+    limit: Any = None  # ``limit(self)`` true before a step: the replay ends (``replay(max_steps=, until=)``)
 
 
 def replay_chain(segs: Store, index: LogIndex, start: Marker, optimizer: Any, scheduler: Any,
-                 max_bytes: int, scaler: Any = None, model: Any = None, limit: int | None = None) -> Position:
+                 max_bytes: int, scaler: Any = None, model: Any = None, limit: Any = None) -> Position:
     """Apply every logged event after ``start`` (and the logged forward-pass state to ``model``'s
-    buffers, if given), up to ``limit`` steps and the state records after the last; returns where it ended."""
+    buffers, if given), up to a step before which ``limit(position)`` is true; returns where it ended."""
     if (looped := index.cycle(start.run, start.event)) is not None:  # before anything is applied
         raise StepLogFormatError(f"{segs.url(run_name(looped))}: its parent closes a cycle of step-log runs "
                                  "(each run continues an older one): a damaged or forged run object")
     _warn_superseded(segs, index, start)
-    if (note := index.orphan_note(segs.url(""), start.run)) is not None:
+    if (note := index.orphan_note(segs.url(""), {start.run})) is not None:
         _warn(note)
     pos = Position(start.run, start.event, start.step, limit=limit)
     buffers = None if model is None else {name: getattr(m, a) for name, m, a in forward_buffers(model)}
@@ -136,7 +136,7 @@ def _apply_run(segs: Store, index: LogIndex, pos: Position, targets: tuple, max_
                 continue
             if stop_at is not None and event > stop_at:
                 return
-            if ev["kind"] == "step" and pos.limit is not None and pos.replayed >= pos.limit:
+            if ev["kind"] == "step" and pos.limit is not None and pos.limit(pos):
                 pos.stopped = True  # the state records after the last step were applied: its scheduler's too
                 if pos.rng is None and pos.rng_lost is None and pos.replayed:
                     pos.rng_lost = f"step {pos.step} is inside a segment, the log holds them at segment ends"
@@ -177,9 +177,7 @@ def read_segment(segs: Store, name: str, max_bytes: int) -> tuple[dict, memoryvi
     except SegmentDamaged as exc:
         header, payload = split_segment(segs.read_manifest(name, max_bytes, "step-log segment"), where)
         log.warning("checkrun: step log segment %s failed its check once (%s); read again, it matched", where, exc)
-    if (seg := parse_seg_name(name)) and (header["run"], header["seq"], header["lo"], header["hi"]) != seg.key:
-        raise StepLogFormatError(f"{where}: header says run {header['run']} seq {header['seq']} events "
-                                 f"({header['lo']}, {header['hi']}], its name says otherwise")
+    check_seg_name(header, name, where)
     return header, payload
 
 

@@ -10,9 +10,8 @@ filesystem to ``paths`` and the options merge to ``options``. A manifest commit 
 reports an error is resolved by reading the manifest back: if it holds exactly the bytes
 written, it landed.
 
-s3fs answers ``info``/``exists`` from cached directory listings (``dircache``), which would hide
-files written or deleted since - by us or by another process. Store invalidates a path's cache
-before every query and after every mutation (a no-op for local and memory filesystems).
+s3fs answers ``info``/``exists`` from cached listings (``dircache``), which would hide files written
+or deleted since: Store invalidates a path's cache before every query and after every mutation.
 Every method may be called from any thread, including the pool threads of ``map``.
 """
 from __future__ import annotations
@@ -28,7 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsafePathError
 from ..format.dtypes import is_blob_key
 from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
@@ -107,8 +106,7 @@ class Store:
 
     @property
     def cache_key(self) -> tuple[str, str, str]:
-        """What tells this store apart from another of the same directory: (URL, filesystem class,
-        canonical storage options of the filesystem). Caches of stores use it, so a store built
+        """(URL, filesystem class, canonical storage options): caches of stores use it, so a store built
         with other options (rotated credentials, another endpoint) is never taken for this one."""
         cls = type(self.fs)
         return (self.url(""), f"{cls.__module__}.{cls.__qualname__}", self.options)
@@ -180,8 +178,7 @@ class Store:
         """Read a blob; a missing one or one larger than ``max_bytes`` is CorruptCheckpointError."""
         path = self.blob_path(key)
         try:
-            return self.retry(lambda: self._read(path, max_bytes, "blob"),
-                               f"read blob {self._display(path)}")
+            return self.retry(lambda: self._read(path, max_bytes, "blob"), f"read blob {self._display(path)}")
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
@@ -206,8 +203,7 @@ class Store:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
     def blob_info(self, key: str) -> Optional[BlobInfo]:
-        """Size, modification time and version of a blob, or None if it does not exist (one
-        HEAD/stat)."""
+        """Size, modification time and version of a blob, or None if it does not exist (one HEAD/stat)."""
         path = self.blob_path(key)
 
         def stat() -> Optional[BlobInfo]:
@@ -260,9 +256,8 @@ class Store:
         return sorted(out, key=lambda b: b.key)
 
     def list_temp_files(self) -> list[FileInfo]:
-        """Temp files that interrupted local writes left behind (a killed process never removes
-        them), in the directory and in the blob store; ``name`` is relative to the directory.
-        Object stores and ``memory://`` write in one call and have none."""
+        """Temp files that interrupted local writes left in the directory and the blob store (``name``:
+        relative to the directory). Object stores and ``memory://`` write in one call and have none."""
         if not self.commit.leaves_temp_files:
             return []
         found = self.retry(lambda: self.commit.scan_temp_files(self.root), f"list temp files in {self.url('')}")
@@ -282,7 +277,6 @@ class Store:
         """Commit a manifest atomically: rename on local filesystems, one PUT on object stores.
 
         ``what`` names the file in errors (the step log's segments too); ``data``: ``commit.Data``.
-
         ``guard`` (``fence.commit_guard``) runs right before each rename/PUT attempt and refuses
         the commit by raising. A rename/PUT that reports an error although it was applied (a lost
         response, an NFS rename retried after its reply was lost) is resolved by reading the
@@ -317,7 +311,9 @@ class Store:
 
     def manifest_exists(self, name: str) -> bool:
         """Whether a file of that name exists in the directory."""
-        path = self._manifest_path(name)
+        return self._exists(self._manifest_path(name))
+
+    def _exists(self, path: str) -> bool:
         return self.retry(lambda: self._is_file(path), f"check {self._display(path)}")
 
     def put_file(self, name: str, data: bytes) -> None:
@@ -331,7 +327,11 @@ class Store:
     def delete_manifest(self, name: str) -> None:
         """Delete a manifest (or a file ``put_file`` wrote); a missing one is not an error."""
         path = self._manifest_path(name)
-        self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
+        try:
+            self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
+        except StorageError:  # every answer lost: gone is done (h114: a DELETE that landed failed a fit)
+            if self._exists(path):
+                raise
 
     def copy_manifest(self, src_name: str, dst_name: str) -> None:
         """Copy a manifest; ``dst_name`` appears atomically, like ``write_manifest``."""

@@ -303,6 +303,10 @@ def test_export_step_refuses_a_segment_copied_over_another(logged, tmp_path, cap
     code, _, err = _run(capsys, "export", logged, str(out), "--step", str(STEPS), "--optimizer", "Adam")
     assert code != 0 and f"{first.name}: header says" in err
     assert not out.exists()
+    code, out_text, _ = _run(capsys, "ls", logged)  # h113: ls and inspect took it too
+    assert f"{first.name}: header says" in out_text
+    code, _, err = _run(capsys, "inspect", str(first))
+    assert code != 0 and f"{first.name}: header says" in err
 
 
 def test_export_step_safetensors_roundtrip(logged, tmp_path, capsys):

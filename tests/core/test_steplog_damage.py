@@ -400,7 +400,7 @@ def test_a_resume_from_a_run_whose_object_is_lost_replays_it_and_says_so(logged)
     (the marker names the run), and the warning says so (h112: it said their steps were not replayed)."""
     segdir = os.path.join(logged, ".checkrun", "steplog")
     os.remove(os.path.join(segdir, next(f for f in os.listdir(segdir) if f.startswith("run-"))))
-    with pytest.warns(UserWarning, match="of the resumed checkpoint has no run object .* after the checkpoint are "
+    with pytest.warns(UserWarning, match="which a checkpoint.s marker names, has no run object .* after that checkpoint are "
                                          "replayed, but a lost last segment"):
         n, resumed = _resume(logged)
     assert n == STEPS - CKPT_AT

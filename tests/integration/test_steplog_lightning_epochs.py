@@ -103,11 +103,11 @@ def _loops(trainer: Trainer) -> dict:
             "stages": (fit._restart_stage, fit.epoch_loop._restart_stage)}
 
 
-def _fit(callbacks: list, plugins: list, module: dict, validate: bool, ckpt_path=None, iterable=False,
+def _fit(callbacks: list, plugins: list, module: dict, validate: bool, ckpt_path=None, iterable=False, net=None,
          **trainer_kwargs):
     trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=callbacks, plugins=plugins, **trainer_kwargs)
-    model = Net(**module)
+    model = (net or Net)(**module)
     try:
         trainer.fit(model, _data(iterable), _data() if validate else None, ckpt_path=ckpt_path)
     except _Stopped:
@@ -328,6 +328,63 @@ def test_a_resume_counts_the_replayed_batches_of_the_logged_runs_accumulation(tm
     resumed, model = _fit([start, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=7),
                            *extra()], [CheckrunCheckpointIO(step_log=True)], {}, False, ckpt_path="last", **kwargs)
     assert start.loops["global_step"] == 11
+    assert start.loops == stock_start.loops
+    assert resumed.global_step == stock.global_step
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+class _Overflows(Net):
+    """A loss of inf at batches 9 and 10 (of the fit): a GradScaler skips those optimizer steps."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.trainer.fit_loop.epoch_loop.batch_progress.total.ready in (9, 10) else loss
+
+
+def test_a_resume_with_a_smaller_max_steps_counts_the_steps_a_grad_scaler_skipped(tmp_path):
+    """Lightning's global_step counts the steps a GradScaler skipped; the log holds no step for them. A
+    resume with max_steps 10 of a run logged to step 11 (checkpoint at 6, steps 9 and 10 skipped)
+    replayed 3 steps (7, 8 and 11) and ended at global_step 11 (h113): the limit is the logged global_step."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def fit(plugins, callbacks, ckpt_path=None, **kwargs):
+        amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        return _fit(callbacks, [amp, *plugins], {}, False, ckpt_path=ckpt_path, net=_Overflows, max_epochs=3,
+                    default_root_dir=str(tmp_path), **kwargs)
+
+    stock, stock_model = fit([], [_Stop(10)])
+    directory = str(tmp_path / "ckpts")
+    fit([CheckrunCheckpointIO(step_log=True)], [ModelCheckpoint(dirpath=directory, save_last=True,
+                                                                every_n_train_steps=6), _Stop(11)])
+    resumed, model = fit([CheckrunCheckpointIO(step_log=True)], [ModelCheckpoint(dirpath=directory, save_last=True,
+                                                                                 every_n_train_steps=6)],
+                         ckpt_path="last", max_steps=10)
+    assert resumed.global_step == stock.global_step == 10
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_replay_ending_at_an_epoch_end_counts_that_epochs_steps_with_its_own_accumulation(tmp_path):
+    """GradientAccumulationScheduler({0: 2, 3: 4}), 10 batches per epoch (5 steps): a run stopped after
+    the next epoch started, with 4 batches per step, flushed the log there; the replay to step 15 (epoch
+    2's end) counted epoch 2's steps with 4 (3 steps where Lightning has 5; h113): the accumulation is
+    logged with each step's batch."""
+    kwargs = {"max_epochs": 5, "default_root_dir": str(tmp_path)}
+    stock_dir = str(tmp_path / "stock")
+    _fit([ModelCheckpoint(dirpath=stock_dir, filename="k", every_n_train_steps=15, save_top_k=-1), _Stop(15),
+          GradientAccumulationScheduler({0: 2, 3: 4})], [], {}, False, **kwargs)
+    stock_start = _AtStart()
+    stock, stock_model = _fit([stock_start, GradientAccumulationScheduler({0: 2, 3: 4})], [], {}, False,
+                              ckpt_path=f"{stock_dir}/k.ckpt", **kwargs)
+    directory = str(tmp_path / "ckpts")
+    _fit([ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=8), _Stop(15),
+          GradientAccumulationScheduler({0: 2, 3: 4})], [CheckrunCheckpointIO(step_log=True)], {}, False, **kwargs)
+    start = _AtStart()
+    resumed, model = _fit([start, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=8),
+                           GradientAccumulationScheduler({0: 2, 3: 4})], [CheckrunCheckpointIO(step_log=True)], {},
+                          False, ckpt_path="last", **kwargs)
+    assert start.loops["global_step"] == 15
     assert start.loops == stock_start.loops
     assert resumed.global_step == stock.global_step
     for key, value in stock_model.state_dict().items():

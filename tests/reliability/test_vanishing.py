@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckpt_core
 from ckpt_core import CheckpointEngine, EngineConfig
 from ckpt_core.cli import main
 
@@ -224,3 +225,66 @@ def test_a_file_no_save_could_name_does_not_block_gc_or_latest(run, caplog):
         report = engine.gc(run.url, grace_seconds=0)
     assert report.problems == [] and run.orphan <= set(report.deleted)
     assert "corrupt" not in caplog.text
+
+
+@pytest.mark.parametrize("lies", [1, 100])
+def test_a_size_of_0_from_the_storage_for_a_listed_manifest_is_no_empty_file(tmp_path, monkeypatch, lies):
+    """h114 (an S3 proxy): a HEAD answering Content-Length 0 for the newest manifest once made it
+    "another file": gc deleted its blobs and ``latest()`` went back to the older checkpoint in silence.
+    Read again; still empty, it is an unreadable entry (an outage): gc collects nothing, ``latest()`` raises."""
+    root = tmp_path / "run"
+    with CheckpointEngine(config()) as engine:
+        engine.save({"x": torch.ones(1024)}, root / "a.ckpt").result()
+        engine.save({"y": torch.full((1024,), 2.0)}, root / "b.ckpt").result()
+        keys = [b.key for b in engine.read_manifest(root / "b.ckpt").blobs()]
+    own = [root / ".checkrun" / "blobs" / k[:2] / k[2:] for k in keys]
+    past = time.time() - 3600
+    for p in (root / ".checkrun" / "blobs").rglob("*"):
+        os.utime(p, (past, past))
+    real, told = FaultFS.info, []
+
+    def info(self, path, **kwargs):
+        out = real(self, path, **kwargs)
+        if not isinstance(path, os.DirEntry) and str(path).endswith("b.ckpt") and len(told) < lies:
+            told.append(path)
+            return {**out, "size": 0}
+        return out
+    monkeypatch.setattr(FaultFS, "info", info)
+    url = f"faultfile://{root}"
+    with CheckpointEngine(config()) as engine:
+        report = engine.gc(url)
+        assert all(p.exists() for p in own), report
+        if lies == 1:
+            assert engine.latest(url).endswith("b.ckpt")
+        else:
+            assert report.problems and report.deleted == []
+            with pytest.raises(ckpt_core.CheckrunError, match="b.ckpt: 0 bytes read, the listing shows"):
+                engine.latest(url)
+
+
+class _DeletedUnanswered(Policy):
+    """Every DELETE of ``victim`` lands, and its answer is lost (a timeout), as through h114's S3 proxy."""
+
+    def __init__(self, victim: Path) -> None:
+        self.victim, self.tries = str(victim), 0
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if op == "delete" and path == self.victim:
+            self.tries += 1
+            if os.path.exists(path):
+                os.remove(path)
+            raise TimeoutError("the answer to the DELETE was lost")
+
+
+def test_a_delete_that_landed_with_every_answer_lost_is_done(run):
+    """h114: ModelCheckpoint's removal of an old top-k file through a store that lost every answer to
+    its DELETE failed the fit ('failed after 8 attempts') although the file was gone. Gone is done."""
+    cfg = config().replace(**{"storage.retry.max_attempts": 2, "storage.retry.initial_backoff_seconds": 0.001})
+    policy = _DeletedUnanswered(run.victim)
+    FaultFS.policy = policy
+    try:
+        with CheckpointEngine(cfg) as engine:
+            engine.remove(f"{run.url}/old.ckpt")
+    finally:
+        FaultFS.policy = None
+    assert policy.tries == 2 and not run.victim.exists()
