@@ -391,7 +391,9 @@ class LightningStepLog:
                 # steps replayed after the last state record applied (a replay stopped early, before
                 # the record after its last step): one window each
                 behind = trainer.global_step + steps - logged.get("global_step", 0)
-                batch += max(0, behind) * max(1, int(acc or trainer.accumulate_grad_batches))
+                # and steps a GradScaler skipped after the last one applied (no post-hook ran: h116)
+                skipped = logged.get("global_step", 0) - logged.get("stepped", logged.get("global_step", 0))
+                batch += (max(0, behind) + max(0, skipped)) * max(1, int(acc or trainer.accumulate_grad_batches))
             batches = None if batch is None else max(0, batch - self._batch_at(trainer))
             advance_counters(trainer, moved, batches, acc)
         if trainer.is_global_zero and _dir_key(directory) in _checkpoint_dirs(trainer):
@@ -417,14 +419,15 @@ class LightningStepLog:
         # record made at a flush after batches that did not step keeps the last step's batch
         # and its accumulate_grad_batches (a record made after the next epoch started holds the batch of
         # the previous epoch's last step: a GradientAccumulationScheduler may have changed it since; h113)
-        at = [self._batch_at(trainer), int(trainer.accumulate_grad_batches)]
+        at = [self._batch_at(trainer), int(trainer.accumulate_grad_batches), trainer.global_step]
 
-        def stepped(*_: Any) -> None:
-            at[:] = [self._batch_at(trainer), int(trainer.accumulate_grad_batches)]
-        self._hook = optimizer.register_step_post_hook(stepped)
+        def stepped(*_: Any) -> None:  # and the global_step after it: more in a record counts the steps a
+            at[:] = [self._batch_at(trainer), int(trainer.accumulate_grad_batches), trainer.global_step + 1]
+        self._hook = optimizer.register_step_post_hook(stepped)  # GradScaler skipped since (h116)
         self.log = engine.step_log(directory, optimizer, scheduler, scaler=grad_scaler(trainer),
                                    model=trainer.lightning_module,
-                                   counters=lambda: {"global_step": trainer.global_step, "batch": at[0], "acc": at[1]})
+                                   counters=lambda: {"global_step": trainer.global_step, "batch": at[0], "acc": at[1],
+                                                     "stepped": at[2]})
         self.directory = directory
 
     def close(self) -> None:

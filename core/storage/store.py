@@ -311,9 +311,7 @@ class Store:
 
     def manifest_exists(self, name: str) -> bool:
         """Whether a file of that name exists in the directory."""
-        return self._exists(self._manifest_path(name))
-
-    def _exists(self, path: str) -> bool:
+        path = self._manifest_path(name)
         return self.retry(lambda: self._is_file(path), f"check {self._display(path)}")
 
     def put_file(self, name: str, data: bytes) -> None:
@@ -330,7 +328,8 @@ class Store:
         try:
             self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
         except StorageError:  # every answer lost: gone is done (h114: a DELETE that landed failed a fit)
-            if self._exists(path):
+            if self.retry(lambda: self.fs.invalidate_cache(path) or self.fs.exists(path),
+                          f"check {self._display(path)}"):
                 raise
 
     def copy_manifest(self, src_name: str, dst_name: str) -> None:

@@ -335,11 +335,44 @@ def test_a_resume_counts_the_replayed_batches_of_the_logged_runs_accumulation(tm
 
 
 class _Overflows(Net):
-    """A loss of inf at batches 9 and 10 (of the fit): a GradScaler skips those optimizer steps."""
+    """A loss of inf at batches ``at`` (of the fit): a GradScaler skips those optimizer steps."""
+
+    at = (9, 10)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        return loss * float("inf") if self.trainer.fit_loop.epoch_loop.batch_progress.total.ready in (9, 10) else loss
+        return loss * float("inf") if self.trainer.fit_loop.epoch_loop.batch_progress.total.ready in self.at else loss
+
+
+class _OverflowsLast(_Overflows):
+    at = (11,)
+
+
+def test_a_replay_whose_last_logged_step_a_grad_scaler_skipped_resumes_after_its_batch(tmp_path):
+    """The step after the last replayed one was skipped (inf loss at batch 11), then the run stopped: the
+    resumed fit counted one batch less than Lightning's own resume at step 11 and trained batch 11 again,
+    one optimizer step too many (h116): the log holds the global_step of the last step applied, too."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def fit(callbacks, plugins, **kwargs):
+        amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        return _fit(callbacks, [amp, *plugins], {}, False, net=_OverflowsLast, max_epochs=3,
+                    default_root_dir=str(tmp_path), **kwargs)
+
+    stock_dir, directory = str(tmp_path / "stock"), str(tmp_path / "ckpts")
+    fit([ModelCheckpoint(dirpath=stock_dir, filename="k", every_n_train_steps=11, save_top_k=-1), _Stop(11)], [])
+    stock_start = _AtStart()
+    stock, stock_model = fit([stock_start], [], ckpt_path=f"{stock_dir}/k.ckpt")
+    fit([ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=4), _Stop(11)],
+        [CheckrunCheckpointIO(step_log=True)])
+    start = _AtStart()
+    resumed, model = fit([start, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=4)],
+                         [CheckrunCheckpointIO(step_log=True)], ckpt_path="last")
+    assert start.loops["global_step"] == 11
+    assert start.loops == stock_start.loops
+    assert resumed.global_step == stock.global_step == 30
+    for key, value in stock_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
 
 
 def test_a_resume_with_a_smaller_max_steps_counts_the_steps_a_grad_scaler_skipped(tmp_path):
