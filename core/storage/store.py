@@ -149,8 +149,7 @@ class Store:
     def blob_path(self, key: str) -> str:
         """Filesystem path of a blob; rejects anything that is not a lowercase hex digest."""
         if not is_blob_key(key):
-            raise UnsafePathError(f"unsafe blob key {key!r} in {self.url('')}: "
-                                  "expected 32-64 lowercase hex digits")
+            raise UnsafePathError(f"unsafe blob key {key!r} in {self.url('')}: expected 32-64 lowercase hex digits")
         return join(self.root, BLOB_DIR, key[:2], key[2:])
 
     def _manifest_path(self, name: str) -> str:
@@ -168,10 +167,9 @@ class Store:
                     f"write blob {self._display(path)}")
 
     def sync(self) -> None:
-        """Make the blobs written so far durable: fsync (once each) the directories ``put_blob``
-        added entries to. ``write_manifest`` calls it first, so a committed manifest never points
-        at a blob a power loss could take back; a process writing blobs for another's manifest
-        (DCP ranks) calls it itself. No-op unless local with ``storage.fsync``."""
+        """Make the blobs written so far durable: fsync (once each) the directories ``put_blob`` added entries
+        to. ``write_manifest`` calls it first (a committed manifest never points at a blob a power loss could
+        take back); DCP ranks call it themselves. No-op unless local with ``storage.fsync``."""
         self.commit.sync()
 
     def get_blob(self, key: str, max_bytes: int) -> bytes:
@@ -230,7 +228,7 @@ class Store:
                     return aside.remove_within(self.fs, path, guard, self._remove)
             self._remove(path)
 
-        self.retry(delete, f"delete blob {self._display(path)}")
+        self._delete(path, delete, f"delete blob {self._display(path)}")
 
     def list_blobs(self) -> list[BlobInfo]:
         """All blobs of the store (temp files and stray names skipped), sorted by key."""
@@ -325,11 +323,14 @@ class Store:
     def delete_manifest(self, name: str) -> None:
         """Delete a manifest (or a file ``put_file`` wrote); a missing one is not an error."""
         path = self._manifest_path(name)
+        self._delete(path, lambda: self._remove(path), f"delete {self._display(path)}")
+
+    def _delete(self, path: str, fn: Callable[[], None], what: str) -> None:
+        """``fn()`` (deleting ``path``) under retry; every answer lost, gone is done (h114, h115)."""
         try:
-            self.retry(lambda: self._remove(path), f"delete {self._display(path)}")
-        except StorageError:  # every answer lost: gone is done (h114: a DELETE that landed failed a fit)
-            if self.retry(lambda: self.fs.invalidate_cache(path) or self.fs.exists(path),
-                          f"check {self._display(path)}"):
+            self.retry(fn, what)
+        except StorageError:
+            if self.retry(lambda: self.fs.invalidate_cache(path) or self.fs.exists(path), f"check {path}"):
                 raise
 
     def copy_manifest(self, src_name: str, dst_name: str) -> None:

@@ -288,3 +288,29 @@ def test_a_delete_that_landed_with_every_answer_lost_is_done(run):
     finally:
         FaultFS.policy = None
     assert policy.tries == 2 and not run.victim.exists()
+
+
+def test_a_blob_delete_that_landed_with_every_answer_lost_is_done(s3_root, s3_storage_options, monkeypatch):
+    """h115 (an S3 proxy losing every answer to DELETE): gc of an unreferenced blob raised 'failed after 8
+    attempts' (and retention logged it after every save) although the blob was gone."""
+    import s3fs
+
+    cfg = config().replace(**{"storage.retry.max_attempts": 2, "storage.retry.initial_backoff_seconds": 0.001})
+    with CheckpointEngine(cfg) as engine:
+        engine.save({"x": torch.ones(1024)}, f"{s3_root}/a.ckpt", storage_options=s3_storage_options).result()
+        engine.remove(f"{s3_root}/a.ckpt", storage_options=s3_storage_options)
+    real, tries = s3fs.S3FileSystem._rm_file, []
+
+    async def rm_file(self, path, **kwargs):  # the DELETE lands; its answer is lost
+        await real(self, path, **kwargs)
+        if "/.checkrun/blobs/" in path:
+            tries.append(path)
+            raise TimeoutError("the answer to the DELETE was lost")
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm_file", rm_file)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their sync methods when made
+    try:
+        with CheckpointEngine(cfg) as engine:
+            report = engine.gc(s3_root, storage_options=s3_storage_options, grace_seconds=0)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # no later test gets an instance bound to the fault
+    assert tries and report.deleted and not report.problems, report
