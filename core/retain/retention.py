@@ -78,7 +78,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
     manifests were all held parsed: 1 GB). ``keys``: each is parsed and only its blob keys kept
     (``CheckpointEntry.keys``; garbage collection)."""
     entries = []
-    files = [f for f in store.list_files() if f.size > 0 and _nameable(f.name)]  # others: never a checkpoint
+    files = [f for f in store.list_files() if _nameable(f.name)]  # one listed empty is read too (h114: a LIST lie)
     if not files:
         _require_bucket(store)
 

@@ -227,20 +227,25 @@ def test_a_file_no_save_could_name_does_not_block_gc_or_latest(run, caplog):
     assert "corrupt" not in caplog.text
 
 
-@pytest.mark.parametrize("lies", [1, 100])
-def test_a_size_of_0_from_the_storage_for_a_listed_manifest_is_no_empty_file(tmp_path, monkeypatch, lies):
-    """h114 (an S3 proxy): a HEAD answering Content-Length 0 for the newest manifest once made it
-    "another file": gc deleted its blobs and ``latest()`` went back to the older checkpoint in silence.
-    Read again; still empty, it is an unreadable entry (an outage): gc collects nothing, ``latest()`` raises."""
+def _two_checkpoints(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """``a.ckpt`` and the newer ``b.ckpt`` with a blob of its own (its paths returned), every blob old."""
     root = tmp_path / "run"
     with CheckpointEngine(config()) as engine:
         engine.save({"x": torch.ones(1024)}, root / "a.ckpt").result()
         engine.save({"y": torch.full((1024,), 2.0)}, root / "b.ckpt").result()
         keys = [b.key for b in engine.read_manifest(root / "b.ckpt").blobs()]
-    own = [root / ".checkrun" / "blobs" / k[:2] / k[2:] for k in keys]
     past = time.time() - 3600
     for p in (root / ".checkrun" / "blobs").rglob("*"):
         os.utime(p, (past, past))
+    return root, [root / ".checkrun" / "blobs" / k[:2] / k[2:] for k in keys]
+
+
+@pytest.mark.parametrize("lies", [1, 100])
+def test_a_size_of_0_from_the_storage_for_a_listed_manifest_is_no_empty_file(tmp_path, monkeypatch, lies):
+    """h114 (an S3 proxy): a HEAD answering Content-Length 0 for the newest manifest once made it
+    "another file": gc deleted its blobs and ``latest()`` went back to the older checkpoint in silence.
+    Read again; still empty, it is an unreadable entry (an outage): gc collects nothing, ``latest()`` raises."""
+    root, own = _two_checkpoints(tmp_path)
     real, told = FaultFS.info, []
 
     def info(self, path, **kwargs):
@@ -314,3 +319,24 @@ def test_a_blob_delete_that_landed_with_every_answer_lost_is_done(s3_root, s3_st
     finally:
         s3fs.S3FileSystem.clear_instance_cache()  # no later test gets an instance bound to the fault
     assert tries and report.deleted and not report.problems, report
+
+
+def test_a_listing_that_says_0_bytes_for_a_manifest_does_not_hide_it(tmp_path, monkeypatch):
+    """h114/h115: a LIST reporting <Size>0</Size> for the newest manifest on both of gc's listings made gc
+    take it for an empty file and delete its blobs. A file listed as empty is read too."""
+    root, own = _two_checkpoints(tmp_path)
+    (root / "empty.ckpt").write_bytes(b"")  # a user's empty file stays another file
+    real = FaultFS.ls
+
+    def ls(self, path, detail=False, **kwargs):
+        out = real(self, path, detail=detail, **kwargs)
+        if detail:
+            out = [{**e, "size": 0} if str(e["name"]).endswith("b.ckpt") else e for e in out]
+        return out
+    monkeypatch.setattr(FaultFS, "ls", ls)
+    url = f"faultfile://{root}"
+    with CheckpointEngine(config()) as engine:
+        report = engine.gc(url)
+        assert all(p.exists() for p in own) and not report.problems, report
+        assert engine.latest(url).endswith("b.ckpt")
+        assert [e.name for e in engine.list(url)] == ["a.ckpt", "b.ckpt"]
