@@ -82,7 +82,7 @@ class CheckpointEngine:
         handle = SaveHandle(store.url(name))
         dirstate = self._dirstate(store)
         keep_recent_streams(self._dirs.values(), dirstate, self._pool.free_host)
-        snap = repeat_snapshot(state, dirstate, self._coord.release_staging, self._copier, stamp)  # no slot/copy/wait
+        snap = repeat_snapshot(state, dirstate, self._coord, self._copier, stamp, self.config)
         slot = snap is None
         if slot:
             self._coord.acquire_slot()

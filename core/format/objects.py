@@ -39,6 +39,7 @@ _CENTRAL_ENTRY = b"PK\x01\x02"
 #: of one-character names, an 82 MB blob: +536 MiB), so a blob of bare entries costs ~12x its size.
 ZIP_ENTRY_COST = 1024
 _NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_BLOCKED_GLOBAL = re.compile(r"GLOBAL (\S+) whose module (\S+) is blocked")
 
 
 def serialize_object(obj: Any, key: str | None = None) -> bytes:
@@ -233,6 +234,12 @@ def _resolve_globals(names: Sequence[str]) -> list[Any]:
 
 
 def _unsafe_message(key: str, type_name: str, exc: BaseException) -> str:
+    blocked = _BLOCKED_GLOBAL.search(str(exc))
+    if blocked:  # os.system and the like: no allow-list admits them (found by an independent check)
+        return (f"refusing to load the value at key {key!r} of type {type_name}: unpickling it calls "
+                f"{blocked.group(1)}, and torch's weights_only unpickler blocks every global of module "
+                f"{blocked.group(2)} (load.allowed_globals cannot allow it). Only weights_only=False loads it, "
+                "which runs that call: do that only if you trust this checkpoint.")
     match = _NEEDED_GLOBAL.search(str(exc))
     needed = match.group(1) if match else type_name
     also = f" (unpickling it needs {needed})" if needed != type_name else ""

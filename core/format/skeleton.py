@@ -233,6 +233,9 @@ class _Decoder:
         if tag == T_TENSOR:
             return self._grad_tensor(v, path) if grad else self.tensors[v]
         param = self._params.get((v, grad))
+        live = self.tensors[v]
+        if param is None and type(live) is torch.nn.Parameter and live.requires_grad == grad:
+            param = live  # a Parameter of ``load(into=...)``, filled in place: the leaf returned (ENGINE_API.md)
         if param is None:
             try:
                 param = torch.nn.Parameter(self.tensors[v].detach(), requires_grad=grad)

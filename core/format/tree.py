@@ -16,7 +16,8 @@ every JSON object is a tag (so user keys such as "$t" are never ambiguous)::
     {"$i": "-0x1f"}  big int     {"$b": "<base64>"}  {"$c": [re, im]}  complex
     {"$dtype": "float32"}        {"$size": [2, 3]}   {"$device": "cuda:0"}
     {"$np": ["float64", "000000000000d03f"]}  numpy scalar: dtype, its bytes (little endian) in hex
-    {"$nd": ["int32", [2, 3], "<base64>"]}  small numpy array: dtype, shape, C-order little-endian bytes
+    {"$nd": ["int32", [2, 3], "<base64>"]}  small numpy array: dtype, shape, C-order little-endian bytes (up to
+    ``NDARRAY_INLINE_BYTES`` of them in all)
 
 Order lives in lists only, so the skeleton survives ``json.dumps(sort_keys=True)``.
 ``max_depth`` bounds the skeleton's JSON nesting depth (a dict level costs 2); flatten
@@ -126,6 +127,11 @@ def _encode_scalar(x: Any) -> Any:
 NUMPY_SCALARS = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                            "float16", "float32", "float64", "complex64", "complex128"})
 NDARRAY_MAX_BYTES = 1 << 16
+#: Bytes of numpy arrays stored as plain data in one manifest, in all (base64 in its JSON: 4/3 of them,
+#: half the 64 MiB a manifest may hold); the arrays after those are pickled, as larger ones are (before
+#: 2026-12-07 a state of 1,200 arrays of 64 KiB made a 105 MB manifest, refused at commit: found by an
+#: independent check).
+NDARRAY_INLINE_BYTES = 24 << 20
 
 
 def _scalar_depth(enc: Any) -> int:
@@ -185,6 +191,12 @@ def _render(path: KeyPath) -> str | None:
     return ".".join(reversed(parts))
 
 
+def _where(path: KeyPath) -> str:
+    """``_render`` for a message: at most ~200 characters (1,000 levels made a 2 KB error)."""
+    text = _render(path) or "<root>"
+    return text if len(text) <= 200 else f"{text[:96]}...{text[-96:]}"
+
+
 #: Values larger than these without tensors go to a blob as objects (pickled, loaded like any object,
 #: under ``weights_only``), not into the manifest: inline, a sampler's 4M-index permutation or a 70 MB
 #: string made a manifest that loads refuse (``load.max_manifest_elements``, the 64 MiB manifest cap).
@@ -230,8 +242,10 @@ class _Encoder:
     leaf gets its key or an error names it.
     """
 
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
+    def __init__(self, max_depth: int, max_containers: int | None = None) -> None:
+        self.max_depth, self.max_containers = max_depth, max_containers
+        self.containers = 0  # lists, tuples and dicts written: a shared one once per place it appears
+        self.inline_bytes = 0  # of numpy arrays stored as plain data (``NDARRAY_INLINE_BYTES``)
         self.tensors: list[TensorLeaf] = []
         self.objects: list[ObjectLeaf] = []
         self._tensor_ids: dict[int, int] = {}
@@ -252,13 +266,20 @@ class _Encoder:
 
     def _check(self, depth: int, path: KeyPath) -> None:
         if depth > self.max_depth:
-            raise FormatError(f"cannot save state: {_render(path) or '<root>'} nests deeper than "
+            raise FormatError(f"cannot save state: {_where(path)} nests deeper than "
                               f"max_depth={self.max_depth}")
 
     def _enter(self, value: Any, path: KeyPath, stack: list) -> None:
         # Containers are written by value, so a cycle would never end.
         if id(value) in self._active:
-            raise FormatError(f"cannot save state: reference cycle at {_render(path) or '<root>'}")
+            raise FormatError(f"cannot save state: reference cycle at {_where(path)}")
+        self.containers += 1  # a container shared n times is written n times: 2**n for a chain of shared pairs
+        if self.max_containers is not None and self.containers > self.max_containers:
+            raise FormatError(f"cannot save state: it holds more than {self.max_containers} lists, tuples and dicts, "
+                              "more than a load accepts (load.max_manifest_elements / 4); lists, tuples and dicts "
+                              "are stored by value, so one that appears at several places counts at each (at "
+                              f"{_where(path)}): keep large or shared plain structures as tensors, "
+                              "or as one pickled object")
         self._active.add(id(value))
         stack.append((_EXIT, id(value)))
 
@@ -274,6 +295,10 @@ class _Encoder:
             out[slot] = {T_OBJECT: self._object_ref(value, path)}
             return
         enc = _encode_scalar(value)
+        if t is np.ndarray and enc is not _NOT_PLAIN:
+            self.inline_bytes += value.nbytes
+            if self.inline_bytes > NDARRAY_INLINE_BYTES:  # the manifest's room is for structure, not data
+                enc = _NOT_PLAIN
         if enc is not _NOT_PLAIN:
             self._check(depth + _scalar_depth(enc), path)
             out[slot] = enc
@@ -359,15 +384,16 @@ class _Encoder:
         return index
 
 
-def flatten(state: Any, *, max_depth: int = 512) -> Flattened:
+def flatten(state: Any, *, max_depth: int = 512, max_containers: int | None = None) -> Flattened:
     """Split ``state`` into a JSON skeleton, its tensors and its non-plain objects.
 
     Tensors and nn.Parameters are deduplicated by identity (tied weights share one index),
     and so are objects. Dicts with a non-plain key, tensor subclasses other than Parameter
     and all other non-plain values become :class:`ObjectLeaf` s. Leaves hold the original
-    objects (no copy). Raises FormatError for a reference cycle or nesting beyond ``max_depth``.
+    objects (no copy). Raises FormatError for a reference cycle, nesting beyond ``max_depth`` or more
+    than ``max_containers`` lists, tuples and dicts (each place a shared one appears counts).
     """
-    enc = _Encoder(max_depth)
+    enc = _Encoder(max_depth, max_containers)
     with gc_paused():
         skeleton = enc.run(state)
     return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects))

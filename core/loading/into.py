@@ -111,7 +111,7 @@ def plan_into(manifest: Manifest, leaves: list[int], into: Any) -> IntoPlan:
         rec = leaves[pos]
         if first.get(rec) is t:
             continue
-        if rec in first or not t.is_contiguous():
+        if rec in first or not t.is_contiguous() or t.is_conj() or t.is_neg():  # copy_ writes a view's values
             plan.copies.append((t, rec))
         else:
             first[rec] = t

@@ -9,6 +9,7 @@ everything taken: budget, buffers, and the row streams' claim to match what is c
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from ..format.limits import DEVICE_TYPES, MAX_MANIFEST_BYTES
 from .fence import CommitStamp, new_stamp
 from ..format.objects import DeferredObject, device_storage_bytes, serialize_object
 from .pinned import arena_layout, can_pin
+from .quant_rules import tied_lossless
 from .staging import AfterCopy, BufferPool, Copier, MemoryBudget, empty_host
 from .streams import DirState, RowStream, row_eligible
 from ..format.tree import flatten, gc_paused
@@ -38,6 +40,8 @@ class StagedTensor:
     device: str
     stream: RowStream | None = None
     changed: torch.Tensor | None = None
+    lossless: bool = False
+    """Stored lossless whatever the rules say (``tied_lossless``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,17 +148,19 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     waited for a slot meanwhile is still older than a checkpoint another writer committed then."""
     created = time.time()
     stamp = stamp or new_stamp()
-    flat = flatten(state)
+    flat = flatten(state, max_containers=config.load.max_manifest_elements // 4)
     with gc_paused():
         leaves, unique, sources = _sources(flat.tensors)
-    check_manifest_room(len(sources), len(flat.objects), config, sum(len(k) for k, _ in sources))  # before anything is staged or written
+    check_manifest_room(len(sources), len(flat.objects), config, sum(len(k) for k, _ in sources),
+                        flat.skeleton)  # before anything is staged or written
     deferred = _device_objects(flat.objects, sources)
     charged = _staging_bytes(sources) + sum(deferred.values())
     budget.acquire(charged)
     taken: list[torch.Tensor] = []  # staging buffers from the pool: given back on an error
     try:
         with gc_paused():
-            staged = _stage_all(sources, dirstate, pool, copier, config, trackers, taken)
+            staged = tied_lossless(_stage_all(sources, dirstate, pool, copier, config, trackers, taken),
+                                   flat.tensors, leaves, config.quantization)
         objects, later = _stage_objects(flat.objects, deferred, copier, pool.pin_memory)
         meta, late_meta = _meta(state, lambda t: _staged_copy(t, unique, staged))
         event = copier.finish()
@@ -179,23 +185,30 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
 #: Fewest JSON elements one stored tensor adds to a manifest: its record with one chunk and its
 #: skeleton leaf (measured: 44 without compression or packs, 57-60 by default); a pickled value: 12.
 MIN_TENSOR_ELEMENTS, MIN_OBJECT_ELEMENTS = 44, 12
-#: Fewest manifest bytes one small tensor adds besides its key (its record names it in full; the skeleton
-#: each level's own name, so a long shared prefix counts once): measured 270 with compression and packs off
-#: and keys of 1-4 characters, 311 with 42-character ones, ~350 by default. A state that needs
-#: more than ``MAX_MANIFEST_BYTES`` even at this rate is refused by ``save()`` itself (before 2026-12-07 a
-#: typical 370 bytes were assumed, which refused states of 181k-222k tensors that compression off saves
-#: and loads: found by an independent check). ``commit`` checks the exact manifest.
-MIN_TENSOR_BYTES = 250
+#: Fewest manifest bytes one small tensor's record adds besides its key: measured 250 with compression or
+#: packs off, 320 with both on (the default; one-element tensors, keys of 1-41 characters). The skeleton
+#: adds its own (a flat dict names each key again; nested ones each level's own name, so a long shared
+#: prefix counts once). A state that needs more than ``MAX_MANIFEST_BYTES`` even at this rate is refused
+#: by ``save()`` itself; ``commit`` checks the exact manifest. Before 2026-12-06 a typical 370 bytes were
+#: assumed (states of 181k-222k tensors that compression off saves were refused); before 2026-12-07 the 250
+#: for every config and no skeleton: 200,000 tensors with 12-character keys (78.8 MB by default) were told to
+#: raise load.max_manifest_elements, then failed at commit after writing every blob (independent checks).
+MIN_TENSOR_BYTES, MIN_TENSOR_BYTES_PACKED = 250, 315
 
 
-def check_manifest_room(tensors: int, objects: int, config: EngineConfig, key_chars: int = 0) -> None:
+def check_manifest_room(tensors: int, objects: int, config: EngineConfig, key_chars: int = 0,
+                        skeleton: Any = None) -> None:
     """Refuse a state whose manifest is sure to hold more JSON elements than a load accepts
     (``load.max_manifest_elements``), counted from its records alone (a lower bound), or more bytes than
-    a manifest may hold (``key_chars``: the length of the tensors' keys in all), so such a save fails
-    in ``save()`` instead of after writing every blob (``commit`` checks the exact manifest)."""
+    a manifest may hold (``key_chars``: the length of the tensors' keys in all; ``skeleton``: the state's,
+    whose JSON is counted once the records alone take half of it), so such a save fails in ``save()``
+    instead of after writing every blob (``commit`` checks the exact manifest)."""
     least = MIN_TENSOR_ELEMENTS * tensors + MIN_OBJECT_ELEMENTS * objects
     limit = config.load.max_manifest_elements
-    least_bytes = MIN_TENSOR_BYTES * tensors + key_chars  # each record names its key in full
+    packed = config.compression.compress and config.compression.pack_bytes
+    least_bytes = (MIN_TENSOR_BYTES_PACKED if packed else MIN_TENSOR_BYTES) * tensors + key_chars  # keys in full
+    if least_bytes > MAX_MANIFEST_BYTES // 2 and skeleton is not None:
+        least_bytes += len(json.dumps(skeleton, separators=(",", ":")))
     if least_bytes > MAX_MANIFEST_BYTES:  # whatever the limit: no setting raises the bytes
         raise FormatError(f"cannot save state: its {tensors} tensors need a manifest of at least "
                           f"{least_bytes >> 20} MiB, more than a manifest may hold ({MAX_MANIFEST_BYTES >> 20} MiB, "
@@ -392,7 +405,7 @@ def _meta(state: Any, staged_copy: Callable[[torch.Tensor], torch.Tensor | None]
             if isinstance(v, int) and not isinstance(v, bool):
                 meta[name] = v
             elif (isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point()
-                  and not v.is_complex()):
+                  and not v.is_complex() and v.dtype != torch.uint64):  # int(): an int64 (2**63 and up overflow)
                 if v.device.type == "cpu":
                     meta[name] = int(v)
                     continue

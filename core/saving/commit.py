@@ -102,8 +102,8 @@ def _check_loadable(data: bytes, url: str, config: EngineConfig, manifest: Manif
     except FormatError as exc:
         plain = json_shape(json.dumps(manifest.skeleton).encode())[1]
         records = json_shape(data)[1] - plain
-        if plain > records:
-            fix = "keep large plain values (nested lists and dicts of numbers) as tensors or numpy arrays"
+        if plain > records or len(json.dumps(manifest.skeleton)) > len(data) // 2:
+            fix = "keep large plain values (nested lists and dicts of numbers, strings) as tensors"
         elif len(data) > MAX_MANIFEST_BYTES:
             fix = "group small tensors into fewer, larger ones (a manifest is at most 64 MiB, ~400 bytes a tensor)"
         else:

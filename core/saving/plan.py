@@ -168,7 +168,7 @@ class Planner:
     def staged(self, st: StagedTensor, force: bool = False, lossless: bool = False) -> TensorPlan:
         """``tensor`` for a tensor of a snapshot."""
         return self.tensor(st.key, st.dtype, tuple(st.shape), stream=st.stream, changed=st.changed,
-                           force=force, lossless=lossless)
+                           force=force, lossless=lossless or st.lossless)
 
     def snapshot(self, tensors: Sequence[StagedTensor]) -> WritePlan:
         """The plan of a whole snapshot: packs first (see ``_packs``), then every other tensor."""

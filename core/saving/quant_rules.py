@@ -9,9 +9,12 @@ rather than perturb it.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
+import warnings
 from fnmatch import fnmatchcase
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -70,6 +73,31 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
         if (wanted is None or wanted == dtype) and numel >= rule.min_numel:
             return index, rule
     return -1, None
+
+
+def tied_lossless(staged: tuple, leaves: Any, sources: list[int], rules: tuple[QuantRule, ...]) -> tuple:
+    """``staged`` (one ``StagedTensor`` per distinct tensor), with ``lossless`` set on each that is saved
+    under several keys (tied weights: ``leaves`` are the state's tensor leaves, ``sources`` the staged
+    index of each) that the rules treat differently: it is stored once, under its first key, and a rule
+    that names only one of its keys must not make the others lossy (found by an independent check: a
+    rule for ``emb.weight`` quantized the tied ``head.weight``, or matched "no tensor" with the keys
+    the other way round). A warning names both keys."""
+    if not rules:
+        return staged
+    mixed: dict[int, str] = {}
+    for leaf, i in zip(leaves, sources):
+        st = staged[i]
+        if leaf.key == st.key or i in mixed:
+            continue
+        numel = math.prod(st.shape)
+        if (_match(st.key, st.dtype, numel, len(st.shape), rules)[1]
+                is not _match(leaf.key, st.dtype, numel, len(st.shape), rules)[1]):
+            mixed[i] = leaf.key
+    for i, other in mixed.items():
+        warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "
+                      "rules treat differently; it is stored lossless. Give both keys the same rule to quantize it",
+                      UserWarning, stacklevel=4)
+    return tuple(dataclasses.replace(st, lossless=True) if i in mixed else st for i, st in enumerate(staged))
 
 
 class RuleMatcher:

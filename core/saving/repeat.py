@@ -27,12 +27,14 @@ went through the pipeline again (encoded and hashed to find the blobs already th
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..format.tree import flatten, gc_paused
 from .capture import Snapshot, StagedTensor, _device_objects, _meta, _sources, _stage_objects
+from .quant_rules import tied_lossless
+from ..config import EngineConfig
 from .fence import CommitStamp, new_stamp
 from .copier import Copier
 from .streams import DirState, Share
@@ -41,19 +43,20 @@ from .streams import DirState, Share
 BLOCK_BYTES = 8 << 20
 
 
-def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot], None],
-                    copier: Copier, stamp: CommitStamp | None = None) -> Snapshot | None:
+def repeat_snapshot(state: Any, dirstate: DirState, coordinator: Any, copier: Copier,
+                    stamp: CommitStamp | None = None, config: EngineConfig | None = None) -> Snapshot | None:
     """A snapshot of ``state`` sharing the staging of the save in flight to ``dirstate``'s directory,
-    or None (no save in flight there, or ``state`` differs from it). ``release``: the coordinator's
-    ``release_staging`` (gives the staging back if the save in flight finished meanwhile);
+    or None (no save in flight there, or ``state`` differs from it). ``coordinator``: the engine's, whose
+    ``release_staging`` gives the staging back if the save in flight finished meanwhile;
     ``copier``: the engine's, whose helper thread compares half of each large tensor. Training
-    thread."""
+    thread. No slot, copy or wait (``config``: the engine's)."""
     leader = dirstate.leader
     snap: Snapshot | None = leader[1]() if leader is not None and not leader[0].done() else None
     if snap is None or dirstate.rebuilds:
         return None
     created = time.time()
-    flat = flatten(state)
+    config = config or EngineConfig()
+    flat = flatten(state, max_containers=config.load.max_manifest_elements // 4)
     with gc_paused():
         leaves, _, sources = _sources(flat.tensors)
     if len(sources) != len(snap.tensors) or _device_objects(flat.objects, sources):
@@ -63,6 +66,10 @@ def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot]
     try:
         try:
             staged = _same(sources, snap.tensors, dirstate, copier.share)
+            if staged is not None:  # tied keys as this state ties them: the rules' verdict must be the same
+                staged = tied_lossless(staged, flat.tensors, leaves, config.quantization)
+                if any(a.lossless != b.lossless for a, b in zip(staged, snap.tensors)):
+                    staged = None
         finally:
             copier.settle()
         if staged is not None:
@@ -71,9 +78,9 @@ def repeat_snapshot(state: Any, dirstate: DirState, release: Callable[[Snapshot]
             return Snapshot(flat.skeleton, staged, objects, tuple(leaves), None, snap.charged, created, meta,
                             stamp or new_stamp(), snap.hold)
     except BaseException:
-        release(snap)
+        coordinator.release_staging(snap)
         raise
-    release(snap)
+    coordinator.release_staging(snap)
     return None
 
 
@@ -112,8 +119,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, share: Share | None = None) -> 
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it."""
-    flat = t.reshape(-1)
+    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it (a conjugate or
+    negative view resolved first: its values, not its memory, are what a save stores)."""
+    flat = t.reshape(-1).resolve_conj().resolve_neg()
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)

@@ -45,7 +45,11 @@ def test_a_manifest_a_load_would_refuse_is_not_committed(tmp_path) -> None:
     with CheckpointEngine(config) as engine:
         engine.save({"step": 1}, path).result()
         with pytest.raises(BackgroundSaveError, match="its manifest would not load") as info:
-            engine.save({"step": 2, "rows": [[i, i] for i in range(10_000)]}, path).result()
+            engine.save({"step": 2, "rows": {f"k{i}": i for i in range(15_000)}}, path).result()
         assert isinstance(info.value.__cause__, FormatError) and "last.ckpt" in str(info.value.__cause__)
         assert engine.load(path) == {"step": 1}  # what was committed stays
+        # more containers than a load accepts: refused by save() itself (since 2026-12-07), before any write
+        with pytest.raises(FormatError, match="more than 5000 lists, tuples and dicts"):
+            engine.save({"step": 2, "rows": [[i, i] for i in range(10_000)]}, path)
+        assert engine.load(path) == {"step": 1}
     assert ckpt_core.load(path) == {"step": 1}
