@@ -127,10 +127,36 @@ def _shares_order(a: Any, b: Any) -> bool:
     return sampler is not None and sampler is _seedable_sampler(b)
 
 
+#: Prepared dataloaders a load put back on the last batch of an epoch: {dataloader: (the generator's state
+#: after that epoch drew its order, the next epoch)}, until the next epoch of one of them starts.
+_LAST_BATCH: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _after_last_batch(dataloader: Any) -> None:
+    """A checkpoint saved on an epoch's last batch is resumed two ways, and both are the uninterrupted run:
+    a ``skip_first_batches`` copy goes through that epoch again (skipping all of it: its order is drawn from
+    the epoch's start, then the original's counter advances, ``_epoch_ends``), or the dataloader itself
+    starts the next epoch (accelerate's examples, whose step count is a multiple of its length): then its
+    counter is the next epoch and its generator where the finished epoch left it. Before 2026-12-07 only
+    the second was right (found by an independent check: the first drew each later epoch's order one
+    epoch ahead)."""
+    for original, (after, epoch) in list(_LAST_BATCH.items()):
+        if original is dataloader:
+            del _LAST_BATCH[original]
+            _RESUMED_MID_EPOCH.discard(original)
+            gen = getattr(original, "synchronized_generator", None)
+            if isinstance(gen, torch.Generator) and isinstance(after, torch.Tensor):
+                gen.set_state(after)
+            original.iteration = epoch  # __iter__ calls set_epoch(iteration) after begin()
+        elif _shares_order(original, dataloader):
+            del _LAST_BATCH[original]
+
+
 def _epoch_starts(add: Any) -> Any:
     """``GradientState._add_dataloader`` noting the dataloader's generator state first."""
 
     def _add_dataloader(self: Any, dataloader: Any) -> Any:
+        _after_last_batch(dataloader)
         gen = getattr(dataloader, "synchronized_generator", None)
         if isinstance(gen, torch.Generator):
             dataloader._checkrun_epoch_start = gen.get_state()
@@ -331,14 +357,18 @@ def _dataloader_state(dl: Any, active: list) -> dict:
     (``dl`` itself, or its ``skip_first_batches`` copy) is inside an epoch, the generator's state from
     that epoch's start (``track_epoch_starts``); else its state now, which the next epoch draws from."""
     state: dict = {"iteration": int(getattr(dl, "iteration", 0))}
-    if any(_shares_order(dl, a) and not getattr(a, "end_of_dataloader", False) for a in active):
+    inside = [a for a in active if _shares_order(dl, a)]  # an epoch's dataloaders leave ``active`` as it ends
+    if inside:
         state["in_epoch"] = True  # saved inside epoch ``iteration`` (read by _epoch_ends after a load)
+        if all(getattr(a, "end_of_dataloader", False) for a in inside):
+            state["last_batch"] = True  # accelerate reads a batch ahead: on the last one it says the end
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator):
-        start = next((getattr(a, "_checkrun_epoch_start", None) for a in active
-                      if getattr(a, "synchronized_generator", None) is gen
-                      and not getattr(a, "end_of_dataloader", False)), None)
+        start = next((getattr(a, "_checkrun_epoch_start", None) for a in inside
+                      if getattr(a, "synchronized_generator", None) is gen), None)
         state["generator"] = start if start is not None else gen.get_state()
+        if state.get("last_batch"):
+            state["generator_next"] = gen.get_state()  # what the next epoch draws from (``_after_last_batch``)
     sampler = _seedable_sampler(dl)
     if sampler is not None:
         state["sampler"] = {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)}
@@ -356,6 +386,10 @@ def _load_dataloader_state(dl: Any, state: dict) -> None:
         _RESUMED_MID_EPOCH.add(dl)
     else:
         _RESUMED_MID_EPOCH.discard(dl)
+    if state.get("last_batch") is True:
+        _LAST_BATCH[dl] = (state.get("generator_next"), state["iteration"] + 1)
+    else:
+        _LAST_BATCH.pop(dl, None)
     gen = getattr(dl, "synchronized_generator", None)
     if isinstance(gen, torch.Generator) and "generator" in state:
         gen.set_state(state["generator"])

@@ -6,7 +6,9 @@ generator exists only with several processes).
 ``--stop``, then the script ends. ``resume``: ``load_state()``, ``skip_first_batches`` of the batches
 the interrupted epoch had done, then on to the end. Each rank writes ``seen_rank{R}.json``: the batches
 it trained on, from batch ``--stop + 1`` on (``first``: none). ``--native``: accelerate's own
-save_state/load_state, for comparison.
+save_state/load_state, for comparison. ``--finish-epoch``: a ``--stop`` at an epoch's last batch is resumed
+by a ``skip_first_batches`` of that whole epoch first (without it: by the next epoch, as accelerate's
+examples count).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--stop", type=int, required=True)
     p.add_argument("--native", action="store_true")
+    p.add_argument("--finish-epoch", action="store_true",
+                   help="resuming at an epoch's end: go through that epoch's batches again, skipping all of them")
     args = p.parse_args()
     accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
         project_dir=args.project_dir, automatic_checkpoint_naming=True))
@@ -47,6 +51,8 @@ def main() -> None:
         step = args.stop
     seen = []
     skip = step % PER_EPOCH
+    if args.finish_epoch and step and not skip:  # the documented recipe's other reading: batch len(dl) of an epoch
+        assert not list(accelerator.skip_first_batches(loader, PER_EPOCH))
     while step < EPOCHS * PER_EPOCH:
         for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             step += 1
