@@ -38,8 +38,8 @@ def find_plugin(trainer: "pl.Trainer") -> Optional[CheckrunCheckpointIO]:
 def in_flight(filepath: _PATH, trainer: "pl.Trainer") -> bool:
     """Whether a save to ``filepath`` is in flight in this process, by any engine (resolved with the
     storage options of the trainer's ``CheckrunCheckpointIO``, if it has one)."""
-    plugin = find_plugin(trainer)
-    options = plugin.config.storage.storage_options if plugin is not None else None
+    config = getattr(find_plugin(trainer), "config", None)  # None too for a MagicMock(spec=...) of the plugin
+    options = config.storage.storage_options if config is not None else None
     return save_in_flight(normalize_path(filepath), storage_options=options or None)
 
 

@@ -570,3 +570,23 @@ def test_sigterm_during_a_later_fit_is_lightnings_graceful_stop(tmp_path) -> Non
     assert p.returncode == 0, p.stderr[-3000:]
     state = ckpt_core.load(tmp_path / "on_exception.ckpt")
     assert state["global_step"] == 4  # as TorchCheckpointIO saves it: the step that got the signal completes
+
+
+def test_a_spec_mock_wrapping_the_plugin_counts_the_calls_like_lightnings_own_test(tmp_path):
+    """Lightning's test_checkpoint_plugin_called wraps its plugin in ``MagicMock(wraps=plugin, spec=cls)``: with
+    checkrun's, the stock ModelCheckpoint's first save raised "Mock object has no attribute 'config'" (found by
+    an independent check, running Lightning's own tests with the plugin)."""
+    from unittest.mock import MagicMock
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    plugin = MagicMock(wraps=lightning_ckpt.CheckrunCheckpointIO(), spec=lightning_ckpt.CheckrunCheckpointIO)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu",
+                      strategy=SingleDeviceStrategy("cpu", checkpoint_io=plugin),
+                      callbacks=ModelCheckpoint(dirpath=tmp_path, save_last=True), max_epochs=2,
+                      limit_train_batches=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(BoringModel())
+    assert plugin.save_checkpoint.call_count == 4 and plugin.remove_checkpoint.call_count == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ckpt") == ["epoch=1-step=2.ckpt", "last.ckpt"]
