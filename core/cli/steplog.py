@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .util import Context, human_size, one_line, safe
-from ..errors import CheckpointNotFoundError, CheckrunError, FormatError
+from ..errors import CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
     PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, check_seg_name, decode_limit, header_end,
@@ -57,13 +57,22 @@ def has_log(segs: Store) -> bool:
 
 
 def read_header(segs: Store, name: str) -> dict:
-    """The checked header of segment ``name`` (two ranged reads, no payload)."""
+    """The checked header of segment ``name`` (two ranged reads, no payload). A header found damaged is read
+    once more, as ``verify`` reads a segment: damage in transit (a corrupted GET, a HEAD that lied about the
+    size the reads are cut to) is not damage at rest (before 2026-12-07 one such answer made ``ls`` say an
+    intact log ended early: found by an independent check)."""
     where = segs.url(name)
-    end = header_end(segs.read_head(name, PREFIX_BYTES))
-    head = segs.read_head(name, end) if end else b""
-    header = parse_header(head, where, 1 << 62)  # payload ranges are checked when it is read
-    check_seg_name(header, name, where)
-    return header
+    for again in (False, True):
+        try:
+            end = header_end(segs.read_head(name, PREFIX_BYTES))
+            head = segs.read_head(name, end) if end else b""
+            header = parse_header(head, where, 1 << 62)  # payload ranges are checked when it is read
+            check_seg_name(header, name, where)
+            return header
+        except (SegmentDamaged, CorruptCheckpointError):
+            if again:
+                raise
+    raise AssertionError("unreachable")
 
 
 # ----------------------------------------------------------------------------- chains

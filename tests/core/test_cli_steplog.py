@@ -97,6 +97,38 @@ def test_ls_shows_logged_steps_after_the_checkpoint(logged, capsys):
     assert code == 0 and f"ck.ckpt  +{STEPS - CKPT_AT} logged steps (through step {STEPS})" in out
 
 
+@pytest.mark.parametrize("lie", ["size 0", "flipped byte"])
+def test_ls_reads_a_segment_header_damaged_in_transit_again(logged, capsys, monkeypatch, lie):
+    """h117 (an S3 proxy): one HEAD answering a size of 0 for a segment, or one GET with a byte flipped, made
+    ``ls`` say an intact log "ends early" (+0 logged steps, exit 0); replay and verify read it again. So
+    does ``ls`` now (``faultfile://``: the real disk, one answer changed)."""
+    from ckpt_core.testing.faults import FaultFS
+
+    target = _after_marker(logged)[0].name
+    told: list[str] = []
+    real_info, real_cat = FaultFS.info, FaultFS.cat_file
+
+    def info(self, path, **kwargs):
+        out = real_info(self, path, **kwargs)
+        if lie == "size 0" and str(path).endswith(target) and not told:
+            told.append(str(path))
+            out = {**out, "size": 0}
+        return out
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        out = real_cat(self, path, start=start, end=end, **kwargs)
+        if lie == "flipped byte" and str(path).endswith(target) and not told:
+            told.append(str(path))
+            out = bytes([out[0] ^ 1]) + out[1:]
+        return out
+    monkeypatch.setattr(FaultFS, "info", info)
+    monkeypatch.setattr(FaultFS, "cat_file", cat_file)
+    code, doc = _json(capsys, "ls", f"faultfile://{logged}")
+    assert told and code == 0
+    (row,) = doc["checkpoints"]
+    assert row["logged_steps_after"] == STEPS - CKPT_AT and row.get("step_log_problem") is None, row
+
+
 def test_ls_without_a_step_log_is_unchanged(tmp_path, capsys):
     with CheckpointEngine() as engine:
         engine.save({"w": torch.ones(3)}, f"{tmp_path}/a.ckpt").result()
