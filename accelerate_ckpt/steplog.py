@@ -191,6 +191,9 @@ class AccelerateStepLog:
         self.log = self.engine.step_log(directory, optimizer, scheduler, storage_options=self.storage_options,
                                         scaler=self.accelerator.scaler, model=self._model())
         self.directory = directory
+        if scheduler is not None:
+            _track_window_ends()
+            _WINDOW_LOGS[scheduler] = self.log
 
     def _model(self) -> Any:
         """The one prepared model, unwrapped (its names are the state dict's), or None."""
@@ -202,6 +205,32 @@ class AccelerateStepLog:
         slog, self.log = self.log, None
         if slog is not None:
             slog.close()
+
+
+#: The open log of each logged LR scheduler (the torch one inside a prepared ``AcceleratedScheduler``).
+_WINDOW_LOGS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _track_window_ends() -> None:
+    """Wrap ``AcceleratedScheduler.step`` (once, on the class) to tell the log of its scheduler, after each
+    call, that the work of the last logged optimizer step is done (``StepLog.window_end``): with
+    ``step_scheduler_with_optimizer=False`` the scheduler steps at every micro-batch, and the state at the
+    next flush included the steps of an accumulation window a resume runs again."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    step = AcceleratedScheduler.step
+    if getattr(step, "_checkrun", False):
+        return
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = step(self, *args, **kwargs)
+        slog = _WINDOW_LOGS.get(getattr(self, "scheduler", None))
+        if slog is not None:
+            slog.window_end()
+        return out
+    wrapped._checkrun = True  # type: ignore[attr-defined]
+    wrapped.__doc__, wrapped.__name__ = step.__doc__, step.__name__
+    AcceleratedScheduler.step = wrapped
 
 
 def _registered(acc: Any, optimizers: tuple) -> Any:

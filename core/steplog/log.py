@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -34,28 +33,12 @@ from .batch import _Batch, _Inbox
 from .capture import Staging, capture_step, fingerprint, forward_buffers, group_scalars, sched_skeleton
 from .encode import RAW_PIPELINE, StepEncoder
 from .index import dir_key
-from .registry import _ACTIVE, ENDED, active_log, log_store  # noqa: F401 - log_store, active_log: importers'
+from .registry import _ACTIVE, ENDED, _inner_call
+from .registry import active_log, log_store  # noqa: F401 - log_store, active_log: importers'
 from .format import (MAX_RUN_BYTES, Marker, RunInfo, StepLogError, marker_to_bytes, mark_name, segment_parts,
                      run_name, run_to_bytes, seg_name)
 
 log = logging.getLogger("ckpt_core")
-# torch's wrapper that runs the step hooks around a class's step(): a subclass whose step() calls
-# super().step() runs the hooks once per class, nested (found by checking a step that raises)
-_HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
-
-
-def _inner_call(optimizer: Any) -> bool:
-    """Whether the step hook being run belongs to a ``step()`` called inside another ``step()`` of
-    ``optimizer`` (a subclass's ``super().step()``): only the outermost one is logged, as replay
-    calls it. Walks the caller's frames (a few microseconds per step)."""
-    outer, frame = 0, sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _HOOK_WRAPPER and frame.f_locals.get("self") is optimizer:
-            outer += 1
-            if outer > 1:
-                return True
-        frame = frame.f_back
-    return False
 
 
 class StepLog:
@@ -95,6 +78,7 @@ class StepLog:
         self._thread.stop = self.close  # type: ignore[attr-defined]  # a harness stopping leftover threads
         self._thread.start()
         self._last_state: dict | None = None
+        self._window: "bool | dict | None" = None  # ``window_end``: armed by a step (True), then its state
         self._held: Any = None  # the record captured by the pre-hook of the step() in progress
         self._due: list[Marker] = []  # markers whose write failed at their save: written again (_write_due)
         self._void: set[str] = set()  # markers in ``_due`` whose save failed (added by its done-callback)
@@ -136,7 +120,7 @@ class StepLog:
         try:
             self._write_due()
             self._drop_held()
-            self._state_event()  # before an error is raised: the encoder writes the held step at the stop,
+            self._state_event(window=True)  # before an error is raised: the encoder writes the held step at the stop,
             # and without the scheduler step after it a resume there was one scheduler step behind (h99)
             if check:  # commit_for (another log's replay) leaves errors to this log's owner
                 self._check()
@@ -282,7 +266,7 @@ class StepLog:
         self._write_due()
         self._drop_held()
         if self._unflushed >= self.config.step_log.flush_every_steps:  # at the next step's start:
-            self._state_event()  # the scheduler's step after the last logged step goes with it
+            self._state_event(window=True)  # the scheduler's step after the last logged step goes with it
             self._queue.put(("flush", None))
             self._unflushed = 0
         self._state_event()
@@ -309,8 +293,18 @@ class StepLog:
         self.step += 1
         self.event += 1
         self._unflushed += 1
+        self._window = True  # the state after this step: as ``window_end`` finds it, if called
         self._queue.put(("step", rec))
         self._check()
+
+    def window_end(self) -> None:
+        """The loop's work for the last logged step is done (an adapter calls it after the LR scheduler's
+        step that follows the optimizer's): the state now is what a flush logs as the state after that step,
+        not the state at the flush. A scheduler stepped per micro-batch (accelerate's
+        ``step_scheduler_with_optimizer=False``) has stepped again by then, for batches a resume runs again
+        (found by an independent check: the resumed scheduler was ahead by them)."""
+        if self._window is True:
+            self._window = self._state_now()
 
     def _drop_held(self) -> None:
         rec, self._held = self._held, None
@@ -319,9 +313,21 @@ class StepLog:
             log.warning("checkrun: step log of %s: optimizer step %d raised; it is not logged",
                         self.store.url(""), rec.step)
 
-    def _state_event(self) -> None:
+    def _state_event(self, window: bool = False) -> None:
         """Log the groups' hyperparameters and the scheduler's state if they changed since logged:
-        replay restores them before the next step, so the step and the resumed scheduler are exact."""
+        replay restores them before the next step, so the step and the resumed scheduler are exact.
+        ``window``: at a flush, the state ``window_end`` found after the last step, if it did (kept for
+        the flushes until the next step; any other event logs the state now and forgets it)."""
+        if window and isinstance(self._window, dict):
+            state = self._window
+        else:
+            state, self._window = self._state_now(), None
+        if state != self._last_state:  # fresh plain data (no JSON round trip: this runs every step)
+            self._last_state = state
+            self.event += 1
+            self._queue.put_quiet(("state", state))  # the step, a flush or a stop follows and wakes it
+
+    def _state_now(self) -> dict:
         state = {"groups": group_scalars(self.optimizer),
                  "sched": None if self.scheduler is None else sched_skeleton(self.scheduler.state_dict())}
         if self.scaler is not None:  # its update() also runs after a skipped step, where no pre-hook does
@@ -331,10 +337,7 @@ class StepLog:
                 state["counters"] = meta.check_counters(self.counters())
             except FormatError as exc:
                 raise StepLogError(f"step log of {self.store.url('')}: step_log(counters=): {exc}") from None
-        if state != self._last_state:  # fresh plain data (no JSON round trip: this runs every step)
-            self._last_state = state
-            self.event += 1
-            self._queue.put_quiet(("state", state))  # the step, a flush or a stop follows and wakes it
+        return state
 
     def _point(self) -> None:
         """A flush point between batches (``flush``, a save): the RNG states as they are now hold after

@@ -4,8 +4,11 @@ to find. Training thread (``close`` of a log may come from any thread)."""
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any
+
+import torch
 
 from ..saving import inflight
 from ..storage.paths import STEPLOG_DIR
@@ -44,3 +47,22 @@ inflight.before_rmtree(_close_under)
 #: Per optimizer, per directory: where its last log there ended when closed, and the optimizer's
 #: ``fingerprint`` then (a log opened later continues that chain while the fingerprint holds).
 ENDED: "weakref.WeakKeyDictionary[Any, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
+# torch's wrapper that runs the step hooks around a class's step(): a subclass whose step() calls
+# super().step() runs the hooks once per class, nested (found by checking a step that raises)
+_HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def _inner_call(optimizer: Any) -> bool:
+    """Whether the step hook being run belongs to a ``step()`` called inside another ``step()`` of
+    ``optimizer`` (a subclass's ``super().step()``): only the outermost one is logged, as replay
+    calls it. Walks the caller's frames (a few microseconds per step)."""
+    outer, frame = 0, sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _HOOK_WRAPPER and frame.f_locals.get("self") is optimizer:
+            outer += 1
+            if outer > 1:
+                return True
+        frame = frame.f_back
+    return False

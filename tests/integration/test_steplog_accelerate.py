@@ -452,3 +452,44 @@ def test_the_documented_resume_skips_the_batches_the_replayed_steps_took(tmp_pat
     for key, value in want.items():
         assert torch.equal(net.state_dict()[key], value), key
     ckpt.close()
+
+
+def test_a_scheduler_stepped_per_micro_batch_resumes_where_the_last_window_ended(tmp_path: Path) -> None:
+    """``step_scheduler_with_optimizer=False`` with accumulation: the scheduler steps at every micro-batch. 17
+    micro-batches are 5 optimizer steps and 2 micro-batches of the 6th; a resume runs those 2 again, so the
+    resumed scheduler must be where step 5's window ended (found by an independent check: it was 2 steps
+    ahead, and the learning rate then differed from the uninterrupted run's)."""
+
+    def setup() -> tuple:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=3, step_scheduler_with_optimizer=False,
+                          project_config=ProjectConfiguration(str(tmp_path / "p"), automatic_checkpoint_naming=True))
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        net, opt, sched = acc.prepare(net, opt, sched)
+        return acc, net, opt, sched, AcceleratorCheckpointer(acc, CONFIG).attach()
+
+    acc, net, opt, sched, ckpt = setup()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 4, generator=g) for _ in range(17)]
+    for i, x in enumerate(batches, 1):
+        with acc.accumulate(net):
+            acc.backward(net(x).square().mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if i == 6:
+            acc.save_state()
+        if i == 15:
+            at_step_5 = _state(net, opt, sched)
+    ckpt.step_log.flush()
+    ckpt.close()
+    acc, net, opt, sched, ckpt = setup()
+    acc.load_state()
+    assert ckpt.replayed_steps == 3
+    assert sched.state_dict() == at_step_5["sched"]
+    assert_bit_equal(_state(net, opt, sched), at_step_5)
+    ckpt.close()
