@@ -38,7 +38,9 @@ _CENTRAL_ENTRY = b"PK\x01\x02"
 #: Bytes charged per zip entry: zipfile builds a ZipInfo per entry, ~560 bytes measured (1M entries
 #: of one-character names, an 82 MB blob: +536 MiB), so a blob of bare entries costs ~12x its size.
 ZIP_ENTRY_COST = 1024
-_NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+#: What torch's refusal names as missing: a global to allow, or a class it was asked to build (numpy's dtype
+#: classes, ``numpy.dtypes.Float32DType``, once ``_reconstruct``, ``ndarray`` and ``dtype`` are allowed).
+_NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global|but got <class '([^']+)'>")
 _BLOCKED_GLOBAL = re.compile(r"GLOBAL (\S+) whose module (\S+) is blocked")
 
 
@@ -241,7 +243,7 @@ def _unsafe_message(key: str, type_name: str, exc: BaseException) -> str:
                 f"{blocked.group(2)} (load.allowed_globals cannot allow it). Only weights_only=False loads it, "
                 "which runs that call: do that only if you trust this checkpoint.")
     match = _NEEDED_GLOBAL.search(str(exc))
-    needed = match.group(1) if match else type_name
+    needed = (match.group(1) or match.group(2)) if match else type_name
     also = f" (unpickling it needs {needed})" if needed != type_name else ""
     return (f"refusing to load the value at key {key!r} of type {type_name}{also}: weights_only=True "
             f"allows only tensors, plain data and allow-listed types. If you trust this checkpoint, "

@@ -81,6 +81,8 @@ class Flattened:
     skeleton: Any
     tensors: tuple[TensorLeaf, ...]
     objects: tuple[ObjectLeaf, ...]
+    repeats: tuple[tuple[int, str], ...] = ()
+    """(tensor index, key) of each further place a tensor object appears (tied weights under two keys)."""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -244,11 +246,12 @@ class _Encoder:
 
     def __init__(self, max_depth: int, max_containers: int | None = None) -> None:
         self.max_depth, self.max_containers = max_depth, max_containers
-        self.containers = 0  # lists, tuples and dicts written: a shared one once per place it appears
+        self.containers = 0  # JSON lists and objects written: a shared container's once per place it appears
         self.inline_bytes = 0  # of numpy arrays stored as plain data (``NDARRAY_INLINE_BYTES``)
         self.tensors: list[TensorLeaf] = []
         self.objects: list[ObjectLeaf] = []
         self._tensor_ids: dict[int, int] = {}
+        self.repeats: list[tuple[int, str]] = []
         self._object_ids: dict[int, int] = {}
         self._used: set[str] = set()
         self._active: set[int] = set()
@@ -273,11 +276,13 @@ class _Encoder:
         # Containers are written by value, so a cycle would never end.
         if id(value) in self._active:
             raise FormatError(f"cannot save state: reference cycle at {_where(path)}")
-        self.containers += 1  # a container shared n times is written n times: 2**n for a chain of shared pairs
+        # JSON containers: a list is one, a dict or tuple two ({"$d": [...]}). One shared n times is written n
+        # times: 2**n for a chain of shared pairs
+        self.containers += 1 if type(value) is list else 2
         if self.max_containers is not None and self.containers > self.max_containers:
-            raise FormatError(f"cannot save state: it holds more than {self.max_containers} lists, tuples and dicts, "
-                              "more than a load accepts (load.max_manifest_elements / 4); lists, tuples and dicts "
-                              "are stored by value, so one that appears at several places counts at each (at "
+            raise FormatError(f"cannot save state: its lists, tuples and dicts take more than {self.max_containers} "
+                              "JSON lists and objects, more than a load accepts (load.max_manifest_elements / 4); "
+                              "they are stored by value, so one that appears at several places counts at each (at "
                               f"{_where(path)}): keep large or shared plain structures as tensors, "
                               "or as one pickled object")
         self._active.add(id(value))
@@ -369,6 +374,8 @@ class _Encoder:
         if index is None:
             index = self._tensor_ids[id(tensor)] = len(self.tensors)
             self.tensors.append(TensorLeaf(self._unique(path), tensor))
+        else:
+            self.repeats.append((index, _render(path) or ""))
         if type(tensor) is torch.nn.Parameter:
             return {T_PARAM: [index, bool(tensor.requires_grad)]}
         if tensor.requires_grad:  # a plain tensor that requires grad (a learnable scalar) keeps the flag
@@ -396,4 +403,4 @@ def flatten(state: Any, *, max_depth: int = 512, max_containers: int | None = No
     enc = _Encoder(max_depth, max_containers)
     with gc_paused():
         skeleton = enc.run(state)
-    return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects))
+    return Flattened(skeleton, tuple(enc.tensors), tuple(enc.objects), tuple(enc.repeats))

@@ -160,7 +160,7 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
     try:
         with gc_paused():
             staged = tied_lossless(_stage_all(sources, dirstate, pool, copier, config, trackers, taken),
-                                   flat.tensors, leaves, config.quantization)
+                                   flat, leaves, config.quantization)
         objects, later = _stage_objects(flat.objects, deferred, copier, pool.pin_memory)
         meta, late_meta = _meta(state, lambda t: _staged_copy(t, unique, staged))
         event = copier.finish()
@@ -236,7 +236,10 @@ def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str
                                   f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
             _check_overlap(leaf.key, leaf.tensor)
             unique[k] = len(sources)
-            sources.append((leaf.key, leaf.tensor.detach()))
+            t = leaf.tensor.detach()
+            if t.is_conj() or t.is_neg():  # its values, once: row streams and comparisons read memory
+                t = t.resolve_conj().resolve_neg()
+            sources.append((leaf.key, t))
         indices.append(unique[k])
     return indices, unique, sources
 

@@ -75,24 +75,26 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
     return -1, None
 
 
-def tied_lossless(staged: tuple, leaves: Any, sources: list[int], rules: tuple[QuantRule, ...]) -> tuple:
+def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[QuantRule, ...]) -> tuple:
     """``staged`` (one ``StagedTensor`` per distinct tensor), with ``lossless`` set on each that is saved
-    under several keys (tied weights: ``leaves`` are the state's tensor leaves, ``sources`` the staged
-    index of each) that the rules treat differently: it is stored once, under its first key, and a rule
-    that names only one of its keys must not make the others lossy (found by an independent check: a
+    under several keys (tied weights: ``flat`` is the state's ``tree.Flattened``, whose tensor leaves
+    are views of one memory or whose ``repeats`` are one tensor object again; ``sources`` the staged
+    index of each leaf) that the rules treat differently: it is stored once, under its first key, and a
+    rule that names only one of its keys must not make the others lossy (found by independent checks: a
     rule for ``emb.weight`` quantized the tied ``head.weight``, or matched "no tensor" with the keys
     the other way round). A warning names both keys."""
     if not rules:
         return staged
     mixed: dict[int, str] = {}
-    for leaf, i in zip(leaves, sources):
+    keys = [(leaf.key, i) for leaf, i in zip(flat.tensors, sources)]
+    for key, i in keys + [(key, sources[leaf]) for leaf, key in flat.repeats]:
         st = staged[i]
-        if leaf.key == st.key or i in mixed:
+        if key == st.key or i in mixed:
             continue
         numel = math.prod(st.shape)
         if (_match(st.key, st.dtype, numel, len(st.shape), rules)[1]
-                is not _match(leaf.key, st.dtype, numel, len(st.shape), rules)[1]):
-            mixed[i] = leaf.key
+                is not _match(key, st.dtype, numel, len(st.shape), rules)[1]):
+            mixed[i] = key
     for i, other in mixed.items():
         warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "
                       "rules treat differently; it is stored lossless. Give both keys the same rule to quantize it",

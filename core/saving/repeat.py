@@ -67,7 +67,7 @@ def repeat_snapshot(state: Any, dirstate: DirState, coordinator: Any, copier: Co
         try:
             staged = _same(sources, snap.tensors, dirstate, copier.share)
             if staged is not None:  # tied keys as this state ties them: the rules' verdict must be the same
-                staged = tied_lossless(staged, flat.tensors, leaves, config.quantization)
+                staged = tied_lossless(staged, flat, leaves, config.quantization)
                 if any(a.lossless != b.lossless for a, b in zip(staged, snap.tensors)):
                     staged = None
         finally:
@@ -119,9 +119,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, share: Share | None = None) -> 
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it (a conjugate or
-    negative view resolved first: its values, not its memory, are what a save stores)."""
-    flat = t.reshape(-1).resolve_conj().resolve_neg()
+    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it (``capture._sources``
+    resolved conjugate and negative views: their values, not their memory, are what a save stores)."""
+    flat = t.reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)

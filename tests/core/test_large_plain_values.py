@@ -49,7 +49,7 @@ def test_a_manifest_a_load_would_refuse_is_not_committed(tmp_path) -> None:
         assert isinstance(info.value.__cause__, FormatError) and "last.ckpt" in str(info.value.__cause__)
         assert engine.load(path) == {"step": 1}  # what was committed stays
         # more containers than a load accepts: refused by save() itself (since 2026-12-07), before any write
-        with pytest.raises(FormatError, match="more than 5000 lists, tuples and dicts"):
+        with pytest.raises(FormatError, match="take more than 5000 JSON lists and objects"):
             engine.save({"step": 2, "rows": [[i, i] for i in range(10_000)]}, path)
         assert engine.load(path) == {"step": 1}
     assert ckpt_core.load(path) == {"step": 1}
