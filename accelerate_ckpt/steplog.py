@@ -225,8 +225,8 @@ def _track_window_ends() -> None:
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = step(self, *args, **kwargs)
         slog = _WINDOW_LOGS.get(getattr(self, "scheduler", None))
-        if slog is not None:
-            slog.window_end()
+        if slog is not None and not getattr(self, "step_with_optimizer", True):  # stepped per micro-batch
+            slog.window_end()  # (with the optimizer: the state at the flush, hyperparameters set after it too)
         return out
     wrapped._checkrun = True  # type: ignore[attr-defined]
     wrapped.__doc__, wrapped.__name__ = step.__doc__, step.__name__

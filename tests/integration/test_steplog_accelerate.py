@@ -493,3 +493,41 @@ def test_a_scheduler_stepped_per_micro_batch_resumes_where_the_last_window_ended
     assert sched.state_dict() == at_step_5["sched"]
     assert_bit_equal(_state(net, opt, sched), at_step_5)
     ckpt.close()
+
+
+def test_hyperparameters_set_after_the_scheduler_step_are_resumed(tmp_path: Path) -> None:
+    """The default ``step_scheduler_with_optimizer=True``: a loop that sets a hyperparameter after
+    ``scheduler.step()`` resumes with the value of its last step (the first fix of the per-micro-batch
+    scheduler logged the state right after the scheduler's step for every prepared scheduler: found by
+    the next independent check)."""
+
+    def setup() -> tuple:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "p"),
+                                                                        automatic_checkpoint_naming=True))
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        net, opt, sched = acc.prepare(net, opt, sched)
+        return acc, net, opt, sched, AcceleratorCheckpointer(acc, CONFIG).attach()
+
+    acc, net, opt, sched, ckpt = setup()
+    g = torch.Generator().manual_seed(0)
+    for i in range(1, 8):
+        acc.backward(net(torch.randn(2, 4, generator=g)).square().mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        for group in opt.param_groups:
+            group["weight_decay"] = 0.01 * i
+        if i == 2:
+            acc.save_state()
+    want = _state(net, opt, sched)
+    ckpt.close()
+    acc, net, opt, sched, ckpt = setup()
+    acc.load_state()
+    assert ckpt.replayed_steps == 5 and opt.param_groups[0]["weight_decay"] == 0.07
+    assert_bit_equal(_state(net, opt, sched), want)
+    ckpt.close()
