@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -454,6 +455,21 @@ def test_the_documented_resume_skips_the_batches_the_replayed_steps_took(tmp_pat
     ckpt.close()
 
 
+def _linear_run(tmp_path: Path, make_opt: Any, **accelerator: Any) -> tuple:
+    """A fresh Accelerator (``accelerator``: its arguments) with a Linear(4, 1), the optimizer ``make_opt``
+    builds and a StepLR, prepared, checkrun attached with the step log."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "p"), automatic_checkpoint_naming=True),
+                      **accelerator)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = make_opt(net.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    net, opt, sched = acc.prepare(net, opt, sched)
+    return acc, net, opt, sched, AcceleratorCheckpointer(acc, CONFIG).attach()
+
+
 def test_a_scheduler_stepped_per_micro_batch_resumes_where_the_last_window_ended(tmp_path: Path) -> None:
     """``step_scheduler_with_optimizer=False`` with accumulation: the scheduler steps at every micro-batch. 17
     micro-batches are 5 optimizer steps and 2 micro-batches of the 6th; a resume runs those 2 again, so the
@@ -461,16 +477,8 @@ def test_a_scheduler_stepped_per_micro_batch_resumes_where_the_last_window_ended
     ahead, and the learning rate then differed from the uninterrupted run's)."""
 
     def setup() -> tuple:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        acc = Accelerator(cpu=True, gradient_accumulation_steps=3, step_scheduler_with_optimizer=False,
-                          project_config=ProjectConfiguration(str(tmp_path / "p"), automatic_checkpoint_naming=True))
-        torch.manual_seed(0)
-        net = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-        net, opt, sched = acc.prepare(net, opt, sched)
-        return acc, net, opt, sched, AcceleratorCheckpointer(acc, CONFIG).attach()
+        return _linear_run(tmp_path, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                           gradient_accumulation_steps=3, step_scheduler_with_optimizer=False)
 
     acc, net, opt, sched, ckpt = setup()
     g = torch.Generator().manual_seed(0)
@@ -502,16 +510,7 @@ def test_hyperparameters_set_after_the_scheduler_step_are_resumed(tmp_path: Path
     the next independent check)."""
 
     def setup() -> tuple:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(tmp_path / "p"),
-                                                                        automatic_checkpoint_naming=True))
-        torch.manual_seed(0)
-        net = torch.nn.Linear(4, 1)
-        opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-        net, opt, sched = acc.prepare(net, opt, sched)
-        return acc, net, opt, sched, AcceleratorCheckpointer(acc, CONFIG).attach()
+        return _linear_run(tmp_path, lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.0))
 
     acc, net, opt, sched, ckpt = setup()
     g = torch.Generator().manual_seed(0)
