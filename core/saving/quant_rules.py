@@ -92,8 +92,10 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
         if key == st.key or i in mixed:
             continue
         numel = math.prod(st.shape)
-        if (_match(st.key, st.dtype, numel, len(st.shape), rules)[1]
-                is not _match(key, st.dtype, numel, len(st.shape), rules)[1]):
+        a = _match(st.key, st.dtype, numel, len(st.shape), rules)[1]
+        b = _match(key, st.dtype, numel, len(st.shape), rules)[1]
+        if a is not b and (a is None or b is None  # two rules of the same settings are one treatment
+                           or dataclasses.replace(a, pattern="") != dataclasses.replace(b, pattern="")):
             mixed[i] = key
     for i, other in mixed.items():
         warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "

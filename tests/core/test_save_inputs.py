@@ -191,3 +191,15 @@ def test_many_small_dicts_are_counted_as_the_json_they_take(tmp_path):
                        config=config)
     ckpt_core.save({"w": torch.ones(2), "recs": [[i] for i in range(3000)]}, str(tmp_path / "x.ckpt"), config=config)
     assert len(ckpt_core.load(str(tmp_path / "x.ckpt"))["recs"]) == 3000  # lists: one container each
+
+
+def test_two_rules_of_the_same_settings_for_tied_keys_quantize_them(tmp_path):
+    state, values = _tied_state(("emb.weight", "head.weight"))
+    rule = {"method": "uniform", "bits": 2}
+    config = {"saving": {"asynchronous": False},
+              "quantization": [{"pattern": "emb.*", **rule}, {"pattern": "head.*", **rule}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt_core.save(state, str(tmp_path / "x.ckpt"), config=config)
+    got = ckpt_core.load(str(tmp_path / "x.ckpt"))
+    assert not torch.equal(got["emb.weight"], values) and torch.equal(got["emb.weight"], got["head.weight"])
