@@ -137,19 +137,33 @@ def _after_last_batch(dataloader: Any) -> None:
     a ``skip_first_batches`` copy goes through that epoch again (skipping all of it: its order is drawn from
     the epoch's start, then the original's counter advances, ``_epoch_ends``), or the dataloader itself
     starts the next epoch (accelerate's examples, whose step count is a multiple of its length): then its
-    counter is the next epoch and its generator where the finished epoch left it. Before 2026-12-07 only
-    the second was right (found by an independent check: the first drew each later epoch's order one
-    epoch ahead)."""
+    counter is the next epoch and its generator where the finished epoch left it; so does a copy skipping
+    fewer batches than an epoch has (accelerate's examples: ``skip_first_batches(dl, 0)``). Before 2026-12-07
+    only the second was right (found by independent checks: the first drew each later epoch's order one
+    epoch ahead, the third one epoch behind)."""
     for original, (after, epoch) in list(_LAST_BATCH.items()):
+        if original is not dataloader and not _shares_order(original, dataloader):
+            continue
+        del _LAST_BATCH[original]
+        if original is not dataloader and _skipped(dataloader) >= len(original):
+            continue  # the finished epoch again, all of it skipped: drawn from its start, as loaded
+        # the next epoch: the original itself, or a copy skipping fewer batches than an epoch has (accelerate's
+        # examples resume a step count that is a multiple of the length with ``skip_first_batches(dl, 0)``)
+        gen = getattr(original, "synchronized_generator", None)
+        if isinstance(gen, torch.Generator) and isinstance(after, torch.Tensor):
+            gen.set_state(after)
+        original.iteration = dataloader.iteration = epoch  # __iter__ calls set_epoch(iteration) after begin()
         if original is dataloader:
-            del _LAST_BATCH[original]
-            _RESUMED_MID_EPOCH.discard(original)
-            gen = getattr(original, "synchronized_generator", None)
-            if isinstance(gen, torch.Generator) and isinstance(after, torch.Tensor):
-                gen.set_state(after)
-            original.iteration = epoch  # __iter__ calls set_epoch(iteration) after begin()
-        elif _shares_order(original, dataloader):
-            del _LAST_BATCH[original]
+            _RESUMED_MID_EPOCH.discard(original)  # (a copy's end advances the original's counter: _epoch_ends)
+
+
+def _skipped(dataloader: Any) -> int:
+    """The batches a ``skip_first_batches`` copy skips (its own count, or its ``SkipBatchSampler``'s)."""
+    for holder in (dataloader, getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None)):
+        n = getattr(holder, "skip_batches", None)
+        if isinstance(n, int) and n:
+            return n
+    return 0
 
 
 def _epoch_starts(add: Any) -> Any:

@@ -61,25 +61,27 @@ def test_unchanged_script_names_loads_and_prunes_like_accelerate(tmp_path: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop, finish", [(3, False), (11, False), (8, False), (8, True)],
-                         ids=["first-epoch", "second-epoch", "last-batch-then-next-epoch", "last-batch-skipped-again"])
+@pytest.mark.parametrize("stop, how", [(3, ""), (11, ""), (8, ""), (8, "--finish-epoch"), (8, "--skip-zero")],
+                         ids=["first-epoch", "second-epoch", "last-batch-then-next-epoch", "last-batch-skipped-again",
+                              "last-batch-then-skip-0"])
 def test_a_resume_in_the_middle_of_an_epoch_trains_on_the_interrupted_runs_batches(tmp_path: Path, stop: int,
-                                                                                   finish: bool) -> None:
+                                                                                   how: str) -> None:
     """2 processes, a shuffled DataLoader (accelerate's synchronized generator), save_state() after batch
     ``stop``, a fresh launch: load_state() + skip_first_batches continue with the batches and weights of
     the uninterrupted run. Before, the generator was saved after the epoch had drawn its order: the
     resumed epoch drew the next epoch's (samples repeated and skipped; accelerate itself is exact in the
     first epoch). It is now saved as of the epoch's start (accelerate: wrong from the second epoch on).
-    Saved on an epoch's last batch (8), both resumes are right: starting the next epoch, or skipping the
-    whole finished epoch first (before 2026-12-07 the second drew every later epoch's order one epoch
-    ahead: found by an independent check)."""
+    Saved on an epoch's last batch (8), the three resumes are right: starting the next epoch, skipping the
+    whole finished epoch first, or the next epoch through ``skip_first_batches(loader, 0)`` as accelerate's
+    examples do (before 2026-12-07 the second drew every later epoch's order one epoch ahead, the third
+    one epoch behind: found by independent checks)."""
     script = HERE / "mid_epoch.py"
 
     def launch(phase: str, project: str) -> list[dict]:
         out = tmp_path / f"out-{phase}-{project}"
         out.mkdir()
         accelerate_launch(accelerate_args(2), script, [phase, "--project-dir", tmp_path / project, "--out", out,
-                                                        "--stop", str(stop)] + ["--finish-epoch"] * finish,
+                                                        "--stop", str(stop)] + ([how] if how else []),
                           launch_env(tmp_path))
         return [json.loads((out / f"seen_rank{r}.json").read_text()) for r in range(2)] if phase != "first" else []
 

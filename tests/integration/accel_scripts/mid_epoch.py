@@ -7,8 +7,8 @@ generator exists only with several processes).
 the interrupted epoch had done, then on to the end. Each rank writes ``seen_rank{R}.json``: the batches
 it trained on, from batch ``--stop + 1`` on (``first``: none). ``--native``: accelerate's own
 save_state/load_state, for comparison. ``--finish-epoch``: a ``--stop`` at an epoch's last batch is resumed
-by a ``skip_first_batches`` of that whole epoch first (without it: by the next epoch, as accelerate's
-examples count).
+by a ``skip_first_batches`` of that whole epoch first (without it: by the next epoch); ``--skip-zero``: the
+first epoch after the resume through ``skip_first_batches(loader, 0)`` (accelerate's examples).
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--stop", type=int, required=True)
     p.add_argument("--native", action="store_true")
+    p.add_argument("--skip-zero", action="store_true",
+                   help="resuming: the first epoch through skip_first_batches even with 0 to skip (accelerate's examples)")
     p.add_argument("--finish-epoch", action="store_true",
                    help="resuming at an epoch's end: go through that epoch's batches again, skipping all of them")
     args = p.parse_args()
@@ -54,7 +56,8 @@ def main() -> None:
     if args.finish_epoch and step and not skip:  # the documented recipe's other reading: batch len(dl) of an epoch
         assert not list(accelerator.skip_first_batches(loader, PER_EPOCH))
     while step < EPOCHS * PER_EPOCH:
-        for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
+        resumed = args.phase == "resume" and step == args.stop
+        for batch in accelerator.skip_first_batches(loader, skip) if skip or (resumed and args.skip_zero) else loader:
             step += 1
             if step > args.stop:
                 seen.append(batch.flatten().int().tolist())
