@@ -40,8 +40,12 @@ class StagedTensor:
     device: str
     stream: RowStream | None = None
     changed: torch.Tensor | None = None
-    lossless: bool = False
-    """Stored lossless whatever the rules say (``tied_lossless``)."""
+    tied: tuple[str, ...] = ()
+    """Its other keys, when the rules treat them otherwise: stored lossless whatever they say (``tied_lossless``)."""
+
+    @property
+    def lossless(self) -> bool:
+        return bool(self.tied)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -76,7 +76,7 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
 
 
 def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[QuantRule, ...]) -> tuple:
-    """``staged`` (one ``StagedTensor`` per distinct tensor), with ``lossless`` set on each that is saved
+    """``staged`` (one ``StagedTensor`` per distinct tensor), with ``tied`` (so ``lossless``) set on each saved
     under several keys (tied weights: ``flat`` is the state's ``tree.Flattened``, whose tensor leaves
     are views of one memory or whose ``repeats`` are one tensor object again; ``sources`` the staged
     index of each leaf) that the rules treat differently: it is stored once, under its first key, and a
@@ -101,7 +101,7 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
         warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "
                       "rules treat differently; it is stored lossless. Give both keys the same rule to quantize it",
                       UserWarning, stacklevel=4)
-    return tuple(dataclasses.replace(st, lossless=True) if i in mixed else st for i, st in enumerate(staged))
+    return tuple(dataclasses.replace(st, tied=(mixed[i],)) if i in mixed else st for i, st in enumerate(staged))
 
 
 class RuleMatcher:
