@@ -145,8 +145,12 @@ def _after_last_batch(dataloader: Any) -> None:
         if original is not dataloader and not _shares_order(original, dataloader):
             continue
         del _LAST_BATCH[original]
-        if original is not dataloader and _skipped(dataloader) >= len(original):
-            continue  # the finished epoch again, all of it skipped: drawn from its start, as loaded
+        if original is not dataloader and _skipped(dataloader) and _skipped(dataloader) >= _length(original, 0):
+            # the finished epoch again, all of it skipped: drawn from its start, as loaded. A copy that yields
+            # nothing ends without counting the epoch (accelerate), so the original's counter is set here
+            original.iteration = epoch
+            _RESUMED_MID_EPOCH.discard(original)
+            continue
         # the next epoch: the original itself, or a copy skipping fewer batches than an epoch has (accelerate's
         # examples resume a step count that is a multiple of the length with ``skip_first_batches(dl, 0)``)
         gen = getattr(original, "synchronized_generator", None)
@@ -155,6 +159,14 @@ def _after_last_batch(dataloader: Any) -> None:
         original.iteration = dataloader.iteration = epoch  # __iter__ calls set_epoch(iteration) after begin()
         if original is dataloader:
             _RESUMED_MID_EPOCH.discard(original)  # (a copy's end advances the original's counter: _epoch_ends)
+
+
+def _length(dataloader: Any, unknown: int) -> int:
+    """``len(dataloader)``, or ``unknown`` (an ``IterableDataset`` without ``__len__``)."""
+    try:
+        return len(dataloader)
+    except TypeError:
+        return unknown
 
 
 def _skipped(dataloader: Any) -> int:

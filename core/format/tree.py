@@ -193,6 +193,16 @@ def _render(path: KeyPath) -> str | None:
     return ".".join(reversed(parts))
 
 
+def _containers(value: Any) -> int:
+    """JSON lists and objects in an encoded value (a tagged scalar, a reference, a key)."""
+    t = type(value)
+    if t is dict:
+        return 1 + sum(_containers(v) for v in value.values())
+    if t is list:
+        return 1 + sum(_containers(v) for v in value)
+    return 0
+
+
 def _where(path: KeyPath) -> str:
     """``_render`` for a message: at most ~200 characters (1,000 levels made a 2 KB error)."""
     text = _render(path) or "<root>"
@@ -276,28 +286,36 @@ class _Encoder:
         # Containers are written by value, so a cycle would never end.
         if id(value) in self._active:
             raise FormatError(f"cannot save state: reference cycle at {_where(path)}")
-        # JSON containers: a list is one, a dict or tuple two ({"$d": [...]}). One shared n times is written n
+        # a list is one JSON container, a dict or tuple two ({"$d": [...]}). One shared n times is written n
         # times: 2**n for a chain of shared pairs
-        self.containers += 1 if type(value) is list else 2
-        if self.max_containers is not None and self.containers > self.max_containers:
-            raise FormatError(f"cannot save state: its lists, tuples and dicts take more than {self.max_containers} "
-                              "JSON lists and objects, more than a load accepts (load.max_manifest_elements / 4); "
-                              "they are stored by value, so one that appears at several places counts at each (at "
-                              f"{_where(path)}): keep large or shared plain structures as tensors, "
-                              "or as one pickled object")
+        self._add(1 if type(value) is list else 2, path)
         self._active.add(id(value))
         stack.append((_EXIT, id(value)))
+
+    def _add(self, n: int, path: KeyPath) -> None:
+        """Count ``n`` more JSON lists and objects (tagged values and references too: {"$np": [...]} is two,
+        found by an independent check, 600k numpy scalars passed ``save()`` and failed at commit)."""
+        self.containers += n
+        if self.max_containers is not None and self.containers > self.max_containers:
+            raise FormatError(f"cannot save state: its lists, tuples, dicts and tagged values take more than "
+                              f"{self.max_containers} JSON lists and objects, more than a load accepts "
+                              "(load.max_manifest_elements / 4); they are stored by value, so one that appears at "
+                              "several places counts at each (at "
+                              f"{_where(path)}): keep large or shared plain structures as tensors, "
+                              "or as one pickled object")
 
     def _visit(self, value: Any, out: Any, slot: Any, path: KeyPath, depth: int, stack: list,
                key_mode: bool) -> None:
         t = type(value)
         if t is torch.Tensor and not key_mode and _stored_as_tensor(value):  # the common leaf first
             self._check(depth + 1, path)
-            out[slot] = self._tensor_ref(value, path)
+            out[slot] = ref = self._tensor_ref(value, path)
+            self._add(_containers(ref), path)
             return
         if not key_mode and _spilled(value, t):
             self._check(depth + 1, path)
             out[slot] = {T_OBJECT: self._object_ref(value, path)}
+            self._add(1, path)
             return
         enc = _encode_scalar(value)
         if t is np.ndarray and enc is not _NOT_PLAIN:
@@ -307,6 +325,8 @@ class _Encoder:
         if enc is not _NOT_PLAIN:
             self._check(depth + _scalar_depth(enc), path)
             out[slot] = enc
+            if type(enc) is dict:
+                self._add(_containers(enc), path)
             return
         if t is tuple or (t is list and not key_mode):
             inner = depth + (2 if t is tuple else 1)
@@ -322,10 +342,12 @@ class _Encoder:
             pass
         elif (t is torch.Tensor or t is torch.nn.Parameter) and _stored_as_tensor(value):
             self._check(depth + (2 if t is torch.nn.Parameter else 1), path)
-            out[slot] = self._tensor_ref(value, path)
+            out[slot] = ref = self._tensor_ref(value, path)
+            self._add(_containers(ref), path)
         else:
             self._check(depth + 1, path)
             out[slot] = {T_OBJECT: self._object_ref(value, path)}
+            self._add(1, path)
 
     def _mapping(self, value: dict, out: Any, slot: Any, path: KeyPath, depth: int, stack: list) -> bool:
         """Encode a dict/OrderedDict; False when a key is not plain (caller stores an object)."""
@@ -337,6 +359,7 @@ class _Encoder:
                 flat[2 * i] = k if type(k) is str else self._key(k, depth + 2)
         except _NotPlainKey:
             return False
+        self._add(sum(_containers(k) for k in flat[::2] if type(k) is not str), path)
         self._enter(value, path, stack)
         tag = T_ODICT if type(value) is OrderedDict else T_DICT
         node = out[slot] = {tag: flat}

@@ -41,11 +41,9 @@ class StagedTensor:
     stream: RowStream | None = None
     changed: torch.Tensor | None = None
     tied: tuple[str, ...] = ()
-    """Its other keys, when the rules treat them otherwise: stored lossless whatever they say (``tied_lossless``)."""
-
-    @property
-    def lossless(self) -> bool:
-        return bool(self.tied)
+    """Its other keys that other rules match (``tied_lossless``): those rules count as used."""
+    lossless: bool = False
+    """Stored lossless whatever the rules say: they treat its keys differently (``tied_lossless``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -240,10 +238,7 @@ def _sources(leaves: tuple) -> tuple[list[int], dict[tuple, int], list[tuple[str
                                   f"tensors of {', '.join(DEVICE_TYPES)} devices (move it to the CPU first)")
             _check_overlap(leaf.key, leaf.tensor)
             unique[k] = len(sources)
-            t = leaf.tensor.detach()
-            if t.is_conj() or t.is_neg():  # its values, once: row streams and comparisons read memory
-                t = t.resolve_conj().resolve_neg()
-            sources.append((leaf.key, t))
+            sources.append((leaf.key, leaf.tensor.detach()))
         indices.append(unique[k])
     return indices, unique, sources
 
@@ -313,6 +308,7 @@ def _stage(key: str, t: torch.Tensor, dirstate: DirState, pool: BufferPool, copi
     the row stream's comparison still runs on the copier's helper thread (it waits for it)."""
     shape = tuple(t.shape)
     if row_eligible(key, t, config.incremental):
+        t = t.resolve_conj().resolve_neg()  # a view's values (a copy, this tensor's only): the rows compare memory
         stream = dirstate.streams.get(key)
         if stream is None or stream.buffer.numel() != t.numel() or stream.buffer.dtype != t.dtype:
             if stream is not None:  # no save in flight uses it: the engine waited (save)

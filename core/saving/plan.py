@@ -168,7 +168,7 @@ class Planner:
     def staged(self, st: StagedTensor, force: bool = False, lossless: bool = False) -> TensorPlan:
         """``tensor`` for a tensor of a snapshot (one stored lossless for its tied keys counts as matched by the
         rules of its keys: their "matched no tensor" warning would send the user to a pattern that is right)."""
-        for key in (st.key, *st.tied) if st.tied and self.matcher.rules else ():
+        for key in (st.key, *st.tied) if st.tied else ():
             self.matcher.choose(key, st.dtype, st.data.numel(), len(st.shape))
         return self.tensor(st.key, st.dtype, tuple(st.shape), stream=st.stream, changed=st.changed,
                            force=force, lossless=lossless or st.lossless)

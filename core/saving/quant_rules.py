@@ -76,7 +76,7 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
 
 
 def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[QuantRule, ...]) -> tuple:
-    """``staged`` (one ``StagedTensor`` per distinct tensor), with ``tied`` (so ``lossless``) set on each saved
+    """``staged`` (one ``StagedTensor`` per distinct tensor), with ``lossless`` set on each that is saved
     under several keys (tied weights: ``flat`` is the state's ``tree.Flattened``, whose tensor leaves
     are views of one memory or whose ``repeats`` are one tensor object again; ``sources`` the staged
     index of each leaf) that the rules treat differently: it is stored once, under its first key, and a
@@ -86,22 +86,31 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
     if not rules:
         return staged
     mixed: dict[int, str] = {}
+    others: dict[int, list[str]] = {}  # keys of each tensor whose rule is another one (of any settings)
     keys = [(leaf.key, i) for leaf, i in zip(flat.tensors, sources)]
     for key, i in keys + [(key, sources[leaf]) for leaf, key in flat.repeats]:
         st = staged[i]
-        if key == st.key or i in mixed:
+        if key == st.key:
             continue
         numel = math.prod(st.shape)
         a = _match(st.key, st.dtype, numel, len(st.shape), rules)[1]
         b = _match(key, st.dtype, numel, len(st.shape), rules)[1]
-        if a is not b and (a is None or b is None  # two rules of the same settings are one treatment
-                           or dataclasses.replace(a, pattern="") != dataclasses.replace(b, pattern="")):
+        if a is not b:
+            others.setdefault(i, []).append(key)
+        same = a is not None and b is not None and _settings(a) == _settings(b)  # one treatment
+        if a is not b and i not in mixed and not same:
             mixed[i] = key
     for i, other in mixed.items():
         warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "
                       "rules treat differently; it is stored lossless. Give both keys the same rule to quantize it",
                       UserWarning, stacklevel=4)
-    return tuple(dataclasses.replace(st, tied=(mixed[i],)) if i in mixed else st for i, st in enumerate(staged))
+    return tuple(dataclasses.replace(st, tied=tuple(others[i]), lossless=i in mixed) if i in others else st
+                 for i, st in enumerate(staged))
+
+
+def _settings(rule: QuantRule) -> QuantRule:
+    """What a rule does to the tensors it matches (its settings without its pattern)."""
+    return dataclasses.replace(rule, pattern="")
 
 
 class RuleMatcher:

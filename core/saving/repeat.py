@@ -119,9 +119,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor, share: Share | None = None) -> 
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it (``capture._sources``
-    resolved conjugate and negative views: their values, not their memory, are what a save stores)."""
-    flat = t.reshape(-1)
+    """A flat integer view of ``t``'s bytes, in 8-byte words where they divide it.    """
+    flat = t.reshape(-1).resolve_conj().resolve_neg()  # a view's values, not its memory, are what a save stores
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)

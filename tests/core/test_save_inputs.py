@@ -112,7 +112,7 @@ def test_container_shared_at_many_places_is_refused_at_save_within_bounds(tmp_pa
     for _ in range(40):
         x = {"a": x, "b": x}
     config = EngineConfig.from_dict({"saving": {"asynchronous": False}, "load": {"max_manifest_elements": 40_000}})
-    with pytest.raises(FormatError, match=r"lists, tuples and dicts take more than 10000 JSON lists and objects.*stored by value"):
+    with pytest.raises(FormatError, match=r"lists, tuples, dicts and tagged values take more than 10000 JSON lists and objects.*stored by value"):
         ckpt_core.save({"w": torch.ones(2), "x": x}, str(tmp_path / "x.ckpt"), config=config)
     assert not (tmp_path / "x.ckpt").exists()
 
@@ -207,3 +207,13 @@ def test_two_rules_of_the_same_settings_for_tied_keys_quantize_them(tmp_path):
         ckpt_core.save(state, str(tmp_path / "x.ckpt"), config=config)
     got = ckpt_core.load(str(tmp_path / "x.ckpt"))
     assert not torch.equal(got["emb.weight"], values) and torch.equal(got["emb.weight"], got["head.weight"])
+
+
+@pytest.mark.parametrize("value", ["numpy scalars", "tuple keys"])
+def test_tagged_values_and_keys_count_as_the_json_they_take(tmp_path, value):
+    """{"$np": [dtype, hex]} is two JSON containers, a tuple key {"$tuple": [...]} two: 3,000 of them under a limit
+    of 5,000 passed ``save()`` and failed at commit (found by an independent check, with 600,000)."""
+    plain = [np.float64(i) for i in range(3000)] if value == "numpy scalars" else {(i, i): i for i in range(3000)}
+    with pytest.raises(FormatError, match="take more than 5000 JSON lists and objects"):
+        ckpt_core.save({"w": torch.ones(2), "v": plain}, str(tmp_path / "x.ckpt"),
+                       config={"saving": {"asynchronous": False}, "load": {"max_manifest_elements": 20_000}})

@@ -612,9 +612,11 @@ class _EpochStream(torch.utils.data.IterableDataset):
         return iter(order.float().unsqueeze(1))
 
 
-def _seedable_run(project: Path, phase: str, stop: int = 10, iterable: bool = False) -> list[int]:
+def _seedable_run(project: Path, phase: str, stop: int = 10, iterable: bool = False, how: str = "") -> list[int]:
     """Batches (epoch * 1000 + first sample) of 3 epochs of 8 batches with a SeedableRandomSampler;
-    ``first`` saves after batch ``stop``; ``resume`` loads it and skips into the interrupted epoch."""
+    ``first`` saves after batch ``stop``; ``resume`` loads it and skips into the interrupted epoch (at an
+    epoch's end, ``how``: "skip-all" goes through the finished epoch skipping all of it first, "skip-0" into
+    the next epoch through ``skip_first_batches(loader, 0)``, as accelerate's examples do)."""
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     AcceleratorState._reset_state(True)
@@ -632,8 +634,12 @@ def _seedable_run(project: Path, phase: str, stop: int = 10, iterable: bool = Fa
     if phase == "resume":
         acc.load_state()
         step = stop
+        if how == "skip-all" and not step % per:
+            assert not list(acc.skip_first_batches(loader, per))
+    resumed = phase == "resume"
     while step < 3 * per:
-        for b in acc.skip_first_batches(loader, step % per) if step % per else loader:
+        skip_zero, resumed = resumed and how == "skip-0", False
+        for b in acc.skip_first_batches(loader, step % per) if step % per or skip_zero else loader:
             step += 1
             seen.append((step - 1) // per * 1000 + int(b[0].item()))
             if phase == "first" and step == stop:
@@ -654,6 +660,21 @@ def test_a_mid_epoch_resume_with_a_seedable_sampler_keeps_the_later_epochs_order
     full = _seedable_run(tmp_path / "full", "full", iterable=iterable)
     _seedable_run(tmp_path / "run", "first", iterable=iterable)
     assert _seedable_run(tmp_path / "run", "resume", iterable=iterable) == full[10:]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.mark.parametrize("how", ["skip-all", "skip-0"])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_a_resume_from_an_epochs_last_batch_keeps_the_later_epochs_orders(tmp_path: Path, iterable: bool,
+                                                                          how: str) -> None:
+    """Saved on the last batch of epoch 0: resumed through a ``skip_first_batches`` copy of the whole finished
+    epoch (which yields nothing, and accelerate then does not count the epoch: the seedable sampler repeated
+    epoch 1's order), or of 0 batches into the next epoch (an ``IterableDataset`` without ``len()`` raised
+    TypeError). Found by an independent check."""
+    full = _seedable_run(tmp_path / "full", "full", iterable=iterable)
+    _seedable_run(tmp_path / "run", "first", stop=8, iterable=iterable)
+    assert _seedable_run(tmp_path / "run", "resume", stop=8, iterable=iterable, how=how) == full[8:]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
