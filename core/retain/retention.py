@@ -21,7 +21,6 @@ import dataclasses
 import fnmatch
 import logging
 import re
-import sys
 import time
 
 from ..storage import owner
@@ -31,12 +30,11 @@ from ..storage.retry import is_outage
 from . import keycache
 from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection
 from .report import CheckpointEntry, GCReport
-from ..format.manifest import (SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged,
-                               parse_manifest)
+from ..format.manifest import SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
 from ..storage.paths import check_name
-from ..storage.store import BlobInfo, Store
+from ..storage.store import WHOLE_READ_BYTES, BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
 
@@ -83,8 +81,13 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         _require_bucket(store)
 
     def read(info):
-        try:
-            head = store.read_head(info.name, SNIFF_BYTES)
+        where = (store.cache_key, info.name, info.size, info.tag) if keys and info.tag else None
+        if where is not None and (got := keycache.get_listed(where, limits_for(config))) is not None:
+            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=got[:2],
+                                   keys=got[2])  # listed as when it was read last (its ETag): not read again
+        try:  # a small file whole in one GET (not HEAD + GET twice); else its head first (a big torch file)
+            small = store.read_listed(info.name, info.size) if 0 < info.size <= WHOLE_READ_BYTES else None
+            head = small[:SNIFF_BYTES] if small is not None else store.read_head(info.name, SNIFF_BYTES)
             if len(head) < min(info.size, SNIFF_BYTES):  # the listing says more: read again, then an outage (h114:
                 head = store.read_head(info.name, SNIFF_BYTES)  # a HEAD saying 0 bytes made gc collect its blobs)
             if len(head) < min(info.size, SNIFF_BYTES):
@@ -106,16 +109,12 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
                                    f"{store.url(info.name)}: {why}")
         try:
-            data = _read_checked(store, info.name)
+            data = small if small is not None and checksum_matches(small) else _read_checked(store, info.name)
             top = _head(data) if heads else None
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
             if keys:  # one manifest parsed at a time per io thread, not all of them held; once per process
-                lim = limits_for(config)
-                got = keycache.get(data, lim)
-                if got is None:
-                    m = parse_manifest(data, store.url(info.name), limits=lim)
-                    got = keycache.put(data, lim, m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
+                got = keycache.parsed(data, store.url(info.name), limits_for(config), where)
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
                                        head=got[:2], keys=got[2])
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))
@@ -430,10 +429,8 @@ def _collect_temp_files(store: Store, config: EngineConfig, floor: float, report
     """A process killed while writing leaves its temp file (a torn blob, an unrenamed manifest):
     nothing reads them. Deleted when their process ended, or when older than ``lease_seconds``
     (and the grace): a live writer finishes a file much sooner."""
-    age = max(floor, config.retention.lease_seconds)
-    now = time.time()
-    stale = [t for t in store.list_temp_files()
-             if owner.temp_writer_gone(t.name) or now - t.mtime >= age]
+    age, now = max(floor, config.retention.lease_seconds), time.time()
+    stale = [t for t in store.list_temp_files() if owner.temp_writer_gone(t.name) or now - t.mtime >= age]
     if delete:
         store.map(lambda t: store.delete_temp_file(t.name), stale)
     report.temp_files = [t.name for t in stale]

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SupersededError
 from ..format.manifest import FUTURE_SLACK_SECONDS, checksum_matches
+from ..storage.store import WHOLE_READ_BYTES
 
 if TYPE_CHECKING:
     from ..storage.store import Store
@@ -145,10 +146,12 @@ def commit_guard(store: "Store", name: str, stamp: CommitStamp,
 def _existing_stamp(store: "Store", name: str) -> tuple[Optional[CommitStamp], Optional[bytes]]:
     """The stamp of the manifest now at ``name`` if it has one and is intact, else None; with its bytes."""
     try:
-        stamp = read_stamp(store.read_head(name, HEAD_BYTES))
+        head = store.read_head(name, WHOLE_READ_BYTES)  # a manifest under it is read whole, in one GET
+        stamp = read_stamp(head[:HEAD_BYTES])
         if stamp is None:
             return None, None
-        data = store.read_manifest(name)  # claims to be newer: believe it only if it is intact
+        # claims to be newer: believe it only if it is intact
+        data = head if len(head) < WHOLE_READ_BYTES else store.read_manifest(name)
     except CheckpointNotFoundError:
         return None, None
     except CorruptCheckpointError as exc:  # read_manifest: larger than any manifest may be

@@ -1,18 +1,16 @@
 """Step 4: one checkpoint directory on any fsspec filesystem - manifests, content-addressed blobs.
 
-Layout: ``run/<name>.ckpt`` manifests (a manifest is the checkpoint and appears only when
-complete) next to ``run/.checkrun/blobs/ab/cdef...`` blobs shared by all manifests in ``run/``.
-``Store`` is the facade the other stages use; it delegates how a file appears atomically to the
-commit strategy it chooses once for its filesystem (``commit``: rename on local disks, one PUT on
-object stores and ``memory://``), its threads to ``pool.IOPool``, addresses and the kind of
-filesystem to ``paths`` and the options merge to ``options``. A manifest commit runs its
-``guard`` (``saving.fence.commit_guard``) right before the rename/PUT, and a rename/PUT that
-reports an error is resolved by reading the manifest back: if it holds exactly the bytes
-written, it landed.
+Layout: ``run/<name>.ckpt`` manifests (a manifest is the checkpoint and appears only when complete) next
+to ``run/.checkrun/blobs/ab/cdef...`` blobs shared by all manifests in ``run/``. ``Store`` is the facade
+the other stages use; how a file appears atomically is its ``commit`` strategy's (rename on local disks,
+one PUT on object stores and ``memory://``), its threads are ``pool.IOPool``'s, addresses and kinds of
+filesystem ``paths``', the options merge ``options``'. A manifest commit runs its ``guard``
+(``saving.fence.commit_guard``) right before the rename/PUT; a rename/PUT that reports an error is
+resolved by reading the manifest back: holding exactly the bytes written, it landed.
 
-s3fs answers ``info``/``exists`` from cached listings (``dircache``), which would hide files written
-or deleted since: Store invalidates a path's cache before every query and after every mutation.
-Every method may be called from any thread, including the pool threads of ``map``.
+s3fs answers ``info``/``exists`` from cached listings (``dircache``), which would hide files written or
+deleted since: Store invalidates a path's cache before every query and after every mutation. Every
+method may be called from any thread, including the pool threads of ``map``.
 """
 from __future__ import annotations
 
@@ -32,8 +30,8 @@ from ..format.dtypes import is_blob_key
 from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
 from .options import options_key
-from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, display_root, find_shards,
-                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, content_tag, display_root,
+                    find_shards, in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry, whole
 
@@ -44,10 +42,10 @@ R = TypeVar("R")
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
 _DEFAULT_MANIFEST_MAX = 64 << 20
+WHOLE_READ_BYTES = 1 << 20  # files known to be at most this large are read whole at once (not head first)
 READ_PIECE = 1 << 20
-"""Bytes per ``readinto`` of a local blob: a cold read in 1 MiB pieces lets the kernel's read-ahead
-run ahead of the copy; one call for a whole 14 MB blob waited for each window in turn (4 io
-threads, the 239 MB of a DLRM checkpoint: 0.13 s instead of 0.18 s, benchmarks/bench_restore.py)."""
+"""Bytes per ``readinto`` of a local blob: in 1 MiB pieces the kernel's read-ahead runs ahead of the copy (one
+call per 14 MB blob waited for each window: the DLRM's 239 MB 0.13 s, not 0.18 s, benchmarks/bench_restore.py)."""
 
 
 class Store:
@@ -121,10 +119,8 @@ class Store:
         return self._display(join(self.root, name) if name else self.root)
 
     def _display(self, path: str) -> str:
-        if not self.url_prefix:
-            return path
         if path == self.root or path.startswith(self.root.rstrip("/") + "/"):
-            return self._display_root + path[len(self.root):]
+            return self._display_root + path[len(self.root):] if self.url_prefix else path
         return self.url_prefix + path
 
     def subdirectory(self, name: str) -> "Store":
@@ -167,9 +163,8 @@ class Store:
                     f"write blob {self._display(path)}")
 
     def sync(self) -> None:
-        """Make the blobs written so far durable: fsync (once each) the directories ``put_blob`` added entries
-        to. ``write_manifest`` calls it first (a committed manifest never points at a blob a power loss could
-        take back); DCP ranks call it themselves. No-op unless local with ``storage.fsync``."""
+        """fsync (once each) the directories ``put_blob`` added blobs to; ``write_manifest`` calls it first (a manifest
+        never points at a blob a power loss takes back), DCP ranks themselves. Only local with ``storage.fsync``."""
         self.commit.sync()
 
     def get_blob(self, key: str, max_bytes: int) -> bytes:
@@ -181,9 +176,8 @@ class Store:
             raise CorruptCheckpointError(f"missing blob {self._display(path)}") from exc
 
     def get_blob_into(self, key: str, size: int, buf: memoryview) -> bytes | memoryview:
-        """Read a blob expected to hold ``size`` bytes; local stores read into ``buf`` (at least
-        ``size + 1`` bytes, so a longer file shows) and return the filled part, others return
-        ``get_blob``'s bytes. The caller checks the size; errors as ``get_blob``."""
+        """Read a blob expected to hold ``size`` bytes; local stores read into ``buf`` (``size + 1`` bytes or more: a
+        longer file shows) and return the filled part, others ``get_blob``'s bytes. The caller checks the size."""
         if not self.is_local:
             return self.get_blob(key, size)
         path = self.blob_path(key)
@@ -210,9 +204,8 @@ class Store:
                 info = self.fs.info(path)
             except FileNotFoundError:
                 return None
-            if info.get("type") != "file":
-                return None
-            return BlobInfo(key, int(info.get("size") or 0), mtime(info), version(info), changed(info))
+            n = int(info.get("size") or 0)
+            return None if info.get("type") != "file" else BlobInfo(key, n, mtime(info), version(info), changed(info))
 
         return self.retry(stat, f"check blob {self._display(path)}")
 
@@ -244,11 +237,9 @@ class Store:
         found = self.retry(scan, f"list blobs in {self._display(base)}")
         out = []
         for path, info in found.items():
-            if not path.startswith(base + "/"):
-                continue
             shard, _, rest = path[len(base) + 1:].partition("/")
             key = shard + rest
-            if (len(shard) == 2 and "/" not in rest and not rest.startswith(".")
+            if (path.startswith(base + "/") and len(shard) == 2 and "/" not in rest and not rest.startswith(".")
                     and is_blob_key(key) and info.get("type", "file") == "file"):
                 out.append(BlobInfo(key, int(info.get("size") or 0), mtime(info)))
         return sorted(out, key=lambda b: b.key)
@@ -288,22 +279,32 @@ class Store:
     def read_manifest(self, name: str, max_bytes: int = _DEFAULT_MANIFEST_MAX, what: str = "manifest") -> bytes:
         """Read a manifest (``what``: how errors name it, e.g. a step-log segment); CheckpointNotFoundError
         if absent, CorruptCheckpointError if huge."""
-        path = self._manifest_path(name)
-        try:
-            return self.retry(lambda: self._read(path, max_bytes, what), f"read {what} {self._display(path)}")
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
+        return self._read_named(name, lambda path: self._read(path, max_bytes, what), f"{what} ")
 
     def read_head(self, name: str, n: int) -> bytes:
         """The first ``n`` bytes of a file (fewer if it is shorter), e.g. to sniff a magic."""
+        def read(path: str) -> bytes:
+            size = min(n, self._file_size(path))
+            return whole(self.fs.cat_file(path, start=0, end=size), size) if size > 0 else b""
+
+        return self._read_named(name, read)
+
+    def read_listed(self, name: str, size: int) -> bytes | None:
+        """A file listed with ``size`` (> 0) bytes, read whole in one request (no HEAD); None unless it holds exactly
+        ``size`` (a byte more is asked for: a listing showing less is seen). CheckpointNotFoundError if gone."""
+        def read(path: str) -> bytes:
+            if self.is_local:
+                self._file_size(path)  # a regular file (a FIFO would block)
+            return self.fs.cat_file(path, start=0, end=size + 1)
+
+        data = self._read_named(name, read)
+        return data if len(data) == size else None
+
+    def _read_named(self, name: str, read: Callable[[str], R], what: str = "") -> R:
+        """``read(path)`` of the file ``name`` under retry; CheckpointNotFoundError if it does not exist."""
         path = self._manifest_path(name)
-
-        def read() -> bytes:
-            size = self._file_size(path)
-            return whole(self.fs.cat_file(path, start=0, end=min(n, size)), min(n, size)) if size and n > 0 else b""
-
         try:
-            return self.retry(read, f"read {self._display(path)}")
+            return self.retry(lambda: read(path), f"read {what}{self._display(path)}")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"no checkpoint at {self._display(path)}") from exc
 
@@ -357,7 +358,7 @@ class Store:
             if (parent != root or info.get("type") != "file" or not name
                     or name.startswith(META_DIR) or (is_temp_name(name) and not include_temp)):
                 continue
-            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info)))
+            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info), content_tag(info)))
         return sorted(out, key=lambda f: f.name)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T],
@@ -381,8 +382,7 @@ class Store:
         return self.pool.executor
 
     def release_idle(self) -> None:
-        """Stop the pool's threads unless a ``map`` is using it; a later ``map`` starts a new pool.
-        The engine calls it when it goes idle, so that an idle engine holds no thread."""
+        """Stop the pool's threads unless a ``map`` uses it (a later one starts a new pool): an idle engine's call."""
         self.pool.release_idle()
 
     def close(self) -> None:
@@ -410,21 +410,20 @@ class Store:
 
     def _is_file(self, path: str) -> bool:
         try:
-            self._file_size(path)
-            return True
+            return self._file_size(path) >= 0
         except FileNotFoundError:
             return False
 
     def _read(self, path: str, max_bytes: int, kind: str) -> bytes:
-        size = self._file_size(path)
-        # Checked before reading so that a hostile or damaged store cannot make us allocate.
+        size = self._file_size(path)  # checked before reading: a hostile or damaged store cannot make us allocate
         if size > max_bytes:
-            raise CorruptCheckpointError(f"{kind} {self._display(path)} is {size} bytes, "
-                                         f"more than the allowed {max_bytes}")
-        data = whole(self.fs.cat_file(path), size)
+            raise CorruptCheckpointError(f"{kind} {self._display(path)} is {size} bytes, more than the allowed "
+                                         f"{max_bytes}")
+        # a range read on object stores: s3fs would HEAD once more (local: f.read(n) would allocate n bytes)
+        ranged = not self.is_local and size > 0  # (an empty object answers a range with an error)
+        data = whole(self.fs.cat_file(path, start=0, end=max_bytes + 1) if ranged else self.fs.cat_file(path), size)
         if len(data) > max_bytes:  # grew between info and read
-            raise CorruptCheckpointError(f"{kind} {self._display(path)} is larger than "
-                                         f"the allowed {max_bytes} bytes")
+            raise CorruptCheckpointError(f"{kind} {self._display(path)} is larger than the allowed {max_bytes} bytes")
         return data
 
     def _remove(self, path: str) -> None:

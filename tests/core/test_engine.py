@@ -348,12 +348,12 @@ def test_collections_of_one_process_parse_each_manifest_once(tmp_path, monkeypat
     of the directory again: thousands of protected checkpoints cost seconds of background CPU per save.
     What a parse gave is kept by the bytes' digest: a later collection parses only new or changed
     manifests, and finds the same referenced blobs; a changed manifest is parsed again."""
-    from ckpt_core.retain import retention
+    from ckpt_core.retain import keycache, retention
 
     with CheckpointEngine() as engine:
         for step in range(6):
             engine.save({"w": torch.full((10,), float(step)), "b": torch.zeros(5)}, tmp_path / f"s{step}.ckpt").result()
-    parsed = _count_parses(monkeypatch, retention)
+    parsed = _count_parses(monkeypatch, retention, keycache)
     with CheckpointEngine() as engine:
         first = engine.gc(tmp_path, dry_run=True)
         assert sorted(parsed) == [f"s{i}.ckpt" for i in range(6)]
