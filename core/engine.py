@@ -3,10 +3,10 @@
 Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are called from
 the training thread (one thread at a time). ``save`` takes the snapshot here (``saving.capture``) and hands the
 rest to the engine's ``saving.coordinator.Coordinator``: one coordinator thread runs each save's background part
-in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads,
-or hands it to the writer process (``saving.background: process``); after each commit it runs ``retain.after_commit``.
-An idle engine holds no thread: the coordinator and its workers end once no save is queued (``wait`` returns after
-they have). ``load`` leaves the directory's incremental state ready for the next save (``streams.adopt_loaded``)."""
+in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads, or
+hands it to the writer process (``saving.background: process``); after each commit it runs ``retain.after_commit``.
+An idle engine holds no thread (the coordinator and its workers end once no save is queued, ``wait`` after they
+have). ``load`` leaves the directory's incremental state ready for the next save (``streams.adopt_loaded``)."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +16,8 @@ import weakref
 from typing import Any, Callable
 
 from .saving import inflight, lifecycle
-from .saving.capture import CommitStamp, new_stamp, take_snapshot
+from .saving.capture import take_snapshot
+from .saving.fence import CommitStamp, new_stamp, observe
 from .saving.repeat import repeat_snapshot
 from .config import EngineConfig, coerce_config
 from .errors import CheckpointNotFoundError, CheckrunError
@@ -126,6 +127,7 @@ class CheckpointEngine:
         store, name = self._store(path, storage_options, follow_link=True)
         self._wait_path(store.url(name))
         since, manifest = time.time(), self._read_manifest(store, name)  # since: blobs read as of then
+        observe(manifest.commit)  # this process's next checkpoints are newer than the one it loaded
         incremental, dense = self.config.incremental, dense_keys(manifest.meta)
         mode = self.config.load.reference
         later: list[int] | None = [] if mode == "background" or (mode == "auto" and store.is_local) else None
@@ -166,9 +168,8 @@ class CheckpointEngine:
         every blob's checksum (reads it once), ``False`` each blob's size. A corrupt candidate is skipped
         with a warning naming it; one the storage fails to return raises ``StorageError``."""
         self._check_open()
-        store = self._dir_store(directory, storage_options)
+        store, sizes = self._dir_store(directory, storage_options), None
         self._wait_dir(store)
-        sizes = None
         for entry in reversed(list_checkpoints(store, self.config, heads=True)):  # each parsed when tried
             if entry.error is not None:
                 require_readable(entry.unreadable, entry.url, entry.error)
@@ -213,8 +214,8 @@ class CheckpointEngine:
             self._coord.release_if_idle()
 
     def list(self, directory: PathLike, storage_options: dict | None = None, heads: bool = False) -> list[Entry]:
-        """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error;
-        ``heads``: intact ones unparsed (``manifest`` None, ``head`` set: ``read_manifest`` each)."""
+        """Every checkrun checkpoint in ``directory`` (oldest first), corrupt ones with their error; ``heads``:
+        intact ones unparsed (``manifest`` None, ``head`` set: ``read_manifest`` each)."""
         self._check_open()
         return list_checkpoints(self._dir_store(directory, storage_options), self.config, heads=heads)
 
@@ -233,13 +234,12 @@ class CheckpointEngine:
         self._callbacks.append(fn)
 
     def wait(self) -> None:
-        """Block until every pending save is durable and the engine's threads have ended (the
-        rebuilds of references after a load included); raise a background error not yet surfaced."""
+        """Block until every pending save is durable and the engine's threads (reference rebuilds after a load
+        too) have ended; raise a background error not yet surfaced."""
         if self._forked():
             return
-        for dirstate in list(self._dirs.values()):
-            for build in dirstate.rebuilds:
-                build.join()
+        for build in [b for dirstate in list(self._dirs.values()) for b in dirstate.rebuilds]:
+            build.join()
         self._coord.wait_idle()
         self._raise_pending_error()
 

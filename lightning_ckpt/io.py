@@ -196,7 +196,12 @@ class CheckrunCheckpointIO(CheckpointIO):
         if checkpoint_kind(url) != "regular":
             if checkpoint_kind(url) == "temporary" and not is_remote(url) and not os.path.exists(_meta_dir(url)):
                 self._fresh_meta.add(parent_dir(url))  # this save makes the directory's .checkrun/
-            self.lossless_engine.save(checkpoint, url, storage_options=options).result()
+            try:
+                self.lossless_engine.save(checkpoint, url, storage_options=options).result()
+            except CheckrunError as exc:  # h126: SIGUSR1 again during the requeue handler's save: its save of
+                if not getattr(exc.__cause__, "same_process", False):  # the same hpc_ckpt_N name committed first
+                    raise
+                log.info("lightning_ckpt: %s: a later save of this process to that name was committed; kept", url)
             return
         if self._steplog is not None:  # before the save, so that it marks its position in the log
             self._steplog.before_save(self.engine, calling_strategy(), url)

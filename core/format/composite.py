@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import EngineConfig
 from ..errors import CheckrunError, FormatError, NotACheckpointError, UnsafePathError
-from .manifest import Manifest
+from .manifest import FUTURE_SLACK_SECONDS, Manifest
 from ..storage.store import Store
 from .skeleton import unflatten
 
@@ -136,11 +137,22 @@ class Composite:
     error: str | None = None
     unreadable: bool = False
     """``error`` is the storage's (a ``StorageError`` after retries): the index may be intact."""
+    mtime: float = 0.0
+    """Its index file's time where known (``list_composites`` reads it for an index dated far ahead)."""
 
     @property
     def created(self) -> float:
-        """Commit time of the index (0 when unreadable)."""
-        return self.manifest.created if self.manifest is not None else 0.0
+        """Time of the index (0 when unreadable); its file's time when it claims one more than
+        ``FUTURE_SLACK_SECONDS`` ahead of this host's clock (as ``CheckpointEntry.created``)."""
+        if self.manifest is None:
+            return 0.0
+        created = self.manifest.created
+        return min(created, self.mtime) if self.mtime and created > time.time() + FUTURE_SLACK_SECONDS else created
+
+    @property
+    def commit(self) -> dict | None:
+        """The index's commit stamp (``saving.fence``), if it has one."""
+        return self.manifest.commit if self.manifest is not None else None
 
 
 def make_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:

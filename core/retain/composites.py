@@ -22,11 +22,11 @@ from ..storage.retry import is_outage
 from ..format import composite
 from ..format.composite import INDEX_NAME, LEGACY_PARTS_DIR, PART_REL, PARTS_DIR, Composite, index_of, join
 from ..loading.reader import read_manifest
-from ..format.manifest import parse_manifest
+from ..format.manifest import FUTURE_SLACK_SECONDS, parse_manifest
 from ..format.limits import limits_for
 from ..storage.store import Store
 from .after import Garbage
-from .retention import list_checkpoints
+from .retention import list_checkpoints, oldest_first
 
 log = logging.getLogger("ckpt_core")
 
@@ -215,7 +215,10 @@ def _folder_entry(store: Store, name: str, config: EngineConfig) -> Composite | 
         return Composite(name, url, sub.url(""), None, None, str(exc), is_outage(exc))
     if index is None:
         return None
-    return Composite(name, url, sub.url(""), manifest, index)
+    mtime = 0.0  # its file's time, only where the index claims a time far ahead (Composite.created)
+    if manifest.created > time.time() + FUTURE_SLACK_SECONDS:
+        mtime = next((f.mtime for f in sub.list_files() if f.name == INDEX_NAME), 0.0)
+    return Composite(name, url, sub.url(""), manifest, index, mtime=mtime)
 
 
 def list_composites(store: Store, config: EngineConfig, legacy: bool = True) -> list[Composite]:
@@ -234,8 +237,8 @@ def list_composites(store: Store, config: EngineConfig, legacy: bool = True) -> 
                 out.append(Composite(entry.name, entry.url, None, None, None, str(exc)))
                 continue
             if index is not None:
-                out.append(Composite(entry.name, entry.url, None, entry.manifest, index))
-    return sorted(out, key=lambda e: (e.created, e.name))
+                out.append(Composite(entry.name, entry.url, None, entry.manifest, index, mtime=entry.mtime))
+    return oldest_first(out)  # as checkpoint files: one process's in the order it asked for them (h127)
 
 
 def list_in(directory: str, storage_options: dict | None, config: EngineConfig,

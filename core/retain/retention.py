@@ -138,7 +138,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         except CheckrunError as exc:
             return CheckpointEntry(e.name, e.url, e.mtime, e.size, None, str(exc), is_outage(exc))
 
-    return _oldest_first(entries, check if heads else None)
+    return oldest_first(entries, check if heads else None)
 
 
 def _nameable(name: str) -> bool:
@@ -173,7 +173,7 @@ def _gone(store: Store, info, keys: bool) -> CheckpointEntry | None:
                            f"{store.url(info.name)}: {_GONE} (a stale listing?)") if keys else None
 
 
-def _oldest_first(entries: list[CheckpointEntry], check=None) -> list[CheckpointEntry]:
+def oldest_first(entries: list, check=None) -> list:
     """By commit time (``created``), except that one process's checkpoints keep the order of their
     capture (the commit stamp's sequence, as the commit fence compares them): a step back of that
     process's clock (an NTP step, a VM restored) made the checkpoints saved after it older than the

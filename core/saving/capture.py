@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -147,9 +146,10 @@ def take_snapshot(state: Any, dirstate: DirState, pool: BufferPool, copier: Copi
                   stamp: CommitStamp | None = None) -> Snapshot:
     """Flatten ``state`` and stage every tensor. Runs on the caller's (training) thread. ``stamp``:
     the commit stamp (``fence``), taken when the save was asked for (default: now); a save that
-    waited for a slot meanwhile is still older than a checkpoint another writer committed then."""
-    created = time.time()
+    waited for a slot meanwhile is still older than a checkpoint another writer committed then, and its
+    ``created`` is that time too (h127: an Accelerate index, captured after its parts, was dated then)."""
     stamp = stamp or new_stamp()
+    created = stamp.ns / 1e9  # (a process's stamps increase: a clock stepped back or behind another's, fence.observe)
     flat = flatten(state, max_containers=config.load.max_manifest_elements // 4)
     with gc_paused():
         leaves, unique, sources = _sources(flat.tensors)

@@ -41,6 +41,8 @@ from .staging import BufferPool, MemoryBudget
 from .streams import DirState
 
 log = logging.getLogger("ckpt_core")
+SLOT_POLL_SECONDS = 0.1
+"""How often a save waiting for a ``saving.max_pending`` slot looks again (``Coordinator.acquire_slot``)."""
 IDLE_SECONDS = 30.0
 """An asynchronous engine's coordinator and workers end after this long without a save."""
 
@@ -94,8 +96,13 @@ class Coordinator:
     # -- training thread ------------------------------------------------------------------------
     def acquire_slot(self) -> None:
         """Backpressure: block while ``max_pending`` saves are in flight. Pair with ``release_slot``
-        if the snapshot fails, else the job releases it."""
-        self._slots.acquire()
+        if the snapshot fails, else the job releases it.
+
+        Waits in short rounds: a signal handler that saves (Lightning's SLURM requeue on SIGUSR1) runs on top
+        of a wait here, and a release wakes the oldest waiter, the interrupted one, which cannot run until
+        the handler returns: the handler's own wait was never woken (h126, a hang at 0 % CPU)."""
+        while not self._slots.acquire(timeout=SLOT_POLL_SECONDS):
+            pass
 
     def release_slot(self) -> None:
         """Give back a slot whose save never became a job (its snapshot raised)."""

@@ -109,6 +109,17 @@ def new_stamp() -> CommitStamp:
         return CommitStamp(ns, _Clock.writer, next(_Clock.seq))
 
 
+def observe(commit: Optional[dict]) -> None:
+    """A checkpoint with this commit stamp (``Manifest.commit``) was loaded: this process's later stamps are
+    newer than it, unless it lies more than ``FUTURE_SLACK_SECONDS`` ahead of this host's clock (h127: a host
+    whose clock ran 10-30 s behind the one that wrote it saved checkpoints older than the one it resumed
+    from, and its retention deleted them). Stamps order checkpoints (``created`` is the stamp's time)."""
+    ns = commit.get("ns") if isinstance(commit, dict) else None
+    if isinstance(ns, int) and ns <= time.time_ns() + int(FUTURE_SLACK_SECONDS * 1e9):
+        with _Clock.lock:
+            _Clock.last_ns = max(_Clock.last_ns, ns)
+
+
 def read_stamp(head: bytes) -> Optional[CommitStamp]:
     """The stamp in the first bytes of a manifest, or None (no stamp, or not a manifest)."""
     m = _STAMP_RE.match(head)
@@ -133,11 +144,13 @@ def commit_guard(store: "Store", name: str, stamp: CommitStamp,
         if replaced is not None:
             replaced.data = data
         if existing is not None and existing.newer_than(stamp):
+            mine = existing.writer == stamp.writer
             error = SupersededError(
                 f"{store.url(name)} not committed: a newer checkpoint of that name was committed by "
-                f"another writer meanwhile (its stamp {existing.to_json()}, this save's {stamp.to_json()}); "
-                "it is kept. Two writers save to one name, or this host's clock is behind theirs")
-            error.same_process = existing.writer == stamp.writer
+                f"{'a later save of this process' if mine else 'another writer'} meanwhile (its stamp "
+                f"{existing.to_json()}, this save's {stamp.to_json()}); it is kept. "
+                + ("" if mine else "Two writers save to one name, or this host's clock is behind theirs"))
+            error.same_process = mine
             raise error
 
     return check

@@ -391,3 +391,21 @@ def test_importing_the_plugin_keeps_lightnings_rank_zero_logger() -> None:
                 f"assert r.log.name == name == '{package}.utilities.rank_zero', (name, r.log.name)\n")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_hpc_save_superseded_by_a_later_one_of_this_process_is_no_error(tmp_path, monkeypatch) -> None:
+    """h126: SIGUSR1 again while Lightning's requeue handler saved ``hpc_ckpt_1.ckpt`` ran a second handler
+    whose save of the same name (``hpc_save_path`` saw no file yet) committed first; the first one's save
+    was then refused as older and the fit failed with "another writer" (stock overwrites the file). The
+    later of the two is kept, and the older save is not an error."""
+    import ckpt_core.engine as engine_mod
+    from ckpt_core.saving.fence import new_stamp
+
+    io = CheckrunCheckpointIO()
+    path = tmp_path / "hpc_ckpt_1.ckpt"
+    older = new_stamp()  # the first handler's save, asked for first
+    io.save_checkpoint({"w": torch.full((2,), 2.0)}, path)  # the second handler's, committed first
+    monkeypatch.setattr(engine_mod, "new_stamp", lambda: older)
+    io.save_checkpoint({"w": torch.full((2,), 1.0)}, path)
+    assert io.load_checkpoint(path)["w"][0].item() == 2.0
+    io.teardown()

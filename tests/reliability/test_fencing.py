@@ -593,3 +593,36 @@ def test_a_clock_stepped_back_keeps_one_processs_checkpoints_in_capture_order(tm
         names = sorted(e.name for e in engine.list(directory) if e.manifest is not None)
         assert names == ["step5.ckpt", "step6.ckpt"], names
         assert engine.load(engine.latest(directory))["step"] == 6
+
+
+_AHEAD_WRITER = """
+import sys, time
+import torch
+t, tn = time.time, time.time_ns
+time.time = lambda: t() + 30; time.time_ns = lambda: tn() + 30 * 10**9
+from ckpt_core import CheckpointEngine
+with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+    for step in (1, 2, 3):
+        engine.save({"step": step, "w": torch.full((4,), float(step))}, f"{sys.argv[1]}/step{step}.ckpt")
+"""
+
+
+def test_a_run_resumed_on_a_host_whose_clock_is_behind_keeps_its_own_checkpoints(tmp_path) -> None:
+    """A writer whose clock runs 30 s ahead of this host's (well within the lease tolerance) saves steps 1-3;
+    this process loads step 3 and saves steps 4-6 with ``keep_last=2``: ordered by their commit times, its
+    own checkpoints were older than step 3, so its retention deleted steps 4 and 5 and ``latest()`` answered
+    step 3 (h127). A process's checkpoints are now newer than the one it loaded (``fence.observe``)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    directory = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", _AHEAD_WRITER, str(directory)], check=True, timeout=300)
+    with CheckpointEngine({"retention": {"keep_last": 2}, "saving": {"asynchronous": False}}) as engine:
+        assert engine.load(engine.latest(directory))["step"] == 3
+        for step in (4, 5, 6):
+            engine.save({"step": step, "w": torch.full((4,), float(step))}, directory / f"step{step}.ckpt")
+        names = sorted(e.name for e in engine.list(directory) if e.manifest is not None)
+        assert names == ["step5.ckpt", "step6.ckpt"], names
+        assert engine.load(engine.latest(directory))["step"] == 6
