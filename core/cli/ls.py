@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..format import composite
 from .composite import folders, verify_view
-from .steplog import logged_after, logged_text
+from .steplog import log_directory, logged_after, logged_text
 from .inspect import chain_depth, is_quantized, step_of, tensor_bytes, written_bytes
 from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, emit_json, fmt_less, human_size, human_time, iso_time,
@@ -219,7 +219,7 @@ def cmd_ls(ctx: Context) -> int:
     links = ctx.links(args.directory)
     totals["dangling_links"] = sum(1 for k in links if not k["ok"])
     code = EXIT_PROBLEM if totals["corrupt"] or totals["dangling_links"] else EXIT_OK
-    step_log = logged_after(ctx, args.directory, rows)
+    step_log = logged_after(ctx, log_directory(ctx, args.directory), rows)
     if ctx.json:
         out = {"directory": args.directory, "checkpoints": rows, "totals": totals, "links": links}
         if step_log is not None:

@@ -3,7 +3,7 @@ and blob garbage collection (of a directory of checkpoint folders: its parts no 
 from __future__ import annotations
 
 from .composite import folders, open_view, verify_view
-from .steplog import print_log_report, verify_log
+from .steplog import log_directory, print_log_report, verify_log
 from .util import (
     EXIT_OK, EXIT_PROBLEM, Context, CliError, dangling, emit_json, human_size, log, one_line, safe)
 from ..format.composite import INDEX_NAME, PARTS_DIR, join
@@ -65,7 +65,7 @@ def cmd_verify(ctx: Context) -> int:
                 continue
             rep["problems"] = [one_line(p) for p in rep["problems"]]
             results.append(rep)
-    step_log = verify_log(ctx, args.path, decode=not args.no_decode) if is_dir else None
+    step_log = verify_log(ctx, log_directory(ctx, args.path), decode=not args.no_decode) if is_dir else None
     ok = bool(results) and all(r["ok"] for r in results) and (step_log is None or step_log["ok"])
     if ctx.json:
         out = {"path": args.path, "ok": ok, "checkpoints": results}

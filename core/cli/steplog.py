@@ -14,6 +14,7 @@ import torch
 
 from .util import Context, human_size, one_line, safe
 from ..errors import CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError
+from ..format.composite import PARTS_DIR, join
 from ..format.dtypes import DTYPES
 from ..steplog.format import (
     PREFIX_BYTES, Marker, SegmentDamaged, SegName, StepLogFormatError, check_seg_name, decode_limit, header_end,
@@ -44,6 +45,15 @@ def segments_store(ctx: Context, directory: str) -> Store:
 def shown_url(directory: str) -> str:
     """The step log's folder as the user spelt the directory (engine URLs of local files are absolute)."""
     return f"{os.fspath(directory).rstrip('/')}/{STEPLOG_DIR}"
+
+
+def log_directory(ctx: Context, directory: str) -> str:
+    """Where the step log of ``directory``'s checkpoints is: the directory itself, or the parts directory of
+    Accelerate checkpoint folders (``.checkrun/parts``: h125, ``ls``/``verify DIR`` did not look there)."""
+    parts = join(directory, PARTS_DIR)
+    if has_log(segments_store(ctx, directory)) or not has_log(segments_store(ctx, parts)):
+        return directory
+    return parts
 
 
 def has_log(segs: Store) -> bool:
@@ -298,5 +308,5 @@ def print_log_report(rep: dict) -> None:
         print(f"  - {safe(p)}")
 
 
-__all__ = ["STEPLOG_DIR", "chain_of", "chain_steps", "is_log_dir", "is_segment_path", "logged_after",
-           "logged_text", "read_header", "segments_store", "verify_log"]
+__all__ = ["STEPLOG_DIR", "chain_of", "chain_steps", "is_log_dir", "is_segment_path", "log_directory",
+           "logged_after", "logged_text", "read_header", "segments_store", "verify_log"]

@@ -94,6 +94,9 @@ def check_index(state: Any, where: str) -> dict:
     parts = state.get("parts")
     if not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts):
         raise FormatError(f"{where}: accelerate_ckpt index lists no parts")
+    if len(set(parts)) != len(parts) or state.get("world_size", len(parts)) != len(parts):  # h128: 20,000 times
+        raise FormatError(f"{where}: accelerate_ckpt index lists {len(parts)} parts ({len(set(parts))} different) "
+                          f"for a world size of {str(state.get('world_size'))[:20]}: one part per rank")  # one part: 87 s
     for rel in parts:
         _check_rel(rel, where)
     return state

@@ -20,8 +20,7 @@ from .limits import MIN_DELTAS, ManifestLimits, check_deltas, check_device, chec
 
 _WRITER_RE = re.compile(r"[0-9a-f]{1,32}")
 
-MAGIC = "manifest"
-MAGIC_KEY = "_checkrun"
+MAGIC, MAGIC_KEY = "manifest", "_checkrun"
 MAGIC_PREFIX = b'{"_checkrun":'
 HEAD_BYTES = len(MAGIC_PREFIX) + 8  # how many leading bytes ``is_manifest_head`` needs (after some white space)
 FORMAT_VERSION = 2  # 2: chunks may be parts of a pack (ChunkRef.part); everything else as in 1
@@ -372,7 +371,8 @@ def _tensor_from_json(d: Any, max_blob_bytes: int, version: int = FORMAT_VERSION
     if dtype not in DTYPES:
         raise FormatError(f"{what}: unknown dtype {_brief(dtype)}")
     shape = tuple(_req(d, "shape", list, what))
-    if len(shape) > 64 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    if (len(shape) > 64 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 63 for s in shape)
+            or math.prod(s for s in shape if s) >= 1 << 63):  # (torch multiplies all: [2**40, 2**40, 0] overflowed)
         raise FormatError(f"{what}: invalid shape {_brief(list(shape))}")
     isz = _itemsize(dtype)
     codecs = tuple(_req(d, "codecs", list, what))

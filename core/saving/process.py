@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import forksafe
 from .capture import Snapshot
 from ..config import EngineConfig
 from .commit import publish_manifest, write_and_commit
@@ -120,6 +121,10 @@ class WriterProcess:
         self._lock = threading.Lock()
 
     def _start(self) -> Connection:
+        with forksafe.churn():  # no fork meanwhile: a DataLoader worker forked while Popen waited for the exec
+            return self._spawn()  # held its error pipe's write end, so Popen waited for that worker (h125: a hang)
+
+    def _spawn(self) -> Connection:
         ours, theirs = socket.socketpair()
         # SIGINT/SIGTERM ignored before torch is imported (2-3 s), and a process group of its own: a Ctrl-C or
         # a preemption's signal to the trainer's group killed it while it started, losing the first save

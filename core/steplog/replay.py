@@ -309,7 +309,7 @@ def _apply_state(ev: dict, optimizer: Any, scheduler: Any, where: str) -> None:
         for k, v in values.items():
             if k not in group:
                 continue
-            if not _same_kind(group[k], v):
+            if k == "params" or not _same_kind(group[k], v):  # (never logged: a forged segment's, h128)
                 raise StepLogFormatError(f"{where}: logged hyperparameter {k!r} is {str(v)[:40]}, the optimizer "
                                          f"holds a {type(group[k]).__name__} there")
             if isinstance(group[k], torch.Tensor):  # a tensor lr: the same tensor, its logged value
@@ -357,7 +357,7 @@ def _same_kind(held: Any, logged: Any) -> bool:
         return logged is None or isinstance(logged, bool)
     if isinstance(held, (int, float)) or (isinstance(held, torch.Tensor) and held.numel() == 1):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)
-    return True  # anything else: not among what the log records (group_scalars), so never logged
+    return False  # anything else: not among what the log records (group_scalars), so never logged (h128)
 
 
 def _sched_key(scheduler: Any, key: Any) -> bool:

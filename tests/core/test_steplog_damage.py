@@ -181,6 +181,23 @@ def test_hostile_row_indices_are_refused(logged):
     assert os.path.basename(bad) in str(exc.value)
 
 
+def test_a_logged_params_list_is_refused_and_the_optimizer_kept(logged):
+    """h128: a state event whose group held ``"params": [0, 1, ...]`` (as many ints as the group has
+    parameters, checksums recomputed) was applied: the optimizer's parameters became ints, then torch
+    raised AttributeError. Only the kinds the writer logs (numbers, flags, lists of them) replace values."""
+    bad = _after_checkpoint(logged)[0]
+    net, opt, sched = make("adamw")
+    value = list(range(len(opt.param_groups[0]["params"])))
+    _repack(bad, lambda h: next(e for e in h["events"] if e["kind"] == "state")["groups"][0].__setitem__("params",
+                                                                                                         value))
+    with CheckpointEngine() as engine:
+        load_into(engine.load(f"{logged}/ck.ckpt"), net, opt, sched)
+        with pytest.raises(StepLogFormatError, match="logged hyperparameter 'params'") as exc:
+            engine.replay(logged, opt, sched)
+    assert os.path.basename(bad) in str(exc.value)
+    assert all(isinstance(p, torch.nn.Parameter) for p in opt.param_groups[0]["params"])
+
+
 def test_huge_header_length_is_refused_before_reading_it(logged):
     bad = _after_checkpoint(logged)[0]
     _rewrite(bad, lambda d: d[:8] + struct.pack("<I", 2**31) + d[12:])

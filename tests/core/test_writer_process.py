@@ -274,3 +274,23 @@ def test_a_signal_to_the_trainers_process_group_while_the_writer_starts_does_not
 def test_background_is_validated() -> None:
     with pytest.raises(ConfigError, match="saving.background"):
         EngineConfig.from_dict({"saving": {"background": "fork"}})
+
+
+def test_the_writer_process_starts_while_no_fork_can_happen(tmp_path, monkeypatch):
+    """h125: the writer process is started by the first save's background thread; a DataLoader worker
+    forked by the training thread meanwhile inherited the write end of ``Popen``'s exec-error pipe, so
+    ``Popen`` waited until that worker ended, and the worker waited for the training thread, which waited
+    for the save: a resumed 2-rank run with ``num_workers=2`` hung for good. ``Popen`` runs inside
+    ``forksafe.churn()`` now: ``os.fork`` waits until it returned."""
+    from ckpt_core import forksafe
+
+    held, real = [], subprocess.Popen
+
+    def popen(*args, **kwargs):
+        held.append(forksafe._churn.locked())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with CheckpointEngine({"saving": {"background": "process"}}) as engine:
+        engine.save({"w": torch.ones(4)}, tmp_path / "a.ckpt").result()
+    assert held == [True]

@@ -530,3 +530,22 @@ def test_hyperparameters_set_after_the_scheduler_step_are_resumed(tmp_path: Path
     assert ckpt.replayed_steps == 5 and opt.param_groups[0]["weight_decay"] == 0.07
     assert_bit_equal(_state(net, opt, sched), want)
     ckpt.close()
+
+
+def test_checkrun_ls_and_verify_of_the_checkpoint_folders_include_the_step_log(tmp_path: Path, capsys) -> None:
+    """h125: the log of Accelerate checkpoints is in the parts directory (``checkpoints/.checkrun/parts``);
+    ``ls``/``verify`` of the checkpoints directory did not look there (no step-log line; "2 intact"
+    without reading a segment), only of ``.checkrun/parts`` itself."""
+    from ckpt_core.cli import main as cli
+
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")
+    for step in range(1, 7):
+        _step(acc, net, opt, sched, step)
+        if step == 2:
+            acc.save_state()
+    ckpt.close()
+    directory = str(tmp_path / "proj" / "checkpoints")
+    assert cli(["verify", directory]) == 0
+    assert "step log intact" in capsys.readouterr().out
+    assert cli(["ls", directory]) == 0
+    assert ".checkrun/parts/.checkrun/steplog:" in capsys.readouterr().out

@@ -232,6 +232,11 @@ CASES = {
     "created-huge-int": (_set("created", 10 ** 400), FormatError),
     "created-string": (_set("created", "yesterday"), FormatError),
     "delta-rows-lie": (_set("tensors.0.deltas", [{"n": 10 ** 6, "idx": None, "chunks": []}]), FormatError),
+    # h128: no elements, but torch multiplies every dimension (a raw overflow error naming no file before)
+    "zero-dim-overflow": (lambda b, env: _set("tensors.0.shape", [2 ** 40, 2 ** 40, 0])(
+        {**b, "tensors": [{**b["tensors"][0], "base": []}, *b["tensors"][1:]]}, env), FormatError),
+    "dim-over-int64": (lambda b, env: _set("tensors.0.shape", [0, 2 ** 63])(
+        {**b, "tensors": [{**b["tensors"][0], "base": []}, *b["tensors"][1:]]}, env), FormatError),
 }
 
 
