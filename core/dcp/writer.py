@@ -44,6 +44,8 @@ from .. import forksafe
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
 from .format import CheckpointIdMixin, ItemResult, build_manifest
+from ..saving.commit import check_after
+from ..saving.fence import new_stamp
 from ..saving.lifecycle import lower_thread_priority
 from ..errors import CheckrunError, CommitRefusedError, FormatError
 from ..format.manifest import ObjectRecord, TensorRecord
@@ -140,6 +142,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
             raise CheckrunError("CheckrunStorageWriter needs use_collectives=True: one manifest is committed "
                                 "by the coordinator for all ranks")
         self.is_coordinator = is_coordinator
+        self._stamp = new_stamp()  # (the coordinator's dates the checkpoint: when the save began, h127)
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -195,9 +198,14 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         metadata.storage_meta = self.storage_meta()
         manifest = build_manifest(metadata, [wr.storage_data for wr in flat], len(results),
                                   [wr.index for wr in flat])
+        stamp = getattr(self, "_stamp", None)  # a coordinator paused before its commit dated it then: newest
+        if stamp is not None:
+            manifest = dataclasses.replace(manifest, created=stamp.ns / 1e9, commit=stamp.to_json())
         data = manifest.to_bytes()
         self._check_leases(store, manifest)
         store.write_manifest(name, data)
+        if self._lease is not None:  # paused past the lease between the check and the commit: blobs collected?
+            check_after(store, name, self._lease, manifest, data)  # (h127: reported saved, did not load)
         self.release_lease()  # the coordinator's own; the manifest protects every rank's blobs now
         KNOWN.remember(store, manifest.blobs())
         st = manifest.stats

@@ -77,7 +77,7 @@ def write_and_commit(snap: Snapshot, store: Store, name: str, dirstate: DirState
             replaced = publish_manifest(store, name, snap.stamp, data, guard)
         else:
             publish(data, guard)
-        _check_after(store, name, lease, manifest, data)
+        check_after(store, name, lease, manifest, data)
     except BaseException:
         lease.abandon()  # its keys become candidates of the next collection
         raise
@@ -145,7 +145,7 @@ def _guard(store: Store, lease: SaveLease, manifest: Manifest) -> None:
                                 f"while its lease had lapsed (e.g. {blob_url(store, gone[0])}); not committed")
 
 
-def _check_after(store: Store, name: str, lease: SaveLease, manifest: Manifest, data: bytes) -> None:
+def check_after(store: Store, name: str, lease: SaveLease, manifest: Manifest, data: bytes) -> None:
     """Right after the rename/PUT: if the lease lapsed meanwhile (the process paused between the guard
     and the commit longer than the lease), a collection may have deleted blobs the new manifest needs.
     Take the lease again and look: if any is gone, remove the manifest (when it still holds this save's

@@ -326,3 +326,49 @@ def test_load_state_dict_checks_the_sizes_against_load_max_total_bytes_first(tmp
     with pytest.raises(ResourceLimitError, match=r"x\.dcp.*1048576 bytes.*load\.max_total_bytes"):
         cdcp.load_state_dict(path, config={"load": {"max_total_bytes": 3 << 18}})
     assert cdcp.load_state_dict(path, config={"load": {"max_total_bytes": 1 << 21}})["model"]["b"].shape == (256, 512)
+
+
+def test_a_commit_paused_past_its_lease_whose_blob_was_collected_is_not_reported_done(tmp_path, monkeypatch) -> None:
+    """h127: the coordinator passed its lease check, then paused (SIGSTOP) past the lease before writing the
+    manifest while another job's collection deleted its blobs; ``dcp.save`` returned as saved and the
+    checkpoint did not load ("missing blob"). Stood in for here: the lease reads as lapsed after the
+    check, and a blob is deleted then. Now the manifest is removed and the save raises, as the engine's."""
+    from ckpt_core.saving import lease as lease_mod
+
+    lapsed: dict = {}
+    real_check, real_intact = CheckrunStorageWriter._check_leases, lease_mod.SaveLease.intact
+
+    def check(self, store, manifest):
+        real_check(self, store, manifest)
+        if lapsed.get("on"):
+            os.remove(store.blob_path(sorted(manifest.blob_keys())[0]))
+            lapsed["intact"] = False
+
+    monkeypatch.setattr(CheckrunStorageWriter, "_check_leases", check)
+    monkeypatch.setattr(lease_mod.SaveLease, "intact", lambda self: lapsed.get("intact", True) and real_intact(self))
+    state = _state()
+    cdcp.save(state, tmp_path / "step1.dcp")
+    lapsed["on"] = True
+    with pytest.raises(BaseException, match="paused past its lease"):  # DCP raises CheckpointException
+        cdcp.save({"other": torch.full((500,), 7.0)}, tmp_path / "step2.dcp")  # no blob shared with step1
+    lapsed.clear()
+    assert not (tmp_path / "step2.dcp").exists()
+    _same(state, cdcp.load_state_dict(tmp_path / "step1.dcp"))
+
+
+def test_a_save_committed_late_is_older_than_one_asked_for_after_it(tmp_path, monkeypatch) -> None:
+    """h127: a DCP manifest was dated when its coordinator committed it: a job paused before its commit while
+    a restarted one saved on committed the newest checkpoint, and ``latest()`` (and retention) took it over
+    the restarted job's. A DCP checkpoint is dated (and stamped) when its save began, as the engine's."""
+    real_finish, nested = CheckrunStorageWriter.finish, []
+
+    def finish(self, metadata, results):
+        if not nested:  # a.dcp's coordinator, paused before its commit while b.dcp is saved
+            nested.append(1)
+            cdcp.save({"step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "b.dcp")
+        real_finish(self, metadata, results)
+
+    monkeypatch.setattr(CheckrunStorageWriter, "finish", finish)
+    cdcp.save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "a.dcp")
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.latest(tmp_path).endswith("b.dcp")
