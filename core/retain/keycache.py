@@ -6,11 +6,6 @@ seconds of background CPU per save, growing with the run). The same bytes always
 keys, so a collection keeps ``(created, commit stamp, blob keys)`` per manifest under the xxh3-128 of
 its bytes (and the limits it was parsed under) and later collections of this process parse only the
 manifests that are new or changed. Bounded by ``MAX_KEYS`` blob keys in all (least recently used go).
-
-On object stores a collection does not even read a manifest whose listing shows the same name, size and
-content tag (ETag) as one held (``get_listed``): each read is a request, and a collection after every
-save read every manifest of the directory again (Lightning's ``save_last`` with ``save_top_k=-1``:
-N GETs per save after N saves). ``MAX_LISTED`` such names are held.
 """
 from __future__ import annotations
 
@@ -28,8 +23,6 @@ MAX_KEYS = 1 << 20
 _lock = threading.Lock()
 _entries: "collections.OrderedDict[tuple, tuple[float, dict | None, frozenset[str]]]" = collections.OrderedDict()
 _held = 0
-MAX_LISTED = 1 << 16
-_listed: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()  # (where, limits) -> entry key
 
 
 def get(data: bytes, limits: Any) -> tuple[float, dict | None, frozenset[str]] | None:
@@ -42,20 +35,9 @@ def get(data: bytes, limits: Any) -> tuple[float, dict | None, frozenset[str]] |
     return None if hit is None else (hit[0], None if hit[1] is None else dict(hit[1]), hit[2])
 
 
-def get_listed(where: tuple, limits: Any) -> tuple[float, dict | None, frozenset[str]] | None:
-    """As ``get``, for the manifest ``where`` = (store's cache key, name, size, content tag) names, if held."""
-    with _lock:
-        key = _listed.get((where, limits))
-        hit = None if key is None else _entries.get(key)
-        if hit is not None:
-            _listed.move_to_end((where, limits))
-            _entries.move_to_end(key)
-    return None if hit is None else (hit[0], None if hit[1] is None else dict(hit[1]), hit[2])
-
-
 def put(data: bytes, limits: Any, created: float, commit: dict | None,
-        keys: frozenset[str], where: tuple | None = None) -> tuple[float, dict | None, frozenset[str]]:
-    """Hold what a parse of ``data`` gave (``where``: as ``get_listed`` finds it); returns it (as ``get``)."""
+        keys: frozenset[str]) -> tuple[float, dict | None, frozenset[str]]:
+    """Hold what a parse of ``data`` gave; returns it (as ``get`` would)."""
     global _held
     key = (xxhash.xxh3_128_digest(data), limits)
     with _lock:
@@ -64,21 +46,16 @@ def put(data: bytes, limits: Any, created: float, commit: dict | None,
             _held += len(keys)
             while _held > MAX_KEYS:
                 _held -= len(_entries.popitem(last=False)[1][2])
-        if where is not None and key in _entries:
-            _listed[(where, limits)] = key
-            _listed.move_to_end((where, limits))
-            while len(_listed) > MAX_LISTED:
-                _listed.popitem(last=False)
     return created, None if commit is None else dict(commit), keys
 
 
-def parsed(data: bytes, url: str, limits: Any, where: tuple | None = None) -> tuple[float, dict | None, frozenset[str]]:
+def parsed(data: bytes, url: str, limits: Any) -> tuple[float, dict | None, frozenset[str]]:
     """``(created, commit, keys)`` of the manifest ``data`` read from ``url``: held, or parsed and held."""
     got = get(data, limits)
     if got is None:
         m = parse_manifest(data, url, limits=limits)
-        got = (m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
-    return put(data, limits, *got, where=where)
+        got = put(data, limits, m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
+    return got
 
 
 def clear() -> None:
@@ -86,7 +63,4 @@ def clear() -> None:
     global _held
     with _lock:
         _entries.clear()
-        _listed.clear()
         _held = 0
-MAX_LISTED = 1 << 16
-_listed: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()  # (where, limits) -> entry key

@@ -81,10 +81,6 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
         _require_bucket(store)
 
     def read(info):
-        where = (store.cache_key, info.name, info.size, info.tag) if keys and info.tag else None
-        if where is not None and (got := keycache.get_listed(where, limits_for(config))) is not None:
-            return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=got[:2],
-                                   keys=got[2])  # listed as when it was read last (its ETag): not read again
         try:  # a small file whole in one GET (not HEAD + GET twice); else its head first (a big torch file)
             small = store.read_listed(info.name, info.size) if 0 < info.size <= WHOLE_READ_BYTES else None
             head = small[:SNIFF_BYTES] if small is not None else store.read_head(info.name, SNIFF_BYTES)
@@ -114,7 +110,7 @@ def list_checkpoints(store: Store, config: EngineConfig, heads: bool = False,
             if top is not None:
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None, head=top)
             if keys:  # one manifest parsed at a time per io thread, not all of them held; once per process
-                got = keycache.parsed(data, store.url(info.name), limits_for(config), where)
+                got = keycache.parsed(data, store.url(info.name), limits_for(config))
                 return CheckpointEntry(info.name, store.url(info.name), info.mtime, info.size, None,
                                        head=got[:2], keys=got[2])
             m = parse_manifest(data, store.url(info.name), limits=limits_for(config))

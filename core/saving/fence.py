@@ -116,8 +116,8 @@ def observe(commit: Optional[dict]) -> None:
     from, and its retention deleted them). Stamps order checkpoints (``created`` is the stamp's time)."""
     ns = commit.get("ns") if isinstance(commit, dict) else None
     if isinstance(ns, int) and ns <= time.time_ns() + int(FUTURE_SLACK_SECONDS * 1e9):
-        with _Clock.lock:
-            _Clock.last_ns = max(_Clock.last_ns, ns)
+        with _Clock.lock:  # 1 us past it: ``created`` (a float, ~240 ns apart at this epoch) orders them too (h129)
+            _Clock.last_ns = max(_Clock.last_ns, ns + 1000)
 
 
 def read_stamp(head: bytes) -> Optional[CommitStamp]:
@@ -163,8 +163,9 @@ def _existing_stamp(store: "Store", name: str) -> tuple[Optional[CommitStamp], O
         stamp = read_stamp(head[:HEAD_BYTES])
         if stamp is None:
             return None, None
-        # claims to be newer: believe it only if it is intact
-        data = head if len(head) < WHOLE_READ_BYTES else store.read_manifest(name)
+        # claims to be newer: believe it only if it is intact (read once more before it counts as damaged: a
+        # HEAD that said fewer bytes cut the first read, and an older save replaced the newer one, h129)
+        data = head if len(head) < WHOLE_READ_BYTES and checksum_matches(head) else store.read_manifest(name)
     except CheckpointNotFoundError:
         return None, None
     except CorruptCheckpointError as exc:  # read_manifest: larger than any manifest may be

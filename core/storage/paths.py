@@ -54,8 +54,6 @@ class FileInfo:
     name: str
     size: int
     mtime: float
-    tag: str | None = None
-    """What the listing says identifies its content (an object store's entity tag or generation), if anything."""
 
 
 def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -233,13 +231,6 @@ def version(info: dict) -> tuple:
     interpreted: a local file rewritten in place changes its mtime and ctime, a replaced one its
     inode, an object its ETag and LastModified)."""
     return (info.get("size"),) + tuple(f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) is not None)
-
-
-def content_tag(info: dict) -> str | None:
-    """What identifies a stored file's content in an fsspec info dict (S3's ETag, GCS's generation and md5),
-    or None (local disks and ``memory://`` report times only)."""
-    found = [f"{k}={info[k]}" for k in ("ETag", "etag", "VersionId", "generation", "md5Hash") if info.get(k)]
-    return " ".join(found) or None
 
 
 def display_root(fs: fsspec.AbstractFileSystem, root: str, url_prefix: str) -> str:

@@ -30,8 +30,8 @@ from ..format.dtypes import is_blob_key
 from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
 from .options import options_key
-from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, content_tag, display_root,
-                    find_shards, in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, display_root, find_shards,
+                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry, whole
 
@@ -358,7 +358,7 @@ class Store:
             if (parent != root or info.get("type") != "file" or not name
                     or name.startswith(META_DIR) or (is_temp_name(name) and not include_temp)):
                 continue
-            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info), content_tag(info)))
+            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info)))
         return sorted(out, key=lambda f: f.name)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T],

@@ -623,6 +623,36 @@ def test_a_run_resumed_on_a_host_whose_clock_is_behind_keeps_its_own_checkpoints
         assert engine.load(engine.latest(directory))["step"] == 3
         for step in (4, 5, 6):
             engine.save({"step": step, "w": torch.full((4,), float(step))}, directory / f"step{step}.ckpt")
+            # (h129: the first one, stamped 1 ns past step 3, had the same float ``created`` and sorted older)
+            assert engine.latest(directory).endswith(f"step{step}.ckpt")
         names = sorted(e.name for e in engine.list(directory) if e.manifest is not None)
         assert names == ["step5.ckpt", "step6.ckpt"], names
         assert engine.load(engine.latest(directory))["step"] == 6
+
+
+def test_a_head_that_says_fewer_bytes_does_not_make_a_newer_checkpoint_look_damaged(tmp_path, monkeypatch) -> None:
+    """h129: the fence read a small manifest whole in one request, sized by a HEAD that said fewer bytes than
+    the file holds; the cut read failed its checksum, the newer checkpoint counted as damaged and an older save
+    replaced it. A read that fails its checksum is read again before it counts as damaged."""
+    import torch
+
+    from ckpt_core.saving.fence import new_stamp
+
+    older = new_stamp()  # a save asked for before the one that commits first
+    path = tmp_path / "x.ckpt"
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"step": 2, "w": torch.full((4,), 2.0)}, path)
+    real, told = FaultFS.info, []
+
+    def info(self, p, **kwargs):
+        out = real(self, p, **kwargs)
+        if str(p).endswith("x.ckpt") and not told:  # the first HEAD of it: 300 bytes
+            told.append(p)
+            return {**out, "size": 300}
+        return out
+
+    monkeypatch.setattr(FaultFS, "info", info)
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        with pytest.raises(BackgroundSaveError, match="a newer checkpoint of that name was committed"):
+            engine.save({"step": 1, "w": torch.full((4,), 1.0)}, f"faultfile://{path}", stamp=older)
+        assert told and engine.load(path)["step"] == 2
