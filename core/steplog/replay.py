@@ -353,7 +353,9 @@ def _same_kind(held: Any, logged: Any) -> bool:
     those for tuples or lists as long."""
     if isinstance(held, (list, tuple)):
         return isinstance(logged, list) and len(logged) == len(held) and all(map(_same_kind, held, logged))
-    if isinstance(held, bool) or held is None:
+    if held is None:  # may become a number (a user's clip=None set later in training, h129) or a flag
+        return logged is None or isinstance(logged, (bool, int, float))
+    if isinstance(held, bool):
         return logged is None or isinstance(logged, bool)
     if isinstance(held, (int, float)) or (isinstance(held, torch.Tensor) and held.numel() == 1):
         return isinstance(logged, (int, float)) and not isinstance(logged, bool)

@@ -608,3 +608,46 @@ def test_a_logged_list_of_tensor_values_is_checked(logged) -> None:
     with pytest.raises(FormatError, match="invalid list of tensor values"):
         _tensor_list(logged)
     assert _tensor_list({"$steplog_tensors": [0.5, 2], "dtype": "bfloat16"})[1].dtype == torch.bfloat16
+
+
+def test_a_hyperparameter_that_goes_from_none_to_a_number_replays(tmp_path):
+    """h129: a custom optimizer's ``clip=None`` set to 2.0 during training (after the checkpoint) made
+    replay refuse the log as if forged ("logged hyperparameter 'clip' is 2.0, the optimizer holds a
+    NoneType"). None may become a number or a flag."""
+    from ckpt_core import CheckpointEngine
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1)
+        return net, Clipped(net.parameters())
+
+    net, opt = make()
+    with CheckpointEngine() as engine:
+        log = engine.step_log(tmp_path, opt)
+        for step in range(1, 7):
+            if step == 5:
+                opt.param_groups[0]["clip"] = 2.0
+            opt.zero_grad()
+            net(torch.full((2, 3), float(step))).sum().backward()
+            opt.step()
+            if step == 3:
+                engine.save({"net": net.state_dict(), "opt": opt.state_dict()}, tmp_path / "s3.ckpt")
+        log.close()
+    want = {k: v.clone() for k, v in net.state_dict().items()}
+    net2, opt2 = make()
+    with CheckpointEngine() as engine:
+        state = engine.load(tmp_path / "s3.ckpt")
+        net2.load_state_dict(state["net"])
+        opt2.load_state_dict(state["opt"])
+        assert engine.replay(tmp_path, opt2) == 3
+    assert opt2.param_groups[0]["clip"] == 2.0
+    assert all(torch.equal(want[k], v) for k, v in net2.state_dict().items())
+
+
+class Clipped(torch.optim.SGD):
+    """SGD with a hyperparameter of its own that starts as None."""
+
+    def __init__(self, params, lr=0.1, clip=None):
+        super().__init__(params, lr=lr)
+        for g in self.param_groups:
+            g.setdefault("clip", clip)
