@@ -208,3 +208,17 @@ def check_load_bytes(manifest, where: str, limit: int, total: int | None = None)
         raise ResourceLimitError(f"{where}: loading needs {total} bytes for its tensors, more than the "
                                  f"limit of {limit} (load.max_total_bytes)")
     return total
+
+
+def check_packs(tensors) -> None:
+    """A pack (``ChunkRef.part``: small tensors stored as one blob) is exactly its members (``saving.plan``):
+    FormatError for one declared larger than the parts of it the manifest's tensors list (h128: a 32-element
+    tensor declared a part of a 4 GiB pack, which a load decoded whole whatever ``load.max_total_bytes``)."""
+    packs: dict[str, list[int]] = {}  # blob key -> [size declared, bytes of its parts]
+    for rec in tensors:
+        for c in (c for c in rec.base if c.part is not None):
+            p = packs.setdefault(c.blob.key, [0, 0])
+            p[0], p[1] = max(p[0], c.part[1]), p[1] + c.rows * c.cols * (rec.nbytes // max(1, rec.numel))
+    for key, (declared, covered) in packs.items():
+        if declared > covered:
+            raise FormatError(f"pack {key} declares {declared} bytes, its parts cover {covered}")

@@ -16,7 +16,7 @@ import xxhash
 
 from ..errors import FormatError, NotACheckpointError, UnsafePathError
 from .dtypes import DTYPES, dtype_name, is_blob_key, row_shape  # noqa: F401 - dtype_name: callers import it here
-from .limits import MIN_DELTAS, ManifestLimits, check_deltas, check_device, check_json, resolve_limits
+from .limits import MIN_DELTAS, ManifestLimits, check_deltas, check_device, check_json, check_packs, resolve_limits
 
 _WRITER_RE = re.compile(r"[0-9a-f]{1,32}")
 
@@ -422,10 +422,10 @@ def _check_coverage(rec: TensorRecord, what: str) -> None:
 
 def _manifest_from_json(body: dict, limits: ManifestLimits) -> Manifest:
     created = _req(body, "created", (int, float), "manifest")
-    version = body["format_version"]
-    max_blob_bytes = limits.max_blob_bytes
+    version, max_blob_bytes = body["format_version"], limits.max_blob_bytes
     tensors = tuple(_tensor_from_json(t, max_blob_bytes, version, limits.max_deltas)
                     for t in _req(body, "tensors", list, "manifest"))
+    check_packs(tensors)
     objects = []
     for o in _req(body, "objects", list, "manifest"):
         key = _req(o, "key", str, "object")

@@ -118,7 +118,7 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
     to it instead of copied: the caller makes the copies later (``load_references``). ``reserve``:
     bytes of the same limit the caller holds already (the pickled values, ``fetch_objects``)."""
     into, limit, out = into or {}, memory_limit(max_total_bytes), []
-    total = check_load_bytes(manifest, where, limit, reserve + tensor_bytes(manifest, into, where))
+    total = check_load_bytes(manifest, where, limit, reserve + tensor_bytes(manifest, into))
     scratch = Scratch(where)
     one_pass = Pass(store, where, scratch.get, lambda n, dtype, what: alloc_host(n, dtype, where, what))
     for i, rec in enumerate(manifest.tensors):
@@ -140,27 +140,13 @@ def load_tensors(store: Store, manifest: Manifest, where: str, keep_copy: KeepCo
     return out
 
 
-def tensor_bytes(manifest: Manifest, into: dict[int, torch.Tensor], where: str) -> int:
+def tensor_bytes(manifest: Manifest, into: dict[int, torch.Tensor]) -> int:
     """Host memory that decoding the tensors takes, not counting kept copies: each tensor not
-    decoded into ``into``, plus each delta's row indices and values, plus the largest pack."""
-    return pack_bytes(manifest, where) + sum((0 if i in into else rec.nbytes)
-                      + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0]))
-                      for i, rec in enumerate(manifest.tensors))
-
-
-def pack_bytes(manifest: Manifest, where: str) -> int:
-    """The largest pack's size (decoded whole into one scratch buffer). A pack is exactly its members
-    (``saving.plan``): FormatError for one declared larger than the parts of it the manifest lists (h128:
-    a 32-element tensor declared a part of a 4 GiB pack, decoded whatever ``load.max_total_bytes``)."""
-    packs: dict[str, list[int]] = {}  # blob key -> [size declared, bytes of its parts]
-    for rec in manifest.tensors:
-        for c in (c for c in rec.base if c.part is not None):
-            p = packs.setdefault(c.blob.key, [0, 0])
-            p[0], p[1] = max(p[0], c.part[1]), p[1] + c.rows * c.cols * (rec.nbytes // max(1, rec.numel))
-    for key, (declared, covered) in packs.items():
-        if declared > covered:
-            raise FormatError(f"{where}: pack {key} declares {declared} bytes, its parts cover {covered}")
-    return max((p[0] for p in packs.values()), default=0)
+    decoded into ``into``, plus each delta's row indices and values (a pack is no larger than its
+    members: ``limits.check_packs``)."""
+    return sum((0 if i in into else rec.nbytes)
+               + sum(d.n for d in rec.deltas) * (8 + rec.nbytes // max(1, rec.row_shape[0]))
+               for i, rec in enumerate(manifest.tensors))
 
 
 def load_references(store: Store, manifest: Manifest, where: str, indices: list[int],
@@ -245,7 +231,7 @@ def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes:
     directory: ``objects.object_load_bytes``), count against ``load.max_total_bytes`` together with
     the tensors (``tensor_bytes``): a value is refused (ResourceLimitError) before it is unpickled."""
     limit = memory_limit(max_total_bytes)
-    left = limit - check_load_bytes(manifest, where, limit, tensor_bytes(manifest, into, where))  # tensors alone first
+    left = limit - check_load_bytes(manifest, where, limit, tensor_bytes(manifest, into))  # tensors alone first
     need = sum(rec.blob.size for rec in manifest.objects)
     if need > left:
         raise ResourceLimitError(f"{where}: loading needs {need} bytes for the blobs of its pickled values, "
