@@ -61,7 +61,13 @@ class View:
         return out
 
     def load(self, ctx: Context, weights_only: bool) -> Any:
-        """The whole state (tensors on CPU), verified."""
+        """The whole state (tensors on CPU), verified; a DCP checkpoint's shards reassembled, nested as saved
+        (h130: ``export`` wrote its per-shard records, ``model.weight@0,0``)."""
+        if self.index is None and isinstance(self.manifest.meta.get("dcp"), dict):
+            from ..dcp import load_state_dict  # (torch.distributed.checkpoint: imported only for one)
+
+            return load_state_dict(self.url, config=ctx.engine.config, storage_options=ctx.storage_options,
+                                   weights_only=weights_only)
         states = [ctx.engine.load(p.url, map_location="cpu", weights_only=weights_only,
                                   storage_options=ctx.storage_options) for p in self.pieces]
         if self.index is None:

@@ -55,6 +55,11 @@ def test_two_ranks_save_sharded_then_load_on_two_one_and_four(tmp_path) -> None:
     # 4 processes: uneven shards (w has 6 columns: 2, 2, 2, 0)
     results = run_ranks(workers.load_resharded, 4, path)
     assert [r["local_w_cols"] for r in results] == [2, 2, 2, 0]
+    # `checkrun export` writes the reassembled state (h130: it wrote the per-shard records, "model.emb@32,0")
+    from ckpt_core.cli import main as cli
+
+    assert cli(["export", path, str(tmp_path / "x.pt")]) == 0
+    workers.check_state(torch.load(tmp_path / "x.pt", weights_only=True), full)
 
 
 def test_second_save_writes_only_changed_chunks_also_after_restart(tmp_path) -> None:
