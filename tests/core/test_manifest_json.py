@@ -25,7 +25,7 @@ def test_record_json_equals_asdict():
                        deltas=(DeltaRef(1, blob, (ChunkRef(0, 1, 3, blob),)),), written=10,
                        quant={"method": "uniform", "bits": 4, "max_abs_error": 0.5, "rel_l2_error": 0.1},
                        device="cuda:0")
-    plain = TensorRecord("opt.step", "float32", (), ({"name": "raw", "version": 1},), (ChunkRef(0, 1, 1, blob, (8, 16)),))
+    plain = TensorRecord("opt.step", "float32", (), ({"name": "raw", "version": 1},), (ChunkRef(0, 1, 1, blob, (0, 4)),))
     obj = ObjectRecord("cfg", "builtins.object", blob)
     m = Manifest(created=1.5, skeleton={"$t": 0}, tensors=(rec, plain), objects=(obj,))
     body = json.loads(m.to_bytes())
