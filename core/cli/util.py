@@ -137,6 +137,9 @@ class Context:
         for e in entries:
             if e.is_symlink() and not e.name.startswith(".") and not os.path.isdir(e.path):
                 item = {"name": e.name, "target": os.readlink(e.path), "ok": os.path.isfile(e.path)}
+                beside = os.path.dirname(os.path.normpath(os.path.join(path, item["target"]))) == os.path.normpath(path)
+                if not item["ok"] and not beside and not e.name.endswith((".ckpt", ".dcp")):  # h132: a user's
+                    continue  # train.csv -> /mnt/dataset/... is no checkpoint link (save_last="link" points beside)
                 if not item["ok"]:  # at nothing, or at a device, a pipe (h107: said not to exist)
                     item["problem"] = "not a regular file" if os.path.exists(e.path) else "it does not exist"
                 out.append(item)

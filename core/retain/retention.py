@@ -33,7 +33,7 @@ from .report import CheckpointEntry, GCReport
 from ..format.manifest import SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
-from ..storage.paths import check_name
+from ..storage.paths import META_DIR, check_name, join
 from ..storage.store import WHOLE_READ_BYTES, BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -259,8 +259,8 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     keep unreferenced blobs younger than this too."""
     ldir = LeaseDir(store)
     report = GCReport(store.url(""), dry_run)
-    if not candidates and not store.is_directory():
-        return report  # nothing to collect, and no lease object to leave in a directory never made
+    if not candidates and not (store.is_directory() and store.at(join(store.root, META_DIR)).is_directory()):
+        return report  # nothing of ours to collect, and no lease object to leave (h132: in a user's own folder)
     linked = linked_blobs(store)
     if linked:
         report.problems.append(linked)

@@ -160,6 +160,8 @@ def _existing_stamp(store: "Store", name: str) -> tuple[Optional[CommitStamp], O
     """The stamp of the manifest now at ``name`` if it has one and is intact, else None; with its bytes."""
     try:
         head = store.read_head(name, WHOLE_READ_BYTES)  # a manifest under it is read whole, in one GET
+        if len(head) < HEAD_BYTES and read_stamp(head) is None:  # too short for a stamp: a HEAD that said fewer
+            head = store.read_manifest(name)  # bytes cut the read? (h131: 0-130 bytes let an older save replace it)
         stamp = read_stamp(head[:HEAD_BYTES])
         if stamp is None:
             return None, None

@@ -26,7 +26,7 @@ import fsspec
 
 from ..config import StorageConfig
 from . import atomic
-from .paths import BLOB_DIR, LEASE_DIR, STEPLOG_DIR, FileInfo, find_shards, is_local_fs, is_s3_fs, is_temp_name, join, mtime
+from .paths import BLOB_DIR, LEASE_DIR, STEPLOG_DIR, FileInfo, find_shards, is_local_fs, is_s3_fs, is_temp_file, join, mtime
 
 _LOG = logging.getLogger("ckpt_core.storage.store")
 # s3fs switches to multipart upload at 2*chunksize; a manifest must be one PUT (5 GiB max).
@@ -151,7 +151,7 @@ class RenameCommit(CommitStrategy):
                 continue
             for info in found.values() if isinstance(found, dict) else found:
                 path = info["name"]
-                if info.get("type") == "file" and is_temp_name(path.rsplit("/", 1)[-1]):
+                if info.get("type") == "file" and is_temp_file(path.rsplit("/", 1)[-1]):
                     out.append(FileInfo(path[len(root) + 1:], int(info.get("size") or 0), mtime(info)))
         return out
 

@@ -148,13 +148,20 @@ def join(root: str, *parts: str) -> str:
 
 
 _TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-[0-9a-fps-]+")
+_OUR_TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-(?:[0-9a-f]{8}p[0-9]{1,10}s[0-9]{1,20}-)?[0-9a-f]{32}")
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether a file name is one of our temp files (``.<prefix>.tmp-<owner>-<uuid>``: hex digits,
-    ``p`` and ``s`` after the mark), which garbage collection may delete; a user's ``.notes.tmp-old``
-    is not one."""
+    """Whether a file name looks like one of our temp files (``.<prefix>.tmp-`` then hex digits, ``p``, ``s``
+    and ``-``): never a checkpoint name, nor listed as a checkpoint; a user's ``.notes.tmp-old`` is not one."""
     return _TEMP_RE.fullmatch(name) is not None
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether a file name is exactly one a checkrun write gives its temp file (``.<prefix>.tmp-<owner
+    tag>-<uuid hex>``, or ``.<prefix>.tmp-<uuid hex>`` of earlier releases): only these may garbage
+    collection delete (h132: a user's ``.last.ckpt.tmp-1`` backup and ``.notes.tmp-2026-12-01`` were)."""
+    return _OUR_TEMP_RE.fullmatch(name) is not None
 
 
 def check_name(name: str) -> str:

@@ -31,7 +31,7 @@ from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
 from .options import options_key
 from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, display_root, find_shards,
-                    in_process_only, is_local_fs, is_temp_name, join, mtime, resolve, version)
+                    in_process_only, is_local_fs, is_temp_file, is_temp_name, join, mtime, resolve, version)
 from .pool import IOPool
 from .retry import call_with_retry, whole
 
@@ -254,7 +254,7 @@ class Store:
 
     def delete_temp_file(self, name: str) -> None:
         """Delete a temp file found by ``list_temp_files``; a missing one is not an error."""
-        if not is_temp_name(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
+        if not is_temp_file(name.rsplit("/", 1)[-1]) or ".." in name.split("/"):
             raise UnsafePathError(f"not a temp file of {self.url('')}: {name!r}")
         path = join(self.root, name)
         blob = aside.original(path) if self.is_local else None  # moved aside by a killed collection

@@ -237,6 +237,11 @@ def test_ls_and_verify_show_links_and_report_one_that_points_at_nothing(capsys, 
     for cmd in ("verify", "inspect", "ls"):
         code, _, err = run(capsys, cmd, f"{root}/last-v1.ckpt")
         assert code == 1 and "last-v1.ckpt: a symbolic link to gone.ckpt, which does not exist" in err
+    # a user's link out of the directory (a dataset not mounted here) is not a checkpoint link (h132: verify
+    # said CORRUPT and ls exited 1)
+    os.remove(f"{root}/last-v1.ckpt")
+    os.symlink("/nonexistent-mount/dataset/train.csv", f"{root}/train.csv")
+    assert run(capsys, "verify", root)[0] == 0 and run(capsys, "ls", root)[0] == 0
 
 
 def test_verify_of_a_directory_checks_each_shared_blob_and_tensor_once(capsys, tmp_path, monkeypatch):

@@ -160,3 +160,34 @@ def test_verify_says_when_the_blob_folder_is_a_file(tmp_path):
         report = engine.verify(tmp_path / "a.ckpt")
     assert not report.ok and any(p.endswith(".checkrun is a file, not the folder of the blobs") for p in report.problems)
     assert not any("beside the manifest" in p for p in report.problems), report.problems
+
+
+def test_gc_keeps_a_users_files_whose_names_only_resemble_temp_files(tmp_path):
+    """h132: ``checkrun gc`` deleted a user's day-old ``.last.ckpt.tmp-1`` (a hand-made backup) and
+    ``.notes.tmp-2026-12-01`` as temp files of interrupted writes: any ``.X.tmp-`` followed by hex digits,
+    ``p``, ``s`` and ``-`` counted. Only the names checkrun's writes give their temp files do now."""
+    import pathlib
+    import time
+
+    from ckpt_core.storage.atomic import temp_path
+
+    run = tmp_path / "run"
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"w": torch.ones(4)}, run / "last.ckpt")
+    mine = [run / ".last.ckpt.tmp-1", run / ".notes.tmp-2026-12-01"]
+    ours = pathlib.Path(temp_path(str(run / "x.ckpt")))  # an interrupted write's, of this process
+    for p in mine + [ours]:
+        p.write_bytes(b"kept")
+        os.utime(p, (time.time() - 86400, time.time() - 86400))
+    with CheckpointEngine() as engine:
+        report = engine.gc(run)
+    assert all(p.read_bytes() == b"kept" for p in mine) and not ours.exists(), report
+
+
+def test_gc_of_a_folder_without_checkrun_data_writes_nothing(tmp_path):
+    """h132: ``checkrun gc mydata`` on a user's own folder (or accelerate's checkpoint_0, or an empty one)
+    left a ``mydata/.checkrun/leases/`` behind: its collection wrote its lease object first."""
+    (tmp_path / "notes.txt").write_text("mine")
+    with CheckpointEngine() as engine:
+        report = engine.gc(tmp_path)
+    assert not report.problems and sorted(os.listdir(tmp_path)) == ["notes.txt"]
