@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -183,6 +184,8 @@ def _forged(tmp_path, edit) -> tuple[str, str]:
     body = json.loads((d / "x.ckpt").read_bytes())
     edit(body)
     (d / "x.ckpt").write_bytes(forge(body))
+    later = time.time() + 1  # its file time (a created far ahead is ordered by it): after good.ckpt's stamp,
+    os.utime(d / "x.ckpt", (later, later))  # which the kernel's coarse file clock could otherwise precede
     return str(d), str(d / "x.ckpt")
 
 
