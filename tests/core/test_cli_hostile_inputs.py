@@ -184,8 +184,10 @@ def _forged(tmp_path, edit) -> tuple[str, str]:
     body = json.loads((d / "x.ckpt").read_bytes())
     edit(body)
     (d / "x.ckpt").write_bytes(forge(body))
-    later = time.time() + 1  # its file time (a created far ahead is ordered by it): after good.ckpt's stamp,
-    os.utime(d / "x.ckpt", (later, later))  # which the kernel's coarse file clock could otherwise precede
+    # its file time (a created far ahead is ordered by it) after good.ckpt's: the kernel's coarse file clock can
+    # precede good's stamp, and so does now after a test in this process loaded a checkpoint stamped ahead
+    later = max(time.time(), json.loads((d / "good.ckpt").read_bytes())["created"]) + 1
+    os.utime(d / "x.ckpt", (later, later))
     return str(d), str(d / "x.ckpt")
 
 
