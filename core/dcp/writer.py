@@ -15,12 +15,13 @@ DCP's call order (``dcp.save`` / ``dcp.async_save``), and what each step does he
    ``finish``: no manifest, no checkpoint.
 
 Every rank's ``write_data`` holds a lease (``save_lease``) on the blobs it writes or reuses, renewed
-while it writes and kept until the checkpoint is committed: the coordinator releases its own in
-``finish`` (after checking, for a save that took over half of ``lease_seconds``, that no blob of another
-rank was collected: ``_check_leases``); the other ranks theirs when ``ckpt_core.dcp.save``/``async_save``
-return (``release_lease``), else at the writer's next save (``reset``), when their process ends, or when
-it expires (``retention.lease_seconds``). A lease left by a failed save is marked expired at the next
-save: its orphan blobs go at the next collection.
+while it writes, then held for ``WAIT_HOLD`` times ``lease_seconds`` while the rank waits in DCP's
+gather (no chunk left to renew on: ``SaveLease.hold``), and kept until the checkpoint is committed: the
+coordinator releases its own in ``finish`` (after checking, for a save that took over half of
+``lease_seconds``, that no blob of another rank was collected: ``_check_leases``); the other ranks
+theirs when ``ckpt_core.dcp.save``/``async_save`` return (``release_lease``), else at the writer's next
+save (``reset``), when their process ends, or when it expires. A lease left by a failed save is marked
+expired at the next save: its orphan blobs go at the next collection.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ from ..storage.paths import blob_url, refuse_directory
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
+WAIT_HOLD = 4
+"""A rank that finished writing keeps its blobs leased this many ``retention.lease_seconds`` while it
+waits for slower ranks and the commit (a rank slower than that: ``_check_leases`` before the commit)."""
 
 __all__ = ["CheckrunStorageWriter", "DcpSaveInfo"]
 
@@ -177,6 +181,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
             finally:
                 forksafe.stop_executor(pool)
             store.sync()  # this rank's blobs are durable before the coordinator commits the manifest
+            lease.hold(WAIT_HOLD * lease.seconds)  # no chunk left to renew on while it waits for the commit
         except BaseException:
             self.release_lease(committed=False)
             raise

@@ -167,6 +167,24 @@ class SaveLease:
         return (_now() - self._written_at >= self.seconds / 4
                 or time.time() >= self._wall_until - 0.5 * self.seconds)
 
+    def hold(self, seconds: float) -> None:
+        """Rewrite the lease to protect its keys for ``seconds`` (at least ``lease_seconds``) with no
+        renewal after it: a DCP rank that finished writing and waits in DCP's gather for slower ranks
+        and the commit has no chunk left to renew on (found by an independent check: a collection
+        deleted such a rank's new blobs and the coordinator refused the commit). A failure is logged."""
+        if self._valid_until is None:
+            return
+        seconds = max(seconds, self.seconds)
+        try:
+            with self._io:
+                started, wall = _now(), time.time()
+                self.dir.write(record(self.name, "save", seconds, frozenset(self._published)))
+                margin = seconds - 0.25 * self.seconds  # as _write: a quarter kept for clock differences
+                self._valid_until, self._wall_until = started + margin, wall + margin
+                self._written_at = started
+        except CheckrunError as exc:
+            log.warning("checkrun: extending lease %s failed: %s", self.dir.url(self.name), exc)
+
     def intact(self) -> bool:
         """Whether the lease has been valid without a gap since its first write (any thread), by the
         monotonic clock and by the wall clock: a step of the host's clock (a VM resumed, an NTP step)

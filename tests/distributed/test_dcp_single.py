@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from fractions import Fraction
 
@@ -372,3 +373,29 @@ def test_a_save_committed_late_is_older_than_one_asked_for_after_it(tmp_path, mo
     cdcp.save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "a.dcp")
     with ckpt_core.CheckpointEngine() as engine:
         assert engine.latest(tmp_path).endswith("b.dcp")
+
+
+def test_a_rank_waiting_for_the_commit_longer_than_its_lease_keeps_its_blobs(tmp_path, monkeypatch) -> None:
+    """h130: a rank renewed its lease only while it wrote; one that finished and waited in DCP's gather for a
+    slower rank longer than ``retention.lease_seconds`` let it lapse, and a collection meanwhile (another
+    job's, ``checkrun gc``) deleted its new blobs: the coordinator refused the commit (the save was lost).
+    After writing, a rank holds its lease for ``WAIT_HOLD`` lease periods. Stood in for here: a collection
+    whose clock reads 1.5 lease periods after the write runs just before the commit."""
+    from types import SimpleNamespace
+
+    from ckpt_core.retain import leases as leases_mod
+
+    lease_seconds, real_finish = 20.0, CheckrunStorageWriter.finish
+    later = SimpleNamespace(time=lambda: time.time() + 1.5 * lease_seconds, monotonic=time.monotonic)
+
+    def finish(self, metadata, results):
+        with monkeypatch.context() as m:
+            m.setattr(leases_mod, "time", later)
+            with ckpt_core.CheckpointEngine() as engine:
+                engine.gc(tmp_path, grace_seconds=0)
+        real_finish(self, metadata, results)
+
+    monkeypatch.setattr(CheckrunStorageWriter, "finish", finish)
+    state = _state()
+    cdcp.save(state, tmp_path / "a.dcp", config={"retention": {"lease_seconds": lease_seconds}})
+    _same(state, cdcp.load_state_dict(tmp_path / "a.dcp"))
