@@ -68,8 +68,9 @@ def _check_target(ctx: Context, url: str, force: bool) -> None:
         raise CliError(f"{url}: is a {special}, not a regular file; checkrun writes only regular files "
                        f"(even with --force): give another name", EXIT_USAGE)
     kind = ctx.kind(url)
-    if kind == "dir":
-        raise CliError(f"{url}: is a directory; give a file name", EXIT_USAGE)
+    if kind == "dir" or url.endswith("/"):  # `cp f dir/` habit: a missing dir/ became a file named dir
+        raise CliError(f"{url}: is a directory{'' if kind == 'dir' else ' name (ends with /)'}; give a file name",
+                       EXIT_USAGE)
     if kind == "file" and not force:
         raise CliError(f"{url}: already exists (use --force to overwrite)", EXIT_USAGE)
 

@@ -593,3 +593,16 @@ def test_console_script_s3(s3_run):
                                             "AWS_SECRET_ACCESS_KEY": "testing"})
     assert proc.returncode == 1, proc.stderr
     assert not json.loads(proc.stdout)["ok"]
+
+
+def test_import_and_export_to_a_name_ending_in_a_slash_refuse_instead_of_making_a_file(capsys, local_run, tmp_path):
+    """h132: `checkrun import m.pt newdir/` (the `cp f dir/` habit) with newdir missing made a checkpoint FILE
+    named newdir; export the same. A target ending in '/' names a directory: refused, nothing written."""
+    root, _ = local_run
+    pt = tmp_path / "m.pt"
+    assert run(capsys, "export", f"{root}/step=1.ckpt", str(pt))[0] == 0
+    code, _, err = run(capsys, "import", str(pt), f"{tmp_path}/newdir/")
+    assert code == 2 and "newdir/: is a directory name (ends with /); give a file name" in err
+    code, _, err = run(capsys, "export", f"{root}/step=1.ckpt", f"{tmp_path}/out/")
+    assert code == 2 and "out/: is a directory name" in err
+    assert not (tmp_path / "newdir").exists() and not (tmp_path / "out").exists()
