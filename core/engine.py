@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .saving import inflight, lifecycle
 from .saving.capture import take_snapshot
@@ -60,8 +60,7 @@ class CheckpointEngine:
         self._coord = Coordinator(self.config, self._process, RuleMatcher(self.config.quantization), self._pool,
                                   budget, self._copier, self._stores, self._callbacks)
         self._trackers: list = []
-        self._closed = False
-        self._pid = os.getpid()
+        self._closed, self._pid = False, os.getpid()
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -197,11 +196,11 @@ class CheckpointEngine:
         return verify_manifest(store, name, self.config, decode=decode, progress=progress, cache=cache)
 
     def gc(self, directory: PathLike, grace_seconds: float | None = None, dry_run: bool = False,
-           storage_options: dict | None = None, full: bool = True) -> GCReport:
-        """Delete blobs in ``directory`` that no manifest references and no live lease protects. ``full=False``:
-        only the blobs of checkpoints this engine removed there and of dead writers' leases (no listing of the
-        blobs). ``grace_seconds``: also keep unreferenced blobs younger than this (default 0;
-        ``retention.gc_grace_seconds`` where no lease-aware writer ever wrote)."""
+           storage_options: dict | None = None, full: bool = True, removed: Iterable[str] = ()) -> GCReport:
+        """Delete blobs in ``directory`` that no manifest references and no live lease protects. ``full=False``: only
+        the blobs of checkpoints this engine removed there and of dead writers' leases (no listing of the blobs).
+        ``grace_seconds``: also keep unreferenced blobs younger than this (default 0; ``retention.gc_grace_seconds``
+        where no lease-aware writer ever wrote). ``removed``: manifest names a ``dry_run`` counts as deleted."""
         self._check_open()
         store = self._dir_store(directory, storage_options)
         if full:  # a full collection reports on settled saves; leases protect those in flight anyway
@@ -209,7 +208,8 @@ class CheckpointEngine:
         state = self._dirstate(store)
         try:  # then the store's io threads go (Lightning removing a .temp.ckpt left 4: an independent check)
             return collect(store, self.config, memory=state, grace_seconds=grace_seconds, dry_run=dry_run,
-                           candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store))
+                           candidates=None if full else dict(state.pending), forget=self._coord.forget_blobs(store),
+                           removed=frozenset(removed) if dry_run else frozenset())
         finally:
             self._coord.release_if_idle()
 

@@ -112,7 +112,7 @@ def cmd_gc(ctx: Context) -> int:
         directory = join(args.directory, PARTS_DIR)
     with ctx.bar(None, "collecting garbage", unit="blob") as bar:
         report = ctx.engine.gc(directory, grace_seconds=args.grace, dry_run=args.dry_run,
-                               storage_options=ctx.storage_options)
+                               storage_options=ctx.storage_options, removed=orphans or ())
         bar.update(len(report.deleted))
     code = EXIT_PROBLEM if report.problems else EXIT_OK
     if ctx.json:

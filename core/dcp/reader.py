@@ -28,6 +28,7 @@ from ..errors import CheckrunError, CorruptCheckpointError, FormatError, NotAChe
 from ..format.limits import memory_limit
 from ..format.manifest import DTYPES, BlobRef, Manifest, ObjectRecord
 from ..loading.reader import check_structure, decode_chunk, fetch_blob, read_manifest
+from ..saving.fence import observe
 from ..storage.paths import blob_url, is_local_fs, join
 from ..storage.store import Store
 
@@ -89,6 +90,7 @@ class CheckrunStorageReader(CheckpointIdMixin, StorageReader):
             self.metadata_error = exc
             raise
         self.manifest, self.storage_data = manifest, storage
+        observe(manifest.commit)  # this process's next checkpoints are newer than the one it loads (h134)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -45,7 +45,7 @@ from .. import forksafe
 from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
 from .format import CheckpointIdMixin, ItemResult, build_manifest
-from ..saving.commit import check_after
+from ..saving.commit import check_after, publish_manifest
 from ..saving.fence import new_stamp
 from ..saving.lifecycle import lower_thread_priority
 from ..errors import CheckrunError, CommitRefusedError, FormatError
@@ -208,7 +208,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
             manifest = dataclasses.replace(manifest, created=stamp.ns / 1e9, commit=stamp.to_json())
         data = manifest.to_bytes()
         self._check_leases(store, manifest)
-        store.write_manifest(name, data)
+        publish_manifest(store, name, stamp, data)  # the fence: never over a newer checkpoint of that name (h134)
         if self._lease is not None:  # paused past the lease between the check and the commit: blobs collected?
             check_after(store, name, self._lease, manifest, data)  # (h127: reported saved, did not load)
         self.release_lease()  # the coordinator's own; the manifest protects every rank's blobs now

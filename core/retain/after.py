@@ -147,11 +147,12 @@ def note_removed(memory: GcMemory, blobs: Callable[[], Iterable[BlobRef]]) -> No
 
 def collect(store: Store, config: EngineConfig, *, memory: GcMemory | None = None,
             grace_seconds: float | None = None, dry_run: bool = False, candidates: dict[str, int] | None = None,
-            forget: Forget | None = None) -> GCReport:
+            forget: Forget | None = None, removed: frozenset = frozenset()) -> GCReport:
     """``retention.collect_garbage``, keeping ``memory`` up to date: what was left (leased, not
     reached) becomes its pending candidates, and deleted blobs are forgotten (``memory`` and
     ``forget``). ``candidates=None``: a full collection."""
-    report = collect_garbage(store, config, grace_seconds=grace_seconds, dry_run=dry_run, candidates=candidates)
+    report = collect_garbage(store, config, grace_seconds=grace_seconds, dry_run=dry_run, candidates=candidates,
+                             removed=removed)
     if dry_run:
         return report
     if memory is not None:

@@ -249,14 +249,14 @@ def blob_sizes(entries: list[CheckpointEntry]) -> dict[str, int]:
     return {b.key: b.size for e in entries if e.manifest is not None for b in e.manifest.blobs()}
 
 
-def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None,
-                    dry_run: bool = False, candidates: dict[str, int] | None = None) -> GCReport:
+def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float | None = None, dry_run: bool = False,
+                    candidates: dict[str, int] | None = None, removed: frozenset = frozenset()) -> GCReport:
     """Delete the blobs no manifest references and no live lease protects.
 
     ``candidates`` (key -> size): a targeted collection of those keys, without listing the blobs,
     unless a lease of a dead writer (or a failed save) is found: then, like ``None``, a full one
     (every blob, and temp files). ``grace_seconds`` (default ``retention.gc_grace_seconds``, 0):
-    keep unreferenced blobs younger than this too."""
+    keep unreferenced blobs younger than this too. ``removed`` (names): manifests a dry run counts as gone."""
     ldir = LeaseDir(store)
     report = GCReport(store.url(""), dry_run)
     if not candidates and not (store.is_directory() and store.at(join(store.root, META_DIR)).is_directory()):
@@ -270,7 +270,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     try:
         if not dry_run:
             gc.begin_round()
-        state = _read_state(store, config, ldir, gc, report)
+        state = _read_state(store, config, ldir, gc, report, removed)
         if state is None:
             return report
         if candidates is not None and state[0].writer_died:
@@ -296,8 +296,8 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     return report
 
 
-def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection,
-                report: GCReport) -> tuple[Protection, set[str]] | None:
+def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collection, report: GCReport,
+                removed: frozenset = frozenset()) -> tuple[Protection, set[str]] | None:
     """Leases, then manifests (in this order: a lease released after its commit is seen, or its
     manifest is); None, with the problems reported, if any cannot be read."""
     try:
@@ -309,6 +309,7 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
     entries = list_checkpoints(store, config, keys=True)
     if any(_GONE in (e.error or "") for e in entries):  # removed meanwhile, or a stale listing: one more
         entries = list_checkpoints(store, config, keys=True)  # (a stale one stays so: nothing collected)
+    entries = [e for e in entries if e.name not in removed]
     broken = [e for e in entries if e.error is not None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)

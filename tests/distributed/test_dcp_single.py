@@ -399,3 +399,41 @@ def test_a_rank_waiting_for_the_commit_longer_than_its_lease_keeps_its_blobs(tmp
     state = _state()
     cdcp.save(state, tmp_path / "a.dcp", config={"retention": {"lease_seconds": lease_seconds}})
     _same(state, cdcp.load_state_dict(tmp_path / "a.dcp"))
+
+
+def test_a_save_after_loading_a_checkpoint_stamped_ahead_is_newer_than_it(tmp_path, monkeypatch) -> None:
+    """h134: a run whose clock ran 20 s ahead saved a.dcp; a run on a host with the right clock loaded it with
+    ``ckpt_core.dcp`` and saved b.dcp, dated before a.dcp: ``latest()`` went back to a.dcp and ``keep_last``
+    deleted b.dcp. Loading a DCP checkpoint now moves this process's stamps past it (``fence.observe``), as
+    ``CheckpointEngine.load`` does."""
+    import itertools
+
+    from ckpt_core.saving import fence
+
+    monkeypatch.setattr(fence._Clock, "last_ns", time.time_ns() + 20 * 10 ** 9)  # the first run's clock
+    cdcp.save({"w": torch.ones(3)}, tmp_path / "a.dcp")
+    monkeypatch.setattr(fence._Clock, "writer", "b" * 16)  # the resumed run: another process, the right clock
+    monkeypatch.setattr(fence._Clock, "seq", itertools.count(1))
+    monkeypatch.setattr(fence._Clock, "last_ns", 0)
+    assert torch.equal(cdcp.load_state_dict(tmp_path / "a.dcp")["w"], torch.ones(3))
+    cdcp.save({"w": torch.full((3,), 2.0)}, tmp_path / "b.dcp")
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.latest(tmp_path).endswith("b.dcp")
+
+
+def test_a_late_save_does_not_replace_a_newer_checkpoint_of_the_same_name(tmp_path, monkeypatch) -> None:
+    """h134: a trainer paused inside its save to last.dcp while a restarted one saved newer states to that
+    name; resumed, the late save replaced the newest checkpoint (the DCP commit had no fence). Now it is
+    refused (``SupersededError`` inside DCP's exception) and last.dcp keeps the newer state, as the engine's."""
+    real_finish, nested = CheckrunStorageWriter.finish, []
+
+    def finish(self, metadata, results):
+        if not nested:  # the late save's coordinator, paused before its commit while a newer one is saved
+            nested.append(1)
+            cdcp.save({"step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "last.dcp")
+        real_finish(self, metadata, results)
+
+    monkeypatch.setattr(CheckrunStorageWriter, "finish", finish)
+    with pytest.raises(BaseException, match="newer checkpoint of that name"):
+        cdcp.save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "last.dcp")
+    assert cdcp.load_state_dict(tmp_path / "last.dcp")["step"] == 2
