@@ -259,13 +259,15 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     keep unreferenced blobs younger than this too. ``removed`` (names): manifests a dry run counts as gone."""
     ldir = LeaseDir(store)
     report = GCReport(store.url(""), dry_run)
+    floor = config.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
     if not candidates and not (store.is_directory() and store.at(join(store.root, META_DIR)).is_directory()):
-        return report  # nothing of ours to collect, and no lease object to leave (h132: in a user's own folder)
+        if candidates is None and store.is_directory():  # no blob, no lease object to leave (h132: a user's
+            _collect_temp_files(store, config, floor, report, delete=not dry_run)  # folder); a killed save's temp
+        return report  # file still goes (h134: beside a checkpoint of no tensor, which makes no .checkrun)
     linked = linked_blobs(store)
     if linked:
         report.problems.append(linked)
         return report
-    floor = config.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
     gc = Collection(store, config.retention.lease_seconds)
     try:
         if not dry_run:

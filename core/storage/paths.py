@@ -148,7 +148,7 @@ def join(root: str, *parts: str) -> str:
 
 
 _TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-[0-9a-fps-]+")
-_OUR_TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-(?:[0-9a-f]{8}p[0-9]{1,10}s[0-9]{1,20}-)?[0-9a-f]{16,32}")
+_OUR_TEMP_RE = re.compile(r"\.(?:.*\.)?tmp-(?:[0-9a-f]{8}p[0-9]{1,10}s[0-9]{1,20}-)?[0-9a-f]{32}")
 
 
 def is_temp_name(name: str) -> bool:
@@ -159,8 +159,9 @@ def is_temp_name(name: str) -> bool:
 
 def is_temp_file(name: str) -> bool:
     """Whether a file name is exactly one a checkrun write gives its temp file (``.<prefix>.tmp-<owner
-    tag>-<uuid hex>``, or ``.<prefix>.tmp-<16-32 hex>`` of earlier releases): only these may garbage
-    collection delete (h132: a user's ``.last.ckpt.tmp-1`` backup and ``.notes.tmp-2026-12-01`` were)."""
+    tag>-<uuid hex>``, or ``.<prefix>.tmp-<uuid hex>`` of earlier releases; 32 hex digits): only these may
+    garbage collection delete (h132: a user's ``.last.ckpt.tmp-1`` backup and ``.notes.tmp-2026-12-01`` were;
+    h134: ``.last.ckpt.tmp-<time.time_ns()>`` and ``.notes.tmp-<token_hex(8)>``, 16-32 digits, were)."""
     return _OUR_TEMP_RE.fullmatch(name) is not None
 
 

@@ -174,7 +174,8 @@ def test_gc_keeps_a_users_files_whose_names_only_resemble_temp_files(tmp_path):
     run = tmp_path / "run"
     with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
         engine.save({"w": torch.ones(4)}, run / "last.ckpt")
-    mine = [run / ".last.ckpt.tmp-1", run / ".notes.tmp-2026-12-01"]
+    mine = [run / ".last.ckpt.tmp-1", run / ".notes.tmp-2026-12-01",
+            run / ".last.ckpt.tmp-1796643266410434809", run / ".notes.tmp-0123456789abcdef"]  # h134: time_ns, token_hex(8)
     ours = pathlib.Path(temp_path(str(run / "x.ckpt")))  # an interrupted write's, of this process
     for p in mine + [ours]:
         p.write_bytes(b"kept")
@@ -191,3 +192,27 @@ def test_gc_of_a_folder_without_checkrun_data_writes_nothing(tmp_path):
     with CheckpointEngine() as engine:
         report = engine.gc(tmp_path)
     assert not report.problems and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_gc_deletes_a_killed_saves_temp_file_beside_a_checkpoint_without_blobs(tmp_path):
+    """h134: a checkpoint of no tensor (``{"step": 1}``) makes no ``.checkrun`` folder, and gc (which since h132
+    writes nothing into a folder without one) no longer collected a killed save's temp file there. It does
+    again (and still writes nothing, and keeps a user's look-alike)."""
+    import pathlib
+    import time
+
+    from ckpt_core.storage.atomic import temp_path
+
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"step": 1, "lr": 0.1}, tmp_path / "a.ckpt")
+    assert not (tmp_path / ".checkrun").exists()
+    torn, mine = pathlib.Path(temp_path(str(tmp_path / "b.ckpt"))), tmp_path / ".b.ckpt.tmp-1"
+    for p in (torn, mine):
+        p.write_bytes(b"half")
+        os.utime(p, (time.time() - 86400, time.time() - 86400))
+    with CheckpointEngine() as engine:
+        dry = engine.gc(tmp_path, dry_run=True)
+        assert dry.temp_files == [torn.name] and torn.exists()
+        report = engine.gc(tmp_path)
+    assert report.temp_files == [torn.name] and not torn.exists() and mine.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["a.ckpt", mine.name])

@@ -385,9 +385,10 @@ def test_gc_deletes_temp_files_of_interrupted_writes_after_the_grace(tmp_path):
         shard = next((root / ".checkrun" / "blobs").iterdir())
         steplog = root / ".checkrun" / "steplog"  # a step-log writer killed mid-write (found by a fault program)
         steplog.mkdir()
-        old = [shard / ".tmp-0123456789abcdef", root / ".good.ckpt.tmp-0123456789abcdef",
-               steplog / ".seg-0123456789abcdef-00000001-000000000000-000000000003.bin.tmp-0123456789abcdef"]
-        young = shard / ".tmp-fedcba9876543210"  # a write in progress (another process)
+        uid = "0123456789abcdef" * 2  # earlier releases: .<name>.tmp-<uuid4 hex>, no owner tag
+        old = [shard / f".tmp-{uid}", root / f".good.ckpt.tmp-{uid}",
+               steplog / f".seg-0123456789abcdef-00000001-000000000000-000000000003.bin.tmp-{uid}"]
+        young = shard / ".tmp-fedcba9876543210fedcba9876543210"  # a write in progress (another process)
         theirs = root / ".notes.tmp-old"  # a user's file: not of checkrun's temp file pattern
         for p in old + [young, theirs]:
             p.write_bytes(b"torn")
