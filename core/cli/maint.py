@@ -5,7 +5,7 @@ from __future__ import annotations
 from .composite import folders, open_view, verify_view
 from .steplog import log_directory, print_log_report, verify_log
 from .util import (
-    EXIT_OK, EXIT_PROBLEM, Context, CliError, dangling, emit_json, human_size, log, one_line, safe)
+    EXIT_OK, EXIT_PROBLEM, Context, CliError, dangling, emit_json, human_size, log, one_line, points_beside, safe)
 from ..format.composite import INDEX_NAME, PARTS_DIR, join
 from ..retain.composites import Composites
 from ..errors import CheckrunError
@@ -40,9 +40,11 @@ def _targets(ctx: Context, path: str) -> tuple[bool, list[dict]]:
         url = f"{base}/{f.name}/{INDEX_NAME}"
         out.append({"url": url, "error": f.error, "stored": _stored(ctx, url) if f.error is None else 0})
     for k in ctx.links(path):  # a link to a checkpoint is checked as its target; one to nothing is a problem
+        url = f"{base}/{k['name']}"
         if not k["ok"]:
-            url = f"{base}/{k['name']}"
             out.append({"url": url, "error": f"{url}: {dangling(url)}", "stored": 0})
+        elif not points_beside(ctx.fs(path)[1], k["target"]):  # h134: its target, out of the directory, was unchecked
+            out.append({"url": url, "error": None, "stored": _stored(ctx, url)})
     return True, out
 
 

@@ -6,6 +6,7 @@ Everything here runs on the CLI's main thread. Exit codes are centralised in :cl
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import logging
 import math
@@ -29,7 +30,17 @@ def dangling(path: str) -> str:
     target = os.readlink(path)
     if os.path.exists(path):  # a device, a directory, a pipe (h106: /dev/zero was said not to exist)
         return f"a symbolic link to {target}, which is not a regular file (not a checkpoint)"
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # h134: a loop was said not to exist
+            return f"a symbolic link to {target}, a loop of links (no file at its end)"
     return f"a symbolic link to {target}, which does not exist (its checkpoint is gone)"
+
+
+def points_beside(directory: str, target: str) -> bool:
+    """Whether a link in the local ``directory`` whose target is ``target`` points at a file in it."""
+    return os.path.dirname(os.path.normpath(os.path.join(directory, target))) == os.path.normpath(directory)
 
 
 class CliError(Exception):
@@ -137,11 +148,11 @@ class Context:
         for e in entries:
             if e.is_symlink() and not e.name.startswith(".") and not os.path.isdir(e.path):
                 item = {"name": e.name, "target": os.readlink(e.path), "ok": os.path.isfile(e.path)}
-                beside = os.path.dirname(os.path.normpath(os.path.join(path, item["target"]))) == os.path.normpath(path)
-                if not item["ok"] and not beside and not e.name.endswith((".ckpt", ".dcp")):  # h132: a user's
-                    continue  # train.csv -> /mnt/dataset/... is no checkpoint link (save_last="link" points beside)
+                if not points_beside(path, item["target"]) and not e.name.endswith((".ckpt", ".dcp")):  # h132,
+                    continue  # h134: a user's train.csv -> /mnt/dataset/..., passwd -> /etc/passwd: no checkpoint link
                 if not item["ok"]:  # at nothing, or at a device, a pipe (h107: said not to exist)
-                    item["problem"] = "not a regular file" if os.path.exists(e.path) else "it does not exist"
+                    item["problem"] = ("not a regular file" if os.path.exists(e.path) else
+                                       "a loop of links" if "loop" in dangling(e.path) else "it does not exist")
                 out.append(item)
         return out
 

@@ -606,3 +606,26 @@ def test_import_and_export_to_a_name_ending_in_a_slash_refuse_instead_of_making_
     code, _, err = run(capsys, "export", f"{root}/step=1.ckpt", f"{tmp_path}/out/")
     assert code == 2 and "out/: is a directory name" in err
     assert not (tmp_path / "newdir").exists() and not (tmp_path / "out").exists()
+
+
+def test_verify_of_a_directory_checks_a_link_to_a_checkpoint_elsewhere(capsys, local_run, tmp_path):
+    """h134: ``last.ckpt -> ../other/o.ckpt`` with a rotted blob in ``other``: ``checkrun verify DIR`` said
+    everything intact (exit 0; the docs say a link is checked as its target), ``verify DIR/last.ckpt`` CORRUPT.
+    Also: a user's ``passwd -> /etc/passwd`` was listed as a checkpoint link, a link loop "does not exist"."""
+    root, _ = local_run
+    other = tmp_path / "other"
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"w": torch.randn(64)}, other / "o.ckpt")
+    blob = next(p for p in (other / ".checkrun" / "blobs").rglob("*") if p.is_file())
+    blob.write_bytes(b"x" + blob.read_bytes()[1:])
+    os.symlink(os.path.relpath(other / "o.ckpt", root), f"{root}/last.ckpt")
+    code, data = run_json(capsys, "verify", root)
+    bad = [Path(r["path"]).name for r in data["checkpoints"] if not r["ok"]]
+    assert code == 1 and bad == ["last.ckpt"]
+    os.remove(f"{root}/last.ckpt")
+    os.symlink("/etc/passwd", f"{root}/passwd")
+    os.symlink("loop.ckpt", f"{root}/loop.ckpt")
+    code, data = run_json(capsys, "ls", root)
+    assert [k["name"] for k in data["links"]] == ["loop.ckpt"] and data["links"][0]["problem"] == "a loop of links"
+    code, data = run_json(capsys, "verify", root)
+    assert code == 1 and "a loop of links" in [r for r in data["checkpoints"] if not r["ok"]][0]["problems"][0]
