@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from ckpt_core import ConfigError, EngineConfig
+from ckpt_core.yamlfile import read_yaml as read_config_yaml
 
 CONFIG_ENV = "CHECKRUN_CONFIG"
 """Environment variable naming a YAML file with checkrun's settings."""
@@ -70,19 +69,14 @@ class AdapterOptions:
             raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.directory: expected a string")
         for key in ("collective_timeout_seconds", "participation_timeout_seconds"):
             value = getattr(opts, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.{key}: must be > 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{SECTION}.{ADAPTER_KEY}.{key}: must be a number of seconds > 0, got {value!r}")
         return opts
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
     """The mapping in a YAML file (empty file = empty mapping)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    data = read_config_yaml(path) or {}  # unreadable, not UTF-8, invalid, a key twice: ConfigError naming the file
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data

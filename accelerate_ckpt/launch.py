@@ -79,6 +79,10 @@ def launch(argv: Sequence[str]) -> None:
 
     args = launch_command_parser().parse_args(list(argv))
     config_file = args.config_file or (None if args.cpu else _default_config_file())
+    skipped = None if args.config_file or not args.cpu else _default_config_file()
+    if skipped is not None and SECTION in read_yaml(skipped):  # h136: dropped without a word
+        log.warning("accelerate-ckpt: with --cpu, accelerate ignores its default config %s, and so its %s: section "
+                    "is not used either: pass --config_file %s (or set $%s)", skipped, SECTION, skipped, CONFIG_ENV)
     if config_file is None:
         launch_command(args)
         return

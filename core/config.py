@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
+from .yamlfile import read_yaml
 
 ChainPolicy = Literal["intermittent", "one_shot", "consecutive"]
 QuantMethod = Literal["uniform", "adaptive", "bf16", "fp16", "int8_block"]
@@ -230,23 +232,14 @@ class EngineConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, section: str | None = None) -> "EngineConfig":
         """Read a YAML file (optionally one top-level ``section`` of it, e.g. ``checkpointing``)."""
-        import yaml
-
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read config: {exc}") from exc
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+        data = read_yaml(path) or {}
         if section is not None:
             if not isinstance(data, dict) or section not in data:  # a typo must not silently mean "defaults"
                 keys = sorted(map(str, data))[:10] if isinstance(data, dict) else []
                 raise ConfigError(f"{path}: no top-level section {section!r} (it has {keys})")
             data = data[section] or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+            raise ConfigError(f"{path}: expected a mapping {'in section ' + repr(section) if section else 'at the top level'}")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
@@ -257,7 +250,8 @@ class EngineConfig:
         return _to_plain(self)
 
     def replace(self, **overrides: Any) -> "EngineConfig":
-        """A copy with dotted-key overrides, e.g. ``replace(**{"retention.keep_last": 3})``."""
+        """A copy with dotted-key overrides, e.g. ``replace(**{"retention.keep_last": 3})``; a mapping given for a
+        section is merged into it key by key (``replace(retention={"keep_last": 3})`` keeps ``protect``)."""
         data = self.to_dict()
         for dotted, value in overrides.items():
             node = data
@@ -266,7 +260,7 @@ class EngineConfig:
                 if not isinstance(node.get(p), dict):
                     raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(dotted, _dotted_keys(data))}")
                 node = node[p]
-            node[leaf] = value
+            node[leaf] = _merged(node[leaf], value) if isinstance(node.get(leaf), dict) else value
         return EngineConfig.from_dict(data)
 
 
@@ -274,13 +268,20 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     """Accept an EngineConfig, a dict, a YAML path or None (defaults)."""
     if config is None:
         return EngineConfig()
-    if isinstance(config, EngineConfig):
-        return config
+    if isinstance(config, EngineConfig):  # built in Python: checked as from_dict checks (h136: max_pending=0 hung)
+        return EngineConfig.from_dict(config.to_dict())
     if isinstance(config, dict):
         return EngineConfig.from_dict(config)
     if isinstance(config, (str, Path)):
         return EngineConfig.from_yaml(config)
     raise ConfigError(f"config must be EngineConfig, dict, YAML path or None, not {type(config).__name__}")
+
+
+def _merged(base: dict, new: Any) -> Any:
+    """``new`` laid over ``base`` key by key, nested mappings too (overrides given as a mapping: h136)."""
+    if not isinstance(new, dict):
+        return new
+    return {**base, **{k: _merged(base[k], v) if isinstance(base.get(k), dict) else v for k, v in new.items()}}
 
 
 def _did_you_mean(key: str, names: "typing.Iterable[str]", prefix: str = "") -> str:
@@ -311,6 +312,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # YAML reads on/yes/no/1/null unquoted as non-strings (h136: a TypeError)
+            raise ConfigError(f"{prefix.rstrip('.') or 'config'}: key {key!r} is not a name: quote it if it is one")
         dotted = f"{prefix}{key}"
         if key not in names:
             raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(key, names, prefix)} "
@@ -387,24 +390,32 @@ _POSITIVE = {
     "load.max_manifest_elements", "load.max_total_bytes", "retention.lease_seconds",
     "step_log.flush_every_steps", "step_log.flush_seconds", "step_log.queue_steps",
 }
-_NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice", "incremental.row_delta_min_rows", "retention.gc_grace_seconds"}
+_NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice",
+                 "incremental.row_delta_min_rows", "retention.gc_grace_seconds", "storage.retry.initial_backoff_seconds",
+                 "storage.retry.max_backoff_seconds", "saving.staging_budget_bytes", "saving.sigterm_grace_seconds"}
+_RANGES = {"compression.zstd_level": (-(1 << 17), 22), "compression.zstd_threads": (0, 256), "saving.thread_nice": (0, 19)}
 
 
 def _validate_values(obj: Any, prefix: str) -> None:
     for f in dataclasses.fields(obj):
         dotted = f"{prefix}{f.name}"
         value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):  # h136: NaN lease_seconds passed every check
+            raise ConfigError(f"{dotted}: must be a finite number, got {value!r}")
         if dotted in _POSITIVE and value is not None and value <= 0:
             raise ConfigError(f"{dotted}: must be > 0, got {value!r}")
-        if dotted in _NON_NEGATIVE and value < 0:
+        if dotted in _NON_NEGATIVE and value is not None and value < 0:
             raise ConfigError(f"{dotted}: must be >= 0, got {value!r}")
+        low, high = _RANGES.get(dotted, (None, None))
+        if low is not None and not low <= value <= high:  # h136: zstd_level 100 failed at the first save
+            raise ConfigError(f"{dotted}: must be in [{low}, {high}], got {value!r}")
     if isinstance(obj, RetentionConfig) and obj.keep_last is not None and obj.keep_last < 1:
         raise ConfigError(f"{prefix}keep_last: must be >= 1 or null, got {obj.keep_last!r}")
     if isinstance(obj, QuantRule):
         if obj.method == "uniform" and obj.bits not in (2, 3, 4, 8):
             raise ConfigError(f"{prefix}bits: uniform supports 2, 3, 4 or 8 bits, got {obj.bits!r}")
-        if obj.block_size <= 0 or obj.expected_restores < 1:
-            raise ConfigError(f"{prefix}: block_size and expected_restores must be positive")
+        if obj.block_size <= 0 or obj.expected_restores < 1 or obj.min_numel < 0:
+            raise ConfigError(f"{prefix.rstrip('.')}: block_size and expected_restores must be positive, min_numel >= 0")
     if isinstance(obj, StepLogConfig) and not 0 <= obj.sparse_max_fraction <= 1:
         raise ConfigError(f"{prefix}sparse_max_fraction: must be in [0, 1], got {obj.sparse_max_fraction!r}")
     if isinstance(obj, IncrementalConfig) and not 0 < obj.rebase_ratio <= 1:

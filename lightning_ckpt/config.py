@@ -64,8 +64,11 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
     cfg = _base_config(config, config_section)
     if overrides:  # checked whole, also a key an explicit argument below sets again
         overrides = dict(overrides)
+        bad = next((k for k in overrides if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"overrides: key {bad!r} is not a dotted config key such as 'retention.keep_last'")
         if "quantization" in overrides:
-            overrides["quantization"] = [_rule_dict(r) for r in overrides["quantization"]]
+            overrides["quantization"] = _rules(overrides["quantization"])
         cfg = cfg.replace(**overrides)
     dotted: dict[str, Any] = {}
     explicit = {"retention.keep_last": keep_last, "saving.asynchronous": asynchronous,
@@ -77,11 +80,18 @@ def build_config(config: ConfigLike = None, *, config_section: Optional[str] = N
             raise ConfigError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
         dotted["storage.storage_options"] = merge_options(cfg.storage.storage_options, storage_options)
     if "quantization" in dotted:
-        dotted["quantization"] = [_rule_dict(r) for r in dotted["quantization"]]
+        dotted["quantization"] = _rules(dotted["quantization"])
     cfg = cfg.replace(**dotted) if dotted else cfg
     if LAST_PATTERN not in cfg.retention.protect:  # keep_last never deletes what ckpt_path="last" needs
         cfg = cfg.replace(**{"retention.protect": (*cfg.retention.protect, LAST_PATTERN)})
     return cfg
+
+
+def _rules(rules: Any) -> Any:
+    """A list of quantization rules as dicts (h136: one rule given as a mapping was blamed on its keys)."""
+    if hasattr(rules, "keys") or getattr(rules, "__dataclass_fields__", None) is not None:
+        raise ConfigError("quantization: expected a list of rules, got one rule: put it in a list ([{...}])")
+    return [_rule_dict(r) for r in rules] if isinstance(rules, (list, tuple)) else rules
 
 
 def _rule_dict(rule: Any) -> Any:

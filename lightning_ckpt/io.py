@@ -76,8 +76,8 @@ class CheckrunCheckpointIO(CheckpointIO):
     Explicit keyword arguments win over ``overrides``, which win over ``config``.
     """
 
-    def __init__(self, config: Union[str, dict, EngineConfig, None] = None, config_section: Optional[str] = None,
-                 keep_last: Optional[int] = None, asynchronous: Optional[bool] = None,
+    def __init__(self, config: Union[str, os.PathLike, dict, EngineConfig, None] = None,
+                 config_section: Optional[str] = None, keep_last: Optional[int] = None, asynchronous: Optional[bool] = None,
                  incremental: Optional[bool] = None, quantization: Optional[list[dict]] = None,
                  storage_options: Optional[dict] = None, max_pending: Optional[int] = None,
                  workers: Optional[int] = None, overrides: Optional[dict] = None,

@@ -50,3 +50,70 @@ def test_from_yaml_and_section(tmp_path):
 def test_configuration_reference_is_current():
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == render(), "run: python -m ckpt_core.docgen > docs/configuration.md"
+
+
+def test_overrides_given_as_a_nested_mapping_are_merged_not_replacing_the_section():
+    """h136: ``replace(retention={"keep_last": 2})`` (the plugin's ``overrides`` written as a mapping, in
+    LightningCLI YAML or Hydra) replaced the whole section: ``protect`` went back to its default and
+    retention deleted the user's protected ``best.ckpt``. Mappings are merged key by key now."""
+    from lightning_ckpt.config import build_config
+
+    base = EngineConfig.from_dict({"retention": {"keep_last": 5, "protect": ["best*.ckpt"]},
+                                   "saving": {"workers": 3}})
+    cfg = base.replace(retention={"keep_last": 2}, saving={"background": "process"})
+    assert cfg.retention.keep_last == 2 and cfg.retention.protect == ("best*.ckpt",) and cfg.saving.workers == 3
+    cfg = build_config(config=base.to_dict(), overrides={"retention": {"keep_last": 2}})
+    assert cfg.retention.keep_last == 2 and "best*.ckpt" in cfg.retention.protect
+    with pytest.raises(ConfigError, match="quantization: expected a list of rules, got one rule"):
+        build_config(quantization={"pattern": "*", "bits": 8})
+    with pytest.raises(ConfigError, match="key 1 is not a dotted config key"):
+        build_config(overrides={1: 2})
+
+
+def test_a_config_built_in_python_is_checked_like_one_from_a_dict():
+    """h136: ``EngineConfig(saving=SavingConfig(max_pending=0))`` was taken as is and the first save waited for
+    ever; ``QuantRule(bits=5)`` failed only at save time. The engine checks it as ``from_dict`` does."""
+    import ckpt_core
+    from ckpt_core.config import SavingConfig
+
+    with pytest.raises(ConfigError, match="saving.max_pending: must be > 0, got 0"):
+        ckpt_core.CheckpointEngine(EngineConfig(saving=SavingConfig(max_pending=0)))
+    with pytest.raises(ConfigError, match="bits: uniform supports 2, 3, 4 or 8 bits, got 5"):
+        ckpt_core.CheckpointEngine(EngineConfig(quantization=(QuantRule(pattern="*", bits=5),)))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"compression": {"zstd_level": 100}}, r"compression.zstd_level: must be in \[-131072, 22\], got 100"),
+    ({"compression": {"zstd_threads": 1000}}, r"zstd_threads: must be in \[0, 256\]"),
+    ({"saving": {"thread_nice": 100}}, r"thread_nice: must be in \[0, 19\]"),
+    ({"retention": {"lease_seconds": float("nan")}}, "lease_seconds: must be a finite number, got nan"),
+    ({"step_log": {"flush_seconds": float("inf")}}, "flush_seconds: must be a finite number"),
+    ({"storage": {"retry": {"initial_backoff_seconds": -1}}}, "initial_backoff_seconds: must be >= 0"),
+    ({"saving": {"staging_budget_bytes": -1}}, "staging_budget_bytes: must be >= 0"),
+    ({"saving": {"sigterm_grace_seconds": -5}}, "sigterm_grace_seconds: must be >= 0"),
+    ({"quantization": [{"pattern": "*", "min_numel": -1}]}, r"quantization\[0\]: .*min_numel >= 0"),
+    ({"saving": {True: 1}}, "saving: key True is not a name: quote it"),
+])
+def test_values_that_failed_only_at_the_first_save_are_refused_when_the_config_is_built(data, message):
+    """h136: out-of-range values passed the config check and failed at the first save, after training had
+    run (zstd level 100), or silently misbehaved (NaN lease_seconds, a negative retry backoff hid the storage
+    error); a YAML key read as a boolean raised a raw TypeError."""
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_dict(data)
+
+
+def test_a_config_file_that_is_not_utf8_or_gives_a_key_twice_is_refused_naming_the_file(tmp_path):
+    """h136: a Latin-1 comment (or a binary file given by mistake) raised a raw UnicodeDecodeError, and a
+    second ``retention:`` block silently replaced the first (``keep_last`` lost: every checkpoint kept)."""
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("# r\xe9glages\nretention: {keep_last: 2}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin\.yaml: not a UTF-8 text file \(byte 3\)"):
+        EngineConfig.from_yaml(latin)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("retention:\n  keep_last: 2\nsaving:\n  workers: 2\nretention:\n  protect: [best.ckpt]\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml: key 'retention' appears twice in one mapping \(line 5"):
+        EngineConfig.from_yaml(twice)
+    onkey = tmp_path / "on.yaml"
+    onkey.write_text("saving:\n  on: 1\n")
+    with pytest.raises(ConfigError, match=r"on\.yaml: saving: key True is not a name"):
+        EngineConfig.from_yaml(onkey)

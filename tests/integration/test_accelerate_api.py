@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -1142,3 +1143,26 @@ def test_process_mode_starts_one_writer_process_also_on_the_rank_that_commits_th
                          capture_output=True, text=True).stdout
     assert out.split()[-1] == "1"
     assert (tmp_path / "ck" / "checkrun.ckpt").exists()
+
+
+def test_launch_with_cpu_says_the_default_configs_section_is_not_used(tmp_path: Path, monkeypatch, caplog) -> None:
+    """h136: ``accelerate-ckpt launch --cpu script.py`` (no --config_file) ignored the ``checkpointing:`` section
+    of accelerate's default config without a word (accelerate itself ignores that file with --cpu); without
+    --cpu the section applied. It is still not used (as accelerate), and a warning says so and what to do."""
+    import accelerate.commands.launch as accelerate_launch
+
+    from accelerate_ckpt import launch as launcher
+
+    default = tmp_path / "default_config.yaml"
+    default.write_text("distributed_type: 'NO'\ncheckpointing:\n  retention: {keep_last: 3}\n")
+    seen = []
+    monkeypatch.setattr(launcher, "_default_config_file", lambda: str(default))
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: seen.append(os.environ.get(CONFIG_ENV)))
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="accelerate_ckpt"):
+        assert cli_main(["launch", "--cpu", str(tmp_path / "train.py")]) == 0
+    assert seen == [None] and "with --cpu, accelerate ignores its default config" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="accelerate_ckpt"):
+        assert cli_main(["launch", str(tmp_path / "train.py")]) == 0
+    assert seen[1] is not None and "--cpu" not in caplog.text

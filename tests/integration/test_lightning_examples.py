@@ -80,3 +80,23 @@ def test_hydra_example(monkeypatch, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "trained to step 20" in out and "trained to step 30" in out
     assert manifest(os.path.join(ckpt_dir, "last.ckpt")).meta["global_step"] == 30
+
+
+def test_lightning_cli_keeps_a_config_path_a_path(monkeypatch, tmp_path, capsys) -> None:
+    """h136: ``--trainer.plugins.init_args.config engine.yaml``: LightningCLI read the file itself (``dict`` is
+    in the type hint), so ``--print_config`` (and the config.yaml it saves in the run folder) held the file's
+    credentials, and a typo in it was reported without the file's name. The path stays a path now."""
+    engine_yaml = tmp_path / "engine.yaml"
+    engine_yaml.write_text("storage:\n  storage_options: {key: AKIAEXAMPLE, secret: TOPSECRET123}\n")
+    script = os.path.join(EXAMPLES, "lightning_cli.py")
+    common = ["--config", os.path.join(EXAMPLES, "lightning_cli.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        run_script(monkeypatch, script, "fit", *common, "--trainer.plugins.init_args.config", str(engine_yaml),
+                   "--print_config")
+    out = capsys.readouterr().out
+    assert "TOPSECRET123" not in out and f"config: {engine_yaml}" in out
+    engine_yaml.write_text("savng: {workers: 2}\n")
+    with pytest.raises((SystemExit, ValueError)) as raised:  # LightningCLI's parser error, in this process
+        run_script(monkeypatch, script, "fit", *common, "--trainer.plugins.init_args.config", str(engine_yaml),
+                   "--trainer.max_steps", "1")
+    assert f"{engine_yaml}: unknown config key 'savng'" in str(raised.value) + capsys.readouterr().err
