@@ -22,7 +22,7 @@ def read_yaml(path: str | Path) -> Any:
             return super().construct_mapping(node, deep)
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).expanduser().read_text(encoding="utf-8")  # ~ as in checkpoint paths (h136)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from exc
     except UnicodeDecodeError as exc:

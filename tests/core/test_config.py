@@ -117,3 +117,10 @@ def test_a_config_file_that_is_not_utf8_or_gives_a_key_twice_is_refused_naming_t
     onkey.write_text("saving:\n  on: 1\n")
     with pytest.raises(ConfigError, match=r"on\.yaml: saving: key True is not a name"):
         EngineConfig.from_yaml(onkey)
+
+
+def test_a_config_path_starting_with_a_tilde_is_the_home_directorys(tmp_path, monkeypatch):
+    """h136: ``config="~/ck.yaml"`` said "No such file" though checkpoint paths expand ``~``."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ck.yaml").write_text("retention: {keep_last: 2}\n")
+    assert EngineConfig.from_yaml("~/ck.yaml").retention.keep_last == 2
