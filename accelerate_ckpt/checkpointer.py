@@ -175,6 +175,9 @@ class AcceleratorCheckpointer:
             return self
         self._reopen_if_ended("attach")  # after end_training(): started again (it was closed)
         acc = self.accelerator
+        if acc is None:  # held weakly (h133: AcceleratorCheckpointer(Accelerator()).attach() raised AttributeError)
+            raise CheckrunError("accelerate_ckpt: the Accelerator of this checkpointer no longer exists (it is held "
+                                "weakly): keep a reference to it, e.g. accelerator = Accelerator(); attach(accelerator)")
         if not self._originals:  # end_training's reopen routes are not the Accelerator's own (found by an independent check)
             self._originals = {n: _MISSING if self._is_reopen(acc.__dict__.get(n)) else acc.__dict__.get(n, _MISSING)
                                for n in _PATCHED}
@@ -450,7 +453,9 @@ class AcceleratorCheckpointer:
                     **load_model_func_kwargs: Any) -> str:
         """``Accelerator.load_state`` through checkrun; ``input_dir=None`` resumes the newest checkpoint."""
         # Parts load onto the CPU and the values land where the live objects are (_load_part).
-        load_model_func_kwargs.pop("map_location", None)
+        if load_model_func_kwargs.pop("map_location", None) not in (None, "cpu", "on_device"):  # as accelerate's (h133)
+            raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
+                            "`'on_device'`")
         return self.load(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
     def _end_training(self) -> None:

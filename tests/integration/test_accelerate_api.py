@@ -1166,3 +1166,23 @@ def test_launch_with_cpu_says_the_default_configs_section_is_not_used(tmp_path: 
     with caplog.at_level(logging.WARNING, logger="accelerate_ckpt"):
         assert cli_main(["launch", str(tmp_path / "train.py")]) == 0
     assert seen[1] is not None and "--cpu" not in caplog.text
+
+
+def test_a_checkpointer_of_an_accelerator_that_is_gone_and_a_bad_map_location_are_clear_errors(
+        tmp_path: Path, make_setup) -> None:
+    """h133: ``AcceleratorCheckpointer(Accelerator(cpu=True)).attach()`` (no reference kept: the checkpointer
+    holds it weakly) raised ``AttributeError: 'NoneType' object has no attribute '__dict__'``; and
+    ``load_state(map_location="invalid")`` was accepted where accelerate raises ``TypeError``."""
+    import gc
+
+    acc, model, opt, sched, counter = make_setup(tmp_path / "proj")
+    orphan = AcceleratorCheckpointer(Accelerator(cpu=True))
+    gc.collect()
+    with pytest.raises(ckpt_core.CheckrunError, match="no longer exists.*keep a reference"):
+        orphan.attach()
+    attach(acc)
+    _train(acc, model, opt, sched, counter)
+    acc.save_state()
+    with pytest.raises(TypeError, match="Unsupported optimizer map location"):
+        acc.load_state(map_location="invalid")
+    acc.load_state(map_location="cpu")
