@@ -205,7 +205,8 @@ def check_load_bytes(manifest, where: str, limit: int, total: int | None = None)
     if total is None:
         total = sum(rec.nbytes + 8 * sum(d.n for d in rec.deltas) for rec in manifest.tensors)
     if total > limit:
-        raise ResourceLimitError(f"{where}: loading needs {total} bytes for its tensors, more than the "
+        raise ResourceLimitError(f"{where}: loading needs {total} bytes for its tensors and the copies it keeps "
+                                 f"(row indices, reference copies for later incremental saves), more than the "
                                  f"limit of {limit} (load.max_total_bytes)")
     return total
 
