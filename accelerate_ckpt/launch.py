@@ -73,6 +73,15 @@ def _default_config_file() -> str | None:
     return default_config_file if os.path.isfile(default_config_file) else None
 
 
+def _has_section(path: str) -> bool:
+    """Whether the YAML file ``path`` has a ``checkpointing:`` section (False when it cannot be read: a file
+    accelerate ignores is not checked, h137)."""
+    try:
+        return SECTION in read_yaml(path)
+    except ConfigError:
+        return False
+
+
 def launch(argv: Sequence[str]) -> None:
     """Run ``accelerate launch argv...`` with the ``checkpointing:`` section split off."""
     from accelerate.commands.launch import launch_command, launch_command_parser
@@ -80,7 +89,7 @@ def launch(argv: Sequence[str]) -> None:
     args = launch_command_parser().parse_args(list(argv))
     config_file = args.config_file or (None if args.cpu else _default_config_file())
     skipped = None if args.config_file or not args.cpu else _default_config_file()
-    if skipped is not None and SECTION in read_yaml(skipped):  # h136: dropped without a word
+    if skipped is not None and _has_section(skipped):  # h136: dropped without a word
         log.warning("accelerate-ckpt: with --cpu, accelerate ignores its default config %s, and so its %s: section "
                     "is not used either: pass --config_file %s (or set $%s)", skipped, SECTION, skipped, CONFIG_ENV)
     if config_file is None:

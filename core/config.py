@@ -239,7 +239,8 @@ class EngineConfig:
                 raise ConfigError(f"{path}: no top-level section {section!r} (it has {keys})")
             data = data[section] or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping {'in section ' + repr(section) if section else 'at the top level'}")
+            where = f"in section {section!r}" if section else "at the top level"
+            raise ConfigError(f"{path}: expected a mapping {where}")
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
@@ -260,7 +261,8 @@ class EngineConfig:
                 if not isinstance(node.get(p), dict):
                     raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(dotted, _dotted_keys(data))}")
                 node = node[p]
-            node[leaf] = _merged(node[leaf], value) if isinstance(node.get(leaf), dict) else value
+            node[leaf] = _merged(node[leaf], value) if leaf not in _DICT_SETTINGS and isinstance(node.get(leaf), dict) \
+                else value
         return EngineConfig.from_dict(data)
 
 
@@ -269,7 +271,9 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     if config is None:
         return EngineConfig()
     if isinstance(config, EngineConfig):  # built in Python: checked as from_dict checks (h136: max_pending=0 hung)
-        return EngineConfig.from_dict(config.to_dict())
+        own = {f.name: _to_plain(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)}
+        checked = EngineConfig.from_dict(own)
+        return checked if type(config) is EngineConfig else config  # a subclass's own fields are its own (h137)
     if isinstance(config, dict):
         return EngineConfig.from_dict(config)
     if isinstance(config, (str, Path)):
@@ -277,11 +281,16 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     raise ConfigError(f"config must be EngineConfig, dict, YAML path or None, not {type(config).__name__}")
 
 
+_DICT_SETTINGS = {"storage_options"}
+"""Settings whose value is a mapping: replaced whole by an override (sections are merged key by key)."""
+
+
 def _merged(base: dict, new: Any) -> Any:
-    """``new`` laid over ``base`` key by key, nested mappings too (overrides given as a mapping: h136)."""
+    """``new`` laid over ``base`` key by key, nested sections too (overrides given as a mapping: h136)."""
     if not isinstance(new, dict):
         return new
-    return {**base, **{k: _merged(base[k], v) if isinstance(base.get(k), dict) else v for k, v in new.items()}}
+    return {**base, **{k: _merged(base[k], v) if k not in _DICT_SETTINGS and isinstance(base.get(k), dict) else v
+                       for k, v in new.items()}}
 
 
 def _did_you_mean(key: str, names: "typing.Iterable[str]", prefix: str = "") -> str:
@@ -391,9 +400,11 @@ _POSITIVE = {
     "step_log.flush_every_steps", "step_log.flush_seconds", "step_log.queue_steps",
 }
 _NON_NEGATIVE = {"compression.zstd_threads", "compression.pack_bytes", "saving.thread_nice",
-                 "incremental.row_delta_min_rows", "retention.gc_grace_seconds", "storage.retry.initial_backoff_seconds",
-                 "storage.retry.max_backoff_seconds", "saving.staging_budget_bytes", "saving.sigterm_grace_seconds"}
-_RANGES = {"compression.zstd_level": (-(1 << 17), 22), "compression.zstd_threads": (0, 256), "saving.thread_nice": (0, 19)}
+                 "incremental.row_delta_min_rows", "retention.gc_grace_seconds", "saving.staging_budget_bytes",
+                 "storage.retry.initial_backoff_seconds", "storage.retry.max_backoff_seconds",
+                 "saving.sigterm_grace_seconds"}
+_RANGES = {"compression.zstd_level": (-(1 << 17), 22), "compression.zstd_threads": (0, 256),
+           "saving.thread_nice": (0, 19)}
 
 
 def _validate_values(obj: Any, prefix: str) -> None:
@@ -415,7 +426,8 @@ def _validate_values(obj: Any, prefix: str) -> None:
         if obj.method == "uniform" and obj.bits not in (2, 3, 4, 8):
             raise ConfigError(f"{prefix}bits: uniform supports 2, 3, 4 or 8 bits, got {obj.bits!r}")
         if obj.block_size <= 0 or obj.expected_restores < 1 or obj.min_numel < 0:
-            raise ConfigError(f"{prefix.rstrip('.')}: block_size and expected_restores must be positive, min_numel >= 0")
+            raise ConfigError(f"{prefix.rstrip('.')}: block_size and expected_restores must be positive, "
+                              "min_numel >= 0")
     if isinstance(obj, StepLogConfig) and not 0 <= obj.sparse_max_fraction <= 1:
         raise ConfigError(f"{prefix}sparse_max_fraction: must be in [0, 1], got {obj.sparse_max_fraction!r}")
     if isinstance(obj, IncrementalConfig) and not 0 < obj.rebase_ratio <= 1:

@@ -14,11 +14,12 @@ def read_yaml(path: str | Path) -> Any:
 
     class _Unique(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):  # type: ignore[override]
-            keys = [self.construct_object(k, deep=True) for k, _ in node.value]
+            keys = [self.construct_object(k, deep=True) for k, _ in node.value
+                    if k.tag != "tag:yaml.org,2002:merge"]  # `<<: *defaults` (h137): its keys may be given again
             twice = next((i for i, k in enumerate(keys) if _hashable(k) and k in keys[:i]), None)
             if twice is not None:
-                raise ConfigError(f"{path}: key {keys[twice]!r} appears twice in one mapping (line "
-                                  f"{node.value[twice][0].start_mark.line + 1}; the last would silently win)")
+                raise ConfigError(f"{path}: key {keys[twice]!r} appears twice in one mapping (the mapping at line "
+                                  f"{node.start_mark.line + 1}; the last would silently win)")
             return super().construct_mapping(node, deep)
 
     try:

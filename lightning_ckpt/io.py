@@ -54,7 +54,7 @@ class CheckrunCheckpointIO(CheckpointIO):
     """Asynchronous, incremental, optionally quantized checkpoints for Lightning (``Trainer(plugins=[...])``).
 
     Args:
-        config: engine settings: an ``EngineConfig``, a dict, or the path of a YAML file; None = defaults
+        config: engine settings: a dict, an ``EngineConfig``, or the path of a YAML file; None = defaults
             (lossless, asynchronous, incremental).
         config_section: read only this top-level section of the dict/YAML (e.g. ``"checkpointing"``).
         keep_last: engine retention: keep this many newest checkpoints per directory, not counting
@@ -76,7 +76,7 @@ class CheckrunCheckpointIO(CheckpointIO):
     Explicit keyword arguments win over ``overrides``, which win over ``config``.
     """
 
-    def __init__(self, config: Union[str, os.PathLike, dict, EngineConfig, None] = None,
+    def __init__(self, config: Union[dict, EngineConfig, os.PathLike, str, None] = None,
                  config_section: Optional[str] = None, keep_last: Optional[int] = None, asynchronous: Optional[bool] = None,
                  incremental: Optional[bool] = None, quantization: Optional[list[dict]] = None,
                  storage_options: Optional[dict] = None, max_pending: Optional[int] = None,

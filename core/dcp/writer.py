@@ -46,7 +46,7 @@ from ..config import EngineConfig, coerce_config
 from .blobs import KNOWN, ItemWriter
 from .format import CheckpointIdMixin, ItemResult, build_manifest
 from ..saving.commit import check_after, publish_manifest
-from ..saving.fence import new_stamp
+from ..saving.fence import clock_ns, follow, new_stamp
 from ..saving.lifecycle import lower_thread_priority
 from ..errors import CheckrunError, CommitRefusedError, FormatError
 from ..format.manifest import ObjectRecord, TensorRecord
@@ -131,7 +131,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         """Picklable: DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``) sends the
         writer to its saving process, which opens its own store and lease (pickling failed on a lock:
         found by an independent check)."""
-        return {**self.__dict__, "_store": None, "_lease": None}
+        return {**self.__dict__, "_store": None, "_lease": None, "_clock_ns": clock_ns()}  # h137: after a load
 
     # -- StorageWriter ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -146,6 +146,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
             raise CheckrunError("CheckrunStorageWriter needs use_collectives=True: one manifest is committed "
                                 "by the coordinator for all ranks")
         self.is_coordinator = is_coordinator
+        follow(self.__dict__.pop("_clock_ns", 0))  # in DCP's saving process: the training process's stamp clock
         self._stamp = new_stamp()  # (the coordinator's dates the checkpoint: when the save began, h127)
         rank = kwargs.get("rank")
         if rank is None:

@@ -120,6 +120,18 @@ def observe(commit: Optional[dict]) -> None:
             _Clock.last_ns = max(_Clock.last_ns, ns + 1000)
 
 
+def clock_ns() -> int:
+    """This process's stamp clock (``time_ns`` of its latest stamp, or past a loaded checkpoint's)."""
+    return _Clock.last_ns
+
+
+def follow(ns: int) -> None:
+    """Later stamps of this process are past ``ns``: another process's ``clock_ns`` (h137: DCP's saving process
+    stamped a save after a load of the training process as older than the loaded checkpoint)."""
+    with _Clock.lock:
+        _Clock.last_ns = max(_Clock.last_ns, int(ns))
+
+
 def read_stamp(head: bytes) -> Optional[CommitStamp]:
     """The stamp in the first bytes of a manifest, or None (no stamp, or not a manifest)."""
     m = _STAMP_RE.match(head)

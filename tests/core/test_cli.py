@@ -629,3 +629,8 @@ def test_verify_of_a_directory_checks_a_link_to_a_checkpoint_elsewhere(capsys, l
     assert [k["name"] for k in data["links"]] == ["loop.ckpt"] and data["links"][0]["problem"] == "a loop of links"
     code, data = run_json(capsys, "verify", root)
     assert code == 1 and "a loop of links" in [r for r in data["checkpoints"] if not r["ok"]][0]["problems"][0]
+    os.remove(f"{root}/loop.ckpt")  # h137: the directory through a link of its own, last.ckpt -> its real path
+    os.symlink(os.path.realpath(f"{root}/step=2.ckpt"), f"{root}/last.ckpt")
+    os.symlink(root, tmp_path / "alias")
+    code, data = run_json(capsys, "verify", str(tmp_path / "alias"))
+    assert code == 0 and len(data["checkpoints"]) == len(run_json(capsys, "verify", root)[1]["checkpoints"])

@@ -111,7 +111,7 @@ def test_a_config_file_that_is_not_utf8_or_gives_a_key_twice_is_refused_naming_t
         EngineConfig.from_yaml(latin)
     twice = tmp_path / "twice.yaml"
     twice.write_text("retention:\n  keep_last: 2\nsaving:\n  workers: 2\nretention:\n  protect: [best.ckpt]\n")
-    with pytest.raises(ConfigError, match=r"twice\.yaml: key 'retention' appears twice in one mapping \(line 5"):
+    with pytest.raises(ConfigError, match=r"twice\.yaml: key .retention. appears twice in one mapping \(the mapping at"):
         EngineConfig.from_yaml(twice)
     onkey = tmp_path / "on.yaml"
     onkey.write_text("saving:\n  on: 1\n")
@@ -124,3 +124,28 @@ def test_a_config_path_starting_with_a_tilde_is_the_home_directorys(tmp_path, mo
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "ck.yaml").write_text("retention: {keep_last: 2}\n")
     assert EngineConfig.from_yaml("~/ck.yaml").retention.keep_last == 2
+
+
+def test_yaml_merge_keys_a_dict_setting_replaced_whole_and_a_subclass_are_kept(tmp_path):
+    """h137, regressions of the h136 fixes: ``<<: *defaults`` was refused as invalid YAML (the duplicate-key
+    check built the merge key); ``replace(**{"storage.storage_options": {...}})`` merged into the old options
+    (credentials could not be removed); an ``EngineConfig`` subclass with fields of its own was refused."""
+    import dataclasses
+
+    import ckpt_core
+    from ckpt_core.yamlfile import read_yaml
+
+    merged = tmp_path / "merge.yaml"
+    merged.write_text("base: &b {keep_last: 5, protect: [best*.ckpt]}\nretention:\n  <<: *b\n  keep_last: 3\n")
+    assert read_yaml(merged)["retention"] == {"keep_last": 3, "protect": ["best*.ckpt"]}
+    cfg = EngineConfig.from_dict({"storage": {"storage_options": {"key": "k", "secret": "s"}}})
+    assert cfg.replace(**{"storage.storage_options": {"anon": True}}).storage.storage_options == {"anon": True}
+    assert cfg.replace(storage={"storage_options": {}}).storage.storage_options == {}
+
+    @dataclasses.dataclass(frozen=True)
+    class MyConfig(EngineConfig):
+        run_name: str = "x"
+
+    mine = MyConfig()
+    with ckpt_core.CheckpointEngine(mine) as engine:
+        assert engine.config is mine

@@ -6,6 +6,7 @@ it can see locally and returns JSON data for the test's cross-rank checks.
 from __future__ import annotations
 
 import errno
+import time
 from datetime import timedelta
 
 import fsspec
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import ckpt_core
 from ckpt_core import dcp as cdcp
 from ckpt_core.dcp import CheckrunLoadPlanner, CheckrunStorageReader, CheckrunStorageWriter
 
@@ -386,12 +388,19 @@ def per_rank_buffers(rank: int, world: int, root: str) -> dict:
     got = cdcp.load_state_dict(f"{root}/spread.dcp")
     assert torch.equal(got["buf"], torch.zeros(4096, 16)) and torch.equal(got["odd"], torch.zeros(100, 4))
     assert torch.equal(got["same"], state["same"])
+    from ckpt_core.saving import fence
+
+    ahead = time.time_ns() + 20 * 10 ** 9  # as after loading a checkpoint stamped by a clock 20 s ahead
+    fence.follow(ahead)
     future = dcp.async_save({"w": torch.arange(12.0) + rank * 0, "step": 7},
                             storage_writer=CheckrunStorageWriter(f"{root}/process.dcp"),
                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     future.result()
     back = cdcp.load_state_dict(f"{root}/process.dcp")
     assert torch.equal(back["w"], torch.arange(12.0)) and back["step"] == 7
+    with ckpt_core.CheckpointEngine() as engine:  # h137: the saving process stamped it by its own clock, behind
+        stamp = engine.read_manifest(f"{root}/process.dcp").commit["ns"]  # the checkpoint loaded before
+    assert rank != 0 or stamp > ahead  # (the coordinator's stamp: rank 0's clock)
     return {"ok": True}
 
 

@@ -1166,6 +1166,8 @@ def test_launch_with_cpu_says_the_default_configs_section_is_not_used(tmp_path: 
     with caplog.at_level(logging.WARNING, logger="accelerate_ckpt"):
         assert cli_main(["launch", str(tmp_path / "train.py")]) == 0
     assert seen[1] is not None and "--cpu" not in caplog.text
+    default.write_text("distributed_type: 'NO'\ndistributed_type: 'NO'\n")  # h137: a file --cpu ignores is not read
+    assert cli_main(["launch", "--cpu", str(tmp_path / "train.py")]) == 0 and len(seen) == 3
 
 
 def test_a_checkpointer_of_an_accelerator_that_is_gone_and_a_bad_map_location_are_clear_errors(

@@ -100,3 +100,16 @@ def test_lightning_cli_keeps_a_config_path_a_path(monkeypatch, tmp_path, capsys)
         run_script(monkeypatch, script, "fit", *common, "--trainer.plugins.init_args.config", str(engine_yaml),
                    "--trainer.max_steps", "1")
     assert f"{engine_yaml}: unknown config key 'savng'" in str(raised.value) + capsys.readouterr().err
+
+
+def test_lightning_cli_takes_an_inline_config_mapping(monkeypatch, tmp_path, capsys) -> None:
+    """h137: with a path type in the hint (to keep a path a path), jsonargparse turned an inline ``config:``
+    mapping into a string and the Trainer could not be built. Both forms work."""
+    script = os.path.join(EXAMPLES, "lightning_cli.py")
+    common = ["--config", os.path.join(EXAMPLES, "lightning_cli.yaml"), "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.plugins.init_args.config", "{retention: {keep_last: 1}}"]
+    with pytest.raises(SystemExit):
+        run_script(monkeypatch, script, "fit", *common, "--print_config")
+    out = capsys.readouterr().out
+    assert "config:\n        retention:\n          keep_last: 1" in out, out
+    run_script(monkeypatch, script, "fit", *common, "--trainer.max_steps", "2", "--data.samples", "64")
