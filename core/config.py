@@ -253,7 +253,7 @@ class EngineConfig:
     def replace(self, **overrides: Any) -> "EngineConfig":
         """A copy with dotted-key overrides, e.g. ``replace(**{"retention.keep_last": 3})``; a mapping given for a
         section is merged into it key by key (``replace(retention={"keep_last": 3})`` keeps ``protect``)."""
-        data = self.to_dict()
+        data = _own_plain(self)
         for dotted, value in overrides.items():
             node = data
             *parents, leaf = dotted.split(".")
@@ -261,9 +261,8 @@ class EngineConfig:
                 if not isinstance(node.get(p), dict):
                     raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(dotted, _dotted_keys(data))}")
                 node = node[p]
-            node[leaf] = _merged(node[leaf], value) if leaf not in _DICT_SETTINGS and isinstance(node.get(leaf), dict) \
-                else value
-        return EngineConfig.from_dict(data)
+            node[leaf] = _merged(node.get(leaf), value, leaf)
+        return _checked(self, data)
 
 
 def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineConfig:
@@ -271,9 +270,7 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     if config is None:
         return EngineConfig()
     if isinstance(config, EngineConfig):  # built in Python: checked as from_dict checks (h136: max_pending=0 hung)
-        own = {f.name: _to_plain(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)}
-        checked = EngineConfig.from_dict(own)
-        return checked if type(config) is EngineConfig else config  # a subclass's own fields are its own (h137)
+        return _checked(config, _own_plain(config))
     if isinstance(config, dict):
         return EngineConfig.from_dict(config)
     if isinstance(config, (str, Path)):
@@ -281,16 +278,25 @@ def coerce_config(config: "EngineConfig | dict | str | Path | None") -> EngineCo
     raise ConfigError(f"config must be EngineConfig, dict, YAML path or None, not {type(config).__name__}")
 
 
-_DICT_SETTINGS = {"storage_options"}
-"""Settings whose value is a mapping: replaced whole by an override (sections are merged key by key)."""
+def _own_plain(config: EngineConfig) -> dict:  # a subclass's fields of its own left out
+    return {f.name: _to_plain(getattr(config, f.name)) for f in dataclasses.fields(EngineConfig)}
 
 
-def _merged(base: dict, new: Any) -> Any:
-    """``new`` laid over ``base`` key by key, nested sections too (overrides given as a mapping: h136)."""
-    if not isinstance(new, dict):
+def _checked(config: EngineConfig, data: dict) -> EngineConfig:
+    """``data`` built and checked as ``from_dict`` does, as ``config``'s class (a subclass keeps its own fields)."""
+    built = EngineConfig.from_dict(data)
+    own = {f.name: getattr(built, f.name) for f in dataclasses.fields(EngineConfig)}
+    return built if type(config) is EngineConfig else dataclasses.replace(config, **own)
+
+
+_DICT_SETTINGS = {"storage_options"}  # settings whose value is a mapping: replaced whole (sections are merged)
+
+
+def _merged(base: Any, new: Any, key: str) -> Any:
+    """``new`` laid over the section ``base`` key by key, nested sections too (overrides given as a mapping: h136)."""
+    if key in _DICT_SETTINGS or not isinstance(base, dict) or not isinstance(new, dict):
         return new
-    return {**base, **{k: _merged(base[k], v) if k not in _DICT_SETTINGS and isinstance(base.get(k), dict) else v
-                       for k, v in new.items()}}
+    return {**base, **{k: _merged(base.get(k), v, k) for k, v in new.items()}}
 
 
 def _did_you_mean(key: str, names: "typing.Iterable[str]", prefix: str = "") -> str:

@@ -6,21 +6,14 @@ from typing import Any
 
 from .errors import ConfigError
 
+_MERGE = "tag:yaml.org,2002:merge"
+
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file's data; ``ConfigError`` naming the file for an unreadable, non-UTF-8 or invalid one, and for a
-    key given twice (h136: a second ``retention:`` block silently replaced the first)."""
+    key given twice in one mapping (h136: a second ``retention:`` block silently replaced the first). Keys merged
+    in with ``<<: *anchor`` may be given again, as YAML allows."""
     import yaml
-
-    class _Unique(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):  # type: ignore[override]
-            keys = [self.construct_object(k, deep=True) for k, _ in node.value
-                    if k.tag != "tag:yaml.org,2002:merge"]  # `<<: *defaults` (h137): its keys may be given again
-            twice = next((i for i, k in enumerate(keys) if _hashable(k) and k in keys[:i]), None)
-            if twice is not None:
-                raise ConfigError(f"{path}: key {keys[twice]!r} appears twice in one mapping (the mapping at line "
-                                  f"{node.start_mark.line + 1}; the last would silently win)")
-            return super().construct_mapping(node, deep)
 
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8")  # ~ as in checkpoint paths (h136)
@@ -29,10 +22,30 @@ def read_yaml(path: str | Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}): a config is YAML text") from None
     try:
-        return yaml.load(text, Loader=_Unique)
+        _check_unique(yaml.compose(text, Loader=yaml.SafeLoader), path)  # on the nodes as written (h138: not
+        return yaml.safe_load(text)  # after the loader's merges, which change anchored mappings in place)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {str(exc).replace('<unicode string>', str(path))}") from exc
 
 
-def _hashable(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool, type(None)))
+def _check_unique(root: Any, path: str | Path) -> None:
+    """``ConfigError`` for a key written twice in one mapping node (each node once: aliases share them)."""
+    import yaml
+
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: list = []
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
+                    if (key.tag, key.value) in keys:
+                        raise ConfigError(f"{path}: key {key.value!r} appears twice in one mapping (line "
+                                          f"{key.start_mark.line + 1}; the last would silently win)")
+                    keys.append((key.tag, key.value))
+                todo += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += node.value

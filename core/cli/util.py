@@ -40,8 +40,9 @@ def dangling(path: str) -> str:
 
 def points_beside(directory: str, target: str) -> bool:
     """Whether a link in the local ``directory`` whose target is ``target`` points at a file in it."""
-    real = os.path.realpath  # h137: the directory given through a link of its own counted a checkpoint twice
-    return os.path.dirname(real(os.path.join(directory, target))) == real(directory)
+    real = os.path.realpath  # h137: the directory given through a link of its own counted a checkpoint twice;
+    here = real(directory)  # h138: only the link's own hop (a link to a link beside it points beside)
+    return real(os.path.dirname(os.path.join(here, target))) == here
 
 
 class CliError(Exception):

@@ -131,7 +131,9 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         """Picklable: DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``) sends the
         writer to its saving process, which opens its own store and lease (pickling failed on a lock:
         found by an independent check)."""
-        return {**self.__dict__, "_store": None, "_lease": None, "_clock_ns": clock_ns()}  # h137: after a load
+        state = {**self.__dict__, "_store": None, "_lease": None, "_clock_ns": clock_ns()}  # h137: after a load
+        self.__dict__.pop("_staged_stamp", None)  # the save it was staged for runs in the copy (DCP's process)
+        return state
 
     # -- StorageWriter ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -147,7 +149,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
                                 "by the coordinator for all ranks")
         self.is_coordinator = is_coordinator
         follow(self.__dict__.pop("_clock_ns", 0))  # in DCP's saving process: the training process's stamp clock
-        self._stamp = new_stamp()  # (the coordinator's dates the checkpoint: when the save began, h127)
+        self._stamp = self.__dict__.pop("_staged_stamp", None) or new_stamp()  # async_save: when it was called  # (the coordinator's dates the checkpoint: when the save began, h127)
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -250,7 +252,10 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
     # -- AsyncStager -----------------------------------------------------------------------------
     def stage(self, state_dict: dict) -> dict:
         """(dcp.async_save, training thread) Copy the state to CPU; with ``cache_staged_state_dict``
-        into buffers kept from the previous save (pinned only when CUDA is available)."""
+        into buffers kept from the previous save (pinned only when CUDA is available). The save is stamped
+        here, when ``async_save`` is called (h138: stamped when DCP's thread or process began it, a save made
+        right after it sorted older, and retention deleted that newer checkpoint)."""
+        self._staged_stamp = new_stamp()
         if not self.cache_staged_state_dict:
             return super().stage(state_dict)
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict

@@ -634,3 +634,10 @@ def test_verify_of_a_directory_checks_a_link_to_a_checkpoint_elsewhere(capsys, l
     os.symlink(root, tmp_path / "alias")
     code, data = run_json(capsys, "verify", str(tmp_path / "alias"))
     assert code == 0 and len(data["checkpoints"]) == len(run_json(capsys, "verify", root)[1]["checkpoints"])
+    os.remove(f"{root}/last.ckpt")  # h138: a link to a link beside it, which points elsewhere: checked once
+    with CheckpointEngine({"saving": {"asynchronous": False}}) as engine:
+        engine.save({"w": torch.randn(8)}, other / "x.ckpt")
+    os.symlink(os.path.relpath(other / "x.ckpt", root), f"{root}/elsewhere.ckpt")
+    os.symlink("elsewhere.ckpt", f"{root}/last.ckpt")
+    code, data = run_json(capsys, "verify", root)
+    assert [Path(r["path"]).name for r in data["checkpoints"]].count("last.ckpt") == 0

@@ -111,7 +111,7 @@ def test_a_config_file_that_is_not_utf8_or_gives_a_key_twice_is_refused_naming_t
         EngineConfig.from_yaml(latin)
     twice = tmp_path / "twice.yaml"
     twice.write_text("retention:\n  keep_last: 2\nsaving:\n  workers: 2\nretention:\n  protect: [best.ckpt]\n")
-    with pytest.raises(ConfigError, match=r"twice\.yaml: key .retention. appears twice in one mapping \(the mapping at"):
+    with pytest.raises(ConfigError, match=r"twice\.yaml: key .retention. appears twice in one mapping \(line 5"):
         EngineConfig.from_yaml(twice)
     onkey = tmp_path / "on.yaml"
     onkey.write_text("saving:\n  on: 1\n")
@@ -138,6 +138,14 @@ def test_yaml_merge_keys_a_dict_setting_replaced_whole_and_a_subclass_are_kept(t
     merged = tmp_path / "merge.yaml"
     merged.write_text("base: &b {keep_last: 5, protect: [best*.ckpt]}\nretention:\n  <<: *b\n  keep_last: 3\n")
     assert read_yaml(merged)["retention"] == {"keep_last": 3, "protect": ["best*.ckpt"]}
+    chain = tmp_path / "chain.yaml"  # h138: an anchor merging another, nested: PyYAML merges it in place first
+    chain.write_text("profiles:\n  base: &base {keep_last: 2}\n  group:\n    dev: &dev {<<: *base, keep_last: 4}\n"
+                     "retention: {<<: *dev}\n")
+    assert read_yaml(chain)["retention"] == {"keep_last": 4}
+    inline = tmp_path / "inline.yaml"  # a key twice inside a merged mapping is still a key twice
+    inline.write_text("retention:\n  <<: {keep_last: 5,\n        keep_last: 1}\n")
+    with pytest.raises(ConfigError, match=r"inline\.yaml: key 'keep_last' appears twice in one mapping \(line 3"):
+        read_yaml(inline)
     cfg = EngineConfig.from_dict({"storage": {"storage_options": {"key": "k", "secret": "s"}}})
     assert cfg.replace(**{"storage.storage_options": {"anon": True}}).storage.storage_options == {"anon": True}
     assert cfg.replace(storage={"storage_options": {}}).storage.storage_options == {}
@@ -148,4 +156,9 @@ def test_yaml_merge_keys_a_dict_setting_replaced_whole_and_a_subclass_are_kept(t
 
     mine = MyConfig()
     with ckpt_core.CheckpointEngine(mine) as engine:
-        assert engine.config is mine
+        assert engine.config == mine and type(engine.config) is MyConfig
+    # h138: a section given as a dict is built (the first save failed on it), replace() keeps the subclass
+    built = ckpt_core.config.coerce_config(MyConfig(retention={"keep_last": 1}, run_name="r"))
+    assert built.retention.keep_last == 1 and built.run_name == "r"
+    again = built.replace(**{"retention.keep_last": 2})
+    assert type(again) is MyConfig and again.run_name == "r" and again.retention.keep_last == 2

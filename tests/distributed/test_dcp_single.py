@@ -437,3 +437,26 @@ def test_a_late_save_does_not_replace_a_newer_checkpoint_of_the_same_name(tmp_pa
     with pytest.raises(BaseException, match="newer checkpoint of that name"):
         cdcp.save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "last.dcp")
     assert cdcp.load_state_dict(tmp_path / "last.dcp")["step"] == 2
+
+
+def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkeypatch) -> None:
+    """h138: a DCP checkpoint of ``async_save`` was stamped when DCP's thread (or process) began the save, not
+    when ``async_save`` was called: a save made right after it sorted older, keep_last deleted it and latest()
+    answered the older state. Stamped in ``stage`` now (the training thread). Stood in for: the async save's
+    thread starts only after the second save is done."""
+    import threading
+
+    gate, real = threading.Event(), CheckrunStorageWriter.set_up_storage_writer
+
+    def set_up(self, *args, **kwargs):
+        if self.path.endswith("a.dcp"):
+            assert gate.wait(120)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckrunStorageWriter, "set_up_storage_writer", set_up)
+    future = cdcp.async_save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "a.dcp")
+    cdcp.save({"step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "b.dcp")
+    gate.set()
+    future.result()
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.latest(tmp_path).endswith("b.dcp")
