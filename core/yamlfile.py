@@ -26,6 +26,8 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.safe_load(text)  # after the loader's merges, which change anchored mappings in place)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {str(exc).replace('<unicode string>', str(path))}") from exc
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply for a config") from None
 
 
 def _check_unique(root: Any, path: str | Path) -> None:

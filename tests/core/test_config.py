@@ -162,3 +162,11 @@ def test_yaml_merge_keys_a_dict_setting_replaced_whole_and_a_subclass_are_kept(t
     assert built.retention.keep_last == 1 and built.run_name == "r"
     again = built.replace(**{"retention.keep_last": 2})
     assert type(again) is MyConfig and again.run_name == "r" and again.retention.keep_last == 2
+
+
+def test_a_config_file_nested_thousands_deep_is_a_config_error(tmp_path):
+    """A YAML file of 5,000 nested lists raised a raw RecursionError from PyYAML's composer."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ConfigError, match=r"deep\.yaml: invalid YAML: nested too deeply"):
+        EngineConfig.from_yaml(deep)
