@@ -34,20 +34,21 @@ def _check_unique(root: Any, path: str | Path) -> None:
     """``ConfigError`` for a key written twice in one mapping node (each node once: aliases share them)."""
     import yaml
 
-    seen, todo = set(), [root]
+    seen, todo, build = set(), [root], yaml.SafeLoader("").construct_object
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            keys: list = []
+            keys: set = set()
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
-                    if (key.tag, key.value) in keys:
+                    built = build(key)  # as the loaded dict has it: 1, 0x1 and 1.0 (true and on) are one key (h139)
+                    if built in keys:
                         raise ConfigError(f"{path}: key {key.value!r} appears twice in one mapping (line "
                                           f"{key.start_mark.line + 1}; the last would silently win)")
-                    keys.append((key.tag, key.value))
+                    keys.add(built)
                 todo += [key, value]
         elif isinstance(node, yaml.SequenceNode):
             todo += node.value

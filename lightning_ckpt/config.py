@@ -10,6 +10,7 @@ import os
 from typing import Any, Optional, Union
 
 from ckpt_core import ConfigError, EngineConfig
+from ckpt_core.config import coerce_config
 from ckpt_core.storage.options import merge_options
 
 __all__ = ["build_config", "lossless_config"]
@@ -27,7 +28,7 @@ def _base_config(config: ConfigLike, section: Optional[str]) -> EngineConfig:
     if config is None:
         return EngineConfig()
     if isinstance(config, EngineConfig):
-        return config
+        return coerce_config(config)  # checked and built as the engine's (h139: a section given as a dict)
     if isinstance(config, dict):
         return EngineConfig.from_dict(section_of(config, section))
     if isinstance(config, (str, os.PathLike)):

@@ -255,14 +255,17 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         into buffers kept from the previous save (pinned only when CUDA is available). The save is stamped
         here, when ``async_save`` is called (h138: stamped when DCP's thread or process began it, a save made
         right after it sorted older, and retention deleted that newer checkpoint)."""
-        self._staged_stamp = new_stamp()
+        stamp = new_stamp()  # kept only if the staging succeeds (h139: a failed one's dated the next save)
         if not self.cache_staged_state_dict:
-            return super().stage(state_dict)
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+            staged = super().stage(state_dict)
+        else:
+            from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+            if self.state_dict_cache is None:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            staged = _copy_state_dict(state_dict, self.state_dict_cache)
+        self._staged_stamp = stamp
+        return staged
 
     # -- internals -------------------------------------------------------------------------------
     def _resolve(self) -> tuple[Store, str]:

@@ -170,3 +170,17 @@ def test_a_config_file_nested_thousands_deep_is_a_config_error(tmp_path):
     deep.write_text("[" * 5000 + "]" * 5000)
     with pytest.raises(ConfigError, match=r"deep\.yaml: invalid YAML: nested too deeply"):
         EngineConfig.from_yaml(deep)
+
+
+def test_yaml_keys_that_load_as_one_key_and_a_plugin_config_object_with_a_dict_section(tmp_path):
+    """h139: the duplicate-key check compared keys as written: ``1`` and ``0x1`` (``true`` and ``on``) load as
+    one key, the last silently winning; and ``CheckrunCheckpointIO(config=EngineConfig(retention={...}))``
+    crashed with ``'dict' object has no attribute 'protect'`` (the plugin took the object unchecked)."""
+    from ckpt_core.yamlfile import read_yaml
+    from lightning_ckpt.config import build_config
+
+    same = tmp_path / "same.yaml"
+    same.write_text("storage:\n  storage_options:\n    1: a\n    0x1: b\n")
+    with pytest.raises(ConfigError, match=r"same\.yaml: key '0x1' appears twice in one mapping \(line 4"):
+        read_yaml(same)
+    assert build_config(config=EngineConfig(retention={"keep_last": 2})).retention.keep_last == 2

@@ -460,3 +460,15 @@ def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkey
     future.result()
     with ckpt_core.CheckpointEngine() as engine:
         assert engine.latest(tmp_path).endswith("b.dcp")
+
+
+def test_a_failed_async_staging_leaves_no_stamp_for_the_next_save_of_its_writer(tmp_path) -> None:
+    """h139: ``stage`` took the async save's stamp before staging, and a staging that raised left it on the
+    writer: its next (sync) save was dated at the failed call, older than saves made in between."""
+    writer = CheckrunStorageWriter(tmp_path / "a.dcp")
+    with pytest.raises(BaseException):
+        cdcp.async_save({"w": torch.empty(4, device="meta")}, tmp_path / "a.dcp", writer=writer).result()
+    cdcp.save({"step": 2, "w": torch.ones(4)}, tmp_path / "b.dcp")
+    cdcp.save({"step": 3, "w": torch.ones(4)}, tmp_path / "c.dcp", writer=writer)
+    with ckpt_core.CheckpointEngine() as engine:
+        assert engine.latest(tmp_path).endswith("c.dcp")
