@@ -6,7 +6,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-_MERGE = "tag:yaml.org,2002:merge"
+_MERGE, _VALUE = "tag:yaml.org,2002:merge", "tag:yaml.org,2002:value"
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -24,6 +24,10 @@ def read_yaml(path: str | Path) -> Any:
     try:
         _check_unique(yaml.compose(text, Loader=yaml.SafeLoader), path)  # on the nodes as written (h138: not
         return yaml.safe_load(text)  # after the loader's merges, which change anchored mappings in place)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:  # PyYAML's own, for a bad scalar (`2026-13-45`, `!!bool x`)
+        raise ConfigError(f"{path}: invalid YAML: {type(exc).__name__}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {str(exc).replace('<unicode string>', str(path))}") from exc
     except RecursionError:  # PyYAML composes nested collections recursively
@@ -43,12 +47,17 @@ def _check_unique(root: Any, path: str | Path) -> None:
         if isinstance(node, yaml.MappingNode):
             keys: set = set()
             for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
-                    built = build(key)  # as the loaded dict has it: 1, 0x1 and 1.0 (true and on) are one key (h139)
-                    if built in keys:
-                        raise ConfigError(f"{path}: key {key.value!r} appears twice in one mapping (line "
-                                          f"{key.start_mark.line + 1}; the last would silently win)")
-                    keys.add(built)
                 todo += [key, value]
+                if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE:
+                    continue
+                try:  # as the loaded dict has it: 1, 0x1 and 1.0 (true and on) are one key (h139); `=` is a string
+                    built = key.value if key.tag == _VALUE else build(key)
+                    twice = built in keys
+                except (ValueError, KeyError, TypeError, yaml.YAMLError):  # no key the loader builds (h140):
+                    continue  # the load says why
+                if twice:
+                    raise ConfigError(f"{path}: key {key.value!r} appears twice in one mapping (line "
+                                      f"{key.start_mark.line + 1}; the last would silently win)")
+                keys.add(built)
         elif isinstance(node, yaml.SequenceNode):
             todo += node.value

@@ -184,3 +184,22 @@ def test_yaml_keys_that_load_as_one_key_and_a_plugin_config_object_with_a_dict_s
     with pytest.raises(ConfigError, match=r"same\.yaml: key '0x1' appears twice in one mapping \(line 4"):
         read_yaml(same)
     assert build_config(config=EngineConfig(retention={"keep_last": 2})).retention.keep_last == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("retention:\n  !!set x: 1\n", "invalid YAML: .*unhashable"),
+    ("retention:\n  keep_last: !!int abc\n", "invalid YAML: ValueError"),
+    ("retention:\n  2026-13-45: 1\n", "invalid YAML: ValueError: month must be in 1..12"),
+])
+def test_yaml_keys_and_values_no_loader_builds_are_config_errors(tmp_path, text, message):
+    """h140: a key tagged as a collection (``!!set x``) raised a bare TypeError from the duplicate-key check; bad
+    scalars (``!!int abc``, the date 2026-13-45) a bare ValueError from PyYAML. A key ``=`` loads as a string."""
+    from ckpt_core.yamlfile import read_yaml
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=r"bad\.yaml: " + message):
+        read_yaml(bad)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("storage:\n  storage_options:\n    =: x\n")
+    assert EngineConfig.from_yaml(ok).storage.storage_options == {"=": "x"}
