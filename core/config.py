@@ -307,12 +307,8 @@ def _did_you_mean(key: str, names: "typing.Iterable[str]", prefix: str = "") -> 
 
 def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
     """Every dotted key of a ``to_dict`` tree (sections and settings), for suggestions."""
-    keys = []
-    for key, value in data.items():
-        keys.append(prefix + key)
-        if isinstance(value, dict) and key != "storage_options":
-            keys += _dotted_keys(value, f"{prefix}{key}.")
-    return keys
+    return [k for key, value in data.items() for k in [prefix + key] + (
+        _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) and key != "storage_options" else [])]
 
 
 _TUPLE_ITEM_TYPES = {("EngineConfig", "quantization"): QuantRule}
@@ -369,7 +365,9 @@ def _check(tp: Any, value: Any, dotted: str, item_type: type | None = None) -> A
         return _build(tp, value, dotted + ".")
     if tp is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{dotted}: expected a list, got {type(value).__name__}")
+            one = item_type is not None and isinstance(value, dict)  # one quantization rule, not in a list
+            raise ConfigError(f"{dotted}: expected a list of rules, got one rule: put it in a list ([{{...}}])" if one
+                              else f"{dotted}: expected a list, got {type(value).__name__}")
         if item_type is not None:
             return tuple(_build(item_type, v, f"{dotted}[{i}].") for i, v in enumerate(value))
         for i, v in enumerate(value):

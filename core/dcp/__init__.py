@@ -85,6 +85,19 @@ def _planner(spread_replicated: bool, min_piece_bytes: int | None) -> CheckrunSa
     return CheckrunSavePlanner(spread_replicated=spread_replicated, **kwargs)
 
 
+_PENDING: set[Future] = set()  # futures of this process's async_save not done yet
+
+
+def _wait_pending() -> None:
+    """Wait for this process's ``async_save`` futures before another save or load: DCP's background
+    thread and the new call would run collectives on the same process group at once (with 2 gloo
+    ranks both wait for ever through checkrun; DCP's own FileSystemWriter aborts in gloo). An
+    earlier save's failure is not raised here: its own future reports it."""
+    for future in list(_PENDING):
+        with contextlib.suppress(BaseException):
+            future.result()
+
+
 def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
          storage_options: dict | None = None, spread_replicated: bool = True, min_piece_bytes: int | None = None,
          writer: CheckrunStorageWriter | None = None, process_group: Any = None) -> DcpSaveInfo | None:
@@ -95,6 +108,7 @@ def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
     ``writer``: reuse one writer across saves (optional)."""
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
     writer.last_save = None
+    _wait_pending()
     try:
         _dcp.save(state_dict, checkpoint_id=path, storage_writer=writer,
                   planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
@@ -111,12 +125,16 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike
                process_group: Any = None) -> Future:
     """``dcp.async_save``: returns after the state is staged (copied to CPU); the future completes
     when the manifest is committed (or raises). Call on every rank; the process group needs a CPU
-    backend (gloo). Pass a ``writer`` built with ``cache_staged_state_dict=True`` to reuse buffers."""
+    backend (gloo). Pass a ``writer`` built with ``cache_staged_state_dict=True`` to reuse buffers.
+    A save, async_save or load of this module waits for the async_saves before it first."""
     writer = writer or CheckrunStorageWriter(path, config, storage_options)
+    _wait_pending()
     result = _dcp.async_save(state_dict, checkpoint_id=path, storage_writer=writer,
                              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
     future = getattr(result, "upload_completion", result)
     future.add_done_callback(lambda f: writer.release_lease(committed=not f.cancelled() and f.exception() is None))
+    _PENDING.add(future)
+    future.add_done_callback(_PENDING.discard)
     return future
 
 
@@ -131,6 +149,7 @@ def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
     planner = CheckrunLoadPlanner(weights_only=weights_only, allowed_globals=cfg.load.allowed_globals,
                                   allow_partial_load=allow_partial_load)
     reader = CheckrunStorageReader(path, cfg, storage_options)
+    _wait_pending()
     with _checkrun_errors(reader):
         _dcp.load(state_dict, checkpoint_id=path, storage_reader=reader, planner=planner,
                   process_group=process_group)

@@ -70,6 +70,20 @@ def test_overrides_given_as_a_nested_mapping_are_merged_not_replacing_the_sectio
         build_config(overrides={1: 2})
 
 
+def test_one_quantization_rule_as_a_mapping_is_named_by_from_dict_and_yaml(tmp_path):
+    """h136/s38: ``quantization: {pattern: ..., bits: 8}`` in YAML said "expected a list, got dict"."""
+    with pytest.raises(ConfigError, match=r"^quantization: expected a list of rules, got one rule"):
+        EngineConfig.from_dict({"quantization": {"pattern": "*", "bits": 8}})
+    path = tmp_path / "engine.yaml"
+    path.write_text("quantization:\n  pattern: emb.*\n  bits: 4\n")
+    with pytest.raises(ConfigError, match=r"engine.yaml: quantization: expected a list of rules, got one rule"):
+        EngineConfig.from_yaml(path)
+    path.write_text("quantization:\n  - pattern: emb.*\n    bits: 4\n")
+    assert EngineConfig.from_yaml(path).quantization[0].bits == 4
+    with pytest.raises(ConfigError, match=r"^retention.protect: expected a list, got str"):
+        EngineConfig.from_dict({"retention": {"protect": "best*.ckpt"}})
+
+
 def test_a_config_built_in_python_is_checked_like_one_from_a_dict():
     """h136: ``EngineConfig(saving=SavingConfig(max_pending=0))`` was taken as is and the first save waited for
     ever; ``QuantRule(bits=5)`` failed only at save time. The engine checks it as ``from_dict`` does."""

@@ -112,6 +112,10 @@ def test_async_save_snapshots_before_returning(tmp_path) -> None:
     assert run_ranks(workers.async_saves, 2, str(tmp_path / "async")) == [{"ok": True}, {"ok": True}]
 
 
+def test_a_save_and_a_load_right_after_an_async_save_wait_for_it(tmp_path) -> None:
+    assert run_ranks(workers.async_save_then_save_at_once, 2, str(tmp_path), timeout=90) == [{"ok": True}] * 2
+
+
 @pytest.mark.s3
 def test_two_ranks_on_s3(s3_root, s3_storage_options) -> None:
     path = f"{s3_root}/step=7.dcp"

@@ -443,7 +443,8 @@ def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkey
     """h138: a DCP checkpoint of ``async_save`` was stamped when DCP's thread (or process) began the save, not
     when ``async_save`` was called: a save made right after it sorted older, keep_last deleted it and latest()
     answered the older state. Stamped in ``stage`` now (the training thread). Stood in for: the async save's
-    thread starts only after the second save is done."""
+    thread starts only after the second save is done (DCP's own ``dcp.save``: ``cdcp.save`` waits for the
+    async_save first)."""
     import threading
 
     gate, real = threading.Event(), CheckrunStorageWriter.set_up_storage_writer
@@ -455,7 +456,7 @@ def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkey
 
     monkeypatch.setattr(CheckrunStorageWriter, "set_up_storage_writer", set_up)
     future = cdcp.async_save({"step": 1, "w": torch.full((4,), 1.0)}, tmp_path / "a.dcp")
-    cdcp.save({"step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "b.dcp")
+    dcp.save({"step": 2, "w": torch.full((4,), 2.0)}, storage_writer=CheckrunStorageWriter(tmp_path / "b.dcp"))
     gate.set()
     future.result()
     with ckpt_core.CheckpointEngine() as engine:

@@ -188,6 +188,23 @@ def async_saves(rank: int, world: int, root: str) -> dict:
     return {"ok": True}
 
 
+def async_save_then_save_at_once(rank: int, world: int, root: str) -> dict:
+    """A save and a load right after an async_save, without waiting for its future (s38: both ranks
+    waited for ever: DCP's thread and the new save ran collectives on the same group at once)."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    state = dtensor_state(full, mesh)
+    first = cdcp.async_save(state, f"{root}/a1.dcp")
+    cdcp.save(state, f"{root}/a2.dcp")
+    assert first.done()
+    target = empty_like_state(state)  # collectives of its own: not while an async_save runs
+    second = cdcp.async_save(state, f"{root}/a3.dcp")
+    cdcp.load(target, f"{root}/a3.dcp")
+    assert second.done()
+    check_state(target, full)
+    return {"ok": True}
+
+
 def s3_save(rank: int, world: int, path: str, storage_options: dict) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     state = dtensor_state(full_tensors(), mesh)
