@@ -354,8 +354,10 @@ class CheckrunCheckpointIO(CheckpointIO):
         except (CheckpointNotFoundError, FileNotFoundError):
             log.debug("lightning_ckpt: %s was already gone", url)
             return
-        except CheckrunError:
-            if not self._remove_directory(url):
+        except CheckrunError as exc:
+            if _denied(exc):  # h142: the best checkpoint of another run, on a bucket this run may only read
+                log.warning("lightning_ckpt: %s was not removed (%s); training goes on", url, exc)
+            elif not self._remove_directory(url):
                 raise
             return
         with self._deferred_lock:
@@ -576,3 +578,14 @@ def _warn_artifact_loggers(trainer: Any) -> None:
                       ".checkrun/blobs, so the artifact does not load on its own: upload the directory, or a "
                       "file made by `checkrun export`", UserWarning, stacklevel=3)
 
+
+def _denied(exc: BaseException) -> bool:
+    """Whether a removal failed because the storage does not allow it (PermissionError behind the engine's
+    error). Lightning removes a resumed run's previous best checkpoint wherever it lives (remote paths are
+    never checked against ``dirpath``); ``TorchCheckpointIO`` on s3fs ignores the refusal, this plugin warns."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, PermissionError):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False

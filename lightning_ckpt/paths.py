@@ -30,8 +30,10 @@ def normalize_path(path: PathLike) -> str:
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError("checkpoint path must be text, not bytes")
-    if "://" not in text:
-        text = _COLLAPSED_URL.sub(r"\1://", text, count=1)
+    match = _COLLAPSED_URL.match(text) if "://" not in text else None
+    if match:  # "file:/abs" is /abs: "file:///abs" (h142: "file://abs" was abs in the working directory)
+        slashes = "///" if match.group(1).lower() in ("file", "local") else "//"
+        text = f"{match.group(1)}:{slashes}{text[match.end():]}"
     return text
 
 

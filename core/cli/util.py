@@ -133,7 +133,9 @@ class Context:
             return "missing"
         except OSError as exc:
             raise CliError(f"{url}: {exc}") from None
-        return "dir" if info.get("type") == "directory" else "file"
+        if info.get("type") == "directory" or (info.get("mimetype") == "text/html" and fs.isdir(path)):
+            return "dir"  # http: a directory is an index page (h142: "is a file")
+        return "file"
 
     def links(self, directory: str) -> list[dict]:
         """The symbolic links to files in a local ``directory`` (Lightning's ``save_last="link"``

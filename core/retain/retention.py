@@ -33,7 +33,7 @@ from .report import CheckpointEntry, GCReport
 from ..format.manifest import SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
-from ..storage.paths import META_DIR, check_name, join
+from ..storage.paths import META_DIR, check_name, has_buckets, join
 from ..storage.store import WHOLE_READ_BYTES, BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -44,7 +44,7 @@ def _require_bucket(store: Store) -> None:
     typo, which must not make ``latest()`` answer None and a run start afresh (its first save would
     fail only at its first checkpoint). Only a definite "no such bucket" counts."""
     bucket = store.root.split("/", 1)[0]
-    if store.is_local or not bucket or store.url("").startswith("memory://"):
+    if not has_buckets(store.fs) or not bucket:  # h142: dir://run (its "bucket" was the folder run) raised
         return
     try:
         found = store.retry(lambda: store.fs.exists(bucket), f"look for bucket {bucket}")

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.cached import CachingFileSystem
+from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ..config import StorageConfig
@@ -32,6 +33,7 @@ STEPLOG_DIR = ".checkrun/steplog"
 """Where a directory's step log keeps its segments, markers and run objects (``steplog.log``)."""
 TMP_MARK = ".tmp-"
 _S3_PROTOCOLS = frozenset({"s3", "s3a"})
+_BUCKET_PROTOCOLS = _S3_PROTOCOLS | {"gs", "gcs", "abfs", "abfss", "az", "adl"}
 _IN_PROCESS_PROTOCOLS = frozenset({"memory"})
 
 
@@ -74,6 +76,11 @@ def is_s3_fs(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(_S3_PROTOCOLS & set(protocols(fs)))
 
 
+def has_buckets(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether the first part of a path of ``fs`` is a bucket (object stores; not ``dir://`` over one)."""
+    return bool(_BUCKET_PROTOCOLS & set(protocols(fs)))
+
+
 def in_process_only(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether the files of ``fs`` live in this process's memory (another process cannot see them)."""
     return bool(_IN_PROCESS_PROTOCOLS & set(protocols(fs)))
@@ -98,10 +105,14 @@ def resolve(text: str, storage_options: Optional[dict],
         raise ConfigError(f"{text!r}: fsspec caching filesystems (simplecache::, filecache::, blockcache::) are not "
                           "supported for checkpoints: manifests change in place and a cache would keep serving old "
                           "ones; use the URL without the cache")
-    # Keep the user's scheme (even chains such as "simplecache::s3://") for display, except
-    # for plain local files: those are shown as absolute paths.
+    if isinstance(fs, DirFileSystem) and is_local_fs(fs.fs):
+        # dir:// over the local disk is the local disk under its path: saved as local (temp file + rename, folders
+        # made); h142: it got the object-store commit, which makes no folders, and every save failed
+        return fs.fs, fs._join(fspath), "", key
+    # Keep the user's scheme for display, except for plain local files (shown as absolute paths) and
+    # URLs fsspec keeps whole (http: h142 saw http://http://...).
     scheme = text[: text.index("://")] if "://" in text else ""
-    if is_local_fs(fs) and scheme in ("", "file", "local"):
+    if (is_local_fs(fs) and scheme in ("", "file", "local")) or "://" in fspath:
         return fs, fspath, "", key
     return fs, fspath, f"{scheme or protocols(fs)[0]}://", key
 

@@ -71,10 +71,59 @@ def test_a_dict_config_without_the_named_section_or_a_bad_shadowed_override_is_r
         make_io({"savings": {}})
 
 
+def test_a_file_url_root_saves_there_and_resumes_from_last(tmp_path, monkeypatch) -> None:
+    """h142: ``Trainer(default_root_dir="file:///abs")``: Lightning hands the plugin ``file:/abs/checkpoints``
+    (a pathlib join), which the plugin made ``file://abs/...``: the checkpoints went to ``abs/...`` under the
+    working directory and ``ckpt_path="last"`` started over with a warning."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    root, cwd = tmp_path / "run", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    first = trainer(f"file://{root}", max_steps=4, callbacks=[ModelCheckpoint(every_n_train_steps=2, save_last=True)])
+    first.fit(TinyModel())
+    assert {"last.ckpt", "epoch=0-step=4.ckpt"} <= set(os.listdir(root / "checkpoints"))
+    assert not any(files for _, _, files in os.walk(cwd))
+    again = trainer(f"file://{root}", max_steps=6, callbacks=[ModelCheckpoint(every_n_train_steps=2, save_last=True)])
+    model = TinyModel()
+    seen = []
+    model.on_train_start = lambda: seen.append(again.global_step)
+    again.fit(model, ckpt_path="last")
+    assert seen == [4] and again.global_step == 6
+
+
+def test_a_removal_the_storage_refuses_warns_and_keeps_the_checkpoint(tmp_path, caplog) -> None:
+    """h142: resuming from a read-only bucket into a writable dirpath, Lightning removes the other run's best
+    checkpoint there (a remote path is never checked against dirpath); TorchCheckpointIO on s3fs ignores the
+    refusal, the plugin raised it from the fit. It warns now; other removal errors still raise."""
+    from ckpt_core.testing.faults import FaultFS, Permanent
+
+    plugin = make_io()
+    path = f"faultfile://{tmp_path}/best.ckpt"
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, path)
+    plugin.remove_checkpoint(str(tmp_path / "nothing.ckpt"))
+    try:
+        FaultFS.policy = Permanent(PermissionError(13, "Access Denied"), ops=("delete",), kind="manifest")
+        with caplog.at_level(logging.WARNING, logger="lightning_ckpt"):
+            plugin.remove_checkpoint(path)
+        assert f"{tmp_path}/best.ckpt was not removed" in caplog.text and "Access Denied" in caplog.text
+        assert (tmp_path / "best.ckpt").exists()
+        FaultFS.policy = Permanent(OSError(5, "I/O error"), ops=("delete",), kind="manifest")
+        with pytest.raises(Exception, match="I/O error"):
+            plugin.remove_checkpoint(path)
+    finally:
+        FaultFS.reset()
+    plugin.remove_checkpoint(path)
+    assert not (tmp_path / "best.ckpt").exists()
+    plugin.teardown()
+
+
 def test_paths_str_path_and_urls(tmp_path) -> None:
     assert normalize_path(Path("s3://bucket/run/x.ckpt")) == "s3://bucket/run/x.ckpt"  # Path collapsed "//"
     assert normalize_path("memory://a/b.ckpt") == "memory://a/b.ckpt"
     assert normalize_path(Path("/tmp/a.ckpt")) == "/tmp/a.ckpt"
+    assert normalize_path(Path("file:///tmp/run/a.ckpt")) == "file:///tmp/run/a.ckpt"  # h142: was file://tmp/...
+    assert normalize_path(Path("local:///tmp/a.ckpt")) == "local:///tmp/a.ckpt"
     assert checkpoint_kind("s3://b/run/.lr_find_1234-ab.ckpt") == "temporary"
     assert checkpoint_kind(Path("/x/.temp.ckpt")) == "temporary"
     assert checkpoint_kind("/x/.scale_batch_size_9.ckpt") == "temporary"
