@@ -61,8 +61,13 @@ def started_executor(workers: int, prefix: str, initializer: Callable[..., Any] 
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"{prefix} (ThreadPoolExecutor-{next(_pools)})",
                                   initializer=initializer, initargs=initargs)
         gate = threading.Barrier(workers + 1, timeout=FORK_WAIT_SECONDS)
-        for _ in range(workers):
-            pool.submit(gate.wait)
+        try:
+            for _ in range(workers):
+                pool.submit(gate.wait)
+        except BaseException:  # h144: a thread could not start (process limit): the started ones waited
+            gate.abort()  # FORK_WAIT_SECONDS at the barrier, and the process as long at exit
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         gate.wait()
     return pool
 

@@ -256,8 +256,9 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
                  url)
     running = [k for k in model if k.rpartition(".")[2] in ("running_mean", "running_var", "num_batches_tracked")]
     if replayed and running and not stats:  # as engine.replay warns: the log has no running statistics
-        log.warning("checkrun: %s: the step log holds no running statistics for step %d (logged without model=); "
-                    "%d buffer(s) (%s) are the checkpoint's", url, step, len(running), ", ".join(running[:3]))
+        log.warning("checkrun: %s: the step log holds no running statistics for step %d (logged without model=, "
+                    "or by a checkrun before 2026-12-05 16:00, step-log format < 5); %d buffer(s) (%s) are the "
+                    "checkpoint's", url, step, len(running), ", ".join(running[:3]))
     return url, state, {"from_checkpoint": url, "from_step": chain.marker.step, "step": step,
                         "replayed_steps": replayed, "optimizer": f"torch.optim.{cls.__name__}"}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
 import os
 import shutil
 import tempfile
@@ -90,14 +89,16 @@ class SharedBuffers:
             except OSError as exc:
                 os.unlink(path)
                 free = shutil.disk_usage(self.directory).free
+                where = ("Enlarge it (docker: --shm-size)" if self.directory.startswith("/dev/shm/") else
+                         "/dev/shm is missing or not writable, so the temp directory is used: free space there "
+                         "or point TMPDIR elsewhere")  # h144: --shm-size was suggested for $TMPDIR
                 raise StorageError(
                     f"saving.background 'process': cannot reserve {nbytes} bytes of shared memory in "
-                    f"{self.directory} ({free} bytes free): {exc}. Enlarge it (docker: --shm-size) or "
-                    "use saving.background 'thread'") from exc
-            mm = mmap.mmap(fd, nbytes)
+                    f"{self.directory} ({free} bytes free): {exc}. {where}, or use saving.background "
+                    "'thread'") from exc
         finally:
             os.close(fd)
-        t = torch.frombuffer(mm, dtype=dtype, count=numel)  # keeps the mapping alive
+        t = _map(path, nbytes, dtype, numel)
         advise_huge_pages(t)
         with self._lock:
             self._names[t.data_ptr()] = name
@@ -120,12 +121,15 @@ class SharedBuffers:
 def map_shared(directory: str, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """Map a buffer of ``SharedBuffers`` in another process (the writer process)."""
     path = os.path.join(directory, name)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, 0)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=dtype, count=numel)
+    return _map(path, os.path.getsize(path), dtype, numel)
+
+
+def _map(path: str, nbytes: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """``numel`` items of ``dtype`` at the start of the file ``path`` (``nbytes`` long), mapped shared; the
+    mapping lives as long as the tensor. torch's mapping closes its file at once (h144: Python's ``mmap``
+    keeps a descriptor per map, and a state of ~1,000 tensors hit the usual limit of 1,024 open files)."""
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
 
 
 _STAGING_PREFIX = "checkrun-staging-"

@@ -442,6 +442,7 @@ def warn_forward_state(model: Any, replayed: int, checkpoint: str, restored: boo
     names = forward_state(model) if replayed and not restored else []
     if names:
         warnings.warn(f"checkrun: replayed {replayed} logged step(s) after {checkpoint}, the last of them without "
-                      f"logged running statistics (a log opened without model=); {len(names)} buffer(s) "
+                      f"logged running statistics (a log opened without model=, or by a checkrun before "
+                      f"2026-12-05 16:00, step-log format < 5); {len(names)} buffer(s) "
                       f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) keep older values: those of the "
                       "checkpoint or of the last step that logged them", RuntimeWarning, stacklevel=3)

@@ -33,6 +33,25 @@ def test_started_executor_has_every_thread_running_so_a_later_submit_starts_none
     assert not any(t.is_alive() for t in pool._threads)
 
 
+def test_a_thread_that_cannot_start_stops_the_started_ones_at_once(monkeypatch) -> None:
+    """h144: under a process limit (``ulimit -u``) the second thread of a pool failed to start; the first
+    waited at the start barrier for FORK_WAIT_SECONDS (30 s) and the process as long at exit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    real, calls = ThreadPoolExecutor._adjust_thread_count, []
+
+    def adjust(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "_adjust_thread_count", adjust)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        forksafe.started_executor(3, "checkrun-nproc-test")
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkrun-nproc-test")]
+
+
 def test_io_pool_threads_all_start_with_its_first_map() -> None:
     pool = IOPool(4)
     try:
