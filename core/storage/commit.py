@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from typing import Any, Callable, Optional
 
@@ -164,10 +165,27 @@ class RenameCommit(CommitStrategy):
             created.append(d)
             d = os.path.dirname(d)
         os.makedirs(directory, exist_ok=True)
+        for d in reversed(created):
+            _share_like_parent(d)
         if self.config.fsync:
             # A new directory is durable only once the entry in its parent is.
             for d in reversed(created):
                 atomic.fsync_dir(os.path.dirname(d))
+
+
+def _share_like_parent(path: str) -> None:
+    """A directory made in a group-shared one (setgid, group-writable: ``chmod 2775``) is group-writable
+    too, whatever the umask of the process that made it (h144: a teammate's umask 022 made
+    ``.checkrun/blobs/<xx>/`` that nobody else in the group could write or collect in; ``torch.save``
+    writes only into the directory itself, which the group can write)."""
+    try:
+        parent = os.stat(os.path.dirname(path)).st_mode
+        if parent & stat.S_ISGID and parent & stat.S_IWGRP:
+            mode = os.stat(path).st_mode
+            if (mode | parent) & 0o070 != mode & 0o070:
+                os.chmod(path, (mode & 0o7777) | (parent & 0o070))
+    except OSError:  # made by another user meanwhile, or gone: theirs to set
+        pass
 
 
 class SinglePutCommit(CommitStrategy):

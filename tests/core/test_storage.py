@@ -730,3 +730,41 @@ def test_a_damaged_blob_on_s3_is_named_by_its_url(s3_root, s3_storage_options, _
     with pytest.raises(CorruptCheckpointError) as err:
         ckpt_core.load(path, storage_options=s3_storage_options)
     assert f"{blob}: checksum mismatch" in str(err.value)
+
+
+def test_folders_made_in_a_group_shared_directory_are_group_writable(tmp_path) -> None:
+    """h144: in a directory shared by a group (``chmod 2775``), a teammate saving with umask 022 made
+    ``.checkrun/blobs/<xx>/`` (and the other folders) 2755: the owner's next save and gc failed there with
+    PermissionError. Folders made in a setgid, group-writable directory get its group bits."""
+    import stat
+
+    import torch
+    from ckpt_core import CheckpointEngine
+
+    shared = tmp_path / "team"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    old = os.umask(0o022)
+    try:
+        with CheckpointEngine() as engine:
+            engine.save({"w": torch.arange(64.0), "b": torch.ones(3)}, shared / "run" / "step=1.ckpt").result()
+            log = engine.step_log(shared / "run", torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+            log.close()
+    finally:
+        os.umask(old)
+    folders = [os.path.join(root, d) for root, dirs, _ in os.walk(shared) for d in dirs]
+    assert any("/.checkrun/blobs/" in f for f in folders) and any(f.endswith("leases") for f in folders)
+    for folder in folders:
+        mode = os.stat(folder).st_mode
+        assert mode & stat.S_IWGRP and mode & stat.S_ISGID, (folder, oct(mode))
+    private = tmp_path / "mine"  # not shared: the umask decides, as for any folder
+    private.mkdir()
+    os.chmod(private, 0o755)
+    old = os.umask(0o022)
+    try:
+        with CheckpointEngine() as engine:
+            engine.save({"w": torch.arange(64.0)}, private / "step=1.ckpt").result()
+    finally:
+        os.umask(old)
+    assert not os.stat(private / ".checkrun").st_mode & stat.S_IWGRP
+
