@@ -315,7 +315,9 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
     broken = [e for e in entries if e.error is not None]
     if broken:
         report.problems.extend(f"{e.url}: {e.error}" for e in broken)
-        log.warning("checkrun: gc skipped in %s: %d manifest(s) cannot be read", report.directory, len(broken))
+        names = ", ".join(e.name for e in broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
+        log.warning("checkrun: gc skipped in %s: %d manifest(s) cannot be read: %s", report.directory, len(broken),
+                    names)
         return None
     referenced: set[str] = set()
     for e in entries:

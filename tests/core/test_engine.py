@@ -548,3 +548,18 @@ def test_a_save_onto_a_symlink_to_a_directory_replaces_the_link(tmp_path) -> Non
     ckpt_core.save({"w": torch.ones(3)}, tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").is_symlink() and (tmp_path / "folder").is_dir()
     assert ckpt_core.load(tmp_path / "x.ckpt")["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_collection_skipped_for_an_unreadable_manifest_names_it(tmp_path, caplog):
+    """h143: the warning of a save's collection said only "N manifest(s) cannot be read": the user had to run
+    ``checkrun verify`` to learn which (and the directory grows with every save until it is fixed)."""
+    import logging
+
+    with CheckpointEngine() as engine:
+        for step in range(2):
+            engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step}.ckpt").result()
+        (tmp_path / "s0.ckpt").write_bytes((tmp_path / "s0.ckpt").read_bytes()[:40])
+        with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+            report = engine.gc(tmp_path)
+    assert report.problems and report.deleted == []
+    assert "1 manifest(s) cannot be read: s0.ckpt" in caplog.text
