@@ -65,13 +65,18 @@ def test_options_key_is_canonical() -> None:
 
 
 def test_store_merges_call_options_over_the_config_recursively(tmp_path) -> None:
-    config = StorageConfig(storage_options={"target_protocol": "file",
+    # dir:// over memory:// (over the local disk it is opened as the local disk itself, h142)
+    config = StorageConfig(storage_options={"target_protocol": "memory",
                                             "target_options": {"auto_mkdir": True, "x": 1}})
-    store = Store.for_directory("dir://run", {"path": str(tmp_path), "target_options": {"x": 2}}, config)
-    assert store.fs.storage_options == {"path": str(tmp_path), "target_protocol": "file",
+    store = Store.for_directory("dir://run", {"path": f"/{tmp_path.name}", "target_options": {"x": 2}}, config)
+    assert store.fs.storage_options == {"path": f"/{tmp_path.name}", "target_protocol": "memory",
                                         "target_options": {"auto_mkdir": True, "x": 2}}
-    other = Store.for_directory("dir://run", {"path": str(tmp_path / "b")}, config)
+    other = Store.for_directory("dir://run", {"path": f"/{tmp_path.name}/b"}, config)
     assert store.url("") == other.url("") and store.cache_key != other.cache_key
+    config = StorageConfig(storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True, "x": 1}})
+    local = Store.for_directory("dir://run", {"path": str(tmp_path), "target_options": {"x": 2}}, config)
+    assert local.is_local and local.root == str(tmp_path / "run") and local.fs.storage_options == {"auto_mkdir": True,
+                                                                                                   "x": 2}
 
 
 def test_lightning_adapters_use_the_same_merge() -> None:
