@@ -133,8 +133,8 @@ class Context:
             return "missing"
         except OSError as exc:
             raise CliError(f"{url}: {exc}") from None
-        if info.get("type") == "directory" or (info.get("mimetype") == "text/html" and fs.isdir(path)):
-            return "dir"  # http: a directory is an index page (h142: "is a file")
+        if info.get("type") == "directory" or info.get("mimetype") == "text/html":
+            return "dir"  # http: a directory is an index page (h142: "is a file"; h145: an empty one too)
         return "file"
 
     def links(self, directory: str) -> list[dict]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from concurrent.futures import Future
 from typing import Any, Iterator
@@ -85,17 +86,20 @@ def _planner(spread_replicated: bool, min_piece_bytes: int | None) -> CheckrunSa
     return CheckrunSavePlanner(spread_replicated=spread_replicated, **kwargs)
 
 
-_PENDING: set[Future] = set()  # futures of this process's async_save not done yet
+_PENDING: dict[Future, threading.Event] = {}  # this process's async_save futures -> set once their callback ran
 
 
 def _wait_pending() -> None:
     """Wait for this process's ``async_save`` futures before another save or load: DCP's background
     thread and the new call would run collectives on the same process group at once (with 2 gloo
     ranks both wait for ever through checkrun; DCP's own FileSystemWriter aborts in gloo). An
-    earlier save's failure is not raised here: its own future reports it."""
-    for future in list(_PENDING):
-        with contextlib.suppress(BaseException):
+    earlier save's failure is not raised here: its own future reports it (a KeyboardInterrupt or a
+    signal handler's exception while waiting is: h145). Its lease is released before this returns (a
+    reused writer's next save must not have its own lease released by the earlier save's callback)."""
+    for future, released in list(_PENDING.items()):
+        with contextlib.suppress(Exception, CheckpointException):
             future.result()
+        released.wait()
 
 
 def save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
@@ -132,9 +136,16 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike
     result = _dcp.async_save(state_dict, checkpoint_id=path, storage_writer=writer,
                              planner=_planner(spread_replicated, min_piece_bytes), process_group=process_group)
     future = getattr(result, "upload_completion", result)
-    future.add_done_callback(lambda f: writer.release_lease(committed=not f.cancelled() and f.exception() is None))
-    _PENDING.add(future)
-    future.add_done_callback(_PENDING.discard)
+    released = _PENDING[future] = threading.Event()
+
+    def finished(f: Future) -> None:
+        try:
+            writer.release_lease(committed=not f.cancelled() and f.exception() is None)
+        finally:
+            _PENDING.pop(f, None)
+            released.set()
+
+    future.add_done_callback(finished)
     return future
 
 

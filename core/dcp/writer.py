@@ -25,9 +25,11 @@ expired at the next save: its orphan blobs go at the next collection.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -265,6 +267,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
                 self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             staged = _copy_state_dict(state_dict, self.state_dict_cache)
         self._staged_stamp = stamp
+        _wait_at_exit()
         return staged
 
     # -- internals -------------------------------------------------------------------------------
@@ -288,3 +291,26 @@ def _check_complete(metadata: Metadata, results: list[ItemResult]) -> None:
         raise FormatError(f"DCP save incomplete: metadata lists {want_tensors} tensor chunks and {want_objects} "
                           f"values, the ranks stored {got_tensors} and {got_objects}; nothing committed")
 
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _wait_at_exit() -> None:
+    """Once per process, at the first ``async_save`` staged by a checkrun writer: at interpreter exit, before
+    ``concurrent.futures`` refuses new work, wait for DCP's async-save threads (h145: a script that ended right
+    after ``async_save`` lost the checkpoint: the save's pools could not start, and its future's error went
+    unseen; DCP's own FileSystemWriter wrote it). Threading's exit hooks run newest first."""
+    if _EXIT_HOOK:
+        return
+    import concurrent.futures.thread  # noqa: F401 - registers its exit hook first, so it runs after this one
+
+    def wait() -> None:
+        for t in threading.enumerate():
+            if t.name.startswith(_DCP_ASYNC_THREAD) and t is not threading.current_thread():
+                t.join()
+
+    getattr(threading, "_register_atexit", atexit.register)(wait)
+    _EXIT_HOOK.append(True)
+
+
+_DCP_ASYNC_THREAD = "AsyncCheckpointExecutor"  # torch.distributed.checkpoint._async_thread_executor's thread names

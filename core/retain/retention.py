@@ -33,7 +33,7 @@ from .report import CheckpointEntry, GCReport
 from ..format.manifest import SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
 from ..saving.fence import HEAD_BYTES, read_stamp
-from ..storage.paths import META_DIR, check_name, has_buckets, join
+from ..storage.paths import META_DIR, bucket_of, check_name, join, refuse_read_only
 from ..storage.store import WHOLE_READ_BYTES, BlobInfo, Store
 
 log = logging.getLogger("ckpt_core")
@@ -43,11 +43,12 @@ def _require_bucket(store: Store) -> None:
     """An object store's missing prefix is an empty directory (a first run); a missing bucket is a
     typo, which must not make ``latest()`` answer None and a run start afresh (its first save would
     fail only at its first checkpoint). Only a definite "no such bucket" counts."""
-    bucket = store.root.split("/", 1)[0]
-    if not has_buckets(store.fs) or not bucket:  # h142: dir://run (its "bucket" was the folder run) raised
+    located = bucket_of(store.fs, store.root)  # h142: dir://run (its "bucket" was the folder run) raised
+    if located is None:
         return
+    fs, bucket = located
     try:
-        found = store.retry(lambda: store.fs.exists(bucket), f"look for bucket {bucket}")
+        found = store.retry(lambda: fs.exists(bucket), f"look for bucket {bucket}")
     except CheckrunError:
         return  # e.g. not allowed to look: the save will say what is wrong
     if not found:
@@ -260,6 +261,7 @@ def collect_garbage(store: Store, config: EngineConfig, *, grace_seconds: float 
     ldir = LeaseDir(store)
     report = GCReport(store.url(""), dry_run)
     floor = config.retention.gc_grace_seconds if grace_seconds is None else grace_seconds
+    refuse_read_only(store.fs, store.url(""), dry_run)
     if not candidates and not (store.is_directory() and store.at(join(store.root, META_DIR)).is_directory()):
         if candidates is None and store.is_directory():  # no blob, no lease object to leave (h132: a user's
             _collect_temp_files(store, config, floor, report, delete=not dry_run)  # folder); a killed save's temp

@@ -76,9 +76,21 @@ def is_s3_fs(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(_S3_PROTOCOLS & set(protocols(fs)))
 
 
-def has_buckets(fs: fsspec.AbstractFileSystem) -> bool:
-    """Whether the first part of a path of ``fs`` is a bucket (object stores; not ``dir://`` over one)."""
-    return bool(_BUCKET_PROTOCOLS & set(protocols(fs)))
+def bucket_of(fs: fsspec.AbstractFileSystem, root: str) -> tuple[fsspec.AbstractFileSystem, str] | None:
+    """(filesystem, bucket) of a directory of an object store, also under ``dir://`` (h145: a mistyped bucket
+    there was not looked for); None elsewhere."""
+    if isinstance(fs, DirFileSystem):
+        fs, root = fs.fs, fs._join(root)
+    bucket = root.lstrip("/").split("/", 1)[0]
+    return (fs, bucket) if bucket and _BUCKET_PROTOCOLS & set(protocols(fs)) else None
+
+
+def refuse_read_only(fs: fsspec.AbstractFileSystem, url: str, dry_run: bool = False) -> None:
+    """Before a collection (not a dry run): storage that can only read (http(s): published checkpoints) is a
+    clear error (h145: gc reported "deleted 0, kept 0 referenced blob(s)" for a served directory)."""
+    if not dry_run and {"http", "https"} & set(protocols(fs)):
+        raise StorageError(f"{url}: {protocols(fs)[0]}:// storage is read-only: nothing can be collected there "
+                           "(run gc where the files are written)")
 
 
 def in_process_only(fs: fsspec.AbstractFileSystem) -> bool:

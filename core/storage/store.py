@@ -136,7 +136,8 @@ class Store:
         def probe() -> bool:  # not fs.isdir: it answers False for a transient error
             self.fs.invalidate_cache(self.root)
             try:
-                return self.fs.info(self.root).get("type") == "directory"
+                info = self.fs.info(self.root)  # http: a directory is an index page (h145)
+                return info.get("type") == "directory" or info.get("mimetype") == "text/html"
             except FileNotFoundError:
                 return False
 

@@ -20,8 +20,11 @@ def served(tmp_path):
     """(directory, its http:// URL): a real HTTP server on 127.0.0.1 serving ``directory``."""
     root = tmp_path / "www"
     root.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *args: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -53,6 +56,17 @@ def test_a_directory_served_over_http_is_listed_and_its_latest_loads(served, cap
     assert "2 checkpoint(s), 0 corrupt" in capsys.readouterr().out
     assert main(["verify", f"{url}/run"]) == 0
     assert "2 intact, 0 corrupt" in capsys.readouterr().out
+    # h145: gc reported "deleted 0 ... kept 0 referenced"; an empty served folder was "a file"
+    with ckpt_core.CheckpointEngine() as engine:
+        with pytest.raises(ckpt_core.StorageError, match=r"http:// storage is read-only: nothing can be collected"):
+            engine.gc(f"{url}/run")
+    assert main(["gc", f"{url}/run"]) != 0
+    assert "read-only" in capsys.readouterr().err
+    assert main(["gc", "--dry-run", "--grace", "0", f"{url}/run"]) == 0
+    assert "kept 2 referenced" in capsys.readouterr().out
+    (root / "empty").mkdir()
+    assert main(["ls", f"{url}/empty"]) == 0
+    assert "no checkrun checkpoints" in capsys.readouterr().out
 
 
 def test_dir_urls_over_the_local_disk_save_and_a_missing_one_is_a_first_run(tmp_path, monkeypatch) -> None:
@@ -70,3 +84,20 @@ def test_dir_urls_over_the_local_disk_save_and_a_missing_one_is_a_first_run(tmp_
     assert (tmp_path / "base" / "run" / "step=2.ckpt").is_file()
     with ckpt_core.CheckpointEngine() as engine:
         assert engine.load(str(tmp_path / "base" / "run" / "step=1.ckpt"))["step"] == 1
+
+
+@pytest.mark.s3
+def test_a_mistyped_bucket_under_dir_urls_is_an_error_not_a_first_run(s3_storage_options, s3_bucket) -> None:
+    """h145: ``dir://run`` over ``s3://<mistyped bucket>/team``: latest() answered None (a first run) and only the
+    first save failed; with ``s3://`` URLs it says at once that the bucket does not exist."""
+    def options(bucket: str) -> dict:
+        return {"path": f"{bucket}/team", "target_protocol": "s3", "target_options": s3_storage_options}
+
+    with ckpt_core.CheckpointEngine({"storage": {"storage_options": options(s3_bucket)}}) as engine:
+        assert engine.latest("dir://run") is None  # the bucket is there: a first run
+        engine.save({"w": torch.ones(3)}, "dir://run/step=1.ckpt").result()
+        assert engine.latest("dir://run").endswith("step=1.ckpt")
+    with ckpt_core.CheckpointEngine({"storage": {"storage_options": options(s3_bucket + "-typo")}}) as engine:
+        with pytest.raises(ckpt_core.CheckpointNotFoundError, match=f"the bucket '{s3_bucket}-typo' does not exist"):
+            engine.latest("dir://run")
+

@@ -463,6 +463,59 @@ def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkey
         assert engine.latest(tmp_path).endswith("b.dcp")
 
 
+@pytest.mark.parametrize("how", ["helper", "dcp"])
+def test_an_async_save_not_waited_for_is_committed_when_the_script_ends(tmp_path, how) -> None:
+    """h145: a script ending right after ``async_save`` (its future never waited for) lost the checkpoint, with
+    no message: at interpreter exit the save's thread pools could not start ("cannot schedule new futures after
+    interpreter shutdown", in a future nobody looked at). DCP's own FileSystemWriter wrote it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    call = ("cdcp.async_save(state, path)" if how == "helper" else
+            "dcp.async_save(state, storage_writer=CheckrunStorageWriter(path))")
+    script = textwrap.dedent(f"""
+        import warnings, torch
+        import torch.distributed.checkpoint as dcp
+        from ckpt_core import dcp as cdcp
+        from ckpt_core.dcp import CheckrunStorageWriter
+        warnings.simplefilter("ignore")
+        state, path = {{"w": torch.arange(10.0), "step": 7}}, {str(tmp_path / "a.dcp")!r}
+        {call}
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = cdcp.load_state_dict(tmp_path / "a.dcp")
+    assert torch.equal(loaded["w"], torch.arange(10.0)) and loaded["step"] == 7
+
+
+def test_waiting_for_an_earlier_async_save_lets_an_interrupt_through(tmp_path) -> None:
+    """h145: ``save`` waiting for an earlier ``async_save`` swallowed a KeyboardInterrupt (Ctrl-C, or a signal
+    handler's exception) and went on while the earlier save ran. Its failure is still left to its future."""
+    import threading
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class Interrupted(Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    failed = Future()
+    failed.set_exception(CheckpointException("write", {0: (RuntimeError("disk full"), None)}))
+    done = threading.Event()
+    done.set()
+    cdcp._PENDING[failed] = done
+    try:
+        cdcp.save({"w": torch.ones(2)}, tmp_path / "a.dcp")  # the earlier failure is its future's to report
+        cdcp._PENDING[Interrupted()] = threading.Event()
+        with pytest.raises(KeyboardInterrupt):
+            cdcp.save({"w": torch.ones(2)}, tmp_path / "b.dcp")
+    finally:
+        cdcp._PENDING.clear()
+    assert (tmp_path / "a.dcp").exists() and not (tmp_path / "b.dcp").exists()
+
+
 def test_a_failed_async_staging_leaves_no_stamp_for_the_next_save_of_its_writer(tmp_path) -> None:
     """h139: ``stage`` took the async save's stamp before staging, and a staging that raised left it on the
     writer: its next (sync) save was dated at the failed call, older than saves made in between."""
