@@ -26,6 +26,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..errors import CheckrunError, FormatError, NotACheckpointError, UnsafePathError
 from .manifest import FUTURE_SLACK_SECONDS, Manifest
+from ..storage.commit import make_local_dirs
 from ..storage.store import Store
 from .skeleton import unflatten
 
@@ -161,7 +162,10 @@ class Composite:
 def make_folder(url: str, storage_options: dict | None, config: EngineConfig) -> None:
     """Create a checkpoint folder (and its parents); object stores have no folders: a no-op there."""
     store = Store.for_directory(os.fspath(url), storage_options, config.storage)
-    store.retry(lambda: store.fs.makedirs(store.root, exist_ok=True), f"create folder {store.url('')}")
+    if store.is_local:  # shared as its parent is (h146: a teammate's checkpoint_N that others could not remove)
+        store.retry(lambda: make_local_dirs(store.root), f"create folder {store.url('')}")
+    else:
+        store.retry(lambda: store.fs.makedirs(store.root, exist_ok=True), f"create folder {store.url('')}")
 
 
 def folder_exists(url: str, storage_options: dict | None, config: EngineConfig) -> bool:

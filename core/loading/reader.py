@@ -294,7 +294,7 @@ def require_readable(unreadable: bool, url: str, error: str | None) -> None:
     silently go back to an older one (and its saves overwrite the newer)."""
     if unreadable:
         raise StorageError(f"{url}: cannot read it ({error}); not skipping it for an older checkpoint: "
-                           "retry when the storage answers")
+                           "retry when the storage answers (or, if it was not permitted, fix its permissions)")
 
 
 @dataclass

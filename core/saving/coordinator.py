@@ -114,14 +114,22 @@ class Coordinator:
             self._inflight.append(job.handle)
         inflight.begin(job.handle.path)
         if asynchronous:
-            with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
-                self._ensure_thread()
-                self._queue.put(job)
+            try:
+                with self._cond:  # atomic with the coordinator's check for an empty queue before it ends
+                    self._ensure_thread()
+                    self._queue.put(job)
+            except BaseException as exc:
+                self._abandon(job, exc)
+                raise
             # queued (a SIGTERM handled in here waits for it: before the put, the save never ran): a SIGTERM
             # now gets the grace (lifecycle._watch); the coordinator settles after it
             lifecycle.arm()
             return
-        workers = self._new_workers()  # any thread: the Accelerate index committer's is a background one
+        try:
+            workers = self._new_workers()  # any thread: the Accelerate index committer's is a background one
+        except BaseException as exc:
+            self._abandon(job, exc)
+            raise
         try:
             self._run(job, workers)
         finally:
@@ -167,6 +175,20 @@ class Coordinator:
             failed, self._failed = self._failed, []
         return failed
 
+    def _abandon(self, job: Job, exc: BaseException) -> None:
+        """A job that never ran (a thread could not start: a process limit): its staging, place in flight and
+        slot go back and its handle fails (h146: the slot stayed taken, and the next save, close() and the
+        interpreter's exit waited for ever, even once the limit was lifted). The caller raises ``exc``."""
+        self.release_staging(job.snap)
+        job.dir.invalidate()
+        job.handle.finish(None, exc)
+        with self._cond:
+            self._inflight.remove(job.handle)
+            self._cond.notify_all()
+        inflight.end(job.handle.path)
+        if job.slot:
+            self._slots.release()
+
     def _release_idle(self) -> None:
         """Stop the snapshot's copy helper and the storage pools that no call is using."""
         self._copier.close()
@@ -185,7 +207,12 @@ class Coordinator:
             # suite does) get ``wait_idle``: the saves queued commit, then this thread and the
             # threads it owns (workers, copy helper, idle storage pools) end, joined.
             self._thread.stop = self.wait_idle  # type: ignore[attr-defined]
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:  # h146: its workers stayed, and a thread never started was taken for it
+                self._thread = None
+                forksafe.stop_executor(workers)
+                raise
 
     def _new_workers(self) -> ThreadPoolExecutor:
         sc = self.config.saving

@@ -128,8 +128,14 @@ def _map(path: str, nbytes: int, dtype: torch.dtype, numel: int) -> torch.Tensor
     """``numel`` items of ``dtype`` at the start of the file ``path`` (``nbytes`` long), mapped shared; the
     mapping lives as long as the tensor. torch's mapping closes its file at once (h144: Python's ``mmap``
     keeps a descriptor per map, and a state of ~1,000 tensors hit the usual limit of 1,024 open files)."""
-    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+    try:
+        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    except RuntimeError as exc:  # h146: ENOMEM at ~65,000 maps (vm.max_map_count), a raw torch error before
+        raise StorageError(f"saving.background 'process': cannot map staging buffer {path}: {exc} (one map per "
+                           "tensor: a state of ~60,000 or more tensors exceeds the kernel's vm.max_map_count, "
+                           "65,530 by default; raise it, or use saving.background 'thread')") from exc
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel * dtype.itemsize,), (1,))
+    return raw.view(dtype)  # through bytes: no torch warning for complex32 (empty_host does the same)
 
 
 _STAGING_PREFIX = "checkrun-staging-"

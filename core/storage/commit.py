@@ -157,20 +157,26 @@ class RenameCommit(CommitStrategy):
         return out
 
     def _makedirs(self, directory: str) -> None:
-        if os.path.isdir(directory):
-            return
-        created = []
-        d = directory
-        while not os.path.isdir(d) and os.path.dirname(d) != d:
-            created.append(d)
-            d = os.path.dirname(d)
-        os.makedirs(directory, exist_ok=True)
-        for d in reversed(created):
-            _share_like_parent(d)
+        created = make_local_dirs(directory)
         if self.config.fsync:
             # A new directory is durable only once the entry in its parent is.
-            for d in reversed(created):
+            for d in created:
                 atomic.fsync_dir(os.path.dirname(d))
+
+
+def make_local_dirs(directory: str) -> list[str]:
+    """``os.makedirs(directory, exist_ok=True)`` on the local disk, each new folder shared as its parent is
+    (``_share_like_parent``); the folders it made, outermost first."""
+    created = []
+    d = directory
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
+    if created:
+        os.makedirs(directory, exist_ok=True)
+    for d in reversed(created):
+        _share_like_parent(d)
+    return created[::-1]
 
 
 def _share_like_parent(path: str) -> None:

@@ -132,9 +132,12 @@ def backoff_delay(attempt: int, config: RetryConfig) -> float:
 
 
 def is_outage(exc: BaseException) -> bool:
-    """Whether ``exc`` is a ``StorageError`` raised after every attempt failed with a transient error
-    (the storage did not answer), as opposed to a permanent one (permissions, a bad request)."""
-    return isinstance(exc, StorageError) and exc.__cause__ is not None and is_transient(exc.__cause__)
+    """Whether ``exc`` is a ``StorageError`` for a file the storage did not give, which may well be intact:
+    every attempt failed with a transient error (no answer), or reading it was not permitted (h146: a
+    teammate's checkpoint made with umask 077 was skipped as corrupt and the resume started over), as
+    opposed to a bad request or a damaged file."""
+    cause = exc.__cause__ if isinstance(exc, StorageError) else None
+    return cause is not None and (is_transient(cause) or isinstance(cause, PermissionError))
 
 
 def call_with_retry(fn: Callable[[], T], *, config: RetryConfig, what: str,

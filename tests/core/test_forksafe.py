@@ -125,3 +125,45 @@ def test_a_synchronous_engine_saving_from_a_background_thread_leaves_no_thread_b
     left = {t.name for t in threading.enumerate()} - before
     assert not any(name.startswith("checkrun") for name in left), left
     assert torch.equal(ckpt_core.load(str(tmp_path / "c2.ckpt"))["x"], torch.arange(1000.0) + 2)
+
+
+@pytest.mark.parametrize("which", ["workers", "coordinator"])
+def test_a_save_whose_threads_cannot_start_fails_and_the_engine_goes_on(tmp_path, which) -> None:
+    """h146: a save whose threads could not start (a process limit) raised, but kept its slot and its place in
+    flight: the next save, ``close()`` and the interpreter's exit waited for ever, even once the limit was
+    lifted; a coordinator thread that failed to start left its workers and was taken as started."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import threading, torch, ckpt_core
+        from concurrent.futures import ThreadPoolExecutor
+        real_adjust, real_start = ThreadPoolExecutor._adjust_thread_count, threading.Thread.start
+        def adjust(self):
+            if "checkrun-worker" in self._thread_name_prefix:
+                raise RuntimeError("can't start new thread")
+            return real_adjust(self)
+        def start(self):
+            if self.name == "checkrun-coordinator":
+                raise RuntimeError("can't start new thread")
+            return real_start(self)
+        if {which!r} == "workers":
+            ThreadPoolExecutor._adjust_thread_count = adjust
+        else:
+            threading.Thread.start = start
+        engine = ckpt_core.CheckpointEngine()
+        try:
+            engine.save({{"w": torch.ones(100)}}, {str(tmp_path / "a.ckpt")!r})
+        except RuntimeError as exc:
+            print("first:", exc)
+        ThreadPoolExecutor._adjust_thread_count, threading.Thread.start = real_adjust, real_start
+        assert not [t for t in threading.enumerate() if t.name.startswith("checkrun-worker")]
+        engine.save({{"w": torch.full((100,), 2.0)}}, {str(tmp_path / "b.ckpt")!r}).result()
+        print("latest:", engine.latest({str(tmp_path)!r}).rsplit("/", 1)[1])
+        engine.save({{"w": torch.full((100,), 3.0)}}, {str(tmp_path / "c.ckpt")!r})
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[:2] == ["first: can't start new thread", "latest: b.ckpt"], run.stdout
+    assert not (tmp_path / "a.ckpt").exists() and (tmp_path / "c.ckpt").exists()

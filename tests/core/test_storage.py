@@ -739,7 +739,7 @@ def test_folders_made_in_a_group_shared_directory_are_group_writable(tmp_path) -
     import stat
 
     import torch
-    from ckpt_core import CheckpointEngine
+    from ckpt_core import CheckpointEngine, EngineConfig
 
     shared = tmp_path / "team"
     shared.mkdir()
@@ -757,6 +757,15 @@ def test_folders_made_in_a_group_shared_directory_are_group_writable(tmp_path) -
     for folder in folders:
         mode = os.stat(folder).st_mode
         assert mode & stat.S_IWGRP and mode & stat.S_ISGID, (folder, oct(mode))
+    from ckpt_core.format.composite import make_folder
+
+    old = os.umask(0o022)
+    try:  # h146: accelerate_ckpt's checkpoint_N folders are made through make_folder
+        make_folder(shared / "project" / "checkpoints" / "checkpoint_3", None, EngineConfig())
+    finally:
+        os.umask(old)
+    for folder in ("project", "project/checkpoints", "project/checkpoints/checkpoint_3"):
+        assert os.stat(shared / folder).st_mode & stat.S_IWGRP, folder
     private = tmp_path / "mine"  # not shared: the umask decides, as for any folder
     private.mkdir()
     os.chmod(private, 0o755)

@@ -515,9 +515,10 @@ def test_latest_raises_when_the_storage_fails_rather_than_resume_an_older_checkp
         assert engine.latest(root) == f"{root}/a.ckpt"
 
 
-def test_latest_still_skips_a_checkpoint_it_is_not_allowed_to_read(tmp_path, sleeps):
-    """Only an outage (transient errors through every retry) stops ``latest``; a permanent refusal
-    (permissions) of a file is skipped as before, with its warning."""
+def test_latest_stops_at_a_checkpoint_it_is_not_allowed_to_read(tmp_path, sleeps):
+    """An outage (transient errors through every retry) stops ``latest``, and so does a refusal to read the
+    newest checkpoint (h146: a teammate's checkpoint made with umask 077 was skipped as corrupt, the resume
+    went back to an older one, or started over, and its saves could replace the newer one)."""
     root = f"faultfile://{tmp_path}/run"
     with CheckpointEngine(config()) as engine:
         engine.save(make_state(0), f"{root}/a.ckpt").result()
@@ -530,9 +531,12 @@ def test_latest_still_skips_a_checkpoint_it_is_not_allowed_to_read(tmp_path, sle
 
         FaultFS.policy = Denied()
         try:
-            assert engine.latest(root) == f"{root}/a.ckpt"
+            with pytest.raises(StorageError, match=r"b.ckpt: cannot read it .*permission denied.*not skipping it "
+                                                   r"for an older checkpoint.*fix its permissions"):
+                engine.latest(root)
         finally:
             FaultFS.policy = None
+        assert engine.latest(root) == f"{root}/b.ckpt"
 
 
 def test_a_blob_damaged_in_transit_is_read_again(tmp_path, monkeypatch, caplog):
