@@ -82,9 +82,9 @@ def _part_problem(engine: CheckpointEngine, url: str, index: dict | None, storag
             store = Store.for_directory(composite.parent(part), storage_options, engine.config.storage)
             have = sizes.get(store.cache_key)
             if have is None:
-                have = sizes[store.cache_key] = {b.key: b.size for b in store.list_blobs()}
+                have = sizes[store.cache_key] = {b.key: b.size if b.sized else -1 for b in store.list_blobs()}
             for b in manifest.blobs():
-                if have.get(b.key) != b.size:
+                if have.get(b.key) not in (b.size, -1):  # -1: a listing without sizes (http)
                     return f"missing or truncated blob {store.blob_path(b.key)} (part {part})"
     except StorageError:
         raise  # the storage failed, not the checkpoint: never resume an older one for it (as engine.latest)

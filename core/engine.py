@@ -178,9 +178,9 @@ class CheckpointEngine:
             problems = report.problems
             require_readable(report.unreadable, entry.url, problems[0] if problems else "")
             if not verify and not problems:
-                sizes = sizes if sizes is not None else {b.key: b.size for b in store.list_blobs()}
-                problems = [f"missing or truncated blob {blob_url(store, b.key)}"
-                            for b in report.manifest.blobs() if sizes.get(b.key) != b.size]
+                sizes = sizes if sizes is not None else {b.key: b.size if b.sized else -1 for b in store.list_blobs()}
+                problems = [f"missing or truncated blob {blob_url(store, b.key)}"  # -1: size unknown (http)
+                            for b in report.manifest.blobs() if sizes.get(b.key) not in (b.size, -1)]
             if problems:
                 log.warning("checkrun: skipping checkpoint %s: %s", entry.url, problems[0])
                 continue

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import units as _units
-from ..storage.paths import is_local_fs
+from ..storage.paths import bucket_of, is_local_fs
 from ..storage.retry import call_with_retry
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -130,6 +130,9 @@ class Context:
         except FileNotFoundError:
             if is_local_fs(fs) and os.path.islink(path):  # save_last="link" left pointing at nothing
                 raise CliError(f"{url}: {dangling(path)}") from None
+            located = bucket_of(fs, path)  # h147: a mistyped bucket read "no such directory", as a missing prefix
+            if located is not None and not located[0].exists(located[1]):
+                raise CliError(f"{url}: the bucket {located[1]!r} does not exist") from None
             return "missing"
         except OSError as exc:
             raise CliError(f"{url}: {exc}") from None

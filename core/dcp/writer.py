@@ -128,6 +128,7 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
         self._store: Store | None = None
         self._name = ""
         self._lease: SaveLease | None = None
+        _wait_at_exit()  # here, not in stage(): a stager of the user's own never calls that (h147)
 
     def __getstate__(self) -> dict:
         """Picklable: DCP's process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``) sends the
@@ -151,7 +152,8 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
                                 "by the coordinator for all ranks")
         self.is_coordinator = is_coordinator
         follow(self.__dict__.pop("_clock_ns", 0))  # in DCP's saving process: the training process's stamp clock
-        self._stamp = self.__dict__.pop("_staged_stamp", None) or new_stamp()  # async_save: when it was called  # (the coordinator's dates the checkpoint: when the save began, h127)
+        # async_save: when it was called; else now (the coordinator's dates the checkpoint: when the save began, h127)
+        self._stamp = self.__dict__.pop("_staged_stamp", None) or new_stamp()
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -267,7 +269,6 @@ class CheckrunStorageWriter(CheckpointIdMixin, StorageWriter, BlockingAsyncStage
                 self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             staged = _copy_state_dict(state_dict, self.state_dict_cache)
         self._staged_stamp = stamp
-        _wait_at_exit()
         return staged
 
     # -- internals -------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ _EXIT_HOOK: list[bool] = []
 
 
 def _wait_at_exit() -> None:
-    """Once per process, at the first ``async_save`` staged by a checkrun writer: at interpreter exit, before
+    """Once per process, when the first checkrun writer is made: at interpreter exit, before
     ``concurrent.futures`` refuses new work, wait for DCP's async-save threads (h145: a script that ended right
     after ``async_save`` lost the checkpoint: the save's pools could not start, and its future's error went
     unseen; DCP's own FileSystemWriter wrote it). Threading's exit hooks run newest first."""
@@ -309,7 +310,10 @@ def _wait_at_exit() -> None:
             if t.name.startswith(_DCP_ASYNC_THREAD) and t is not threading.current_thread():
                 t.join()
 
-    getattr(threading, "_register_atexit", atexit.register)(wait)
+    try:
+        getattr(threading, "_register_atexit", atexit.register)(wait)
+    except RuntimeError:  # made while the interpreter shuts down: too late to wait for anything
+        return
     _EXIT_HOOK.append(True)
 
 

@@ -48,6 +48,8 @@ class BlobInfo:
     changed: float = 0.0
     """The latest of its modification and (local disks) inode change times: a rewrite in place that puts its
     mtime back (``cp -p``, ``rsync -a``, ``touch -r``) still moves its ctime."""
+    sized: bool = True
+    """False when the listing gave no size (``size`` is then 0): an http index page (h147)."""
 
 
 @dataclass(frozen=True)

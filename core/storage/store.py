@@ -242,7 +242,7 @@ class Store:
             key = shard + rest
             if (path.startswith(base + "/") and len(shard) == 2 and "/" not in rest and not rest.startswith(".")
                     and is_blob_key(key) and info.get("type", "file") == "file"):
-                out.append(BlobInfo(key, int(info.get("size") or 0), mtime(info)))
+                out.append(BlobInfo(key, int(info.get("size") or 0), mtime(info), sized=info.get("size") is not None))
         return sorted(out, key=lambda b: b.key)
 
     def list_temp_files(self) -> list[FileInfo]:

@@ -46,6 +46,7 @@ def test_a_directory_served_over_http_is_listed_and_its_latest_loads(served, cap
         engine.wait()
         latest = engine.latest(f"{url}/run")
         assert latest.startswith(f"{url}/run/step") and "http://http" not in latest
+        assert engine.latest(f"{url}/run", verify=False) == latest  # h147: index pages list no sizes
         assert engine.load(latest)["step"] == 2
         assert engine.verify(f"{url}/run/step=1.ckpt").path == f"{url}/run/step=1.ckpt"
         with pytest.raises(ckpt_core.CheckpointNotFoundError) as err:
@@ -87,7 +88,7 @@ def test_dir_urls_over_the_local_disk_save_and_a_missing_one_is_a_first_run(tmp_
 
 
 @pytest.mark.s3
-def test_a_mistyped_bucket_under_dir_urls_is_an_error_not_a_first_run(s3_storage_options, s3_bucket) -> None:
+def test_a_mistyped_bucket_under_dir_urls_is_an_error_not_a_first_run(s3_storage_options, s3_bucket, capsys) -> None:
     """h145: ``dir://run`` over ``s3://<mistyped bucket>/team``: latest() answered None (a first run) and only the
     first save failed; with ``s3://`` URLs it says at once that the bucket does not exist."""
     def options(bucket: str) -> dict:
@@ -100,4 +101,10 @@ def test_a_mistyped_bucket_under_dir_urls_is_an_error_not_a_first_run(s3_storage
     with ckpt_core.CheckpointEngine({"storage": {"storage_options": options(s3_bucket + "-typo")}}) as engine:
         with pytest.raises(ckpt_core.CheckpointNotFoundError, match=f"the bucket '{s3_bucket}-typo' does not exist"):
             engine.latest("dir://run")
+    # the CLI said "no such directory", as for a missing prefix of a bucket that exists (h147)
+    endpoint = s3_storage_options["client_kwargs"]["endpoint_url"]
+    assert main(["ls", f"s3://{s3_bucket}-typo/run", "--endpoint-url", endpoint]) != 0
+    assert f"the bucket '{s3_bucket}-typo' does not exist" in capsys.readouterr().err
+    assert main(["ls", f"s3://{s3_bucket}/no-such-prefix", "--endpoint-url", endpoint]) != 0
+    assert "no such directory" in capsys.readouterr().err
 

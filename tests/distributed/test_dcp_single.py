@@ -463,7 +463,7 @@ def test_an_async_save_is_older_than_a_save_made_right_after_it(tmp_path, monkey
         assert engine.latest(tmp_path).endswith("b.dcp")
 
 
-@pytest.mark.parametrize("how", ["helper", "dcp"])
+@pytest.mark.parametrize("how", ["helper", "dcp", "stager"])
 def test_an_async_save_not_waited_for_is_committed_when_the_script_ends(tmp_path, how) -> None:
     """h145: a script ending right after ``async_save`` (its future never waited for) lost the checkpoint, with
     no message: at interpreter exit the save's thread pools could not start ("cannot schedule new futures after
@@ -472,13 +472,16 @@ def test_an_async_save_not_waited_for_is_committed_when_the_script_ends(tmp_path
     import sys
     import textwrap
 
-    call = ("cdcp.async_save(state, path)" if how == "helper" else
-            "dcp.async_save(state, storage_writer=CheckrunStorageWriter(path))")
+    call = {"helper": "cdcp.async_save(state, path)",
+            "dcp": "dcp.async_save(state, storage_writer=CheckrunStorageWriter(path))",
+            "stager": "dcp.async_save(state, storage_writer=CheckrunStorageWriter(path), "  # h147: stage() not called
+                      "async_stager=DefaultStager(StagingOptions(False, False, False, False)))"}[how]
     script = textwrap.dedent(f"""
         import warnings, torch
         import torch.distributed.checkpoint as dcp
         from ckpt_core import dcp as cdcp
         from ckpt_core.dcp import CheckrunStorageWriter
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         warnings.simplefilter("ignore")
         state, path = {{"w": torch.arange(10.0), "step": 7}}, {str(tmp_path / "a.dcp")!r}
         {call}
