@@ -372,7 +372,7 @@ class AcceleratorCheckpointer:
         index = layout.read_index(self._engine, url, self.storage_options)
         urls = layout.part_urls(url, index)
         acc = self.accelerator
-        safe = load_kwargs.get("weights_only", True) is not False
+        safe = load_kwargs.get("weights_only")  # None: as torch.load (True unless its switch says otherwise)
         first = self._load_part(urls[0], own=self.rank == 0, weights_only=safe)
         mine = first if self.rank == 0 else (
             self._load_part(urls[self.rank], own=True, weights_only=safe) if self.rank < len(urls) else None)
@@ -663,7 +663,7 @@ class AcceleratorCheckpointer:
             raise value
         return value
 
-    def _load_part(self, url: str, own: bool, weights_only: bool = True) -> dict:
+    def _load_part(self, url: str, own: bool, weights_only: "bool | None" = None) -> dict:
         """One part, onto the CPU: ``load_state_dict`` then copies each value where its live
         tensor is (as accelerate places them), and no rank materialises rank 0's replicated
         state on the GPU it was saved from (all ranks on cuda:0, out of memory on big models)."""

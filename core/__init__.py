@@ -25,7 +25,7 @@ _EXPORTS = {
     "engine": ("CheckpointEngine", "load", "save"),
     "errors": ("BackgroundSaveError", "CheckpointNotFoundError", "CheckrunError", "CommitRefusedError",
                "ConfigError", "CorruptCheckpointError", "FormatError", "LossyRefusedError", "NotACheckpointError",
-               "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
+               "ObjectLoadError", "OrphanedWriterError", "StorageError", "SupersededError", "UnsafeLoadError", "UnsafePathError"),
     "saving.handles": ("SaveHandle", "SaveInfo"),
     "saving.inflight": ("save_in_flight", "wait_for_save"),
     "loading.reader": ("VerifyCache", "VerifyReport"),
@@ -40,7 +40,7 @@ __all__ = [
     "EmbeddingTracker", "SaveHandle", "SaveInfo", "VerifyCache", "VerifyReport", "GCReport", "CheckpointEntry", "CheckrunError",
     "ConfigError", "StorageError", "CheckpointNotFoundError", "NotACheckpointError",
     "CorruptCheckpointError", "UnsafePathError", "FormatError", "UnsafeLoadError", "BackgroundSaveError",
-    "CommitRefusedError", "SupersededError", "OrphanedWriterError", "LossyRefusedError",
+    "CommitRefusedError", "SupersededError", "OrphanedWriterError", "LossyRefusedError", "ObjectLoadError",
 ]
 
 

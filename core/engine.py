@@ -109,12 +109,13 @@ class CheckpointEngine:
             handle.result()
         return handle
 
-    def load(self, path: PathLike, map_location: Any = None, weights_only: bool = True,
+    def load(self, path: PathLike, map_location: Any = None, weights_only: bool | None = None,
              storage_options: dict | None = None, into: Any = None) -> Any:
         """Load the checkpoint at ``path`` (waits for a pending save to it). Tensors are verified.
 
-        ``weights_only=True`` refuses values that need pickle unless their type is allow-listed.
-        The next save to the same directory is incremental against what was loaded.
+        ``weights_only=True`` (or None, unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch.load's rule)
+        refuses values that need pickle unless their type is allow-listed. The next save to the same
+        directory is incremental against what was loaded.
 
         ``into``: a structure shaped like the checkpoint (``{"model": model.state_dict(), ...}``).
         Each CPU tensor of it at the path of a stored tensor, with its shape and dtype, receives the
@@ -436,11 +437,10 @@ def save(state: Any, path: PathLike, *, config: EngineConfig | dict | PathLike |
         return engine.save(state, path, storage_options=storage_options).result()
 
 
-def load(path: PathLike, *, map_location: Any = None, weights_only: bool = True,
+def load(path: PathLike, map_location: Any = None, *, weights_only: bool | None = None,
          config: EngineConfig | dict | PathLike | None = None, storage_options: dict | None = None,
          into: Any = None) -> Any:
-    """Load the checkpoint at ``path`` (a one-call convenience); ``into``: decode into those live
-    tensors in place, see ``CheckpointEngine.load``."""
+    """Load the checkpoint at ``path`` (one call; ``into``: in place): see ``CheckpointEngine.load``."""
     with CheckpointEngine(config) as engine:
         engine._keep_loaded = False  # no save follows: no reference copy for the next row delta
         return engine.load(path, map_location=map_location, weights_only=weights_only,

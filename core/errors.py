@@ -61,6 +61,12 @@ class OrphanedWriterError(CommitRefusedError):
     """The writer process's training process died: the writer commits nothing of its saves."""
 
 
+class ObjectLoadError(CheckrunError):
+    """A pickled value's blob is intact (its checksum matches) but rebuilding it failed in this process: the
+    class it names is missing or changed since the save, its own code refused (``__setstate__``), or
+    ``map_location`` cannot place its tensors. torch.load's own exception is the last in its ``__cause__`` chain."""
+
+
 class ResourceLimitError(CheckrunError):
     """Reading a checkpoint would need more memory than a configured limit allows
     (``load.max_total_bytes``); the checkpoint itself may be intact."""

@@ -73,7 +73,7 @@ class _CheckrunDCP:
 
     def _load_dcp(self, state: dict, path: str, weights_only: Optional[bool]) -> None:
         cdcp.load(state, path, config=self.checkrun_config, storage_options=self._options(),
-                  weights_only=True if weights_only is None else weights_only)
+                  weights_only=weights_only)
 
     def _load_meta(self, path: str, weights_only: Optional[bool]) -> dict:
         holder: dict = {META_KEY: None}
@@ -138,7 +138,7 @@ class CheckrunFSDPStrategy(_CheckrunDCP, FSDPStrategy):
             self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
             if self._fitting() and self.optimizers:
                 reader = cdcp.CheckrunStorageReader(path, self.checkrun_config, self._options())
-                planner = cdcp.CheckrunLoadPlanner(weights_only=weights_only is not False,
+                planner = cdcp.CheckrunLoadPlanner(weights_only=weights_only,
                                                    allowed_globals=self.checkrun_config.load.allowed_globals)
                 for idx, optim in enumerate(self.optimizers):
                     key = f"optimizer_{idx}"

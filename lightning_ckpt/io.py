@@ -216,13 +216,13 @@ class CheckrunCheckpointIO(CheckpointIO):
         """Load the checkpoint at ``path``; waits for a pending save to it; every byte is verified.
 
         ``map_location=None`` puts tensors on the CPU (like ``TorchCheckpointIO``); ``weights_only=None``
-        means True (torch's default): values that need pickle are refused unless allow-listed.
+        means True as in ``torch.load`` (and its TORCH_FORCE_*_WEIGHTS_ONLY_LOAD switches apply): values
+        that need pickle are refused unless allow-listed.
         Raises ``FileNotFoundError`` if there is no checkpoint at ``path``.
         """
         self._check_caller()
         url = normalize_path(path)
         location = "cpu" if map_location is None else map_location
-        safe = True if weights_only is None else weights_only
         strategy = calling_strategy()
         engine = self._engine_for(url)
         if not getattr(strategy, "is_global_zero", True):
@@ -231,7 +231,7 @@ class CheckrunCheckpointIO(CheckpointIO):
             # row-delta tensors for the whole run, found by an independent check with Fabric DDP)
             engine._keep_loaded = False
         try:
-            loaded = engine.load(url, map_location=location, weights_only=safe)
+            loaded = engine.load(url, map_location=location, weights_only=weights_only)
             if self._steplog is not None and checkpoint_kind(url) == "regular":
                 self._steplog.after_load(self.engine, strategy, url)
             return loaded

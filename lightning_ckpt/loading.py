@@ -53,7 +53,8 @@ def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_onl
                storage_options: Optional[dict] = None) -> Any:
     """``torch.load`` of a ``torch.save`` file at ``path`` (local or fsspec URL with ``storage_options``).
 
-    ``weights_only=None`` means True (torch's default since 2.6): nothing is unpickled unless asked for.
+    ``weights_only=None`` means True (torch's default since 2.6, and its environment switches): nothing
+    is unpickled unless asked for.
     """
     url = normalize_path(path)
     fs, fspath = fsspec.core.url_to_fs(url, **open_options(url, storage_options))
@@ -62,7 +63,7 @@ def torch_load(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, weights_onl
             raise NotACheckpointError(f"{url}: an empty file: not a checkpoint (a crash or the storage may have "
                                       "emptied it)")
         f.seek(0)
-        return torch.load(f, map_location=map_location, weights_only=True if weights_only is None else weights_only)
+        return torch.load(f, map_location=map_location, weights_only=weights_only)
 
 
 def _lightning_default(map_location: Any) -> bool:
@@ -77,7 +78,7 @@ def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, w
                          storage_options: Optional[dict] = None, fallback_to_torch: bool = True) -> dict[str, Any]:
     """The raw checkpoint dict at ``path`` (verified; waits for a save to it in flight in this process).
 
-    ``weights_only=None`` means True. With ``fallback_to_torch``, a file that is not a checkrun manifest
+    ``weights_only=None`` means True (as in ``torch.load``). With ``fallback_to_torch``, a file that is not a checkrun manifest
     (a ``torch.save`` checkpoint, of any size) is read with :func:`torch_load` instead.
     """
     cfg = build_config(config, storage_options=storage_options)
@@ -85,7 +86,7 @@ def load_checkpoint_dict(path: _PATH, map_location: _MAP_LOCATION_TYPE = None, w
     with CheckpointEngine(cfg) as engine:
         try:  # Lightning's default (saved device; MPS to the CPU where absent) is the engine's own rule
             return engine.load(url, map_location=None if _lightning_default(map_location) else map_location,
-                               weights_only=True if weights_only is None else weights_only)
+                               weights_only=weights_only)
         except (NotACheckpointError, CorruptCheckpointError):
             # A torch file over the manifest size limit is refused as an oversized manifest.
             if not fallback_to_torch or is_checkrun_file(url, cfg.storage.storage_options):

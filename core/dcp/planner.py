@@ -200,7 +200,7 @@ class CheckrunLoadPlanner(DefaultLoadPlanner):
         **kwargs: DefaultLoadPlanner's (``allow_partial_load``, ...).
     """
 
-    def __init__(self, *, weights_only: bool = True, allowed_globals: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, *, weights_only: bool | None = True, allowed_globals: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.weights_only = weights_only
         self.allowed_globals = tuple(allowed_globals)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pickle
 import re
 import sys
@@ -25,9 +26,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import CorruptCheckpointError, FormatError, ResourceLimitError, UnsafeLoadError
+from ..errors import (ConfigError, CorruptCheckpointError, FormatError, ObjectLoadError, ResourceLimitError,
+                      UnsafeLoadError)
 
-__all__ = ["serialize_object", "deserialize_object", "object_load_bytes", "device_storage_bytes", "DeferredObject"]
+__all__ = ["serialize_object", "deserialize_object", "resolve_weights_only", "object_load_bytes", "device_storage_bytes",
+           "DeferredObject"]
 
 # torch's extra safe globals are one process-wide set and its context manager removes on exit
 # what it added; serialising our loads keeps one thread's exit from revoking another's allowance.
@@ -42,6 +45,31 @@ ZIP_ENTRY_COST = 1024
 #: classes, ``numpy.dtypes.Float32DType``, once ``_reconstruct``, ``ndarray`` and ``dtype`` are allowed).
 _NEEDED_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global|but got <class '([^']+)'>")
 _BLOCKED_GLOBAL = re.compile(r"GLOBAL (\S+) whose module (\S+) is blocked")
+_FORCE, _FORCE_NO = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+def _env_set(name: str) -> bool:
+    return os.getenv(name, "0").lower() in ("1", "y", "yes", "true")  # torch.load's reading of them
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """``torch.load``'s rule for ``weights_only``: None (not given) means True; the environment variable
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD forces True even over an explicit False, and
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns None (only None) into False, with torch's warning.
+    ConfigError when both are set (torch.load refuses too)."""
+    force, force_no = _env_set(_FORCE), _env_set(_FORCE_NO)
+    if force and force_no:
+        raise ConfigError(f"both {_FORCE} and {_FORCE_NO} are set in the environment: set only one (torch.load "
+                          "refuses both too)")
+    if force:
+        return True
+    if weights_only is None:
+        if force_no:
+            warnings.warn(f"checkrun: {_FORCE_NO} is set and weights_only was not given: loading with "
+                          "weights_only=False (pickled values are unpickled without restriction, as torch.load "
+                          "does)", UserWarning, stacklevel=3)
+        return not force_no
+    return bool(weights_only)
 
 
 def serialize_object(obj: Any, key: str | None = None) -> bytes:
@@ -210,6 +238,8 @@ def _resolve_global(name: str) -> Any:
     Uses ``__dict__`` lookups so no module ``__getattr__`` can import anything.
     """
     parts = name.split(".")
+    if len(parts) == 1:  # a bare name ("frozenset"), as torch's refusal names builtins
+        parts = ["builtins", name]
     for split in range(len(parts) - 1, 0, -1):
         obj = sys.modules.get(".".join(parts[:split]))
         if obj is None:
@@ -245,13 +275,17 @@ def _unsafe_message(key: str, type_name: str, exc: BaseException) -> str:
     match = _NEEDED_GLOBAL.search(str(exc))
     needed = (match.group(1) or match.group(2)) if match else type_name
     also = f" (unpickling it needs {needed})" if needed != type_name else ""
+    if "." not in needed:  # torch names builtins bare ("frozenset"); the allow-list takes module.name
+        needed = f"builtins.{needed}"
+    trust = (f"unset {_FORCE} (it forces weights_only=True) and load it with weights_only=False" if _env_set(_FORCE)
+             else "load it with weights_only=False")
     return (f"refusing to load the value at key {key!r} of type {type_name}{also}: weights_only=True "
             f"allows only tensors, plain data and allow-listed types. If you trust this checkpoint, "
-            f"load it with weights_only=False, or allow the type: add {needed!r} to the config's "
+            f"{trust}, or allow the type: add {needed!r} to the config's "
             f"load.allowed_globals, or call torch.serialization.add_safe_globals([...]).")
 
 
-def deserialize_object(data: bytes, *, key: str, type_name: str, weights_only: bool,
+def deserialize_object(data: bytes, *, key: str, type_name: str, weights_only: bool | None,
                        allowed_globals: Sequence[str] = (), map_location: Any = None) -> Any:
     """Load a blob written by :func:`serialize_object`.
 
@@ -261,6 +295,7 @@ def deserialize_object(data: bytes, *, key: str, type_name: str, weights_only: b
     refuses, CorruptCheckpointError when the blob is not a torch.save archive.
     Safe to call from several threads.
     """
+    weights_only = resolve_weights_only(weights_only)  # None and torch's switches, as torch.load reads them
     if not weights_only:
         return _load(data, key, type_name, weights_only=False, map_location=map_location)
     extra = _resolve_globals(allowed_globals)
@@ -333,12 +368,40 @@ def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_loca
             return _load(data, key, type_name, weights_only=weights_only, map_location=where)
         if weights_only and "weights_only" in str(exc).replace(" ", "_").lower():
             raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc
+        _raise_if_rebuild(exc, key, type_name)
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
                                      f"blob: {exc}") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is truncated") from exc
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, zipfile.BadZipFile) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, ImportError,
+            zipfile.BadZipFile) as exc:
         # what torch.load raises on a well-formed zip with malformed records (a damaged byte order
         # or storage alignment record, say), whose blob checksum was forged or computed after the damage
+        _raise_if_rebuild(exc, key, type_name)
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
                                      f"blob: {type(exc).__name__}: {exc}") from exc
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+
+def _raise_if_rebuild(exc: BaseException, key: str, type_name: str) -> None:
+    """ObjectLoadError when torch.load's ``exc`` came from rebuilding the value in this process, not from
+    the blob's structure (whose checksum matched): a class pickle cannot find (renamed, moved, its module
+    not importable), code of the value's own (the innermost frame outside torch and the standard library:
+    a ``__setstate__`` that refuses), or a device torch cannot place its tensors on. An intact checkpoint
+    was reported as corrupt, with the advice to use an older one (found by an independent check)."""
+    text = str(exc)
+    frame = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    own_code = frame is not None and not frame.startswith((_TORCH_DIR, _STDLIB_DIR))
+    if not (isinstance(exc, ImportError) or text.startswith("Can't get attribute")
+            or text.startswith("Attempting to deserialize object on") or own_code):
+        return
+    raise ObjectLoadError(f"value at key {key!r} ({type_name}) could not be rebuilt in this process: "
+                          f"{type(exc).__name__}: {exc}. The checkpoint is not damaged (the blob matches its "
+                          "checksum): the class it names is missing or changed since the save, its own code "
+                          "refused (__setstate__), or map_location cannot place its tensors on this machine") from exc

@@ -61,8 +61,10 @@ def target_device(saved: str, map_location: Any) -> torch.device:
     """Where a tensor saved from ``saved`` goes, for every ``map_location`` but a callable."""
     if map_location is None:
         return torch.device(restore_device(saved))
-    if isinstance(map_location, dict):  # a mapped location is restored like a saved one
-        return torch.device(restore_device(map_location.get(saved, saved)))
+    if isinstance(map_location, dict):  # an unmapped location is restored like a saved one; a mapped one
+        # must exist, as torch.load requires (it fell back to the CPU in silence: found by an independent check)
+        return usable_device(torch.device(map_location[saved])) if saved in map_location else \
+            torch.device(restore_device(saved))
     return usable_device(torch.device(map_location))
 
 

@@ -175,7 +175,7 @@ def load_references(store: Store, manifest: Manifest, where: str, indices: list[
 
 
 def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_location: Any,
-                        weights_only: bool, config: EngineConfig,
+                        weights_only: bool | None, config: EngineConfig,
                         keep_copy: KeepCopy | None = None,
                         alloc_copy: Callable[[int, torch.dtype], torch.Tensor] | None = None,
                         into: Any = None, deferred: list[int] | None = None) -> tuple[Any, list[LoadedTensor]]:
