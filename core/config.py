@@ -335,7 +335,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                if f.name not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ConfigError(f"{prefix or 'config'}: missing required key(s) {', '.join(missing)}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: missing required key(s) {', '.join(missing)}")
     obj = cls(**kwargs)
     _validate_values(obj, prefix)
     return obj
@@ -432,6 +432,8 @@ def _validate_values(obj: Any, prefix: str) -> None:
         if obj.block_size <= 0 or obj.expected_restores < 1 or obj.min_numel < 0:
             raise ConfigError(f"{prefix.rstrip('.')}: block_size and expected_restores must be positive, "
                               "min_numel >= 0")
+        from .saving.quant_rules import rule_dtype  # a misspelt dtype failed only at the first save (h148)
+        rule_dtype(obj)
     if isinstance(obj, StepLogConfig) and not 0 <= obj.sparse_max_fraction <= 1:
         raise ConfigError(f"{prefix}sparse_max_fraction: must be in [0, 1], got {obj.sparse_max_fraction!r}")
     if isinstance(obj, IncrementalConfig) and not 0 < obj.rebase_ratio <= 1:

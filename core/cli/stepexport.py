@@ -235,7 +235,8 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     run = index.runs.get(chain.marker.run)
     cls = optimizer_class(optimizer_name) if optimizer_name is not None else logged_class(run and run.optimizer)
     url = src if ctx.kind(src) == "file" else f"{src.rstrip('/')}/{entry.name}"
-    state = open_view(ctx, url).load(ctx, weights_only=weights_only)
+    view = open_view(ctx, url)
+    state = view.load(ctx, weights_only=weights_only)
     model, opt, names, sched, scaler = locate(state, url, run and run.param_names)
     optimizer = build_optimizer(cls, model, opt, names, url)
     try:
@@ -254,6 +255,10 @@ def replayed_state(ctx: Context, src: str, step: int, optimizer_name: str | None
     if sched is None:
         log.info("checkrun: %s holds no LR scheduler state; only the optimizer's own hyperparameters are replayed",
                  url)
+    lossy = sum(1 for p in view.pieces for r in p.manifest.tensors if r.quant)
+    if replayed and lossy:  # as engine.replay warns (h148: export --step said nothing)
+        log.warning("checkrun: %s stores %d tensor(s) quantized (lossy): the %d replayed step(s) start from the "
+                    "quantized values, so the state is not the uninterrupted run's bit for bit", url, lossy, replayed)
     running = [k for k in model if k.rpartition(".")[2] in ("running_mean", "running_var", "num_batches_tracked")]
     if replayed and running and not stats:  # as engine.replay warns: the log has no running statistics
         log.warning("checkrun: %s: the step log holds no running statistics for step %d (logged without model=, "

@@ -19,7 +19,7 @@ _TARGETS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 class CastCodec(ArrayCodec):
     """Stores ``to`` (``"bfloat16"`` or ``"float16"``) values; decode casts back to the original dtype.
 
-    Error: round-to-nearest of the target dtype (relative 2^-9 for bfloat16, 2^-12 for float16).
+    Error: round-to-nearest of the target dtype (relative at most 2^-8 for bfloat16, 2^-11 for float16).
     ``encode`` raises ValueError for inf/nan input and for values that overflow float16, so the
     engine stores such tensors lossless instead of silently producing inf.
     """
@@ -65,7 +65,7 @@ class CastCodec(ArrayCodec):
             raise LossyRefusedError(f"{self.name} to {self.to}: values below its normal range "
                                     f"({torch.finfo(self.target).tiny:.3g}) would lose their precision "
                                     f"(relative error {(stats.sq_error_sum / stats.sq_ref_sum) ** 0.5:.3g}); "
-                                    "use bf16 or keep the tensor lossless")
+                                    f"{'use bf16 or ' if self.to != 'bfloat16' else ''}keep the tensor lossless")
         return tensor_bytes(out), finite_encoding(stats, self.name)
 
     def decode(self, data: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, LossyRefusedError
 from ._common import (BLOCK_ELEMS, QUANTIZABLE_DTYPES, array_stats, as_stored, bytes_to_uint8,
                       check_int, check_shape, compute_array, compute_dtype, finite_decoding,
                       finite_encoding, format_guard,
@@ -79,6 +79,12 @@ class Int8BlockCodec(ArrayCodec):
         require_finite_np(absmax, self.name)  # nan propagates through max; inf stays inf
         # Rounding the scale up keeps |x| / scale <= 127, so no value needs clamping.
         scale = round_directed_np(absmax.astype(np.float64) / 127.0, np.dtype(np.float32), up=True)
+        # A scale below float32's normal range is rounded to a multiple of its smallest subnormal: the
+        # codes lose their precision (a block of ~1e-37 decoded as its largest value; float64 values of
+        # ~1e-50 as zeros: found by an independent check). Refused: stored lossless, with a warning.
+        if ((scale < np.finfo(np.float32).tiny) & (absmax > 0)).any():
+            raise LossyRefusedError(f"{self.name}: block scales underflow float32 (blocks whose largest value "
+                                    f"is below {127 * float(np.finfo(np.float32).tiny):.3g})")
         sc = _expand(scale.astype(xc.dtype), self.block_size, xc.size)
         with np.errstate(divide="ignore"):
             inv = np.where(sc > 0, 1 / np.where(sc > 0, sc, 1), 0).astype(xc.dtype)

@@ -37,7 +37,8 @@ import ctypes
 import numpy as np
 import torch
 
-from ._common import array_stats, as_stored, compute_dtype, load_native, require_finite_np, round_directed_np
+from ._common import (TINY, array_stats, as_stored, compute_dtype, load_native, require_finite_np,
+                      round_directed_np)
 from .base import EncodeStats
 from ..errors import LossyRefusedError
 
@@ -91,11 +92,15 @@ def stored_params(lo: np.ndarray, hi: np.ndarray, bits: int, sdt: np.dtype) -> t
     # to its min. Refused where that makes the step (the error bound) 25% coarser *and* half a step
     # more than 1/64 of the row's largest value (a one-value row of 2e-5 needs a step of ~1e-9 only
     # to cover its min's rounding: 6e-8 is still 0.15% of it).
+    # A step whose reciprocal overflows float32 (subnormal values, ~1e-40) made every code nan (found by
+    # an independent check: refused as "values too large", with numpy's overflow warnings).
     s64 = s.astype(np.float64)
     coarse = s64 > 1.25 * step
-    if coarse.any() and (coarse & (s64 > 2.0 ** -5 * np.maximum(np.abs(lo), np.abs(hi)))).any():
+    if (coarse.any() and (coarse & (s64 > 2.0 ** -5 * np.maximum(np.abs(lo), np.abs(hi)))).any()) or \
+            ((s64 > 0) & (s64 < 1 / float(np.finfo(np.float32).max))).any():
+        fix = "use scale_dtype fp32" if np.dtype(sdt) != np.float32 else "they cannot be quantized"
         raise LossyRefusedError(f"quantization steps underflow {np.dtype(sdt).name} (rows of values too small "
-                                "for it); use scale_dtype fp32")
+                                f"for it); {fix}")
     return m, s
 
 
@@ -340,7 +345,10 @@ def _native_codes(xc: np.ndarray, m: np.ndarray, s: np.ndarray,
 def _quantize_native(xc: np.ndarray, lo: np.ndarray, hi: np.ndarray, m: np.ndarray, s: np.ndarray, bits: int,
                      sdt: np.dtype, greedy: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, EncodeStats] | None:
     """``quantize_rows`` for float32 tensors in the C kernel (same codes and choices); None when
-    the caller must use numpy."""
+    the caller must use numpy (also for values so small that the kernel's float32 squares underflow:
+    numpy's statistics scale them, ``_common.TINY``)."""
+    if xc.size and 0 < max(-float(lo.min()), float(hi.max())) < TINY:
+        return None
     plain = _native_codes(xc, m, s, (1 << bits) - 1)
     if plain is None:
         return None

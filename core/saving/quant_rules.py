@@ -143,7 +143,11 @@ class RuleMatcher:
     def choose(self, key: str, dtype: torch.dtype, numel: int, ndim: int) -> QuantRule | None:
         """``select`` from a tensor's metadata alone (planning needs no tensor data)."""
         index, rule = _match(key, dtype, numel, ndim, self.rules)
-        if rule is not None and index not in self._used:
+        if rule is None and len(self._used) < len(self.rules) and never_quantized(key, dtype, ndim):
+            # a rule naming tensors no rule may touch (the step counters of docs/quantization.md's Adam
+            # example) matched them: no "matched no tensor, check its pattern" warning (h148)
+            index = next((i for i, r in enumerate(self.rules) if fnmatchcase(key, r.pattern)), -1)
+        if index >= 0 and index not in self._used:
             with self._lock:
                 self._used.add(index)
         return rule

@@ -419,3 +419,20 @@ def test_a_storage_outage_is_not_reported_as_a_damaged_step_log(logged, capsys):
         assert code == 1 and "the log ends early" not in out
     finally:
         FaultFS.reset()
+
+
+def test_export_step_from_a_quantized_checkpoint_warns(tmp_path, capsys, caplog):
+    """As engine.replay warns: the replayed state starts from quantized values (h148: export said nothing)."""
+    directory = str(tmp_path / "run")
+    net, opt, sched = _make()
+    rule = {"pattern": "model.0.weight", "method": "bf16", "min_numel": 0}
+    with CheckpointEngine({"step_log": {"flush_every_steps": EVERY}, "quantization": [rule]}) as engine:
+        slog = engine.step_log(directory, opt, sched)
+        for step in range(1, 7):
+            _train(net, opt, sched, step)
+            if step == CKPT_AT:
+                engine.save(_state(net, opt, sched), f"{directory}/ck.ckpt").result()
+        slog.close()
+    code, _, _ = _run(capsys, "export", directory, str(tmp_path / "s6.pt"), "--step", "6", "--optimizer", "Adam")
+    assert code == 0
+    assert "stores 1 tensor(s) quantized (lossy): the 2 replayed step(s)" in caplog.text
