@@ -219,3 +219,23 @@ def test_c_row_kernel_was_built():
     # pip install builds ckpt_core._crows where a compiler exists; losing it silently would put a
     # numpy comparison of every row table on the training thread (2-3x the copy floor).
     assert streams.native_available()
+
+
+@pytest.mark.parametrize("view", ["transposed", "row_slice"])
+def test_a_large_view_is_split_only_along_its_outermost_dimension(monkeypatch, view):
+    """Halves of a transposed view lose torch's fast transpose copy (h150: a 1 GiB ``.t()`` blocked the
+    training thread 9-17x the copy floor); a slice of rows is still copied in two halves."""
+    base = torch.randn(SPLIT_COPY_BYTES // 4 * 2)
+    src = base.view(-1, 256).t() if view == "transposed" else base.view(-1, 256)[:, :200]
+    copier = Copier()
+    submitted = []
+    real = copier._submit
+    monkeypatch.setattr(copier, "_submit", lambda fn, *args: (submitted.append(fn), real(fn, *args))[1])
+    dst = torch.empty(src.numel())
+    try:
+        copier.copy(src, dst)
+        assert copier.finish() is None
+    finally:
+        copier.close()
+    assert torch.equal(dst.view_as(src), src)
+    assert len(submitted) == (0 if view == "transposed" else 1)

@@ -610,3 +610,41 @@ def test_a_blob_moved_aside_by_a_killed_collection_is_put_back_by_the_next(tmp_p
         engine.gc(root)
         assert engine.verify(root / "c.ckpt").ok
     assert not any(a.exists() for a in asides) and all(b.exists() for b in blobs[:2])
+
+
+def test_a_save_of_many_blobs_spreads_its_keys_over_lease_objects(tmp_path, monkeypatch):
+    """Publishing a key rewrites at most PART_KEYS keys, not every key so far (h150: a save of 10,000 small
+    blobs rewrote one growing lease per blob, quadratic); a collector reads every object, so all keys stay
+    protected; renewal, expiry on abandon and release cover every object."""
+    from ckpt_core.retain.leases import read_protection
+    from ckpt_core.saving import lease as save_lease
+
+    monkeypatch.setattr(save_lease, "PART_KEYS", 100)
+    store = store_of(str(tmp_path / "run"))
+    ldir = LeaseDir(store)
+    written: list[int] = []
+    real_write = LeaseDir.write
+    monkeypatch.setattr(LeaseDir, "write", lambda self, rec: (written.append(len(rec.keys)), real_write(self, rec)))
+    clock = [1000.0]
+    monkeypatch.setattr(save_lease, "_now", lambda: clock[0])
+    lease = save_lease.SaveLease(store, config())
+    keys = [f"{i:032x}" for i in range(1, 351)]
+    for key in keys:
+        lease.cover([key])
+    assert len(written) == 350 and max(written) <= 100  # before: the i-th write named i keys
+    assert read_protection(ldir).live == set(keys) and len(ldir.listing()) == 4
+    written.clear()
+    clock[0] += LEASE / 4 + 0.1
+    lease.renew_if_due()
+    assert sorted(written) == [50, 100, 100, 100] and lease.intact()
+    clock[0] += 0.8 * LEASE  # one object stale is enough for the lease to have lapsed
+    lease.cover([f"{0:032x}"])
+    assert not lease.intact()
+    lease.abandon()
+    assert read_protection(ldir).live == set() and len(read_protection(ldir).dead) == 4
+    lease = save_lease.SaveLease(store, config())
+    for key in keys[:150]:
+        lease.cover([key])
+    assert len(ldir.listing()) == 6
+    lease.release()
+    assert len(ldir.listing()) == 4  # the abandoned lease's objects, left for the next collection
