@@ -16,9 +16,11 @@ diffusers' training scripts do) works as with accelerate. Rank 0 waits for anoth
 ``participation_seconds`` have passed, or until that rank has closed its committer; a rank that did
 not post its part by then is left out (the index lists rank 0's part alone; a part posted later is
 an orphan that retention removes). A rank without rank 0's verdict after ``timeout_seconds`` (a
-rank 0 that died, or never saved that checkpoint) records an error. The store is used, not
-collectives: a collective with a rank that never comes would wait forever, and take the training's
-next DDP step with it.
+rank 0 that died, or never saved that checkpoint) records an error; a peer on this host whose process
+has ended is not waited for (each rank posts its identity, ``owner.identity``): under torchrun the store
+outlives rank 0, and a SIGTERM grace waited 30 s for its verdict (found by an independent check).
+The store is used, not collectives: a collective with a rank that never comes would wait forever, and
+take the training's next DDP step with it.
 
 With ``synchronous=True`` (``saving.asynchronous: false``) ``submit`` runs these steps on the calling
 thread and returns after the verdict: no helper thread. Otherwise the training thread only ever
@@ -29,6 +31,7 @@ thread (see :meth:`broadcast`) are allowed only while the helper is idle (after 
 from __future__ import annotations
 
 import logging
+import json
 import pickle
 import queue
 import threading
@@ -40,6 +43,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..storage import owner
 from . import lifecycle
 from .handles import ByteRatios, SaveHandle
 
@@ -104,6 +108,8 @@ def make_group(timeout_seconds: float) -> tuple[Any, int, int]:
 #: Longest pause between two looks at the key-value store while waiting for a key (the pauses
 #: start at 1 ms and double; a store wait with a timeout would log a c10d warning at each timeout).
 STORE_POLL_SECONDS = 0.05
+#: How often a wait for a peer's key looks whether the peer's process still exists.
+PEER_LOOK_SECONDS = 0.25
 
 
 @dataclass
@@ -156,6 +162,7 @@ class GroupCommitter:
         token = self.broadcast(uuid.uuid4().hex[:8])
         if self.world > 1:
             self._store = dist.PrefixStore(f"checkrun-commit/{token}/", dist.distributed_c10d._get_default_store())
+            self._store.set(f"who/{self.rank}", json.dumps(owner.identity()).encode())
         return token
 
     def broadcast(self, obj: Any) -> Any:
@@ -339,10 +346,10 @@ class GroupCommitter:
         ``participation_seconds``, or closed first (it did not save this checkpoint). A rank that
         started is waited for up to ``timeout_seconds``."""
         called, wanted = f"called/{key}/{rank}", f"part/{key}/{rank}"
-        if self._await(called, self.participation_seconds, closed=f"closed/{rank}"):
-            if not self._await(wanted, self.timeout_seconds, closed=f"closed/{rank}"):
-                raise TimeoutError(f"rank {rank} started saving {key} but posted no outcome "
-                                   f"within {self.timeout_seconds} s")
+        if self._await(called, self.participation_seconds, closed=f"closed/{rank}", peer=rank):
+            if not self._await(wanted, self.timeout_seconds, closed=f"closed/{rank}", peer=rank):
+                raise TimeoutError(f"rank {rank} started saving {key} but posted no outcome " + (
+                    "(its process ended)" if self._gone(rank) else f"within {self.timeout_seconds} s"))
             out = pickle.loads(self._store.get(wanted))
             for k in (called, wanted):
                 self._store.delete_key(k)
@@ -353,22 +360,37 @@ class GroupCommitter:
     def _verdict(self, key: str) -> Verdict:
         """Ranks > 0: rank 0's verdict on ``key`` (an error if none comes within ``timeout_seconds``)."""
         wanted = f"verdict/{key}/{self.rank}"
-        if not self._await(wanted, self.timeout_seconds, closed="closed/0"):
+        if not self._await(wanted, self.timeout_seconds, closed="closed/0", peer=0):
             return Verdict(f"checkpoint {key.rpartition('#')[0]} not committed: no verdict from rank 0 "
                            f"(it did not save this checkpoint, or ended)")
         verdict = pickle.loads(self._store.get(wanted))
         self._store.delete_key(wanted)
         return verdict
 
-    def _await(self, wanted: str, seconds: float, closed: str) -> bool:
-        """Whether ``wanted`` is posted within ``seconds`` (False early once ``closed`` is posted)."""
-        deadline, pause = time.monotonic() + seconds, 0.001
+    def _await(self, wanted: str, seconds: float, closed: str, peer: int) -> bool:
+        """Whether ``wanted`` is posted within ``seconds`` (False early once ``closed`` is posted, or once
+        the process of rank ``peer`` is known to have ended)."""
+        deadline, pause, look = time.monotonic() + seconds, 0.001, time.monotonic() + PEER_LOOK_SECONDS
         while not self._store.check([wanted]):
             if time.monotonic() >= deadline or self._store.check([closed]):
                 return self._store.check([wanted])
+            if time.monotonic() >= look:
+                if self._gone(peer):
+                    return self._store.check([wanted])
+                look = time.monotonic() + PEER_LOOK_SECONDS
             time.sleep(pause)  # polling a remote store from the helper thread, never the training one
             pause = min(2 * pause, STORE_POLL_SECONDS)
         return True
+
+    def _gone(self, rank: int) -> bool:
+        """Whether rank ``rank``'s process certainly ended (on this host only; ``owner.is_gone``)."""
+        try:
+            if not self._store.check([f"who/{rank}"]):
+                return False
+            who = json.loads(self._store.get(f"who/{rank}"))
+            return owner.is_gone(str(who["host"]), int(who["pid"]), int(who["start"]))
+        except (ValueError, KeyError, TypeError):
+            return False
 
 
 def _part_outcome(handle: "SaveHandle | FailedPart") -> PartOutcome:

@@ -26,3 +26,10 @@ def test_a_store_lost_after_rank_0_committed_is_not_called_a_failed_commit() -> 
     assert r0 == {"errors": []}
     assert len(r1["errors"]) == 1 and r1["errors"][0].startswith("checkpoint commit unknown: commit group failed: ")
     assert "rank 0 may have committed it" in r1["errors"][0]
+
+
+def test_a_rank_0_whose_process_ended_is_not_waited_for() -> None:
+    r0, r1 = run_ranks(workers.rank0_gone_is_not_waited_for, 2)
+    assert r0 == {"errors": []}
+    assert r1 == {"errors": ["checkpoint memory://run/checkpoint_0/index not committed: no verdict from rank 0 "
+                             "(it did not save this checkpoint, or ended)"]}

@@ -359,6 +359,39 @@ def verdict_lost_after_rank0_committed(rank: int, world: int) -> dict:
     return {"errors": errors}
 
 
+def rank0_gone_is_not_waited_for(rank: int, world: int) -> dict:
+    """Rank 0's process ends before its verdict while the store lives on (torchrun's agent hosts it): rank 1
+    stopped waiting only after ``timeout_seconds``, and a SIGTERM grace waited its full 30 s (h149). Rank 0
+    stands in for a dead one by posting the identity of a process that has ended, and holds its verdict."""
+    import json
+    import subprocess
+    import sys
+
+    from ckpt_core.saving.group import GroupCommitter, Job, Verdict
+    from ckpt_core.storage import owner
+
+    group = GroupCommitter(None, rank, world, timeout_seconds=600)
+    group.token()
+    key = group.announce("memory://run/checkpoint_0/index")
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+        ident = dict(owner.identity(), pid=child.pid, start=owner.start_time(child.pid))
+        child.wait()
+        group._store.set("who/0", json.dumps(ident).encode())
+        store.wait(["test/r1-done"], timedelta(seconds=120))  # rank 1 must not need rank 0's verdict
+        group.submit(Job(_Part("part0", lambda: None), lambda outcomes: Verdict(), key=key))
+        group.wait()
+        errors = group.take_errors()
+    else:
+        group.submit(Job(_Part("part1", lambda: None), None, key=key))
+        group.wait()
+        errors = group.take_errors()
+        store.set("test/r1-done", b"1")
+    group.close()
+    return {"errors": errors}
+
+
 def inflight_count_follows_its_process_group(rank: int, world: int) -> dict:
     """Rank 0 begins a save under one process group, which is then destroyed and another one
     initialized (a second job in the same processes); the save ends under the new group. Its count
