@@ -210,7 +210,7 @@ def _message(exc: BaseException) -> str:
     text = one_line(exc)
     if not isinstance(exc, (CheckrunError, OSError)) or not text:
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    if isinstance(exc, UnsafeLoadError):
+    if isinstance(exc, UnsafeLoadError) and "--unsafe" not in sys.argv:  # with it: torch's switch forced the refusal
         text += " [checkrun: pass --unsafe to allow pickled values of a trusted checkpoint]"
     return text
 

@@ -301,4 +301,5 @@ def array_stats(ref: np.ndarray, recon: np.ndarray) -> EncodeStats:
 
     def rows(x: np.ndarray, y: np.ndarray) -> float:
         return np.einsum("ij,ij->i", x, y).sum(dtype=np.float64)
-    return EncodeStats(max_abs, _sq_sum(err, max_abs, rows), _sq_sum(ref, max(float(ref.max()), -float(ref.min())), rows))
+    peak = max(float(ref.max()), -float(ref.min()))
+    return EncodeStats(max_abs, _sq_sum(err, max_abs, rows), _sq_sum(ref, peak, rows))

@@ -61,10 +61,13 @@ class CastCodec(ArrayCodec):
         # One rounding costs at most eps/2 of each value (relative L2 too); values below the target's
         # normal range lose more (fp16: |x| < 6.1e-5, flushed to 0 under 3e-8). A chunk they dominate
         # (e.g. Adam's exp_avg_sq in fp16) is refused: stored lossless, with a warning.
-        if stats.sq_error_sum > (2 * torch.finfo(self.target).eps) ** 2 * stats.sq_ref_sum:
+        # float64 values below ~1e-154 square to 0 even scaled back (``_sq_sum``): all below any normal range
+        tiny = stats.sq_ref_sum == 0 and flat.numel() > 0 and bool(flat.abs().amax() > 0)
+        if tiny or stats.sq_error_sum > (2 * torch.finfo(self.target).eps) ** 2 * stats.sq_ref_sum:
+            rel = 1.0 if tiny else (stats.sq_error_sum / stats.sq_ref_sum) ** 0.5
             raise LossyRefusedError(f"{self.name} to {self.to}: values below its normal range "
                                     f"({torch.finfo(self.target).tiny:.3g}) would lose their precision "
-                                    f"(relative error {(stats.sq_error_sum / stats.sq_ref_sum) ** 0.5:.3g}); "
+                                    f"(relative error {rel:.3g}); "
                                     f"{'use bf16 or ' if self.to != 'bfloat16' else ''}keep the tensor lossless")
         return tensor_bytes(out), finite_encoding(stats, self.name)
 

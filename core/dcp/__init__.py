@@ -150,7 +150,7 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike
 
 
 def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = None,
-         storage_options: dict | None = None, weights_only: bool | None = True, allow_partial_load: bool = False,
+         storage_options: dict | None = None, weights_only: bool | None = None, allow_partial_load: bool = False,
          process_group: Any = None) -> None:
     """``dcp.load`` in place into ``state_dict`` (its tensors/DTensors give the target sharding; any
     world size); call on every rank. Non-tensor values are unpickled with torch's restricted
@@ -167,7 +167,7 @@ def load(state_dict: dict[str, Any], path: PathLike, *, config: ConfigLike = Non
 
 
 def load_state_dict(path: PathLike, *, config: ConfigLike = None, storage_options: dict | None = None,
-                    weights_only: bool | None = True, keys: set[str] | None = None) -> dict[str, Any]:
+                    weights_only: bool | None = None, keys: set[str] | None = None) -> dict[str, Any]:
     """The whole saved state (every shard reassembled into plain tensors, nested as saved) in this
     process, without a process group: for inspection, conversion, or resuming on a single process.
     ``keys``: only the entries under these top-level or dotted keys (e.g. ``{"model"}``)."""

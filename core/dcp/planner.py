@@ -194,13 +194,15 @@ class CheckrunLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads non-tensor values with torch's restricted unpickler.
 
     Args:
-        weights_only: True (default) refuses types outside torch's allow-list and ``allowed_globals``
+        weights_only: True (or None, the default: as torch.load, True unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+            is set) refuses types outside torch's allow-list and ``allowed_globals``
             (raising ``UnsafeLoadError`` naming the key); False = DCP's own ``weights_only=False``.
         allowed_globals: ``"module.QualName"`` types to allow (their modules must be imported).
         **kwargs: DefaultLoadPlanner's (``allow_partial_load``, ...).
     """
 
-    def __init__(self, *, weights_only: bool | None = True, allowed_globals: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, *, weights_only: bool | None = None, allowed_globals: Sequence[str] = (),
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.weights_only = weights_only
         self.allowed_globals = tuple(allowed_globals)

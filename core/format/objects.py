@@ -17,6 +17,7 @@ import contextlib
 import io
 import os
 import pickle
+import pickletools
 import re
 import sys
 import threading
@@ -26,11 +27,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import (ConfigError, CorruptCheckpointError, FormatError, ObjectLoadError, ResourceLimitError,
-                      UnsafeLoadError)
+from ..errors import (CheckrunError, ConfigError, CorruptCheckpointError, FormatError, ObjectLoadError,
+                      ResourceLimitError, UnsafeLoadError)
 
-__all__ = ["serialize_object", "deserialize_object", "resolve_weights_only", "object_load_bytes", "device_storage_bytes",
-           "DeferredObject"]
+__all__ = ["serialize_object", "deserialize_object", "resolve_weights_only", "object_load_bytes",
+           "device_storage_bytes", "DeferredObject"]
 
 # torch's extra safe globals are one process-wide set and its context manager removes on exit
 # what it added; serialising our loads keeps one thread's exit from revoking another's allowance.
@@ -268,10 +269,11 @@ def _resolve_globals(names: Sequence[str]) -> list[Any]:
 def _unsafe_message(key: str, type_name: str, exc: BaseException) -> str:
     blocked = _BLOCKED_GLOBAL.search(str(exc))
     if blocked:  # os.system and the like: no allow-list admits them (found by an independent check)
+        forced = f" ({_FORCE} is set: it forces weights_only=True)" if _env_set(_FORCE) else ""
         return (f"refusing to load the value at key {key!r} of type {type_name}: unpickling it calls "
                 f"{blocked.group(1)}, and torch's weights_only unpickler blocks every global of module "
                 f"{blocked.group(2)} (load.allowed_globals cannot allow it). Only weights_only=False loads it, "
-                "which runs that call: do that only if you trust this checkpoint.")
+                f"which runs that call: do that only if you trust this checkpoint{forced}.")
     match = _NEEDED_GLOBAL.search(str(exc))
     needed = (match.group(1) or match.group(2)) if match else type_name
     also = f" (unpickling it needs {needed})" if needed != type_name else ""
@@ -368,40 +370,53 @@ def _load(data: bytes, key: str, type_name: str, *, weights_only: bool, map_loca
             return _load(data, key, type_name, weights_only=weights_only, map_location=where)
         if weights_only and "weights_only" in str(exc).replace(" ", "_").lower():
             raise UnsafeLoadError(_unsafe_message(key, type_name, exc)) from exc
-        _raise_if_rebuild(exc, key, type_name)
+        _raise_if_rebuild(exc, data, key, type_name)
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
                                      f"blob: {exc}") from exc
     except EOFError as exc:
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is truncated") from exc
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, ImportError,
-            zipfile.BadZipFile) as exc:
+    except (CheckrunError, MemoryError):
+        raise  # checkrun's own (map_location checks) say what is wrong already
+    except Exception as exc:  # noqa: BLE001 - a value's own code may raise anything; damage is told apart below
         # what torch.load raises on a well-formed zip with malformed records (a damaged byte order
         # or storage alignment record, say), whose blob checksum was forged or computed after the damage
-        _raise_if_rebuild(exc, key, type_name)
+        _raise_if_rebuild(exc, data, key, type_name)
         raise CorruptCheckpointError(f"value at key {key!r} ({type_name}) is not a valid torch.save "
                                      f"blob: {type(exc).__name__}: {exc}") from exc
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+def _well_formed(data: bytes) -> bool:
+    """Whether the archive's pickle is a complete, valid opcode stream (``pickletools.genops``, which
+    calls nothing) and its small records (byte order, alignment, versions) hold what torch.save writes.
+    The blob matched its checksum: a failure to load a well-formed one comes from running it (the classes
+    and functions it names, map_location), not from damage."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = archive.namelist()
+            for name in names:  # torch.save's small records hold exactly these
+                base = name.rpartition("/")[2]
+                if base == "byteorder" and archive.read(name) not in (b"little", b"big"):
+                    return False
+                if base in (".storage_alignment", ".format_version", "version") and \
+                        not archive.read(name).strip().isdigit():
+                    return False
+            name = next(n for n in names if n.endswith("/data.pkl") or n == "data.pkl")
+            for _ in pickletools.genops(archive.read(name)):
+                pass
+        return True
+    except Exception:  # noqa: BLE001 - anything malformed: not well formed
+        return False
 
 
-def _raise_if_rebuild(exc: BaseException, key: str, type_name: str) -> None:
-    """ObjectLoadError when torch.load's ``exc`` came from rebuilding the value in this process, not from
-    the blob's structure (whose checksum matched): a class pickle cannot find (renamed, moved, its module
-    not importable), code of the value's own (the innermost frame outside torch and the standard library:
-    a ``__setstate__`` that refuses), or a device torch cannot place its tensors on. An intact checkpoint
-    was reported as corrupt, with the advice to use an older one (found by an independent check)."""
-    text = str(exc)
-    frame = None
-    tb = exc.__traceback__
-    while tb is not None:
-        frame, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    own_code = frame is not None and not frame.startswith((_TORCH_DIR, _STDLIB_DIR))
-    if not (isinstance(exc, ImportError) or text.startswith("Can't get attribute")
-            or text.startswith("Attempting to deserialize object on") or own_code):
+def _raise_if_rebuild(exc: BaseException, data: bytes, key: str, type_name: str) -> None:
+    """ObjectLoadError when torch.load's ``exc`` came from rebuilding a well-formed value in this process
+    (a class pickle cannot find, renamed, moved or changed since the save; a ``__setstate__`` or
+    ``__init__`` that refuses; a device ``map_location`` cannot give), not from a malformed blob. An intact
+    checkpoint was reported as corrupt, with the advice to use an older one (found by independent checks)."""
+    if not _well_formed(data):
         return
     raise ObjectLoadError(f"value at key {key!r} ({type_name}) could not be rebuilt in this process: "
-                          f"{type(exc).__name__}: {exc}. The checkpoint is not damaged (the blob matches its "
-                          "checksum): the class it names is missing or changed since the save, its own code "
-                          "refused (__setstate__), or map_location cannot place its tensors on this machine") from exc
+                          f"{type(exc).__name__}: {exc}. Its bytes are those the save recorded (checksum) and form "
+                          "a valid pickle, so the checkpoint is most likely not damaged: the class it names is "
+                          "missing or changed since the save, its own code refused (__setstate__), or "
+                          "map_location cannot place its tensors on this machine") from exc

@@ -63,9 +63,17 @@ def target_device(saved: str, map_location: Any) -> torch.device:
         return torch.device(restore_device(saved))
     if isinstance(map_location, dict):  # an unmapped location is restored like a saved one; a mapped one
         # must exist, as torch.load requires (it fell back to the CPU in silence: found by an independent check)
-        return usable_device(torch.device(map_location[saved])) if saved in map_location else \
+        return usable_device(_named(map_location[saved])) if saved in map_location else \
             torch.device(restore_device(saved))
-    return usable_device(torch.device(map_location))
+    return usable_device(_named(map_location))
+
+
+def _named(value: Any) -> torch.device:
+    """``torch.device(value)``; a clear error for what names no device (torch's RuntimeError lists them all)."""
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise CheckrunError(f"map_location {value!r} names no device: {exc}") from None
 
 
 def usable_device(device: torch.device) -> torch.device:

@@ -66,6 +66,11 @@ def _match(key: str, dtype: torch.dtype, numel: int, ndim: int,
            rules: tuple[QuantRule, ...]) -> tuple[int, QuantRule | None]:
     if never_quantized(key, dtype, ndim):
         return -1, None
+    return _first(key, dtype, numel, rules)
+
+
+def _first(key: str, dtype: torch.dtype, numel: int, rules: tuple[QuantRule, ...]) -> tuple[int, QuantRule | None]:
+    """The first rule whose pattern, dtype and ``min_numel`` admit the tensor (exemptions aside)."""
     for index, rule in enumerate(rules):
         if not fnmatchcase(key, rule.pattern):
             continue
@@ -146,7 +151,7 @@ class RuleMatcher:
         if rule is None and len(self._used) < len(self.rules) and never_quantized(key, dtype, ndim):
             # a rule naming tensors no rule may touch (the step counters of docs/quantization.md's Adam
             # example) matched them: no "matched no tensor, check its pattern" warning (h148)
-            index = next((i for i, r in enumerate(self.rules) if fnmatchcase(key, r.pattern)), -1)
+            index = _first(key, dtype, numel, self.rules)[0]  # the rule that would have taken it (h152)
         if index >= 0 and index not in self._used:
             with self._lock:
                 self._used.add(index)

@@ -125,3 +125,46 @@ def test_the_allow_list_name_in_the_refusal_works_for_builtins(tmp_path):
 def test_map_location_is_the_second_positional_argument_as_in_torch_load(tmp_path):
     ckpt_core.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
     assert ckpt_core.load(tmp_path / "a.ckpt", "cpu")["w"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("before, after", [
+    ("import enum\nclass V(enum.Enum):\n    old = 1\n    new = 2\nVALUE = V.old\n",
+     "import enum\nclass V(enum.Enum):\n    new = 2\n"),  # a member removed: ValueError inside enum.py
+    ("import typing\nclass V(typing.NamedTuple):\n    x: int\nVALUE = V(1)\n",
+     "import typing\nclass V(typing.NamedTuple):\n    x: int\n    y: int\n"),  # a field added: TypeError at the call
+    ("class V:\n    def __init__(self, a):\n        self.a = a\n    def __reduce__(self):\n        return (V, (self.a,))\n"
+     "VALUE = V(1)\n", "class V:\n    def __init__(self, a, b):\n        pass\n"),  # __init__ gained an argument
+    ("class V:\n    pass\nVALUE = V()\nVALUE.a = 1\n",
+     "class V:\n    def __setstate__(self, s):\n        assert False, 'v1 is no longer supported'\n"),  # an assert
+])
+def test_changes_of_a_class_since_the_save_are_not_corruption(tmp_path, monkeypatch, before, after):
+    """h152: these still said "not a valid torch.save blob" (or raised a bare AssertionError)."""
+    mod = _module(tmp_path, monkeypatch, before)
+    ckpt_core.save({"v": mod.VALUE}, tmp_path / "a.ckpt")
+    _module(tmp_path, monkeypatch, after)
+    with pytest.raises(ObjectLoadError, match=r"'v' \(cfgmod_h151.V\) could not be rebuilt"):
+        ckpt_core.load(tmp_path / "a.ckpt", weights_only=False)
+
+
+def test_a_malformed_pickle_is_still_corruption(tmp_path, monkeypatch):
+    """A blob whose pickle is not a valid opcode stream (its checksum recomputed by whoever damaged it)."""
+    import io
+    import zipfile
+
+    from ckpt_core.format import objects
+
+    good = objects.serialize_object(__import__("argparse").Namespace(a=1))
+    src, out = zipfile.ZipFile(io.BytesIO(good)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            dst.writestr(info, data[:len(data) // 2] if info.filename.endswith("data.pkl") else data)
+    with pytest.raises(CorruptCheckpointError) as info:
+        objects.deserialize_object(out.getvalue(), key="v", type_name="argparse.Namespace", weights_only=False)
+    assert not isinstance(info.value, ObjectLoadError)
+
+
+def test_a_dict_map_location_naming_no_device_is_a_clear_error(tmp_path):
+    ckpt_core.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    with pytest.raises(ckpt_core.CheckrunError, match="map_location 'bogus' names no device"):
+        ckpt_core.load(tmp_path / "a.ckpt", map_location={"cpu": "bogus"})

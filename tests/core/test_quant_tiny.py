@@ -79,7 +79,7 @@ def test_a_misspelt_rule_dtype_is_refused_when_the_config_is_built():
 
 def test_a_rule_for_step_counters_does_not_warn_that_it_matched_nothing(tmp_path):
     state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(256, 256)}}}}
-    cfg = {"quantization": [{"pattern": "optimizer.state.*.step", "method": "uniform"}]}
+    cfg = {"quantization": [{"pattern": "optimizer.state.*.step", "method": "uniform", "min_numel": 0}]}
     with warnings.catch_warnings(record=True) as caught:  # the warning comes from the engine's thread
         warnings.simplefilter("always")
         with CheckpointEngine(cfg) as engine:
@@ -88,3 +88,22 @@ def test_a_rule_for_step_counters_does_not_warn_that_it_matched_nothing(tmp_path
     with pytest.warns(UserWarning, match="matched no tensor"):  # a real typo still warns
         with CheckpointEngine({"quantization": [{"pattern": "optimizer.stat.*", "method": "uniform"}]}) as engine:
             engine.save(state, tmp_path / "b.ckpt").result()
+
+
+@pytest.mark.parametrize("method", ["bf16", "fp16"])
+def test_a_cast_of_float64_values_whose_squares_underflow_float64_is_refused(tmp_path, caplog, method):
+    t = torch.full((64, 64), 1e-200, dtype=torch.float64)  # h152: squares of 1e-200 are 0 even scaled back
+    out, quant = _save_load(tmp_path, t, {"method": method}, caplog)
+    assert quant is None and torch.equal(out, t)
+    assert "values below its normal range" in caplog.text and "relative error 1)" in caplog.text
+
+
+def test_a_rule_that_admits_no_tensor_still_warns_when_its_pattern_covers_exempt_ones(tmp_path):
+    """Only a rule that would have taken an exempt tensor (pattern, dtype and min_numel) counts as matching it
+    (h152: a rule whose dtype or min_numel excluded every tensor was silenced by a step counter it covers)."""
+    state = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(256, 256)}}}}
+    for rule in ({"pattern": "optimizer.state.*", "method": "int8_block", "dtype": "float16"},
+                 {"pattern": "optimizer.*", "method": "int8_block", "min_numel": 10 ** 9}):
+        with pytest.warns(UserWarning, match="matched no tensor"):
+            with CheckpointEngine({"quantization": [rule]}) as engine:
+                engine.save(state, tmp_path / "a.ckpt").result()
