@@ -220,12 +220,14 @@ def read_protection(ldir: LeaseDir, exclude: str = "") -> Protection:
     now = time.time()
     listing = ldir.listing() - {exclude}
     prot.dead_temp = any(".tmp-" in n and owner.temp_writer_gone(n) for n in listing)
+    savers = set()
     for rec in ldir.read_all(listing=listing):
         if not rec.live(now):
             prot.dead.append(rec)
         elif rec.kind == "save":
             prot.live |= rec.keys
-            prot.leases += 1
+            savers.add((rec.host, rec.pid, rec.start, rec.writer))
+    prot.leases = len(savers)  # per process: a save of many blobs holds several lease objects (h153)
     return prot
 
 

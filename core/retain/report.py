@@ -27,7 +27,8 @@ class GCReport:
     kept_leased: int = 0
     """Unreferenced blobs kept because a live lease protects them (saves in flight)."""
     leases: int = 0
-    """Live leases of saves in flight seen."""
+    """Processes with saves in flight whose live leases were seen (a save of more than 1,024 blobs holds
+    several lease objects; two saves in flight in one process count once)."""
     pending: dict = field(default_factory=dict)
     """Candidates neither deleted nor referenced (leased, or not reached): worth trying again."""
     step_log: list[str] = field(default_factory=list)

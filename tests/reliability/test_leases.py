@@ -633,6 +633,7 @@ def test_a_save_of_many_blobs_spreads_its_keys_over_lease_objects(tmp_path, monk
         lease.cover([key])
     assert len(written) == 350 and max(written) <= 100  # before: the i-th write named i keys
     assert read_protection(ldir).live == set(keys) and len(ldir.listing()) == 4
+    assert read_protection(ldir).leases == 1  # one save in flight, not one per lease object (h153)
     written.clear()
     clock[0] += LEASE / 4 + 0.1
     lease.renew_if_due()
