@@ -399,6 +399,7 @@ class AcceleratorCheckpointer:
         or None. Collective: rank 0 looks, every rank gets its answer. Pending saves are waited for first."""
         if self.unsupported:
             raise UnsupportedDistributedTypeError(f"accelerate_ckpt: {self.unsupported}")
+        self._reopen_if_ended("latest")  # after end_training() with ranks: a CheckrunError, not the group's ValueError
         self.wait()
         found = self._group.broadcast(self._resolve(directory) if self.rank == 0 else None)
         if isinstance(found, paths.NativeFolder):

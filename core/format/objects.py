@@ -408,12 +408,17 @@ def _well_formed(data: bytes) -> bool:
         return False
 
 
+#: What torch's archive reader says of a storage record that is missing or of the wrong size: damage.
+_RECORD_DAMAGE = ("PytorchStreamReader", "record size", "does not match expected size", "failed locating file")
+
+
 def _raise_if_rebuild(exc: BaseException, data: bytes, key: str, type_name: str) -> None:
     """ObjectLoadError when torch.load's ``exc`` came from rebuilding a well-formed value in this process
     (a class pickle cannot find, renamed, moved or changed since the save; a ``__setstate__`` or
     ``__init__`` that refuses; a device ``map_location`` cannot give), not from a malformed blob. An intact
-    checkpoint was reported as corrupt, with the advice to use an older one (found by independent checks)."""
-    if not _well_formed(data):
+    checkpoint was reported as corrupt, with the advice to use an older one (found by independent checks).
+    A storage record missing or cut short stays corruption (h154)."""
+    if any(text in str(exc) for text in _RECORD_DAMAGE) or not _well_formed(data):
         return
     raise ObjectLoadError(f"value at key {key!r} ({type_name}) could not be rebuilt in this process: "
                           f"{type(exc).__name__}: {exc}. Its bytes are those the save recorded (checksum) and form "

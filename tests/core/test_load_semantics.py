@@ -168,3 +168,28 @@ def test_a_dict_map_location_naming_no_device_is_a_clear_error(tmp_path):
     ckpt_core.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
     with pytest.raises(ckpt_core.CheckrunError, match="map_location 'bogus' names no device"):
         ckpt_core.load(tmp_path / "a.ckpt", map_location={"cpu": "bogus"})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_storage_record_is_corruption_not_a_rebuild_failure(damage):
+    """h154: a storage record cut short or missing (the checksum recomputed by whoever damaged it) was reported
+    as ObjectLoadError, "most likely not damaged"."""
+    import io
+    import zipfile
+
+    from ckpt_core.format import objects
+
+    good = objects.serialize_object({"x": torch.arange(8)})
+    src, out = zipfile.ZipFile(io.BytesIO(good)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("/data/0"):
+                if damage == "missing":
+                    continue
+                data = data[:len(data) // 2]
+            dst.writestr(info, data)
+    for weights_only in (True, False):
+        with pytest.raises(CorruptCheckpointError) as info:
+            objects.deserialize_object(out.getvalue(), key="v", type_name="builtins.dict", weights_only=weights_only)
+        assert not isinstance(info.value, ObjectLoadError)
