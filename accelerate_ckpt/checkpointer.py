@@ -701,6 +701,8 @@ class AcceleratorCheckpointer:
         if number is not None and self.accelerator.project_configuration.automatic_checkpoint_naming:
             pc = self.accelerator.project_configuration
             pc.iteration = max(int(number.group(1)) + 1, int(pc.iteration))
+        with self._names_lock:  # a resume: a later folder of the user's own does not stop the next save (h155)
+            self._resumed.add(layout.checkpoint_key(folder))
         return folder
 
     def _native_load(self, path: Any, model_kwargs: dict, load_kwargs: dict) -> str:

@@ -175,6 +175,15 @@ class AccelerateStepLog:
         finally:
             self._replaying = False
         self.replayed_steps = replayed
+        # registered modules (an EMA's AveragedModel) are updated by the user's loop, which a replay does
+        # not run: say so (h156: the average stayed the checkpoint's, silently); plain registered objects
+        # (a progress record) stay the checkpoint's as the docs' resume loop expects
+        modules = [type(o).__name__ for o in getattr(self.accelerator, "_custom_objects", ())
+                   if isinstance(o, torch.nn.Module)]
+        if replayed and modules:
+            warnings.warn(f"accelerate_ckpt: {', '.join(modules)} (registered for checkpointing) did not see the "
+                          f"{replayed} replayed step(s): its state is the checkpoint's (the model, optimizer and "
+                          "scheduler are the resumed step's)", RuntimeWarning, stacklevel=3)
         if self._model() is None:  # several models: the log has none of their running statistics
             models = [self.accelerator.unwrap_model(m) for m in self.accelerator._models]
             warn_forward_state(torch.nn.ModuleList(models), replayed, part_url)

@@ -1,7 +1,7 @@
 """CheckpointEngine: the public entry point of checkrun, a facade over the stage packages.
 
-Threads: ``save``, ``load``, ``remove``, ``latest``, ``verify``, ``gc``, ``wait`` and ``close`` are called from
-the training thread (one thread at a time). ``save`` takes the snapshot here (``saving.capture``) and hands the
+Threads: ``save`` may be called from several threads (a lock serialises saves and ``close``: snapshots share the
+copier and the row streams; h158); the rest from one. ``save`` takes the snapshot here (``saving.capture``), hands the
 rest to the engine's ``saving.coordinator.Coordinator``: one coordinator thread runs each save's background part
 in submission order (saves to one path commit in order), fanning chunk work out to ``saving.workers`` threads, or
 hands it to the writer process (``saving.background: process``); after each commit it runs ``retain.after_commit``.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -60,7 +61,7 @@ class CheckpointEngine:
         self._coord = Coordinator(self.config, self._process, RuleMatcher(self.config.quantization), self._pool,
                                   budget, self._copier, self._stores, self._callbacks)
         self._trackers: list = []
-        self._closed, self._pid = False, os.getpid()
+        self._closed, self._pid, self._saving = False, os.getpid(), threading.RLock()
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -72,6 +73,10 @@ class CheckpointEngine:
         its slot). ``saving.asynchronous = False``: committed before this returns. ``stamp``: the
         commit stamp ordering saves of one name (``saving.fence``; default: taken now); an adapter
         that commits later what its caller asked for earlier passes ``new_stamp()`` of that moment."""
+        with self._saving:  # threads saving at once shared the copier and row streams: wrong values (h158)
+            return self._save(state, path, storage_options, stamp)
+
+    def _save(self, state: Any, path: PathLike, storage_options: dict | None, stamp: CommitStamp | None) -> SaveHandle:
         self._check_open()
         self._raise_pending_error()
         started, stamp = time.perf_counter(), stamp or new_stamp()  # stamped when asked for, not after waiting
@@ -112,17 +117,12 @@ class CheckpointEngine:
     def load(self, path: PathLike, map_location: Any = None, weights_only: bool | None = None,
              storage_options: dict | None = None, into: Any = None) -> Any:
         """Load the checkpoint at ``path`` (waits for a pending save to it). Tensors are verified.
-
         ``weights_only=True`` (or None, unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch.load's rule)
         refuses values that need pickle unless their type is allow-listed. The next save to the same
-        directory is incremental against what was loaded.
-
-        ``into``: a structure shaped like the checkpoint (``{"model": model.state_dict(), ...}``).
-        Each CPU tensor of it at the path of a stored tensor, with its shape and dtype, receives the
-        values in place (decoded straight into it) and is the leaf returned; any other leaf (another
-        shape, dtype or device, a path ``into`` lacks) loads as without ``into``, no error. If the
-        load fails (a corrupt or missing blob), those tensors may be partly overwritten: load again.
-        See docs/ENGINE_API.md."""
+        directory is incremental against what was loaded. ``into``: a structure shaped like the checkpoint
+        (``{"model": model.state_dict(), ...}``): each CPU tensor of it at the path of a stored tensor, with
+        its shape and dtype, receives the values in place and is the leaf returned; any other leaf loads as
+        without ``into``. A failed load may leave those partly overwritten: load again. See docs/ENGINE_API.md."""
         self._check_open()
         store, name = self._store(path, storage_options, follow_link=True)
         self._wait_path(store.url(name))
@@ -235,8 +235,7 @@ class CheckpointEngine:
         self._callbacks.append(fn)
 
     def wait(self) -> None:
-        """Block until every pending save is durable and the engine's threads (reference rebuilds after a load
-        too) have ended; raise a background error not yet surfaced."""
+        """Block until every pending save is durable and the engine's threads have ended; raise a background error."""
         if self._forked():
             return
         for build in [b for dirstate in list(self._dirs.values()) for b in dirstate.rebuilds]:
@@ -249,31 +248,32 @@ class CheckpointEngine:
 
         In a forked child (a DataLoader worker) the engine belongs to the parent: ``close`` only
         marks it closed, never waiting for the parent's saves nor touching shared resources."""
-        if self._closed:
-            return
-        if self._forked():
+        if self._closed or self._forked():
             self._closed = True
             return
         from .steplog.api import close_logs
 
         failed_logs: list[BaseException] = []
-        try:
-            failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
-            self._coord.wait_idle()
-        finally:
-            for dirstate in self._dirs.values():  # no thread reads a store after it is closed
-                self._adopt_rebuilds(dirstate, install=False)
-            self._closed = True
-            self._coord.stop_after_queued()  # interrupted while waiting: end after the queued saves
-            self._coord.wait_idle()
-            self._copier.close()
-            if self._process is not None:
-                self._process.close()
-            for store in self._stores.values():
-                store.close()
-            self._pool.clear()
-            self._dirs.clear()
-            lifecycle.unregister(self)
+        with self._saving:  # a save of another thread (waiting for its slot) is taken first (h158)
+            if self._closed:  # closed by another thread meanwhile
+                return
+            try:
+                failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
+                self._coord.wait_idle()
+            finally:
+                for dirstate in self._dirs.values():  # no thread reads a store after it is closed
+                    self._adopt_rebuilds(dirstate, install=False)
+                self._closed = True
+                self._coord.stop_after_queued()  # interrupted while waiting: end after the queued saves
+                self._coord.wait_idle()
+                self._copier.close()
+                if self._process is not None:
+                    self._process.close()
+                for store in self._stores.values():
+                    store.close()
+                self._pool.clear()
+                self._dirs.clear()
+                lifecycle.unregister(self)
         self._raise_pending_error(failed_logs)
 
     @property

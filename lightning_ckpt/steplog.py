@@ -154,7 +154,10 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None, ac
         return
     finished, into, begun, batches = position
     epoch = trainer.fit_loop.epoch_progress.current
-    first = epoch.processed  # the first epoch the replay finishes; the checkpoint's own, if not over
+    # the first epoch the replay finishes; the checkpoint's own, if not over. A checkpoint saved at an
+    # epoch's last batch by a fit that itself resumed from an epoch end has no epoch started after it
+    # (ready == processed) and Lightning's restore counts it completed, one ahead of processed (h155)
+    first = max(epoch.processed, epoch.completed)
     for progress, n in per_step:  # manual optimization: Lightning never sets the current count back
         _shift(progress, n, current=not (begun and automatic))
     _shift(loop.batch_progress, batches, current=False)
@@ -226,7 +229,7 @@ def _enter(trainer: Any, finished: int, at: int, stepped: int) -> None:
     fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
     last = at >= trainer.num_training_batches
     for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
-        tracker.processed += finished
+        tracker.processed = max(tracker.processed, tracker.completed) + finished  # (see advance_counters)
         tracker.completed = tracker.processed
         tracker.ready = tracker.started = tracker.processed + (not last)
     progress = loop.batch_progress
@@ -281,15 +284,56 @@ def _shift(progress: Any, n: int, current: bool = True) -> None:
                 setattr(tracker, name, getattr(tracker, name) + n)
 
 
-def _warn_averaging(trainer: Any, steps: int) -> None:
-    """Weight-averaging callbacks (``EMAWeightAveraging``, ``StochasticWeightAveraging``) update their
-    average in batch and epoch hooks, which a replay does not run: say so (an independent check found
-    the EMA average of a resumed run behind the uninterrupted run's, silently)."""
-    averaging = [type(cb).__name__ for cb in trainer.callbacks if "WeightAveraging" in type(cb).__name__]
-    if steps and averaging:
+def _averaging(callback: Any) -> bool:
+    try:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
+    except ImportError:
+        return "WeightAveraging" in type(callback).__name__
+    return isinstance(callback, (WeightAveraging, StochasticWeightAveraging))
+
+
+def _user_state(trainer: Any) -> list[str]:
+    """Callbacks of the user's own (not Lightning's) with a non-empty ``state_dict``, and the
+    LightningModule if it overrides ``on_save_checkpoint``: state that ``training_step`` or batch hooks
+    may move, which a replay does not run."""
+    from lightning.pytorch import Callback, LightningModule
+
+    found = []
+    for cb in trainer.callbacks:
+        if type(cb).__module__.startswith(("lightning.", "lightning_ckpt.")) or _averaging(cb):
+            continue
+        if type(cb).state_dict is not Callback.state_dict:
+            try:
+                if cb.state_dict():
+                    found.append(type(cb).__name__)
+            except Exception:  # noqa: BLE001 - only a hint: a state_dict that fails here fails at the next save
+                found.append(type(cb).__name__)
+    module = trainer.lightning_module
+    if type(module).on_save_checkpoint is not LightningModule.on_save_checkpoint:
+        found.append(f"{type(module).__name__}.on_save_checkpoint")
+    return found
+
+
+def _warn_unreplayed(trainer: Any, steps: int) -> None:
+    """A replay runs the optimizer steps (and schedulers), not ``training_step`` or the callbacks' hooks:
+    say whose state is the checkpoint's. Weight-averaging callbacks (``EMAWeightAveraging``, any
+    ``WeightAveraging`` subclass, ``StochasticWeightAveraging``) update their average in batch and epoch
+    hooks (an independent check found the EMA average behind the uninterrupted run's, silently; a subclass
+    named otherwise was missed until h156); a user's callback counting batches, or a module counter saved
+    in ``on_save_checkpoint``, stays at the checkpoint's value (h156: a warm-up callback's LR was off)."""
+    if not steps:
+        return
+    averaging = [type(cb).__name__ for cb in trainer.callbacks if _averaging(cb)]
+    if averaging:
         warnings.warn(f"checkrun: {', '.join(averaging)} did not see the {steps} replayed step(s): its averaged "
                       "weights are those of the checkpoint (the model and optimizer are the resumed step's)",
                       RuntimeWarning, stacklevel=3)
+    other = _user_state(trainer)
+    if other:
+        warnings.warn(f"checkrun: the {steps} replayed step(s) ran the optimizer and schedulers only, not "
+                      f"training_step or hooks: the state of {', '.join(other)} is the checkpoint's (the model, "
+                      "optimizer and loop counters are the resumed step's)", RuntimeWarning, stacklevel=3)
 
 
 def _dir_key(directory: str) -> str:
@@ -379,7 +423,7 @@ class LightningStepLog:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=2)
         self.replayed_steps = steps
-        _warn_averaging(trainer, steps)
+        _warn_unreplayed(trainer, steps)
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)

@@ -137,7 +137,8 @@ def verify_view(ctx: Context, url: str, decode: bool, progress: Any = None, cach
     "blobs_checked", "bytes_checked"}``; ``cache``: a ``VerifyCache`` shared with other checkpoints."""
     rep = ctx.engine.verify(url, storage_options=ctx.storage_options, decode=decode, progress=progress, cache=cache)
     out = {"path": url, "ok": rep.ok, "problems": list(rep.problems), "parts": None,
-           "blobs_checked": rep.blobs_checked, "bytes_checked": rep.bytes_checked, "unverified": rep.unverified}
+           "blobs_checked": rep.blobs_checked, "bytes_checked": rep.bytes_checked, "unverified": rep.unverified,
+           "foreign": rep.foreign}
     if not rep.ok:
         return out
     try:

@@ -81,15 +81,20 @@ def cmd_verify(ctx: Context) -> int:
             parts = f"{len(r['parts'])} part(s), " if r.get("parts") is not None else ""
             if r["ok"]:
                 print(f"OK       {safe(r['path'])}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
+            elif r.get("foreign"):  # a torch.save file beside checkrun's (a project that switched): not damage
+                print(f"FOREIGN  {safe(r['path'])}  (not a checkrun checkpoint: a torch.save file loads with "
+                      "torch.load; `checkrun import` converts one)")
             else:  # UNVERIFIED: only checks that could not run within load.max_total_bytes failed
                 print(f"{'UNVERIFIED' if r.get('unverified') else 'CORRUPT':8} {safe(r['path'])}")
                 for p in r["problems"]:
                     print(f"  - {safe(p)}")
         if step_log is not None:
             print_log_report(step_log)
-        bad = sum(1 for r in results if not r["ok"] and not r.get("unverified"))
+        foreign = sum(1 for r in results if r.get("foreign"))
+        bad = sum(1 for r in results if not r["ok"] and not r.get("unverified")) - foreign
         unverified = sum(1 for r in results if not r["ok"] and r.get("unverified"))
-        print(f"\n{len(results) - bad - unverified} intact, {bad} corrupt"
+        print(f"\n{len(results) - bad - unverified - foreign} intact, {bad} corrupt"
+              + (f", {foreign} not a checkrun checkpoint" if foreign else "")
               + (f", {unverified} not verified (load.max_total_bytes)" if unverified else "")
               + ("" if step_log is None else "; step log " + ("intact" if step_log["ok"] else "unreadable"
                                                             if step_log.get("unreadable") else "damaged")))

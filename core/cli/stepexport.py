@@ -187,7 +187,9 @@ class _SchedulerState:
 def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], where: str) -> Any:
     groups = []
     for group, gnames in zip(opt["param_groups"], names):
-        params = [(n, torch.nn.Parameter(model[n].detach().clone(), requires_grad=True)) for n in gnames]
+        params = [torch.nn.Parameter(model[n].detach().clone(), requires_grad=True) for n in gnames]
+        if "param_names" in group:  # named as saved; a state without names stays without (h155)
+            params = list(zip(gnames, params))
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": params})
     try:
         optimizer = cls(groups)

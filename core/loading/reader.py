@@ -21,8 +21,8 @@ import xxhash
 
 from ..codecs import Pipeline
 from ..config import EngineConfig
-from ..errors import (CheckrunError, CorruptCheckpointError, FormatError, ResourceLimitError, StorageError,
-                      UnsafeLoadError)
+from ..errors import (CheckrunError, CorruptCheckpointError, FormatError, NotACheckpointError, ResourceLimitError,
+                      StorageError, UnsafeLoadError)
 from ..storage.retry import is_outage
 from ..format.manifest import DTYPES, BlobRef, ChunkRef, Manifest, TensorRecord
 from ..format.limits import check_load_bytes, memory_limit
@@ -281,6 +281,8 @@ class VerifyReport:
     it): the checkpoint is not known to be corrupt (before 2026-12-06 it was reported corrupt)."""
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
     """The parsed manifest (None if it could not be read)."""
+    foreign: bool = False
+    """The file is not a checkrun checkpoint at all (a torch.save file): not damaged, not checkrun's."""
 
     def add(self, problem: str, unreadable: bool = False, unverified: bool = False) -> None:
         self.unverified = unverified and (self.unverified or self.ok)
@@ -325,6 +327,15 @@ class VerifyCache:
 VERIFY_GROUP_BYTES = 256 << 20
 
 
+def _torch_save_file(store: Store, name: str) -> bool:
+    """``name`` starts as a torch.save file does (a zip archive, or a pickle of the legacy format)."""
+    try:
+        head = store.read_head(name, 2)
+    except Exception:  # noqa: BLE001 - only a label: unknown stays "corrupt"
+        return False
+    return head == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
 def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,
                     progress: Callable[[int], None] | None = None, cache: VerifyCache | None = None,
                     blobs: bool = True) -> VerifyReport:
@@ -335,6 +346,7 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
         manifest = report.manifest = read_manifest(store, name, config)
     except CheckrunError as exc:
         report.add(str(exc), is_outage(exc))
+        report.foreign = isinstance(exc, NotACheckpointError) and _torch_save_file(store, name)
         return report
     if not blobs:
         return report

@@ -133,6 +133,7 @@ def _flush_all() -> None:
     with _lock:
         owners = [m() for m in reversed(_owners)]
         _owners.clear()
+    waiting = _pending_work()
     try:
         for close in owners:
             if close is not None:
@@ -147,6 +148,9 @@ def _flush_all() -> None:
         if pending:
             log.error("checkrun: interrupted at exit while waiting for %d pending save(s): they may not be "
                       "committed", pending)
+        elif waiting:  # a first ^C lands in engine.close(), which still ends the queued saves (h158)
+            log.error("checkrun: interrupted at exit while waiting for %d pending save(s): they were finished "
+                      "before exiting (a second Ctrl-C abandons them)", waiting)
         else:  # closing a step log (its last segment) or an idle engine
             log.error("checkrun: interrupted at exit while closing (no save pending; a step log's unflushed "
                       "steps may not be committed)")

@@ -218,6 +218,16 @@ def test_verify_local_intact_then_corrupt(capsys, local_run):
     assert code == 1 and "broken.ckpt" in err and "truncated" in err and err.count("\n") == 1
 
 
+def test_verify_of_a_torch_save_file_says_foreign_not_corrupt(capsys, tmp_path):
+    """A project that switched to checkrun keeps torch.save files beside: verify called one CORRUPT
+    (found by an independent check)."""
+    path = tmp_path / "epoch=2-step=15.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    code = main(["verify", str(path)])
+    out = capsys.readouterr().out
+    assert code == 1 and "FOREIGN" in out and "CORRUPT" not in out and "0 corrupt, 1 not a checkrun checkpoint" in out
+
+
 def test_ls_and_verify_show_links_and_report_one_that_points_at_nothing(capsys, local_run):
     """Lightning's save_last="link" makes last.ckpt a symbolic link: ls did not show it, and a link left
     pointing at a removed checkpoint (ckpt_path="last" then fails) passed verify unseen."""

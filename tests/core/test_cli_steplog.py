@@ -390,6 +390,27 @@ def test_export_step_needs_param_names(tmp_path, capsys):
     assert code == 1 and "param_names" in err and "named_parameters" in err
 
 
+def test_export_step_keeps_an_unnamed_optimizer_state_unnamed(tmp_path, capsys):
+    """An optimizer built from ``parameters()`` (as Lightning's ``configure_optimizers`` does), its names
+    from the log's model: the exported state gained ``param_names`` that the checkpoint never had and that a
+    stock load_state_dict then carried into every later checkpoint (found by an independent check)."""
+    directory = str(tmp_path / "run")
+    net, _, _ = _make()
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    with CheckpointEngine({"step_log": {"flush_every_steps": 2}}) as engine:
+        slog = engine.step_log(directory, opt, sched, model=net)
+        engine.save(_state(net, opt, sched), f"{directory}/a.ckpt").result()
+        for step in range(1, 4):
+            _train(net, opt, sched, step)
+        slog.close()
+    out = tmp_path / "x.pt"
+    assert _run(capsys, "export", directory, str(out), "--step", "3", "--optimizer", "Adam")[0] == 0
+    got = torch.load(out, weights_only=True)
+    assert got["opt"]["param_groups"] == opt.state_dict()["param_groups"]
+    assert all(torch.equal(got["model"][k], v) for k, v in net.state_dict().items())
+
+
 class _SegmentReadsFail:
     """Every read of a step-log segment fails as an unreachable storage does (after the retries)."""
 

@@ -279,7 +279,7 @@ def test_checkpoints_accelerate_wrote_before_attaching_still_load(tmp_path: Path
         assert ckpt.latest() == natives[1][0]
         assert acc.load_state(natives[0][0]) == natives[0][0]
         assert _same(_weights(acc, model), natives[0][1])
-        with pytest.raises(CheckpointExistsError, match="checkpoint_1 or a later checkpoint_N already exists"):
+        with pytest.raises(CheckpointExistsError, match="checkpoint_1 holds a checkpoint accelerate's own save_state"):
             acc.save_state()  # never over a folder accelerate wrote (accelerate raises there too)
         assert acc.load_state() == natives[1][0]
         assert _same(_weights(acc, model), natives[1][1])
@@ -297,6 +297,26 @@ def test_checkpoints_accelerate_wrote_before_attaching_still_load(tmp_path: Path
         assert ckpt.latest() is None
         with pytest.raises(ckpt_core.CheckpointNotFoundError):
             acc.load_state()
+
+
+def test_a_folder_of_the_users_own_does_not_stop_saving_after_loading_accelerates_checkpoint(tmp_path: Path) -> None:
+    """checkpoints/checkpoint_9 holds only the user's notes: after load_state() of accelerate's own
+    checkpoint_1 the next save_state() was refused ("resume with load_state() first", which the user had
+    just done), where accelerate saves checkpoint_2 (found by an independent check)."""
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    for _ in range(2):
+        acc.save_state()  # accelerate's own: checkpoint_0, checkpoint_1
+    acc.end_training()
+    notes = tmp_path / "proj" / "checkpoints" / "checkpoint_9" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("mine")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, model, opt = _accelerator(tmp_path / "proj")
+    with attach(acc):
+        assert Path(acc.load_state()).name == "checkpoint_1"
+        assert Path(acc.save_state()).name == "checkpoint_2"
+    assert notes.read_text() == "mine"
 
 
 def test_save_state_into_a_folder_accelerate_wrote_replaces_its_files(tmp_path: Path) -> None:

@@ -270,6 +270,26 @@ def test_without_the_log_nothing_is_replayed_and_a_checkpoint_without_markers_wa
     ckpt.close()
 
 
+def test_a_registered_module_that_missed_the_replayed_steps_is_named(tmp_path: Path) -> None:
+    """An EMA (AveragedModel) registered for checkpointing is updated by the user's loop, which a replay
+    does not run: its average stayed the checkpoint's with no word (found by an independent check). A
+    registered plain object (a progress record, as the docs' resume loop keeps) is not warned about."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")
+    ema = AveragedModel(acc.unwrap_model(net), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    acc.register_for_checkpointing(ema)
+    for step in range(1, 6):
+        _step(acc, net, opt, sched, step)
+        ema.update_parameters(acc.unwrap_model(net))
+        if step == 2:
+            acc.save_state()
+    with pytest.warns(RuntimeWarning, match=r"AveragedModel \(registered for checkpointing\) did not see the 3 "):
+        acc.load_state()
+    assert int(ema.n_averaged) == 2 and ckpt.replayed_steps == 3
+    ckpt.close()
+
+
 def test_retention_truncates_the_log_and_the_newest_checkpoint_still_replays(tmp_path: Path) -> None:
     pc = ProjectConfiguration(str(tmp_path / "proj"), automatic_checkpoint_naming=True, total_limit=2)
     acc = Accelerator(cpu=True, project_config=pc)

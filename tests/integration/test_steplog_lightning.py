@@ -339,6 +339,19 @@ def test_resume_from_a_checkpoint_saved_at_an_epoch_end(tmp_path):
     assert loop.batch_progress.total.ready == ref["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 11
 
 
+def test_a_replay_from_an_epoch_end_saved_by_a_resumed_fit_counts_its_epochs(tmp_path):
+    """5 batches an epoch, a checkpoint every 5 steps: the second fit resumes from step 10 (epoch 1's
+    end), so its step-20 checkpoint (epoch 3's end) has no epoch started after it and Lightning's restore
+    counts epoch 3 completed before processed. The replay of 21, 22 went on in epoch 3, not 4: every later
+    checkpoint was named one epoch low and max_epochs ran an epoch more (found by an independent check)."""
+    directory, epoch = str(tmp_path / "ckpts"), {"limit_train_batches": 5}
+    _fit(directory, 10, every_n_train_steps=5, trainer_kwargs=epoch)
+    _fit(directory, 100, ckpt_path="last", crash_at=22, every_n_train_steps=5, trainer_kwargs=epoch)
+    resumed, _ = _fit(directory, 25, ckpt_path="last", every_n_train_steps=5, trainer_kwargs=epoch)
+    assert resumed.global_step == 25
+    assert "epoch=4-step=25.ckpt" in os.listdir(directory)  # as saved by a fit that never stopped
+
+
 def test_a_checkpoint_saved_without_the_log_resumes_at_itself_with_a_warning(tmp_path):
     """The engine's NoMarkerError (the log has no marker for last.ckpt) is a warning, not a failure."""
     from lightning.pytorch.callbacks import ModelCheckpoint

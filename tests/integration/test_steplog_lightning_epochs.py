@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, GradientAccumulationScheduler, ModelCheckpoint, WeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import CheckrunCheckpointIO
@@ -223,13 +223,32 @@ def test_a_parameter_group_added_mid_log_ends_the_replay_before_it(tmp_path):
         assert torch.equal(model.state_dict()[key], value), key
 
 
-def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_steps(tmp_path):
+class EMA(WeightAveraging):
+    """A user's subclass, as Lightning's docstring suggests (its name lacks "WeightAveraging")."""
+
+
+class _Counter(Callback):
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.n += 1
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+@pytest.mark.parametrize("averaging,counter", [(EMAWeightAveraging, False), (EMA, True)])
+def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_steps(tmp_path, averaging, counter):
     """EMAWeightAveraging updates its average in on_train_batch_end, which a replay does not run: the
-    resumed average stayed at the checkpoint's, silently (found by an independent check)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    resumed average stayed at the checkpoint's, silently (found by an independent check); a subclass named
+    otherwise, and a user's callback counting batches (a warm-up's LR then off), were silent until h156."""
 
     def fit(stop=None, ckpt_path=None):
-        callbacks = [EMAWeightAveraging(), ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=7,
+        callbacks = [averaging(), *([_Counter()] if counter else []), ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=7,
                                                             save_last=True)]
         trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                           max_epochs=2, default_root_dir=str(tmp_path), plugins=[CheckrunCheckpointIO(step_log=True)],
@@ -240,8 +259,11 @@ def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_
             pass
 
     fit(stop=12)  # last.ckpt at 7, steps 8-12 logged
-    with pytest.warns(RuntimeWarning, match=r"EMAWeightAveraging did not see the 5 replayed step\(s\)"):
+    with pytest.warns(RuntimeWarning) as caught:
         fit(ckpt_path="last")
+    said = [str(w.message) for w in caught if str(w.message).startswith("checkrun:")]
+    assert any(f"{averaging.__name__} did not see the 5 replayed step(s)" in m for m in said), said
+    assert any("the state of _Counter is the checkpoint's" in m for m in said) == counter, said
 
 
 class _Dropout(Net):
