@@ -53,14 +53,44 @@ def parsed(data: bytes, url: str, limits: Any) -> tuple[float, dict | None, froz
     """``(created, commit, keys)`` of the manifest ``data`` read from ``url``: held, or parsed and held."""
     got = get(data, limits)
     if got is None:
-        m = parse_manifest(data, url, limits=limits)
+        m = manifest(data, url, limits)  # retention parsed it already after the same save
         got = put(data, limits, m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
     return got
 
 
+MAX_RECORDS = 1 << 15
+"""Tensor records of whole parsed manifests held in all (``manifest``); a larger manifest is not held."""
+_manifests: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+_records = 0
+
+
+def manifest(data: bytes, url: str, limits: Any) -> Any:
+    """The ``Manifest`` parsed from ``data`` (read from ``url``), held for the process by its bytes: retention
+    parses the newest ``keep_last`` manifests after every save, the same bytes each time (a small state saved
+    every step spent most of its background CPU there: h157). Callers must not change what it holds."""
+    global _records
+    key = (xxhash.xxh3_128_digest(data), limits)
+    with _lock:
+        hit = _manifests.get(key)
+        if hit is not None:
+            _manifests.move_to_end(key)
+            return hit
+    m = parse_manifest(data, url, limits=limits)
+    n = len(m.tensors) + len(m.objects) + 1
+    with _lock:
+        if key not in _manifests and n <= MAX_RECORDS:
+            _manifests[key] = m
+            _records += n
+            while _records > MAX_RECORDS:
+                old = _manifests.popitem(last=False)[1]
+                _records -= len(old.tensors) + len(old.objects) + 1
+    return m
+
+
 def clear() -> None:
     """Forget everything held (tests)."""
-    global _held
+    global _held, _records
     with _lock:
         _entries.clear()
-        _held = 0
+        _manifests.clear()
+        _held = _records = 0

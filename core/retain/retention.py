@@ -240,7 +240,7 @@ def _parsed(store: Store, config: EngineConfig, e: CheckpointEntry) -> Checkpoin
     """``e`` (listed by its head) with its manifest parsed; None if it is gone or does not parse."""
     try:
         data = _read_checked(store, e.name)
-        return dataclasses.replace(e, manifest=parse_manifest(data, e.url, limits=limits_for(config)), head=None)
+        return dataclasses.replace(e, manifest=keycache.manifest(data, e.url, limits_for(config)), head=None)
     except CheckrunError:
         return None
 

@@ -290,7 +290,7 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
     ``protect`` pattern or a large ``keep_last``: 12 s per save). It orders them by their heads and
     parses, newest first, the ``keep_last`` it keeps and the ones it removes; protected ones never.
     A manifest that does not parse is not counted, as before: the newest intact ones are kept."""
-    from ckpt_core.retain import retention
+    from ckpt_core.retain import keycache, retention
     from ckpt_core.storage.store import Store
 
     cfg = {"incremental": {"enabled": False}, "retention": {"protect": ["p*.ckpt"]}}
@@ -300,7 +300,8 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
         for step in range(10, 14):
             engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step:02d}.ckpt").result()
     (tmp_path / "s13.ckpt").write_bytes(b'{"_checkrun":"manifest",' + b"x" * 600)  # damaged: not counted
-    parsed = _count_parses(monkeypatch, retention)
+    keycache.clear()  # (what the saves' retention parsed is held by its bytes)
+    parsed = _count_parses(monkeypatch, retention, keycache)
     config = EngineConfig.from_dict({**cfg, "retention": {"keep_last": 2, "protect": ["p*.ckpt"]}})
     store = Store.for_directory(str(tmp_path), None, config.storage)
     removed = retention.apply_retention(store, config, keep=set())
@@ -310,6 +311,20 @@ def test_retention_parses_only_the_manifests_that_count(tmp_path, monkeypatch):
     parsed.clear()
     big = EngineConfig.from_dict({**cfg, "retention": {"keep_last": 20, "protect": ["p*.ckpt"]}})
     assert retention.apply_retention(store, big, keep=set()) == [] and parsed == ["s13.ckpt"]
+
+
+def test_retention_after_each_save_parses_each_manifest_once(tmp_path, monkeypatch):
+    """keep_last: 3 parsed the three kept manifests and the one removed after every save, the same bytes
+    each time: most of the background CPU of a small state saved every step (h157). Held by their bytes
+    now: one parse per new manifest (retention and the collection after it share it)."""
+    from ckpt_core.retain import keycache, retention
+
+    parsed = _count_parses(monkeypatch, retention, keycache)
+    with CheckpointEngine({"retention": {"keep_last": 3}}) as engine:
+        for step in range(8):
+            engine.save({"w": torch.full((10,), float(step))}, tmp_path / f"s{step}.ckpt").result()
+    assert sorted(parsed) == sorted(f"s{step}.ckpt" for step in range(8)), parsed
+    assert sorted(p.name for p in tmp_path.glob("s*.ckpt")) == ["s5.ckpt", "s6.ckpt", "s7.ckpt"]
 
 
 def test_listing_by_heads_orders_without_a_manifest_that_does_not_parse(tmp_path):
