@@ -68,11 +68,11 @@ class CheckpointEngine:
     def save(self, state: Any, path: PathLike, storage_options: dict | None = None, *,
              stamp: CommitStamp | None = None) -> SaveHandle:
         """Snapshot ``state`` and write it to ``path`` in the background; returns at once after the copy.
-
         Raises the error of an earlier failed save (once; also one that failed while this one waited for
         its slot). ``saving.asynchronous = False``: committed before this returns. ``stamp``: the
         commit stamp ordering saves of one name (``saving.fence``; default: taken now); an adapter
         that commits later what its caller asked for earlier passes ``new_stamp()`` of that moment."""
+        self._check_open()  # before the lock: a forked child's copy of it may be held forever (h159)
         with self._saving:  # threads saving at once shared the copier and row streams: wrong values (h158)
             return self._save(state, path, storage_options, stamp)
 
@@ -252,18 +252,18 @@ class CheckpointEngine:
             self._closed = True
             return
         from .steplog.api import close_logs
-
         failed_logs: list[BaseException] = []
-        with self._saving:  # a save of another thread (waiting for its slot) is taken first (h158)
-            if self._closed:  # closed by another thread meanwhile
-                return
-            try:
-                failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
-                self._coord.wait_idle()
-            finally:
+        try:
+            with self._saving:  # a save of another thread (waiting for its slot) gets its snapshot first (h158)
+                pass
+            failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
+            self._coord.wait_idle()  # (no lock held: a commit callback may save elsewhere meanwhile: h159)
+        finally:
+            with self._saving:  # no save starts after this one; a ^C above still ends the queued saves (h159)
+                done, self._closed = self._closed, True
+            if not done:  # (another thread's close did the rest)
                 for dirstate in self._dirs.values():  # no thread reads a store after it is closed
                     self._adopt_rebuilds(dirstate, install=False)
-                self._closed = True
                 self._coord.stop_after_queued()  # interrupted while waiting: end after the queued saves
                 self._coord.wait_idle()
                 self._copier.close()

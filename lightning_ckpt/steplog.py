@@ -154,10 +154,9 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None, ac
         return
     finished, into, begun, batches = position
     epoch = trainer.fit_loop.epoch_progress.current
-    # the first epoch the replay finishes; the checkpoint's own, if not over. A checkpoint saved at an
-    # epoch's last batch by a fit that itself resumed from an epoch end has no epoch started after it
-    # (ready == processed) and Lightning's restore counts it completed, one ahead of processed (h155)
-    first = max(epoch.processed, epoch.completed)
+    # the first epoch the replay finishes; the checkpoint's own, if not over (one more after a behind one)
+    behind = _behind(trainer)
+    first = max(epoch.processed + behind, epoch.completed)
     for progress, n in per_step:  # manual optimization: Lightning never sets the current count back
         _shift(progress, n, current=not (begun and automatic))
     _shift(loop.batch_progress, batches, current=False)
@@ -172,7 +171,22 @@ def advance_counters(trainer: Any, steps: int, batches: Optional[int] = None, ac
         if automatic:
             _set_current(loop.scheduler_progress, _step_updates(trainer, steps_in))
         loop.val_loop.batch_progress.total.reset()
-    _enter(trainer, finished, into or trainer.num_training_batches, stepped)
+    _enter(trainer, finished + behind, into or trainer.num_training_batches, stepped)
+
+
+def _behind(trainer: Any) -> int:
+    """1 for a checkpoint saved at its epoch's last batch (``on_train_batch_end``) by a fit that had itself
+    resumed from an epoch end: Lightning started no epoch after that one, so its epoch counters stand
+    one behind a fit that never stopped (ready == started == processed == the epoch's index), and its
+    restore does not count the epoch over (``max_epochs``: not restarting) or counts it completed only
+    (``max_steps``). A replay from it went on one epoch low (h155 with ``max_steps``, h160 ``max_epochs``)."""
+    from lightning.pytorch.loops.fit_loop import RestartStage as FitStage
+
+    fit = trainer.fit_loop
+    batch, epoch, n = fit.epoch_loop.batch_progress.current, fit.epoch_progress.current, trainer.num_training_batches
+    return int(isinstance(n, int) and batch.ready >= n > 0 and batch.completed < batch.processed
+               and epoch.ready == epoch.started == epoch.processed
+               and getattr(fit, "_restart_stage", None) != FitStage.RESTARTED_MID_EPOCH)
 
 
 def _position(trainer: Any, steps: int, batches: int, acc: int,
@@ -229,7 +243,7 @@ def _enter(trainer: Any, finished: int, at: int, stepped: int) -> None:
     fit, loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
     last = at >= trainer.num_training_batches
     for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
-        tracker.processed = max(tracker.processed, tracker.completed) + finished  # (see advance_counters)
+        tracker.processed = max(tracker.processed + finished, tracker.completed)  # (see _behind)
         tracker.completed = tracker.processed
         tracker.ready = tracker.started = tracker.processed + (not last)
     progress = loop.batch_progress
@@ -284,33 +298,43 @@ def _shift(progress: Any, n: int, current: bool = True) -> None:
                 setattr(tracker, name, getattr(tracker, name) + n)
 
 
+_LIGHTNING = ("lightning.", "pytorch_lightning.", "lightning_fabric.", "lightning_ckpt.")
+
+
 def _averaging(callback: Any) -> bool:
-    try:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
-        from lightning.pytorch.callbacks import WeightAveraging  # Lightning >= 2.6
-    except ImportError:
-        return "WeightAveraging" in type(callback).__name__
-    return isinstance(callback, (WeightAveraging, StochasticWeightAveraging))
+    """A weight-averaging callback of either package (``lightning`` or ``pytorch_lightning``; h160)."""
+    import importlib
+
+    kinds = []
+    for package in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"):
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            continue
+        kinds += [getattr(module, n) for n in ("WeightAveraging", "StochasticWeightAveraging") if hasattr(module, n)]
+    return isinstance(callback, tuple(kinds)) or "WeightAveraging" in type(callback).__name__
+
+
+def _own(method: Any) -> bool:
+    """``method`` is defined by the user's code, not by Lightning (either package) or checkrun."""
+    return method is not None and not (getattr(method, "__module__", None) or "").startswith(_LIGHTNING)
 
 
 def _user_state(trainer: Any) -> list[str]:
-    """Callbacks of the user's own (not Lightning's) with a non-empty ``state_dict``, and the
-    LightningModule if it overrides ``on_save_checkpoint``: state that ``training_step`` or batch hooks
-    may move, which a replay does not run."""
-    from lightning.pytorch import Callback, LightningModule
-
+    """Callbacks whose ``state_dict`` is the user's own (not Lightning's, also through a subclass that
+    overrides nothing of it: h160) and non-empty, and the LightningModule if its ``on_save_checkpoint``
+    is its own: state that ``training_step`` or batch hooks may move, which a replay does not run."""
     found = []
     for cb in trainer.callbacks:
-        if type(cb).__module__.startswith(("lightning.", "lightning_ckpt.")) or _averaging(cb):
+        if _averaging(cb) or not _own(getattr(type(cb), "state_dict", None)):
             continue
-        if type(cb).state_dict is not Callback.state_dict:
-            try:
-                if cb.state_dict():
-                    found.append(type(cb).__name__)
-            except Exception:  # noqa: BLE001 - only a hint: a state_dict that fails here fails at the next save
+        try:
+            if cb.state_dict():
                 found.append(type(cb).__name__)
+        except Exception:  # noqa: BLE001 - only a hint: a state_dict that fails here fails at the next save
+            found.append(type(cb).__name__)
     module = trainer.lightning_module
-    if type(module).on_save_checkpoint is not LightningModule.on_save_checkpoint:
+    if _own(getattr(type(module), "on_save_checkpoint", None)):
         found.append(f"{type(module).__name__}.on_save_checkpoint")
     return found
 

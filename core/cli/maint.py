@@ -82,8 +82,8 @@ def cmd_verify(ctx: Context) -> int:
             if r["ok"]:
                 print(f"OK       {safe(r['path'])}  ({parts}{r['blobs_checked']} blobs, {human_size(r['bytes_checked'])})")
             elif r.get("foreign"):  # a torch.save file beside checkrun's (a project that switched): not damage
-                print(f"FOREIGN  {safe(r['path'])}  (not a checkrun checkpoint: a torch.save file loads with "
-                      "torch.load; `checkrun import` converts one)")
+                print(f"FOREIGN  {safe(r['path'])}  (not a checkrun checkpoint: a torch.save or safetensors file "
+                      "loads with torch.load or safetensors; `checkrun import` converts one)")
             else:  # UNVERIFIED: only checks that could not run within load.max_total_bytes failed
                 print(f"{'UNVERIFIED' if r.get('unverified') else 'CORRUPT':8} {safe(r['path'])}")
                 for p in r["problems"]:

@@ -328,12 +328,14 @@ VERIFY_GROUP_BYTES = 256 << 20
 
 
 def _torch_save_file(store: Store, name: str) -> bool:
-    """``name`` starts as a torch.save file does (a zip archive, or a pickle of the legacy format)."""
+    """``name`` starts as a torch.save file (a zip archive, a pickle of the legacy format) or a safetensors
+    file (an 8-byte header length, then its JSON: h160) does."""
     try:
-        head = store.read_head(name, 2)
+        head = store.read_head(name, 10)
     except Exception:  # noqa: BLE001 - only a label: unknown stays "corrupt"
         return False
-    return head == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    return (head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+            or (head[8:10] == b'{"' and 0 < int.from_bytes(head[:8], "little") < 1 << 40))
 
 
 def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bool = True,

@@ -52,8 +52,10 @@ def put(data: bytes, limits: Any, created: float, commit: dict | None,
 def parsed(data: bytes, url: str, limits: Any) -> tuple[float, dict | None, frozenset[str]]:
     """``(created, commit, keys)`` of the manifest ``data`` read from ``url``: held, or parsed and held."""
     got = get(data, limits)
-    if got is None:
-        m = manifest(data, url, limits)  # retention parsed it already after the same save
+    if got is None:  # retention after the same save may hold it parsed; else parsed here, not held (a
+        with _lock:  # collection of thousands of manifests holds their keys only)
+            m = _manifests.get((xxhash.xxh3_128_digest(data), limits))
+        m = m if m is not None else parse_manifest(data, url, limits=limits)
         got = put(data, limits, m.created, m.commit, frozenset(map(sys.intern, m.blob_keys())))
     return got
 

@@ -221,11 +221,17 @@ def test_verify_local_intact_then_corrupt(capsys, local_run):
 def test_verify_of_a_torch_save_file_says_foreign_not_corrupt(capsys, tmp_path):
     """A project that switched to checkrun keeps torch.save files beside: verify called one CORRUPT
     (found by an independent check)."""
+    from safetensors.torch import save_file
+
     path = tmp_path / "epoch=2-step=15.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, path)
-    code = main(["verify", str(path)])
-    out = capsys.readouterr().out
-    assert code == 1 and "FOREIGN" in out and "CORRUPT" not in out and "0 corrupt, 1 not a checkrun checkpoint" in out
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")  # accelerate's own (h160: was CORRUPT)
+    (tmp_path / "text.ckpt").write_text("PK but no zip")
+    for name, foreign in (("epoch=2-step=15.ckpt", True), ("model.safetensors", True), ("text.ckpt", False)):
+        code = main(["verify", str(tmp_path / name)])
+        out = capsys.readouterr().out
+        assert code == 1 and ("FOREIGN" in out) == foreign and ("CORRUPT" in out) != foreign, out
+        assert ("0 corrupt, 1 not a checkrun checkpoint" in out) == foreign, out
 
 
 def test_ls_and_verify_show_links_and_report_one_that_points_at_nothing(capsys, local_run):

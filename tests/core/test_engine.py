@@ -12,7 +12,7 @@ import torch
 
 import ckpt_core
 from ckpt_core import CheckpointEngine, EngineConfig
-from ckpt_core.errors import (CheckpointNotFoundError, CorruptCheckpointError, FormatError,
+from ckpt_core.errors import (CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError,
                               NotACheckpointError, UnsafeLoadError)
 
 
@@ -533,6 +533,63 @@ def test_threads_saving_through_one_engine_at_once_save_what_each_held(tmp_path,
         engine.wait()
         wrong = [n for n, v in saved.items() if not torch.equal(engine.load(n)["emb"], v)]
     assert len(saved) == 12 and wrong == []
+
+
+def test_close_waits_while_a_commit_callback_saves_into_another_directory(tmp_path) -> None:
+    """A done-callback saving a marker elsewhere (allowed: docs/ENGINE_API.md) while close() waited for
+    the saves: close held the save lock the callback's save needed, a hang for good with max_pending 2
+    (h159, a regression of the lock that h158's fix added)."""
+    result: dict = {}
+
+    def run() -> None:
+        with CheckpointEngine({"saving": {"max_pending": 2}}) as engine:
+            def mark(handle) -> None:
+                engine.save({"done": torch.ones(1)}, tmp_path / "marks" / "a.done")
+
+            engine.save({"w": torch.randn(1 << 20)}, tmp_path / "run" / "a.ckpt").add_done_callback(mark)
+        result["closed"] = True
+
+    closer = threading.Thread(target=run, daemon=True)
+    closer.start()
+    closer.join(300)  # a bound on a hang, not a timing assertion
+    assert result.get("closed") and not closer.is_alive()
+    assert torch.equal(ckpt_core.load(tmp_path / "marks" / "a.done")["done"], torch.ones(1))
+
+
+def _save_in_child(engine: CheckpointEngine, path: str) -> None:
+    import os
+
+    try:
+        engine.save({"w": torch.ones(2)}, path)
+    except CheckrunError as exc:
+        os._exit(0 if "forked child" in str(exc) else 2)
+    os._exit(3)
+
+
+def test_a_forked_childs_save_on_the_parents_engine_raises_while_a_parent_thread_saves(tmp_path) -> None:
+    """The child inherits the save lock held by a parent thread that does not exist there: its save
+    hung instead of raising the engine's "forked child" error (h159)."""
+    import multiprocessing
+
+    with CheckpointEngine() as engine:
+        held, done = threading.Event(), threading.Event()
+
+        def saving() -> None:  # as another parent thread inside save() at the fork
+            with engine._saving:
+                held.set()
+                done.wait()
+
+        holder = threading.Thread(target=saving)
+        holder.start()
+        held.wait()
+        child = multiprocessing.get_context("fork").Process(target=_save_in_child, args=(engine, str(tmp_path / "c.ckpt")))
+        child.start()
+        done.set()
+        holder.join()
+        child.join(300)  # a bound on a hang, not a timing assertion
+        if child.exitcode is None:
+            child.kill()
+        assert child.exitcode == 0
 
 
 def test_a_first_ctrl_c_at_exit_that_still_finished_the_saves_says_so(monkeypatch, caplog) -> None:

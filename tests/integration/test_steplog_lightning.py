@@ -339,16 +339,24 @@ def test_resume_from_a_checkpoint_saved_at_an_epoch_end(tmp_path):
     assert loop.batch_progress.total.ready == ref["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 11
 
 
-def test_a_replay_from_an_epoch_end_saved_by_a_resumed_fit_counts_its_epochs(tmp_path):
+@pytest.mark.parametrize("limit", ["max_steps", "max_epochs"])
+def test_a_replay_from_an_epoch_end_saved_by_a_resumed_fit_counts_its_epochs(tmp_path, limit):
     """5 batches an epoch, a checkpoint every 5 steps: the second fit resumes from step 10 (epoch 1's
-    end), so its step-20 checkpoint (epoch 3's end) has no epoch started after it and Lightning's restore
-    counts epoch 3 completed before processed. The replay of 21, 22 went on in epoch 3, not 4: every later
-    checkpoint was named one epoch low and max_epochs ran an epoch more (found by an independent check)."""
-    directory, epoch = str(tmp_path / "ckpts"), {"limit_train_batches": 5}
-    _fit(directory, 10, every_n_train_steps=5, trainer_kwargs=epoch)
-    _fit(directory, 100, ckpt_path="last", crash_at=22, every_n_train_steps=5, trainer_kwargs=epoch)
-    resumed, _ = _fit(directory, 25, ckpt_path="last", every_n_train_steps=5, trainer_kwargs=epoch)
-    assert resumed.global_step == 25
+    end), so its step-20 checkpoint (epoch 3's end) has no epoch started after it and its counters stand
+    an epoch behind. The replay of 21, 22 went on in epoch 3, not 4: every later checkpoint was named one
+    epoch low and max_epochs ran an epoch more (found by independent checks: h155 with max_steps, h160
+    with max_epochs, where Lightning's restore does not count the epoch over at all)."""
+    directory = str(tmp_path / "ckpts")
+
+    def fit(ckpt_path=None, crash_at=None, steps=-1, epochs=None):
+        kwargs = {"limit_train_batches": 5, **({"max_epochs": epochs} if limit == "max_epochs" else {})}
+        return _fit(directory, steps if limit == "max_steps" else -1, ckpt_path=ckpt_path, crash_at=crash_at,
+                    every_n_train_steps=5, trainer_kwargs=kwargs)
+
+    fit(steps=10, epochs=2)
+    fit(ckpt_path="last", crash_at=22, steps=100, epochs=9)
+    resumed, _ = fit(ckpt_path="last", steps=25, epochs=5)
+    assert resumed.global_step == 25  # max_epochs=5: 5 epochs of 5 steps, not 6
     assert "epoch=4-step=25.ckpt" in os.listdir(directory)  # as saved by a fit that never stopped
 
 
