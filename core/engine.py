@@ -61,7 +61,7 @@ class CheckpointEngine:
         self._coord = Coordinator(self.config, self._process, RuleMatcher(self.config.quantization), self._pool,
                                   budget, self._copier, self._stores, self._callbacks)
         self._trackers: list = []
-        self._closed, self._pid, self._saving = False, os.getpid(), threading.RLock()
+        self._closed, self._closing, self._pid, self._saving = False, None, os.getpid(), threading.RLock()
         lifecycle.register(self)
 
     # -- public API ---------------------------------------------------------------------------
@@ -69,9 +69,8 @@ class CheckpointEngine:
              stamp: CommitStamp | None = None) -> SaveHandle:
         """Snapshot ``state`` and write it to ``path`` in the background; returns at once after the copy.
         Raises the error of an earlier failed save (once; also one that failed while this one waited for
-        its slot). ``saving.asynchronous = False``: committed before this returns. ``stamp``: the
-        commit stamp ordering saves of one name (``saving.fence``; default: taken now); an adapter
-        that commits later what its caller asked for earlier passes ``new_stamp()`` of that moment."""
+        its slot). ``saving.asynchronous = False``: committed before this returns. ``stamp``: the commit stamp
+        ordering saves of one name (``saving.fence``; default: now); an adapter passes ``new_stamp()`` of its ask."""
         self._check_open()  # before the lock: a forked child's copy of it may be held forever (h159)
         with self._saving:  # threads saving at once shared the copier and row streams: wrong values (h158)
             return self._save(state, path, storage_options, stamp)
@@ -254,8 +253,8 @@ class CheckpointEngine:
         from .steplog.api import close_logs
         failed_logs: list[BaseException] = []
         try:
-            with self._saving:  # a save of another thread (waiting for its slot) gets its snapshot first (h158)
-                pass
+            with self._saving:  # a save of another thread (waiting for its slot) gets its snapshot first (h158);
+                self._closing = threading.get_ident()  # then only this thread and commit callbacks save (h161)
             failed_logs = close_logs(self)  # every log flushed, its threads ended, even after one failed
             self._coord.wait_idle()  # (no lock held: a commit callback may save elsewhere meanwhile: h159)
         finally:
@@ -318,7 +317,8 @@ class CheckpointEngine:
         if self._forked():
             raise CheckrunError(f"this CheckpointEngine belongs to process {self._pid}; a forked child "
                                 f"(pid {os.getpid()}) cannot use it: create an engine in the child")
-        if self._closed:
+        me = threading.get_ident()  # closing: only the closer's thread and commit callbacks (coordinator) go on
+        if self._closed or self._closing not in (None, me) and me != getattr(self._coord._thread, "ident", 0):
             raise CheckrunError("this CheckpointEngine is closed")
 
     def _read_manifest(self, store: Store, name: str) -> Manifest:

@@ -556,6 +556,34 @@ def test_close_waits_while_a_commit_callback_saves_into_another_directory(tmp_pa
     assert torch.equal(ckpt_core.load(tmp_path / "marks" / "a.done")["done"], torch.ones(1))
 
 
+def test_close_returns_while_another_thread_keeps_saving(tmp_path) -> None:
+    """A thread saving in a loop until save() raises: close() let each of its saves in, waiting for the
+    saves to end, which they never did (341 saves accepted in 20 s; a process with such a daemon thread
+    never exited: h161, a regression of the lock). Once close() starts, other threads' saves are refused."""
+    engine = CheckpointEngine({"saving": {"max_pending": 2}, "retention": {"keep_last": 2}})
+    started, stopped = threading.Event(), []
+
+    def loop() -> None:
+        step, w = 0, torch.randn(1 << 23)
+        try:
+            while True:
+                w.add_(1)
+                engine.save({"w": w}, tmp_path / f"s{step}.ckpt")
+                step += 1
+                started.set()
+        except CheckrunError as exc:
+            stopped.append(str(exc))
+
+    saver = threading.Thread(target=loop, daemon=True)
+    saver.start()
+    started.wait()
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(300)  # a bound on a hang, not a timing assertion
+    saver.join(300)
+    assert not closer.is_alive() and stopped == ["this CheckpointEngine is closed"]
+
+
 def _save_in_child(engine: CheckpointEngine, path: str) -> None:
     import os
 
