@@ -14,6 +14,7 @@ new public name to ``_EXPORTS`` (and ``__all__``), not as an import at the top o
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +55,9 @@ def __getattr__(name: str) -> Any:
     if not name.startswith("__"):
         try:
             return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
+        except ImportError as exc:  # not a submodule; a C kernel loaded by ctypes (``_csig``) is none either
+            native = str(exc.path or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+            if exc.name != f"{__name__}.{name}" or not (native or isinstance(exc, ModuleNotFoundError)):
                 raise
     # Neither: the interpreter's own AttributeError (generic lookup, which does not come back here).
     return object.__getattribute__(sys.modules[__name__], name)

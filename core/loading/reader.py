@@ -252,8 +252,7 @@ def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes:
 
 
 def check_structure(manifest: Manifest, where: str) -> list[int]:
-    """Validate the leaf table and the skeleton against the manifest's tensors and objects;
-    returns the leaf table. No blob is read."""
+    """Validate the leaf table and the skeleton against the manifest's tensors and objects; returns the leaf table."""
     leaves = manifest.meta.get("leaves", list(range(len(manifest.tensors))))
     if not isinstance(leaves, list) or not all(isinstance(i, int) and 0 <= i < len(manifest.tensors)
                                                for i in leaves):
@@ -285,6 +284,7 @@ class VerifyReport:
     """The file is not a checkrun checkpoint at all (a torch.save file): not damaged, not checkrun's."""
 
     def add(self, problem: str, unreadable: bool = False, unverified: bool = False) -> None:
+        """Record ``problem`` (the checkpoint is then not ok); ``unreadable``: the storage failed to return it."""
         self.unverified = unverified and (self.unverified or self.ok)
         self.ok = False
         self.problems.append(problem)
@@ -292,8 +292,8 @@ class VerifyReport:
 
 
 def require_readable(unreadable: bool, url: str, error: str | None) -> None:
-    """``latest`` skips a corrupt checkpoint, never one the storage failed to return: a resume would
-    silently go back to an older one (and its saves overwrite the newer)."""
+    """``latest`` skips a corrupt checkpoint, never one the storage failed to return: a resume would silently go
+    back to an older one (and its saves overwrite the newer)."""
     if unreadable:
         raise StorageError(f"{url}: cannot read it ({error}); not skipping it for an older checkpoint: "
                            "retry when the storage answers (or, if it was not permitted, fix its permissions)")
@@ -301,10 +301,9 @@ def require_readable(unreadable: bool, url: str, error: str | None) -> None:
 
 @dataclass
 class VerifyCache:
-    """What verifying earlier checkpoints of a directory found intact, so that checkpoints sharing
-    blobs and tensors (incremental saves) check each once: a ``checkrun verify DIR`` of 200
-    checkpoints of 200 tensors opened 40,000 blob files for 399 distinct blobs. Only what was found
-    intact is kept (a damaged blob is reported for every checkpoint that needs it)."""
+    """What verifying earlier checkpoints of a directory found intact, so that checkpoints sharing blobs and tensors
+    (incremental saves) check each once: a ``checkrun verify DIR`` of 200 checkpoints of 200 tensors opened 40,000
+    blob files for 399 distinct blobs. Only what was found intact is kept (a damaged blob: reported for each)."""
 
     blobs: set[bytes] = field(default_factory=set)
     """A digest of (the store's URL, reference) of each blob found intact: another store (a composite's
@@ -314,6 +313,7 @@ class VerifyCache:
     bytes each, keep the cache small beside a directory of full (not incremental) saves."""
 
     def blob(self, here: str, ref: BlobRef) -> bytes:
+        """What a blob's check depends on: the store's URL ``here`` and the reference (key, size, checksum)."""
         return xxhash.xxh3_128_digest(f"{here}\0{ref.key}\0{ref.size}\0{ref.csum}".encode("utf-8", "surrogatepass"))
 
     def tensor(self, here: str, rec: TensorRecord) -> bytes:

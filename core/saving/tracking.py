@@ -134,6 +134,7 @@ class EmbeddingTracker:
             t.touch.masked_fill_(t.pending, self.clock)  # no boolean indexing: no device sync
 
     def close(self) -> None:
+        """Stop tracking: remove the hooks this tracker put on the embedding modules and the optimizer (idempotent)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
