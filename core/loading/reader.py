@@ -29,10 +29,11 @@ from ..format.limits import check_load_bytes, memory_limit
 from ..format.objects import deserialize_object, object_load_bytes
 from .decode import Pass, decode_limit, fetch_blob, pack_limit, read_manifest
 from .into import finish_into, plan_into
+from .vanished import copied_hint, vanished
 from .placement import Placer, map_location_tensor, object_map_location  # noqa: F401 - engine's import
 from ..saving.staging import empty_host
 from ..storage.store import Store
-from ..storage.paths import BLOB_DIR, blob_url, join
+from ..storage.paths import blob_url
 from ..format.skeleton import unflatten, validate_skeleton
 
 log = logging.getLogger("ckpt_core")
@@ -189,14 +190,16 @@ def load_manifest_state(store: Store, name: str, manifest: Manifest, *, map_loca
         object_location = object_map_location(map_location)
     except CheckrunError as exc:
         raise type(exc)(f"{where}: {exc}") from None
-    blobs, reserve = fetch_objects(store, manifest, where, config.load.max_total_bytes, plan.direct)
     try:
+        blobs, reserve = fetch_objects(store, manifest, where, config.load.max_total_bytes, plan.direct)
         loaded = load_tensors(store, manifest, where, keep_copy, config.load.max_total_bytes, alloc_copy,
                               plan.direct, deferred, reserve)
     except CorruptCheckpointError as exc:  # a missing or damaged blob: name the checkpoint too
+        if (gone := vanished(store, name, manifest, config)) is not None:  # removed or replaced meanwhile
+            raise gone from exc
         if where in str(exc):
             raise
-        raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
+        raise type(exc)(f"{where}: {exc}{copied_hint(store)}") from exc
     placer = Placer(map_location)
     try:
         tensors = [lt.flat.view(lt.record.shape) if i in plan.direct else
@@ -242,7 +245,7 @@ def fetch_objects(store: Store, manifest: Manifest, where: str, max_total_bytes:
         try:
             data = fetch_blob(store, rec.blob)
         except CorruptCheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}{_copied_hint(store)}") from exc
+            raise type(exc)(f"{where}: {exc}{copied_hint(store)}") from exc
         try:
             need += object_load_bytes(data, key=rec.key, type_name=rec.type, max_bytes=left - need)
         except CheckrunError as exc:  # name the checkpoint and blob
@@ -381,7 +384,9 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             report.add(str(problem), is_outage(problem))
         else:
             cache.blobs.add(cache.blob(here, ref))
-    if not report.ok and (hint := _copied_hint(store)):
+    if not report.ok and (gone := vanished(store, name, manifest, config)) is not None:  # not damaged
+        return VerifyReport(report.path, False, [str(gone)], report.blobs_checked, report.bytes_checked)
+    if not report.ok and (hint := copied_hint(store)):
         report.add(hint.strip(" ()"))
     if report.ok and decode:
         try:
@@ -433,18 +438,3 @@ def _check_objects(store: Store, manifest: Manifest, where: str, config: EngineC
             continue
         except CheckrunError as exc:
             raise type(exc)(f"{where}: {exc} ({blob_url(store, rec.blob.key)})") from exc
-
-
-def _copied_hint(store: Store) -> str:
-    """For a load that misses blobs: a hint when the directory has no blobs at all (a manifest
-    copied or downloaded alone: ``torch.hub``, ``cp last.ckpt elsewhere``)."""
-    try:
-        alone = not store.fs.isdir(join(store.root, BLOB_DIR))
-        if alone and store.fs.isfile(first := join(store.root, BLOB_DIR.split("/")[0])):
-            return f" ({first} is a file, not the folder of the blobs)"
-    except Exception:  # noqa: BLE001 - only a hint: the error it adds to stands
-        return ""
-    return (f" (there is no {BLOB_DIR} folder beside the manifest: a checkrun .ckpt file holds no tensors, the "
-            "folder does; copy the whole directory, or make a self-contained file with `checkrun export` where "
-            "the directory is)"
-            if alone else "")

@@ -344,3 +344,57 @@ def test_a_listing_that_says_0_bytes_for_a_manifest_does_not_hide_it(tmp_path, m
         assert all(p.exists() for p in own) and not report.problems, report
         assert engine.latest(url).endswith("b.ckpt")
         assert [e.name for e in engine.list(url)] == ["a.ckpt", "b.ckpt"]
+
+
+class Replace(Vanish):
+    """Like ``Vanish`` but a newer save of the victim's name takes its place (``source``'s manifest)."""
+
+    def __init__(self, victim: Path, source: Path, blobs: tuple[Path, ...], trigger: Path) -> None:
+        super().__init__(victim, 1, blobs, trigger)
+        self.source = source
+
+    def on(self, op: str, kind: str, path: str) -> None:
+        if path == self.trigger and op in ("info", "read") and not self.fired:
+            self.fired = True
+            Path(self.victim).write_bytes(Path(self.source).read_bytes())
+            for b in self.blobs:
+                b.unlink(missing_ok=True)
+
+
+def test_a_load_of_a_checkpoint_removed_while_its_blobs_are_read_is_not_called_corrupt(run):
+    """h165: an evaluation job loaded the newest checkpoint while the trainer's keep_last removed it (and its
+    own blobs): "CorruptCheckpointError: missing blob" (troubleshooting blamed hand deletion)."""
+    FaultFS.policy = policy = Vanish(run.victim, 1, run.own_blobs, trigger=run.own_blobs[0])
+    with CheckpointEngine(config()) as engine:
+        with pytest.raises(ckpt_core.CheckpointNotFoundError, match="old.ckpt: was removed while it was being "
+                           r"read .* not damaged: load a newer one \(latest\(\)\)") as info:
+            engine.load(f"{run.url}/old.ckpt")
+        assert policy.fired and not isinstance(info.value, ckpt_core.CorruptCheckpointError)
+        report = engine.verify(f"{run.url}/keep.ckpt")
+        assert report.ok, report
+
+
+def test_a_load_of_a_checkpoint_replaced_while_its_blobs_are_read_says_load_it_again(run):
+    """``last.ckpt`` replaced by the trainer's next save (the old blobs collected) under a reader."""
+    FaultFS.policy = policy = Replace(run.victim, run.root / "keep.ckpt", run.own_blobs, trigger=run.own_blobs[0])
+    with CheckpointEngine(config()) as engine:
+        with pytest.raises(ckpt_core.CheckpointNotFoundError, match="was replaced by a newer save while it was "
+                           "being read .* load it again"):
+            engine.load(f"{run.url}/old.ckpt")
+        assert policy.fired
+        assert engine.load(f"{run.url}/old.ckpt")["step"] == 2  # again: the newer save
+
+
+def test_verify_of_a_checkpoint_removed_while_its_blobs_are_read_says_so(run):
+    FaultFS.policy = Vanish(run.victim, 1, run.own_blobs, trigger=run.own_blobs[0])
+    with CheckpointEngine(config()) as engine:
+        report = engine.verify(f"{run.url}/old.ckpt")
+    assert not report.ok and len(report.problems) == 1 and "was removed while it was being read" in report.problems[0]
+
+
+def test_a_blob_missing_under_an_unchanged_manifest_is_still_corrupt(run):
+    run.own_blobs[0].unlink()
+    with CheckpointEngine(config()) as engine:
+        with pytest.raises(ckpt_core.CorruptCheckpointError, match="old.ckpt: missing blob"):
+            engine.load(f"{run.url}/old.ckpt")
+        assert "missing blob" in engine.verify(f"{run.url}/old.ckpt").problems[0]
