@@ -49,6 +49,7 @@ class ReferenceBuild:
         self._thread = threading.Thread(target=self._run, name="checkrun-reference", daemon=True,
                                         args=(store, manifest, indices, allocate, max_total_bytes))
         self._thread.stop = self.join  # type: ignore[attr-defined]  # it ends by itself (see the coordinator's)
+        self._thread.cancel = self.cancel  # type: ignore[attr-defined]  # at exit (lifecycle._flush_all)
         self._thread.start()
         # It starts and ends io threads; CPython 3.11 can deadlock a child forked while a thread ends
         # (DataLoader workers fork right after a resume): a fork waits for this thread first.

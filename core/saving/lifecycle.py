@@ -115,11 +115,14 @@ def retiring(thread: threading.Thread) -> None:
         _retiring.add(thread)
 
 
-def _join_retiring() -> None:
-    # Runs in the forking thread just before fork(); join() releases the GIL while it waits.
+def _join_retiring(cancel: bool = False) -> None:
+    # Runs in the forking thread just before fork(); join() releases the GIL while it waits. At exit
+    # (``cancel``) those that can stop early (a load's reference rebuild nobody will use) are told to.
     with _lock:
         threads = [t for t in _retiring if t is not threading.current_thread()]
     for t in threads:
+        if cancel and callable(stop := getattr(t, "cancel", None)):
+            stop()
         t.join(RETIRE_JOIN_SECONDS)
         if t.is_alive():
             log.warning("checkrun: forking while background thread %s still ends", t.name)
@@ -143,6 +146,10 @@ def _flush_all() -> None:
                 engine.close()
             except Exception as exc:  # at exit nobody can catch it: log instead
                 log.error("checkrun: pending save failed at interpreter exit: %s", exc)
+        # A daemon thread still in torch or I/O when the interpreter finalizes can abort the process
+        # ("terminate called without an active exception", exit status 134): a load's reference rebuild
+        # outlives an engine dropped right after its load (h165).
+        _join_retiring(cancel=True)
     except KeyboardInterrupt:  # ^C while the exit waits for saves: one line, not a traceback (exit goes on)
         pending = _pending_work()
         if pending:

@@ -3,6 +3,8 @@ queue is empty, the snapshot's copy helper after each snapshot, the storage pool
 them. ``wait()`` returns once they have ended; the engine stays usable (and incremental)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import torch
@@ -65,3 +67,36 @@ def test_release_idle_keeps_a_pool_in_use(tmp_path) -> None:
     assert store.map(work, range(3)) == [0, 1, 4]  # a new pool
     store.close()
     assert checkrun_threads() == []
+
+
+_DROPPED_AFTER_LOAD = r"""
+import sys, threading
+def check():  # threading's exit hooks run last-registered first: this one after checkrun's
+    alive = [t.name for t in threading.enumerate() if t.name == "checkrun-reference" and t.is_alive()]
+    print("ALIVE" if alive else "ENDED", flush=True)
+threading._register_atexit(check)
+import torch, ckpt_core
+from ckpt_core.loading import references
+real = references.load_references
+def held(store, manifest, where, indices, alloc, limit, stop):
+    stop.wait()  # the rebuild is still running when the script ends
+    return real(store, manifest, where, indices, alloc, limit, stop)
+references.load_references = held
+emb = torch.zeros(200_000, 8)
+with ckpt_core.CheckpointEngine() as engine:
+    for step in range(1, 4):
+        emb[step * 10:(step + 1) * 10] += 1  # a few rows change: row-delta saves (references rebuilt after a load)
+        engine.save({"emb": emb, "step": step}, f"{sys.argv[1]}/step={step}.ckpt")
+print("loaded", ckpt_core.CheckpointEngine().load(f"{sys.argv[1]}/step=3.ckpt")["step"], flush=True)
+"""
+
+
+def test_a_load_through_an_engine_dropped_at_once_ends_its_reference_rebuild_before_exit(tmp_path) -> None:
+    """h165: ``CheckpointEngine().load(p)`` in an evaluation script (the engine never kept) left the load's
+    reference rebuild (``load.reference: auto``) running into interpreter shutdown: exit status 134,
+    "terminate called without an active exception", 6 runs of 6. At exit it is stopped and joined."""
+    script = tmp_path / "eval.py"
+    script.write_text(_DROPPED_AFTER_LOAD)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["loaded", "3", "ENDED"], (out.stdout, out.stderr)
