@@ -301,8 +301,8 @@ def _shift(progress: Any, n: int, current: bool = True) -> None:
 _LIGHTNING = ("lightning.", "pytorch_lightning.", "lightning_fabric.", "lightning_ckpt.")
 
 
-def _averaging(callback: Any) -> bool:
-    """A weight-averaging callback of either package (``lightning`` or ``pytorch_lightning``; h160)."""
+def _is(callback: Any, names: tuple[str, ...]) -> bool:
+    """``callback`` is (a subclass of) one of Lightning's callbacks ``names``, of either package (h160)."""
     import importlib
 
     kinds = []
@@ -311,8 +311,14 @@ def _averaging(callback: Any) -> bool:
             module = importlib.import_module(package)
         except ImportError:
             continue
-        kinds += [getattr(module, n) for n in ("WeightAveraging", "StochasticWeightAveraging") if hasattr(module, n)]
-    return isinstance(callback, tuple(kinds)) or "WeightAveraging" in type(callback).__name__
+        kinds += [getattr(module, n) for n in names if hasattr(module, n)]
+    return isinstance(callback, tuple(kinds))
+
+
+def _averaging(callback: Any) -> bool:
+    """A weight-averaging callback (``lightning`` or ``pytorch_lightning``), or one named so."""
+    names = ("WeightAveraging", "StochasticWeightAveraging")
+    return _is(callback, names) or "WeightAveraging" in type(callback).__name__
 
 
 def _own(method: Any) -> bool:
@@ -345,7 +351,9 @@ def _warn_unreplayed(trainer: Any, steps: int) -> None:
     ``WeightAveraging`` subclass, ``StochasticWeightAveraging``) update their average in batch and epoch
     hooks (an independent check found the EMA average behind the uninterrupted run's, silently; a subclass
     named otherwise was missed until h156); a user's callback counting batches, or a module counter saved
-    in ``on_save_checkpoint``, stays at the checkpoint's value (h156: a warm-up callback's LR was off)."""
+    in ``on_save_checkpoint``, stays at the checkpoint's value (h156: a warm-up callback's LR was off);
+    ``ModelPruning`` saves its weights pruned without their masks, so the replayed steps move the pruned
+    weights off zero (h164)."""
     if not steps:
         return
     averaging = [type(cb).__name__ for cb in trainer.callbacks if _averaging(cb)]
@@ -353,6 +361,11 @@ def _warn_unreplayed(trainer: Any, steps: int) -> None:
         warnings.warn(f"checkrun: {', '.join(averaging)} did not see the {steps} replayed step(s): its averaged "
                       "weights are those of the checkpoint (the model and optimizer are the resumed step's)",
                       RuntimeWarning, stacklevel=3)
+    if any(_is(cb, ("ModelPruning",)) for cb in trainer.callbacks):  # its masks are in no checkpoint (h164)
+        warnings.warn(f"checkrun: ModelPruning's masks are not in the checkpoint, so the {steps} replayed step(s) "
+                      "moved the pruned weights off zero: the other weights are the resumed step's; the pruned ones "
+                      "differ from a checkpoint saved at that step until it prunes again (its next pruning, as after "
+                      "a stock resume)", RuntimeWarning, stacklevel=3)
     other = _user_state(trainer)
     if other:
         warnings.warn(f"checkrun: the {steps} replayed step(s) ran the optimizer and schedulers only, not "

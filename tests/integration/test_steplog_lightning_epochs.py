@@ -271,6 +271,31 @@ def test_a_replay_under_a_weight_averaging_callback_says_the_average_missed_its_
     assert not any("_Checkpoint" in m or "Net.on_save_checkpoint" in m for m in said), said
 
 
+def test_a_replay_under_model_pruning_says_the_pruned_weights_moved(tmp_path):
+    """ModelPruning saves its weights pruned without the masks (make_pruning_permanent): the replayed steps
+    moved the pruned weights off zero, so the resumed model was not the step's, silently (h164)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def fit(stop=None, ckpt_path=None):
+        callbacks = [ModelPruning("l1_unstructured", amount=0.5, verbose=0),
+                     ModelCheckpoint(dirpath=str(tmp_path / "c"), every_n_train_steps=12, save_last=True)]
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_epochs=3, default_root_dir=str(tmp_path), plugins=[CheckrunCheckpointIO(step_log=True)],
+                          callbacks=callbacks + ([_Stop(stop)] if stop else []))
+        model = Net()
+        try:
+            trainer.fit(model, _data(), ckpt_path=ckpt_path)
+        except _Stopped:
+            pass
+        return model
+
+    fit(stop=15)  # pruned at the end of epoch 0 (step 10); last.ckpt at 12 (weights zeroed); steps 13-15 logged
+    with pytest.warns(RuntimeWarning) as caught:
+        fit(ckpt_path="last")
+    said = [str(w.message) for w in caught if str(w.message).startswith("checkrun:")]
+    assert any("ModelPruning's masks are not in the checkpoint, so the 3 replayed step(s)" in m for m in said), said
+
+
 class _Dropout(Net):
     def __init__(self) -> None:
         super().__init__()
