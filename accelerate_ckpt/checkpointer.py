@@ -345,7 +345,7 @@ class AcceleratorCheckpointer:
 
     # -- load ------------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike | None = "latest", *, load_kwargs: dict | None = None,
-             **model_kwargs: Any) -> str:
+             replay: bool = True, **model_kwargs: Any) -> str:
         """Restore the whole state; returns the checkpoint's folder (an earlier release's: its index).
 
         ``path``: ``"latest"``/None (newest committed checkpoint of the default directory), a checkpoint
@@ -355,7 +355,9 @@ class AcceleratorCheckpointer:
         this process too. ``model_kwargs`` go to each model's ``load_state_dict`` (e.g. ``strict=False``).
         ``load_kwargs`` (accelerate's): passed on whole to accelerate's ``load_state`` for a folder it
         wrote; of a checkrun checkpoint only ``weights_only`` counts (``False`` unpickles values whose
-        types are not allow-listed; see ``load.allowed_globals``).
+        types are not allow-listed; see ``load.allowed_globals``). ``replay=False`` (step log on): load the
+        checkpoint exactly as saved, also the newest one, replaying none of the steps logged after it (a
+        rollback; accelerate's own tests load a checkpoint back that way).
         The checkpoint loaded is never removed by this process's retention."""
         load_kwargs = dict(load_kwargs or {})
         if self.unsupported:
@@ -391,7 +393,8 @@ class AcceleratorCheckpointer:
         with self._names_lock:
             self._resumed.add(layout.checkpoint_key(url))
         if self._steplog is not None:  # every rank: the steps logged after it, into the live objects
-            self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes, own=self._saves_into(url))
+            self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes and replay,
+                                     own=self._saves_into(url))
         return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:
@@ -457,7 +460,8 @@ class AcceleratorCheckpointer:
         if load_model_func_kwargs.pop("map_location", None) not in (None, "cpu", "on_device"):  # as accelerate's (h133)
             raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
                             "`'on_device'`")
-        return self.load(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        replay = load_model_func_kwargs.pop("replay", True)  # checkrun's: load_state(folder, replay=False)
+        return self.load(input_dir, load_kwargs=load_kwargs, replay=replay, **load_model_func_kwargs)
 
     def _end_training(self) -> None:
         """``Accelerator.end_training`` after every pending checkpoint is committed (this checkpointer is

@@ -148,7 +148,7 @@ class AccelerateStepLog:
     def after_load(self, part_url: str, saved: dict | None, replay: bool = True, own: bool = True) -> int:
         """Every rank: replay the steps logged after ``part_url`` (rank 0's part of the loaded
         checkpoint) into the live optimizer and scheduler; returns how many. ``replay=False`` (an older
-        checkpoint loaded by name: a rewind): none; rank 0's log starts a chain of its own there.
+        checkpoint loaded by name: a rewind; or asked for): none; rank 0's log starts a chain of its own there.
         ``own``: the checkpoint is in the directory this Accelerator saves to, where rank 0 logs on at
         once; else (another project's checkpoint, a folder of its own) the log starts at the next save,
         in its directory (logging on in the loaded one made a later resume of that project replay this
@@ -162,8 +162,8 @@ class AccelerateStepLog:
         self._replaying = replay
         try:
             if not replay:
-                log.info("accelerate_ckpt: %s is older than the newest checkpoint: loaded as saved, no step "
-                         "replayed (load_state() resumes to the newest logged step)", part_url)
+                log.info("accelerate_ckpt: %s loaded as saved, no step replayed (older than the newest checkpoint, "
+                         "or replay=False; load_state() resumes to the newest logged step)", part_url)
             else:
                 replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
                                               storage_options=self.storage_options, scaler=self.accelerator.scaler,

@@ -167,9 +167,10 @@ class CheckpointEngine:
         every blob's checksum (reads it once), ``False`` each blob's size. A corrupt candidate is skipped
         with a warning naming it; one the storage fails to return raises ``StorageError``."""
         self._check_open()
-        store, sizes = self._dir_store(directory, storage_options), None
-        self._wait_dir(store)
-        for entry in reversed(list_checkpoints(store, self.config, heads=True)):  # each parsed when tried
+        self._wait_dir(store := self._dir_store(directory, storage_options))
+        sizes, entries = None, list_checkpoints(store, self.config, heads=True)
+        outages = [e for e in entries if e.error is not None and e.unreadable]
+        for entry in reversed(entries):  # each parsed when tried
             if entry.error is not None:
                 require_readable(entry.unreadable, entry.url, entry.error)
                 log.warning("checkrun: skipping corrupt checkpoint %s: %s", entry.url, entry.error)
@@ -184,6 +185,8 @@ class CheckpointEngine:
             if problems:
                 log.warning("checkrun: skipping checkpoint %s: %s", entry.url, problems[0])
                 continue
+            for late in (u for u in outages if u.mtime >= entry.mtime):  # an unreadable one written after it (the
+                require_readable(True, late.url, late.error)  # files' clock) may be newer than its commit time says
             return entry.url
         return None
 
@@ -362,8 +365,7 @@ class CheckpointEngine:
         return self._dirs.setdefault(store.cache_key, DirState())
 
     def _adopt_rebuilds(self, dirstate: DirState, install: bool = True) -> None:
-        """Wait for the references that loads here rebuild in the background (``load.reference``)
-        and make them the row streams, in the order of the loads (``install=False``: drop them)."""
+        """Wait for the references loads rebuild (``load.reference``); make them the row streams (or drop them)."""
         builds, dirstate.rebuilds = dirstate.rebuilds, []
         for build in builds if not install else ():
             build.cancel()  # the engine closes: a script that exits after a load does not wait for it
@@ -381,14 +383,12 @@ class CheckpointEngine:
 
     @staticmethod
     def _wait_path(url: str) -> None:
-        """Wait for a save to ``url`` by any engine of this process (DESIGN: load/remove of a path
-        wait for a save to it in flight anywhere in this process)."""
+        """Wait for a save to ``url`` by any engine of this process (DESIGN: load/remove of a path wait for it)."""
         inflight.wait(url)
 
     @staticmethod
     def _wait_dir(store: Store) -> None:
-        prefix = store.url("")
-        inflight.wait_under(prefix.rstrip("/") + "/")
+        inflight.wait_under(store.url("").rstrip("/") + "/")
 
     def _raise_pending_error(self, also: list[BaseException] = ()) -> None:
         err = pending_error([(h.path, e) for h in self._coord.take_failed() if (e := h.take_error()) is not None], also)

@@ -193,12 +193,13 @@ def build_optimizer(cls: type, model: dict, opt: dict, names: list[list[str]], w
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": params})
     try:
         optimizer = cls(groups)
+        own = set(optimizer.defaults)  # load_state_dict adds keys of torch's own (``differentiable``: h162)
         optimizer.load_state_dict(opt)
     except Exception as exc:  # noqa: BLE001 - torch's own errors: a state of another optimizer class
         raise CliError(f"{where}: the optimizer state does not load into torch.optim.{cls.__name__}: "
                        f"{one_line(exc)}") from None
     # load_state_dict takes the saved groups as they are: another class's lack this one's settings.
-    missing = sorted({k for g in optimizer.param_groups for k in optimizer.defaults if k not in g})
+    missing = sorted({k for g in optimizer.param_groups for k in own if k not in g})
     if missing:
         raise CliError(f"{where}: the optimizer state does not load into torch.optim.{cls.__name__}: its "
                        f"parameter groups lack {', '.join(missing)} (saved by another optimizer class?)")

@@ -10,8 +10,12 @@ Objects under ``<dir>/.checkrun/leases/`` (small JSON, each written in one atomi
 
 A lease is *live* until its expiry, unless its process is certainly gone (same host key, see
 ``owner``); a collection deletes no blob a live lease names. Expiry compares the expiry the writer
-wrote (writer's clock) with the collector's clock: clocks of hosts sharing a directory must agree
-within a quarter of ``lease_seconds`` (the margin the writer keeps, ``save_lease``). Every object
+wrote (writer's clock) with the collector's clock, and also the lease's lifetime with the age of its
+object on the storage's clock (its mtime): a lease is live while either says so. A collection measures
+the storage's clock against its own host's (``storage_now``, from the mtime of the object it wrote) and
+dates temp files and blobs by it too, so a host whose clock is off (a writer behind, a collector ahead:
+h165 lost committed checkpoints at 10 minutes) neither loses leases nor has files taken for old; an
+offset over ``SKEW_WARN_SECONDS`` is logged. Every object
 read is validated before use (size, JSON shape, types, keys as hex digests): anything else is a
 ``FormatError`` naming the file, and a collection that meets one deletes nothing. Names are matched
 against a fixed pattern and joined to the lease directory, never taken as paths.
@@ -36,6 +40,7 @@ from ..storage import owner
 from ..errors import CheckpointNotFoundError, CheckrunError, CorruptCheckpointError, FormatError
 from ..format.dtypes import is_blob_key
 from ..format.limits import json_shape
+from ..storage.paths import FileInfo
 from ..storage.store import LEASE_DIR, Store
 
 log = logging.getLogger("ckpt_core")
@@ -73,9 +78,13 @@ class LeaseRecord:
         """Its process has certainly ended (only decidable on the same host: ``owner.is_gone``)."""
         return owner.is_gone(self.host, self.pid, self.start)
 
-    def live(self, now: float) -> bool:
-        """Whether it still protects (``now``: the reader's ``time.time()``)."""
-        return now <= self.expires and not self.gone()
+    def live(self, now: float, stored: float | None = None, storage_now: float | None = None) -> bool:
+        """Whether it still protects (``now``: the reader's ``time.time()``; ``stored``: the object's mtime and
+        ``storage_now``, both on the storage's clock: live while younger than its lifetime there too)."""
+        if self.gone():
+            return False
+        aged = stored is not None and storage_now is not None and storage_now <= stored + self.expires - self.written
+        return now <= self.expires or aged
 
     def to_bytes(self) -> bytes:
         body = {"_checkrun": _MAGIC, "version": _VERSION, "kind": self.kind, "writer": self.writer,
@@ -168,7 +177,11 @@ class LeaseDir:
 
     def listing(self) -> set[str]:
         """Names of the files in the lease directory (lease objects, temp files)."""
-        return {f.name for f in self._raw.list_files(include_temp=True)}
+        return set(self.infos())
+
+    def infos(self) -> dict[str, FileInfo]:
+        """The files in the lease directory by name, with their mtimes (the storage's clock)."""
+        return {f.name: f for f in self._raw.list_files(include_temp=True)}
 
     def names(self, prefix: str = "", listing: set[str] | None = None) -> list[str]:
         """Names of the lease objects (other files are ignored), sorted."""
@@ -214,15 +227,57 @@ class Protection:
         return bool(self.dead) or self.dead_temp
 
 
-def read_protection(ldir: LeaseDir, exclude: str = "") -> Protection:
-    """The live keys and the dead objects of ``ldir`` (``exclude``: the reader's own collection object)."""
+#: Storage clock minus this host's, per directory, as its latest collection measured it (``storage_now``).
+_OFFSETS: dict[str, float] = {}
+_WARNED: set[tuple[str, str]] = set()
+#: A difference below this is timestamp granularity and request latency, not a clock that is off.
+SKEW_IGNORE_SECONDS = 2.0
+#: A clock this far off the storage's is logged (once per directory and host): retention's order and the
+#: commit stamps use the hosts' clocks too.
+SKEW_WARN_SECONDS = 30.0
+
+
+def storage_now(store: Store) -> float:
+    """``time.time()`` on the storage's clock of ``store``'s directory, as its latest collection measured it."""
+    return time.time() + _OFFSETS.get(store.url(""), 0.0)
+
+
+def _skew(ldir: LeaseDir, who: str, seconds: float) -> None:
+    key = (ldir.store.url(""), who)
+    if abs(seconds) >= SKEW_WARN_SECONDS and key not in _WARNED and len(_WARNED) < 1024:
+        _WARNED.add(key)
+        log.warning("checkrun: the clock of %s is %.0f s %s the storage's (%s): leases and file ages are judged on "
+                    "the storage's clock; synchronise the clocks (NTP): the order of checkpoints uses them too", who,
+                    abs(seconds), "behind" if seconds > 0 else "ahead of", ldir.store.url(""))
+
+
+def clock_offset(ldir: LeaseDir, infos: dict[str, FileInfo], written: dict[str, float]) -> float:
+    """The storage's clock minus this host's, from the mtime of the objects this process wrote (``written``: name
+    -> its ``written``, this host's clock) in the listing ``infos``; 0 if none is listed or it is within
+    ``SKEW_IGNORE_SECONDS``. Also kept for ``storage_now``."""
+    mine = [(w, infos[n].mtime - w) for n, w in written.items() if n in infos]
+    if not mine:
+        return _OFFSETS.get(ldir.store.url(""), 0.0)
+    offset = max(mine)[1]  # the latest write
+    offset = _OFFSETS[ldir.store.url("")] = offset if abs(offset) >= SKEW_IGNORE_SECONDS else 0.0
+    _skew(ldir, "this host", offset)
+    return offset
+
+
+def read_protection(ldir: LeaseDir, exclude: str = "", written: float | None = None) -> Protection:
+    """The live keys and the dead objects of ``ldir`` (``exclude``: the reader's own collection object, which
+    it wrote at ``written`` by its clock: the storage's clock is measured against it)."""
     prot = Protection()
-    now = time.time()
-    listing = ldir.listing() - {exclude}
+    now, infos = time.time(), ldir.infos()
+    storage = now + clock_offset(ldir, infos, {exclude: written} if written is not None else {})
+    listing = set(infos) - {exclude}
     prot.dead_temp = any(".tmp-" in n and owner.temp_writer_gone(n) for n in listing)
     savers = set()
     for rec in ldir.read_all(listing=listing):
-        if not rec.live(now):
+        stored = infos[rec.name].mtime if rec.name in infos else None
+        if stored is not None:
+            _skew(ldir, f"host {rec.host[:40]} (pid {rec.pid})", stored - rec.written)
+        if not rec.live(now, stored, storage):
             prot.dead.append(rec)
         elif rec.kind == "save":
             prot.live |= rec.keys
@@ -250,12 +305,15 @@ class Collection:
         self.window = lease_seconds / 20
         self._deadline = 0.0
         self._written = False
+        self.written: float | None = None
+        """When this host's clock said it last wrote its object (None before)."""
 
     def begin_round(self) -> None:
         """Write this collection's object again; deletions may run for ``window`` seconds from now."""
         t0 = time.monotonic()
-        self.dir.write(record(self.name, "gc", self.lease_seconds, window=self.window))
-        self._written = True
+        rec = record(self.name, "gc", self.lease_seconds, window=self.window)
+        self.dir.write(rec)
+        self._written, self.written = True, rec.written
         self._deadline = t0 + self.window
 
     def widen(self) -> None:

@@ -21,14 +21,13 @@ import dataclasses
 import fnmatch
 import logging
 import re
-import time
 
 from ..storage import owner
 from ..config import EngineConfig
 from ..errors import CheckpointNotFoundError, CheckrunError, UnsafePathError
 from ..storage.retry import is_outage
 from . import keycache
-from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection
+from .leases import Collection, LeaseDir, Protection, WindowClosed, linked_blobs, read_protection, storage_now
 from .report import CheckpointEntry, GCReport
 from ..format.manifest import SNIFF_BYTES, checksum_matches, is_manifest_head, looks_damaged, parse_manifest
 from ..format.limits import limits_for
@@ -305,7 +304,7 @@ def _read_state(store: Store, config: EngineConfig, ldir: LeaseDir, gc: Collecti
     """Leases, then manifests (in this order: a lease released after its commit is seen, or its
     manifest is); None, with the problems reported, if any cannot be read."""
     try:
-        prot = read_protection(ldir, exclude=gc.name)
+        prot = read_protection(ldir, exclude=gc.name, written=gc.written)
     except CheckrunError as exc:
         report.problems.append(str(exc))
         log.warning("checkrun: gc skipped in %s: a lease object cannot be read: %s", report.directory, exc)
@@ -354,7 +353,7 @@ def _victims(store: Store, pool: dict[str, BlobInfo], state: tuple[Protection, s
         victims.append(blob)
     if floor > 0:  # only where a grace applies: look at the ages (a targeted pool has none yet)
         infos = store.map(lambda b: store.blob_info(b.key) if b.mtime == 0.0 else b, victims)
-        now = time.time()
+        now = storage_now(store)  # blobs are dated by the storage's clock (leases.read_protection)
         young = [i for i in infos if i is not None and now - i.mtime < floor]
         report.kept_young += len(young)
         victims = [i for i in infos if i is not None and now - i.mtime >= floor]
@@ -405,7 +404,7 @@ def _delete(store: Store, blob: BlobInfo, floor: float, gc: Collection) -> bool 
             info = store.blob_info(blob.key)
             if info is None:
                 return True
-            if time.time() - info.mtime < floor:
+            if storage_now(store) - info.mtime < floor:
                 return "young"
         store.delete_blob(blob.key, guard=gc.guard)
         return True
@@ -432,7 +431,7 @@ def _collect_temp_files(store: Store, config: EngineConfig, floor: float, report
     """A process killed while writing leaves its temp file (a torn blob, an unrenamed manifest):
     nothing reads them. Deleted when their process ended, or when older than ``lease_seconds``
     (and the grace): a live writer finishes a file much sooner."""
-    age, now = max(floor, config.retention.lease_seconds), time.time()
+    age, now = max(floor, config.retention.lease_seconds), storage_now(store)
     stale = [t for t in store.list_temp_files() if owner.temp_writer_gone(t.name) or now - t.mtime >= age]
     if delete:
         store.map(lambda t: store.delete_temp_file(t.name), stale)

@@ -41,7 +41,7 @@ from typing import Iterable
 
 from ..config import EngineConfig
 from ..errors import CheckrunError
-from ..retain.leases import LeaseDir, new_name, record
+from ..retain.leases import LeaseDir, clock_offset, new_name, record
 from ..storage.store import Store
 
 log = logging.getLogger("ckpt_core")
@@ -69,6 +69,7 @@ class SaveLease:
         """Time ``cover`` spent waiting for collections in progress."""
         self._parts: list[tuple[str, set[str]]] = [(self.name, set())]  # (object, keys its latest version names)
         self._times: dict[str, tuple[float, float, float]] = {}  # object -> (valid until, wall until, written at)
+        self._wrote: dict[str, float] = {}  # object -> its latest ``written`` (this host's clock)
         self._covered: set[str] = set()  # published, and past the wait for collections
         self._pending: set[str] = set()
         self._cond = threading.Condition()
@@ -122,7 +123,9 @@ class SaveLease:
         seconds = self.seconds if seconds is None else seconds
         for name, keys in (self._parts if only is None else (only,)):
             started, wall = _now(), time.time()
-            self.dir.write(record(name, "save", seconds, frozenset(keys), expired=expired))
+            rec = record(name, "save", seconds, frozenset(keys), expired=expired)
+            self.dir.write(rec)
+            self._wrote[name] = rec.written
             if self._valid_until is not None and (started > self._valid_until or wall > self._wall_until):
                 self._lapsed = True
             margin = seconds - 0.25 * self.seconds
@@ -141,11 +144,13 @@ class SaveLease:
         first_seen: dict[str, float] = {}
         delay, t0 = _POLL_FIRST, _now()
         while True:
-            now_wall, now = time.time(), _now()
+            now_wall, now, infos = time.time(), _now(), self.dir.infos()
+            storage = now_wall + clock_offset(self.dir, infos, dict(self._wrote))  # a host clock off: h165
             busy = []
-            for rec in self.dir.read_all(prefix="gc-"):
+            for rec in self.dir.read_all(prefix="gc-", listing=set(infos)):
                 identity = (self.dir.url(rec.name), rec.written)
-                if not rec.live(now_wall) or identity in _WAITED_OUT:
+                stored = infos[rec.name].mtime if rec.name in infos else None
+                if not rec.live(now_wall, stored, storage) or identity in _WAITED_OUT:
                     continue
                 own = max(self.seconds, rec.expires - rec.written)  # the collector's lease_seconds
                 window = min(rec.window, own / 4, MAX_COLLECTION_WINDOW)

@@ -109,8 +109,50 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
         warnings.warn(f"checkrun: {staged[i].key!r} and {other!r} are one tensor (tied) that the quantization "
                       "rules treat differently; it is stored lossless. Give both keys the same rule to quantize it",
                       UserWarning, stacklevel=4)
+    for group in _overlapping(flat, sources):  # views of one memory in other shapes (h162)
+        if all(_match(staged[i].key, staged[i].dtype, math.prod(staged[i].shape), len(staged[i].shape), rules)[1]
+               is None for i in group):
+            continue
+        names = [staged[i].key for i in group]
+        for i in group:
+            mixed.setdefault(i, names[0])
+            others.setdefault(i, []).extend(n for n in names if n != staged[i].key)
+        warnings.warn(f"checkrun: {', '.join(map(repr, names))} are views of one memory in different shapes, which "
+                      "quantization would store as different values; they are stored lossless. Save one of them, or "
+                      "give no rule to any", UserWarning, stacklevel=4)
     return tuple(dataclasses.replace(st, tied=tuple(others[i]), lossless=i in mixed) if i in others else st
                  for i, st in enumerate(staged))
+
+
+def _region(t: torch.Tensor) -> tuple | None:
+    """(device, storage, first byte, end byte) of the memory a strided tensor reads; None for others."""
+    if not t.numel() or t.layout != torch.strided:
+        return None
+    try:
+        lo = hi = t.storage_offset()
+        for n, step in zip(t.shape, t.stride()):
+            lo, hi = (lo + (n - 1) * step, hi) if step < 0 else (lo, hi + (n - 1) * step)
+        return (str(t.device), t.untyped_storage().data_ptr(), lo * t.element_size(), (hi + 1) * t.element_size())
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own (a subclass, a wrapper)
+        return None
+
+
+def _overlapping(flat: Any, sources: list[int]) -> list[list[int]]:
+    """Groups of two or more staged tensors (indices) whose memory overlaps: views of one memory that are not
+    one tensor (other shapes or offsets: a table and a slice of its rows, its transpose, its flat view)."""
+    regions = {}
+    for leaf, i in zip(flat.tensors, sources):
+        if i not in regions and (r := _region(leaf.tensor)) is not None:
+            regions[i] = r
+    groups, current, where, end = [], [], None, 0
+    for i, (device, ptr, lo, hi) in sorted(regions.items(), key=lambda item: item[1]):
+        if current and where == (device, ptr) and lo < end:
+            current.append(i)
+            end = max(end, hi)
+            continue
+        groups.append(current)
+        current, where, end = [i], (device, ptr), hi
+    return [g for g in groups + [current] if len(g) > 1]
 
 
 def _settings(rule: QuantRule) -> QuantRule:

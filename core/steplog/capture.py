@@ -206,7 +206,7 @@ def fingerprint(optimizer: Any) -> tuple:
     for group in optimizer.param_groups:
         for p in group["params"]:
             out.append(_digest(p))
-            for k, v in optimizer.state.get(p, {}).items():
+            for k, v in (optimizer.state.get(p) or {}).items():  # ZeroRedundancyOptimizer: None (h162)
                 out.append((k, _digest(v) if isinstance(v, torch.Tensor) else repr(v)))
     return tuple(out)
 

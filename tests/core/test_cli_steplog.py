@@ -411,6 +411,37 @@ def test_export_step_keeps_an_unnamed_optimizer_state_unnamed(tmp_path, capsys):
     assert all(torch.equal(got["model"][k], v) for k, v in net.state_dict().items())
 
 
+@pytest.mark.parametrize("cls", ["SparseAdam", "Adafactor"])
+def test_export_step_of_an_optimizer_whose_defaults_lack_differentiable(tmp_path, capsys, cls):
+    """torch's load_state_dict adds ``differentiable`` to every optimizer's defaults; SparseAdam and Adafactor
+    never put it in their groups: export refused their logs ("its parameter groups lack differentiable (saved
+    by another optimizer class?)") although replay was exact (h162)."""
+    directory = str(tmp_path / "run")
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(40, 8, sparse=cls == "SparseAdam")
+    opt = getattr(torch.optim, cls)(emb.parameters(), lr=0.01)
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        emb(torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(i))).square().mean().backward()
+        opt.step()
+
+    with CheckpointEngine() as engine:
+        slog = engine.step_log(directory, opt, model=emb)
+        for i in range(1, 7):
+            step(i)
+            if i == 3:
+                engine.save({"model": emb.state_dict(), "opt": opt.state_dict()}, f"{directory}/s3.ckpt").result()
+        slog.close()
+    out = tmp_path / "x.pt"
+    code, _, err = _run(capsys, "export", directory, str(out), "--step", "6", "--optimizer", cls)
+    assert code == 0, err
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["model"]["weight"], emb.weight.detach())
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for k, v in opt.state_dict()["state"].items()
+               for a, b in zip(v.values(), got["opt"]["state"][k].values()))
+
+
 class _SegmentReadsFail:
     """Every read of a step-log segment fails as an unreachable storage does (after the retries)."""
 

@@ -103,6 +103,42 @@ def test_rule_naming_every_key_of_tied_weights_quantizes_them(tmp_path):
     assert torch.equal(got["emb.weight"], got["head.weight"])
 
 
+@pytest.mark.parametrize("view", ["rows", "flat", "transposed", "reshaped", "all but the last row"])
+def test_views_of_one_memory_in_other_shapes_are_stored_lossless_when_a_rule_names_one(tmp_path, view):
+    """quantization.md: views of one memory under several keys are quantized only when treated alike. A view
+    in another shape or at another offset (a table's rows, its transpose) was staged apart: the table came
+    back quantized and the view lossless, so after a load into a model where the view is a buffer over the
+    table the two disagreed, with no warning (h162). Both are stored lossless, with a warning naming them."""
+    torch.manual_seed(0)
+    table = torch.randn(300, 16)
+    other = {"rows": table[5:10], "flat": table.view(-1), "transposed": table.t(), "reshaped": table.view(600, 8),
+             "all but the last row": table[:299]}[view]
+    config = {"saving": {"asynchronous": False},
+              "quantization": [{"pattern": "emb.weight", "method": "uniform", "bits": 8}]}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ckpt_core.save({"emb.weight": table, "view": other}, str(tmp_path / "x.ckpt"), config=config)
+    messages = [str(w.message) for w in seen]
+    assert any("'emb.weight', 'view' are views of one memory in different shapes" in m
+               or "'view', 'emb.weight' are views of one memory in different shapes" in m for m in messages), messages
+    assert not any("matched no tensor" in m for m in messages), messages
+    got = ckpt_core.load(str(tmp_path / "x.ckpt"))
+    assert torch.equal(got["emb.weight"], table) and torch.equal(got["view"], other)
+
+
+def test_disjoint_slices_of_one_table_keep_their_rules(tmp_path):
+    """Views that share a storage but not bytes (two halves) are no tie: each follows its own rule."""
+    torch.manual_seed(0)
+    table = torch.randn(300, 16)
+    config = {"saving": {"asynchronous": False},
+              "quantization": [{"pattern": "top", "method": "uniform", "bits": 8}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt_core.save({"top": table[:150], "bottom": table[150:]}, str(tmp_path / "x.ckpt"), config=config)
+    got = ckpt_core.load(str(tmp_path / "x.ckpt"))
+    assert not torch.equal(got["top"], table[:150]) and torch.equal(got["bottom"], table[150:])
+
+
 def test_container_shared_at_many_places_is_refused_at_save_within_bounds(tmp_path):
     """Lists, tuples and dicts are stored by value: one shared n levels deep in pairs appears 2**n times.
     Before, ``save()`` expanded all of them (n=20: 15-22 s, 900 MiB, then a failure in the background;

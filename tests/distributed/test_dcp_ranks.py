@@ -136,3 +136,10 @@ def test_per_rank_tensors_of_one_name_are_not_spread_and_process_async_save_work
 
 def test_a_key_that_reads_like_a_chunk_name_saves_and_loads(tmp_path) -> None:
     assert run_ranks(workers.chunk_like_keys, 2, str(tmp_path)) == [{"ok": True}, {"ok": True}]
+
+
+def test_a_zero_redundancy_optimizer_replays_its_step_log_on_every_rank(tmp_path):
+    """ZeroRedundancyOptimizer on 2 gloo ranks: the replay applied the logged steps, then raised AttributeError
+    ('NoneType' object has no attribute 'items') on both ranks (h162); it returns them, bit for bit."""
+    results = run_ranks(workers.zero_step_log_replay, 2, str(tmp_path / "run"))
+    assert results == [{"replayed": 3, "equal": True}] * 2, results

@@ -468,3 +468,35 @@ def chunk_like_keys(rank: int, world: int, root: str) -> dict:
     ok = (torch.equal(target["w"].full_tensor(), full) and torch.equal(target["w@2,0"], torch.full((3,), 7.0))
           and torch.equal(whole["w"], full) and torch.equal(whole["w@2,0"], torch.full((3,), 7.0)))
     return {"ok": ok}
+
+
+def zero_step_log_replay(rank: int, world: int, root: str) -> dict:
+    """A ZeroRedundancyOptimizer (each rank holds the state of its shard) logged by rank 0, checkpointed at step
+    3 (consolidated on rank 0), replayed on every rank after a load: its load_state_dict leaves ``state[p] =
+    None`` for the other rank's parameters, which the log's fingerprint took for a dict (h162)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    engine = ckpt_core.CheckpointEngine()
+    log = engine.step_log(root, opt, model=model) if rank == 0 else None
+    for i in range(1, 7):
+        ddp(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            opt.consolidate_state_dict(to=0)
+            if rank == 0:
+                engine.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{root}/s3.ckpt").result()
+    if log is not None:
+        log.close()
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.barrier()
+    state = engine.load(f"{root}/s3.ckpt")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    replayed = engine.replay(root, opt, after=f"{root}/s3.ckpt", model=model)
+    engine.close()
+    return {"replayed": replayed, "equal": all(torch.equal(v, final[k]) for k, v in model.state_dict().items())}

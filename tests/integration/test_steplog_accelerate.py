@@ -193,6 +193,30 @@ def test_an_older_checkpoint_loaded_by_name_is_a_rewind_and_the_newest_still_res
     ckpt.close()
 
 
+def test_replay_false_loads_the_newest_checkpoint_as_saved(tmp_path: Path) -> None:
+    """With the step log on, load_state() of the newest checkpoint always replayed the steps logged after it:
+    no way was left to roll back to it (accelerate's own test_state_checkpointing saves, trains, then loads
+    the checkpoint back: 10 of its 18 tests failed with the log on; h166). ``replay=False`` loads it as
+    saved, through ``load_state`` and ``ckpt.load``; a later load_state() still resumes the newest step."""
+    acc, net, opt, sched, ckpt = _setup(tmp_path / "proj")
+    for step in range(1, 9):
+        _step(acc, net, opt, sched, step)
+        if step == 4:
+            acc.save_state()
+            at_4 = _state(net, opt, sched)
+    at_8 = _state(net, opt, sched)
+    acc.load_state(replay=False)
+    assert ckpt.replayed_steps == 0
+    assert_bit_equal(_state(net, opt, sched), at_4, "the newest checkpoint, as saved")
+    acc.load_state()
+    assert ckpt.replayed_steps == 4
+    assert_bit_equal(_state(net, opt, sched), at_8, "load_state() replays")
+    ckpt.load(str(tmp_path / "proj" / "checkpoints" / "checkpoint_0"), replay=False)
+    assert ckpt.replayed_steps == 0
+    assert_bit_equal(_state(net, opt, sched), at_4, "ckpt.load(replay=False)")
+    ckpt.close()
+
+
 def test_load_state_ends_with_the_rng_states_of_the_last_replayed_step(tmp_path: Path) -> None:
     """accelerate's ``save_state`` keeps the RNG states; a resume through the log ends with those of the
     last replayed step, as a ``save_state()`` there would have them (before 2026-12-06: the checkpoint's)."""

@@ -16,6 +16,7 @@ waits twice that collection's deletion window (``lease_seconds / 20``, short her
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -118,9 +119,14 @@ def test_a_forward_step_of_the_clock_during_a_save_never_commits_collected_blobs
         assert fresh
         real = time.time
         monkeypatch.setattr(time, "time", lambda: real() + 10 * LEASE)  # the step: every clock reader sees it
-        report = b.gc(root)
-        assert report.leases == 0 and fresh <= set(report.deleted)  # the lease reads as expired now
-        gate.release()
+        for lease in (root / ".checkrun" / "leases").iterdir():  # and the files written before it are older
+            st = lease.stat()  # by as much on the clock that dates the files written after it (leases, h165)
+            os.utime(lease, (st.st_atime - 10 * LEASE, st.st_mtime - 10 * LEASE))
+        try:
+            report = b.gc(root)
+            assert report.leases == 0 and fresh <= set(report.deleted)  # the lease reads as expired now
+        finally:
+            gate.release()
         with pytest.raises(BackgroundSaveError, match="collected while its lease had lapsed"):
             handle.result()
     FaultFS.policy = None
@@ -171,12 +177,14 @@ def _orphans(url: str, opts: dict | None = None, n: int = 3) -> list[str]:
 
 def _forge(url: str, keys: list[str], expires_in: float, host: str = "another-host/boot/1",
            pid: int = 4242, start: int = 1) -> LeaseRecord:
-    """A lease as another writer would have written it."""
+    """A lease as another writer would have written it 60 s ago (its file dated so: collections also judge a
+    lease by the age of its file, h165)."""
     ldir = LeaseDir(store_of(url))
     now = time.time()
     rec = LeaseRecord(f"{'0f' * 8}-{pid}.json", "save", "0f" * 8, pid, start, host, now - 60,
                       now + expires_in, 0.0, frozenset(keys))
     ldir.write(rec)
+    os.utime(Path(url) / ".checkrun" / "leases" / rec.name, (now - 60, now - 60))
     return rec
 
 
@@ -193,6 +201,47 @@ def test_an_expired_lease_of_a_dead_writer_does_not_protect(tmp_path):
         assert sorted(report.deleted) == sorted(live) and report.leases == 0
         assert not (Path(url) / ".checkrun" / "leases" / dead.name).exists()  # removed with its blobs
     assert verify_all(url) == ["a1.ckpt"]
+
+
+def _lease_of_another_host(url: str, keys: list[str], written: float) -> None:
+    LeaseDir(store_of(url)).write(LeaseRecord(f"{'0f' * 8}-4242.json", "save", "0f" * 8, 4242, 1,
+                                              "another-host/boot/1", written, written + LEASE, 0.0, frozenset(keys)))
+
+
+def test_a_lease_of_a_writer_whose_clock_is_behind_protects_while_its_file_is_young(tmp_path, caplog):
+    """h165: a trainer whose clock ran 10 minutes behind wrote leases already expired by the collector's clock:
+    gc deleted the blobs of its saves in flight, which committed without them (kept checkpoints lost blobs,
+    nothing said). A lease also lives while its file is younger than its lifetime, on the storage's clock."""
+    url = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        live = _orphans(url, n=2)
+        _lease_of_another_host(url, live, time.time() - 600)  # just written, by its clock
+        with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+            report = engine.gc(url)
+    assert report.deleted == [] and report.kept_leased == 2 and report.leases == 1, report
+    said = [r.getMessage() for r in caplog.records]
+    assert any("host another-host/boot/1 (pid 4242) is 600 s behind the storage's" in m for m in said), said
+
+
+def test_a_collector_whose_clock_is_ahead_keeps_live_leases_and_young_temp_files(tmp_path, monkeypatch, caplog):
+    """h165: a gc on a host 10 minutes ahead took every lease for expired and every temp file for a dead
+    writer's: it deleted blobs and manifests being written (saves failed with a raw rename error, kept
+    checkpoints lost blobs). It dates leases, temp files and blobs on the storage's clock, measured by the
+    date the storage gives the object it writes."""
+    url = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        live = _orphans(url, n=2)
+        _lease_of_another_host(url, live, time.time())
+        temp = Path(url) / f".a2.ckpt.tmp-{'ab' * 16}"  # its manifest being written
+        temp.write_bytes(b"partial")
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 600)
+        with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+            report = engine.gc(url)
+    assert report.deleted == [] and report.kept_leased == 2 and report.temp_files == [] and temp.exists(), report
+    assert any("the clock of this host is 600 s ahead of the storage's" in r.getMessage() for r in caplog.records)
 
 
 def test_the_lease_of_an_ended_process_of_this_host_does_not_protect(tmp_path):

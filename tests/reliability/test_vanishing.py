@@ -271,6 +271,27 @@ def test_a_size_of_0_from_the_storage_for_a_listed_manifest_is_no_empty_file(tmp
                 engine.latest(url)
 
 
+def test_an_unreadable_newest_manifest_stops_latest_also_when_stamps_run_ahead(tmp_path, monkeypatch):
+    """The case above in a process whose commit stamps run 30 s ahead (it resumed from a checkpoint of a host
+    30 s ahead: ``fence.observe``): the unreadable b.ckpt, dated by its file, sorted older than a.ckpt's
+    commit time, and ``latest()`` answered a.ckpt in silence (found while isolating a test-order failure of
+    the case above). An unreadable manifest written after the candidate (the files' clock) stops it."""
+    from ckpt_core.saving import fence
+
+    fence.observe({"ns": time.time_ns() + 30 * 10**9})
+    monkeypatch.setattr("ckpt_core.retain.retention.WHOLE_READ_BYTES", 0)
+    root, own = _two_checkpoints(tmp_path)
+    real = FaultFS.info
+
+    def info(self, path, **kwargs):
+        out = real(self, path, **kwargs)
+        return {**out, "size": 0} if not isinstance(path, os.DirEntry) and str(path).endswith("b.ckpt") else out
+    monkeypatch.setattr(FaultFS, "info", info)
+    with CheckpointEngine(config()) as engine:
+        with pytest.raises(ckpt_core.StorageError, match="b.ckpt: cannot read it .* not skipping it for an older"):
+            engine.latest(f"faultfile://{root}")
+
+
 class _DeletedUnanswered(Policy):
     """Every DELETE of ``victim`` lands, and its answer is lost (a timeout), as through h114's S3 proxy."""
 
