@@ -255,7 +255,7 @@ def clock_offset(ldir: LeaseDir, infos: dict[str, FileInfo], written: dict[str, 
     """The storage's clock minus this host's, from the mtime of the objects this process wrote (``written``: name
     -> its ``written``, this host's clock) in the listing ``infos``; 0 if none is listed or it is within
     ``SKEW_IGNORE_SECONDS``. Also kept for ``storage_now``."""
-    mine = [(w, infos[n].mtime - w) for n, w in written.items() if n in infos]
+    mine = [(w, infos[n].mtime - w) for n, w in written.items() if n in infos and infos[n].dated]
     if not mine:
         return _OFFSETS.get(ldir.store.url(""), 0.0)
     offset = max(mine)[1]  # the latest write
@@ -274,7 +274,7 @@ def read_protection(ldir: LeaseDir, exclude: str = "", written: float | None = N
     prot.dead_temp = any(".tmp-" in n and owner.temp_writer_gone(n) for n in listing)
     savers = set()
     for rec in ldir.read_all(listing=listing):
-        stored = infos[rec.name].mtime if rec.name in infos else None
+        stored = infos[rec.name].mtime if rec.name in infos and infos[rec.name].dated else None  # else: expiry
         if stored is not None:
             _skew(ldir, f"host {rec.host[:40]} (pid {rec.pid})", stored - rec.written)
         if not rec.live(now, stored, storage):

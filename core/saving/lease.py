@@ -149,7 +149,7 @@ class SaveLease:
             busy = []
             for rec in self.dir.read_all(prefix="gc-", listing=set(infos)):
                 identity = (self.dir.url(rec.name), rec.written)
-                stored = infos[rec.name].mtime if rec.name in infos else None
+                stored = infos[rec.name].mtime if rec.name in infos and infos[rec.name].dated else None
                 if not rec.live(now_wall, stored, storage) or identity in _WAITED_OUT:
                     continue
                 own = max(self.seconds, rec.expires - rec.written)  # the collector's lease_seconds

@@ -58,6 +58,8 @@ class FileInfo:
     name: str
     size: int
     mtime: float
+    dated: bool = True
+    """False when the listing gave no time (``mtime`` is then the time of the listing: ``mtime``)."""
 
 
 def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -236,11 +238,19 @@ def find_shards(fs: fsspec.AbstractFileSystem, base: str) -> dict[str, dict]:
     return out
 
 
+def dated(info: dict) -> bool:
+    """Whether an fsspec info dict gives a modification time (``mtime`` falls back to now)."""
+    return any(info.get(key) is not None and _to_epoch(info[key]) is not None for key in _TIME_KEYS)
+
+
+_TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "modified", "created")
+
+
 def mtime(info: dict) -> float:
     """Modification time from an fsspec info dict (local 'mtime', s3 'LastModified', memory
     'created', gcs 'updated'). Unknown -> now: garbage collection must never think a blob it
     cannot date is old."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+    for key in _TIME_KEYS:
         if info.get(key) is not None:
             stamp = _to_epoch(info[key])
             if stamp is not None:

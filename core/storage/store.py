@@ -30,8 +30,9 @@ from ..format.dtypes import is_blob_key
 from . import aside, commit as _commit, localio
 from .atomic import temp_prefix
 from .options import options_key
-from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, display_root, find_shards,
-                    in_process_only, is_local_fs, is_temp_file, is_temp_name, join, mtime, resolve, version)
+from .paths import (BLOB_DIR, LEASE_DIR, META_DIR, BlobInfo, FileInfo, changed, check_name, dated, display_root,
+                    find_shards, in_process_only, is_local_fs, is_temp_file, is_temp_name, join, mtime, resolve,
+                    version)
 from .pool import IOPool
 from .retry import call_with_retry, whole
 
@@ -106,8 +107,7 @@ class Store:
     def cache_key(self) -> tuple[str, str, str]:
         """(URL, filesystem class, canonical storage options): caches of stores use it, so a store built
         with other options (rotated credentials, another endpoint) is never taken for this one."""
-        cls = type(self.fs)
-        return (self.url(""), f"{cls.__module__}.{cls.__qualname__}", self.options)
+        return (self.url(""), f"{type(self.fs).__module__}.{type(self.fs).__qualname__}", self.options)
 
     @property
     def shared_between_processes(self) -> bool:
@@ -359,7 +359,7 @@ class Store:
             if (parent != root or info.get("type") != "file" or not name
                     or name.startswith(META_DIR) or (is_temp_name(name) and not include_temp)):
                 continue
-            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info)))
+            out.append(FileInfo(name, int(info.get("size") or 0), mtime(info), dated(info)))
         return sorted(out, key=lambda f: f.name)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T],

@@ -244,6 +244,24 @@ def test_a_collector_whose_clock_is_ahead_keeps_live_leases_and_young_temp_files
     assert any("the clock of this host is 600 s ahead of the storage's" in r.getMessage() for r in caplog.records)
 
 
+def test_an_expired_lease_on_a_storage_that_gives_no_file_times_is_collected(tmp_path, monkeypatch):
+    """Where a listing gives no modification time (its date falls back to the listing's time), a lease is judged
+    by its expiry alone: dated "now" at every listing, a dead writer's lease would protect its blobs for ever."""
+    url = str(tmp_path / "run")
+    real = FaultFS.ls
+
+    def ls(self, path, detail=False, **kwargs):
+        out = real(self, path, detail=detail, **kwargs)
+        return [{k: v for k, v in e.items() if k not in ("mtime", "created")} for e in out] if detail else out
+    monkeypatch.setattr(FaultFS, "ls", ls)
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        dead = _orphans(url, n=2)
+        _forge(url, dead, expires_in=-1.0)
+        report = engine.gc(f"faultfile://{url}")
+    assert sorted(report.deleted) == sorted(dead) and report.leases == 0, report
+
+
 def test_the_lease_of_an_ended_process_of_this_host_does_not_protect(tmp_path):
     url = str(tmp_path / "run")
     ctx = harness.context()
