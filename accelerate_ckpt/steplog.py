@@ -159,19 +159,23 @@ class AccelerateStepLog:
             return 0
         directory = parent(part_url)
         replayed = 0
-        self._replaying = replay
+        self._replaying = True
         try:
-            if not replay:
+            if not replay:  # a replay of no step: the chain ends at the checkpoint, so the steps logged from here
+                # on branch off there and a later resume from it follows them, not the abandoned ones (h168)
                 log.info("accelerate_ckpt: %s loaded as saved, no step replayed (older than the newest checkpoint, "
                          "or replay=False; load_state() resumes to the newest logged step)", part_url)
+                self.engine.replay(directory, optimizer, scheduler, after=part_url, max_steps=0, rng=False,
+                                   storage_options=self.storage_options)
             else:
                 replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
                                               storage_options=self.storage_options, scaler=self.accelerator.scaler,
                                               model=self._model())
         except NoMarkerError as exc:
             # saved without the log (or by a run that had it off): nothing to replay after it
-            warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself ({exc})",
-                          RuntimeWarning, stacklevel=3)
+            if replay:
+                warnings.warn(f"accelerate_ckpt: no step log after {part_url}: resumed at the checkpoint itself "
+                              f"({exc})", RuntimeWarning, stacklevel=3)
         finally:
             self._replaying = False
         self.replayed_steps = replayed

@@ -52,7 +52,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{module}", __name__), name)
         globals()[name] = value
         return value
-    if not name.startswith("__"):
+    if not name.startswith("__") and name.isidentifier():  # a submodule's name (``cli.__main__`` ran the CLI: h168)
         try:
             return importlib.import_module(f".{name}", __name__)
         except ImportError as exc:  # not a submodule; a C kernel loaded by ctypes (``_csig``) is none either

@@ -345,7 +345,23 @@ def _user_state(trainer: Any) -> list[str]:
     return found
 
 
-def _warn_unreplayed(trainer: Any, steps: int) -> None:
+def _pruned(trainer: Any) -> bool:
+    """Whether the parameters of a ``ModelPruning`` callback hold zeros (read before a replay): it saves them
+    pruned without masks. Without any zero nothing was pruned yet, and a replay moves nothing off zero (h168)."""
+    for cb in trainer.callbacks:
+        if not _is(cb, ("ModelPruning",)):
+            continue
+        targets = getattr(cb, "_parameters_to_prune", None)
+        if not isinstance(targets, (list, tuple)) or not targets:
+            return True  # not known which: say it
+        for target in targets:
+            t = getattr(target[0], target[1], None) if isinstance(target, tuple) and len(target) == 2 else None
+            if not isinstance(t, torch.Tensor) or bool((t == 0).any()):
+                return True
+    return False
+
+
+def _warn_unreplayed(trainer: Any, steps: int, pruned: bool = False) -> None:
     """A replay runs the optimizer steps (and schedulers), not ``training_step`` or the callbacks' hooks:
     say whose state is the checkpoint's. Weight-averaging callbacks (``EMAWeightAveraging``, any
     ``WeightAveraging`` subclass, ``StochasticWeightAveraging``) update their average in batch and epoch
@@ -361,7 +377,7 @@ def _warn_unreplayed(trainer: Any, steps: int) -> None:
         warnings.warn(f"checkrun: {', '.join(averaging)} did not see the {steps} replayed step(s): its averaged "
                       "weights are those of the checkpoint (the model and optimizer are the resumed step's)",
                       RuntimeWarning, stacklevel=3)
-    if any(_is(cb, ("ModelPruning",)) for cb in trainer.callbacks):  # its masks are in no checkpoint (h164)
+    if pruned:  # ModelPruning's masks are in no checkpoint (h164)
         warnings.warn(f"checkrun: ModelPruning's masks are not in the checkpoint, so the {steps} replayed step(s) "
                       "moved the pruned weights off zero: the other weights are the resumed step's; the pruned ones "
                       "differ from a checkpoint saved at that step until it prunes again (its next pruning, as after "
@@ -451,6 +467,7 @@ class LightningStepLog:
         # a fit with a smaller max_steps than the logged run's stops there, as it would from a checkpoint:
         # by the logged global_step, which counts the steps a GradScaler skipped too (h113)
         until = None if trainer.max_steps < 0 else lambda c: c.get("global_step", -1) >= trainer.max_steps
+        pruned = _pruned(trainer)
         try:
             with warnings.catch_warnings():  # the fit ends at the limit: no random number is drawn after it
                 warnings.filterwarnings("ignore", r"checkrun: the RNG states are not set .* inside a segment")
@@ -460,7 +477,7 @@ class LightningStepLog:
             warnings.warn(f"checkrun: no step log after {url}: resumed at the checkpoint itself ({exc})",
                           RuntimeWarning, stacklevel=2)
         self.replayed_steps = steps
-        _warn_unreplayed(trainer, steps)
+        _warn_unreplayed(trainer, steps, pruned)
         # Lightning's global_step also counts the steps a GradScaler skipped (no optimizer.step(), so not
         # in the log): the logged global_step says how far the loop had come
         moved = max(steps, logged.get("global_step", 0) - trainer.global_step)

@@ -113,11 +113,12 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
         if all(_match(staged[i].key, staged[i].dtype, math.prod(staged[i].shape), len(staged[i].shape), rules)[1]
                is None for i in group):
             continue
-        names = [staged[i].key for i in group]
+        names = [staged[i].key for i in sorted(group, key=lambda i: -math.prod(staged[i].shape))]  # largest first
         for i in group:
             mixed.setdefault(i, names[0])
             others.setdefault(i, []).extend(n for n in names if n != staged[i].key)
-        warnings.warn(f"checkrun: {', '.join(map(repr, names))} are views of one memory in different shapes, which "
+        more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+        warnings.warn(f"checkrun: {names[0]!r} and {names[1]!r}{more} are overlapping views of one memory, which "
                       "quantization would store as different values; they are stored lossless. Save one of them, or "
                       "give no rule to any", UserWarning, stacklevel=4)
     return tuple(dataclasses.replace(st, tied=tuple(others[i]), lossless=i in mixed) if i in others else st
@@ -125,15 +126,18 @@ def tied_lossless(staged: tuple, flat: Any, sources: list[int], rules: tuple[Qua
 
 
 def _region(t: torch.Tensor) -> tuple | None:
-    """(device, storage, first byte, end byte) of the memory a strided tensor reads; None for others."""
+    """(device, first address, end address) of the memory a strided tensor reads (absolute: two storages over one
+    memory, ``torch.from_numpy`` of two numpy views, are compared too: h168); None for other tensors. The span
+    from its first to its last element: interleaved slices (``w[:, ::2]``, ``w[:, 1::2]``) count as overlapping."""
     if not t.numel() or t.layout != torch.strided:
         return None
     try:
-        lo = hi = t.storage_offset()
+        lo = hi = 0
         for n, step in zip(t.shape, t.stride()):
             lo, hi = (lo + (n - 1) * step, hi) if step < 0 else (lo, hi + (n - 1) * step)
-        return (str(t.device), t.untyped_storage().data_ptr(), lo * t.element_size(), (hi + 1) * t.element_size())
-    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own (a subclass, a wrapper)
+        base, size = t.data_ptr(), t.element_size()
+        return (str(t.device), 0, base + lo * size, base + (hi + 1) * size)
+    except (RuntimeError, NotImplementedError):  # a tensor without memory of its own (a subclass, a wrapper)
         return None
 
 

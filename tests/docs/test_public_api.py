@@ -46,6 +46,8 @@ def test_probing_ckpt_core_for_a_c_kernel_library_returns_false() -> None:
     import ckpt_core
 
     assert not hasattr(ckpt_core, "_csig") and not hasattr(ckpt_core, "no_such_name")
+    for odd in ("cli.__main__", "_csig.x", ".", "..", ""):  # not names of submodules: no import is tried (h168)
+        assert not hasattr(ckpt_core, odd), odd
     assert importlib.import_module("ckpt_core.format").__name__ == "ckpt_core.format"
     with pytest.raises(AttributeError):
         ckpt_core._cshuffle  # noqa: B018
