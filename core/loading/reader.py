@@ -398,8 +398,9 @@ def verify_manifest(store: Store, name: str, config: EngineConfig, *, decode: bo
             _check_objects(store, manifest, report.path, config)
         except ResourceLimitError as exc:
             report.add(f"{exc}; not decoded, so not verified (the blobs' checksums matched)", unverified=True)
-        except CheckrunError as exc:
-            report.add(str(exc), is_outage(exc))
+        except CheckrunError as exc:  # a blob gone since its checksum was read: removed meanwhile? (h167)
+            gone = isinstance(exc, CorruptCheckpointError) and vanished(store, name, manifest, config)
+            report.add(str(gone or exc), is_outage(exc))
     return report
 
 

@@ -83,7 +83,8 @@ class LeaseRecord:
         ``storage_now``, both on the storage's clock: live while younger than its lifetime there too)."""
         if self.gone():
             return False
-        aged = stored is not None and storage_now is not None and storage_now <= stored + self.expires - self.written
+        lifetime = min(self.expires - self.written, MAX_LIFETIME)  # a forged or damaged object: bounded (h167)
+        aged = stored is not None and storage_now is not None and storage_now <= stored + lifetime
         return now <= self.expires or aged
 
     def to_bytes(self) -> bytes:
@@ -227,6 +228,9 @@ class Protection:
         return bool(self.dead) or self.dead_temp
 
 
+#: The longest a lease lives by the age of its object: a day (``lease_seconds`` is minutes; a save's ``hold``
+#: rewrites it); a forged or damaged lifetime (``written: 0``) would otherwise protect its blobs for decades.
+MAX_LIFETIME = 86400.0
 #: Storage clock minus this host's, per directory, as its latest collection measured it (``storage_now``).
 _OFFSETS: dict[str, float] = {}
 _WARNED: set[tuple[str, str]] = set()
@@ -275,8 +279,8 @@ def read_protection(ldir: LeaseDir, exclude: str = "", written: float | None = N
     savers = set()
     for rec in ldir.read_all(listing=listing):
         stored = infos[rec.name].mtime if rec.name in infos and infos[rec.name].dated else None  # else: expiry
-        if stored is not None:
-            _skew(ldir, f"host {rec.host[:40]} (pid {rec.pid})", stored - rec.written)
+        if stored is not None:  # once per host (its processes share its clock: h167)
+            _skew(ldir, f"host {rec.host[:200]}", stored - rec.written)
         if not rec.live(now, stored, storage):
             prot.dead.append(rec)
         elif rec.kind == "save":

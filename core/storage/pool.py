@@ -8,6 +8,7 @@ including the pool's own threads (a nested ``map`` runs inline).
 from __future__ import annotations
 
 import threading
+import concurrent.futures.thread as _futures_thread
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Optional, TypeVar
 
@@ -40,6 +41,12 @@ def batches(items: list[T], cost: Callable[[T], int]) -> list[list[T]]:
     return out
 
 
+def interpreter_exiting() -> bool:
+    """The interpreter's exit has begun (``atexit`` handlers run): no executor takes new work then ("cannot
+    schedule new futures after interpreter shutdown": a load in a user's ``atexit`` handler failed, h167)."""
+    return bool(getattr(_futures_thread, "_shutdown", False))
+
+
 class IOPool:
     """A thread pool of ``threads`` threads started on demand (named ``checkrun-io``)."""
 
@@ -58,7 +65,7 @@ class IOPool:
             runs = batches(items, cost)
             if len(runs) < len(items):
                 return [r for part in self.map(lambda b: [fn(x) for x in b], runs) for r in part]
-        if len(items) <= 1 or getattr(self._in_worker, "active", False):
+        if len(items) <= 1 or getattr(self._in_worker, "active", False) or interpreter_exiting():
             return [fn(x) for x in items]
         pool = self._acquire()
         try:

@@ -100,3 +100,25 @@ def test_a_load_through_an_engine_dropped_at_once_ends_its_reference_rebuild_bef
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["loaded", "3", "ENDED"], (out.stdout, out.stderr)
+
+
+_LOAD_AT_EXIT = r"""
+import atexit, sys, torch, ckpt_core
+state = {f"t{i}": torch.randn(2_000_000, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+ckpt_core.save(state, f"{sys.argv[1]}/a.ckpt")  # blobs of several MB: read on the I/O pool
+def final_eval():
+    got = ckpt_core.CheckpointEngine().load(f"{sys.argv[1]}/a.ckpt")
+    print("loaded", sum(torch.equal(got[k], state[k]) for k in state), flush=True)
+atexit.register(final_eval)
+"""
+
+
+def test_a_load_in_the_scripts_own_atexit_handler_reads_its_blobs(tmp_path) -> None:
+    """h167: a final evaluation in an ``atexit`` handler loading a checkpoint of several blobs failed with
+    "cannot schedule new futures after interpreter shutdown" (the I/O pool, released after each load, could
+    not start again), exit status 0. The blobs are read on the calling thread once the exit has begun."""
+    script = tmp_path / "final_eval.py"
+    script.write_text(_LOAD_AT_EXIT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["loaded", "4"], (out.stdout, out.stderr)

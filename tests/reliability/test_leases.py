@@ -203,9 +203,11 @@ def test_an_expired_lease_of_a_dead_writer_does_not_protect(tmp_path):
     assert verify_all(url) == ["a1.ckpt"]
 
 
-def _lease_of_another_host(url: str, keys: list[str], written: float) -> None:
-    LeaseDir(store_of(url)).write(LeaseRecord(f"{'0f' * 8}-4242.json", "save", "0f" * 8, 4242, 1,
-                                              "another-host/boot/1", written, written + LEASE, 0.0, frozenset(keys)))
+def _lease_of_another_host(url: str, keys: list[str], written: float, pid: int = 4242,
+                           expires: float | None = None) -> None:
+    LeaseDir(store_of(url)).write(LeaseRecord(f"{'0f' * 8}-{pid}.json", "save", "0f" * 8, pid, 1, "another-host/boot/1",
+                                              written, written + LEASE if expires is None else expires, 0.0,
+                                              frozenset(keys)))
 
 
 def test_a_lease_of_a_writer_whose_clock_is_behind_protects_while_its_file_is_young(tmp_path, caplog):
@@ -216,12 +218,27 @@ def test_a_lease_of_a_writer_whose_clock_is_behind_protects_while_its_file_is_yo
     with CheckpointEngine(config()) as engine:
         engine.save(state(1), f"{url}/a1.ckpt").result()
         live = _orphans(url, n=2)
-        _lease_of_another_host(url, live, time.time() - 600)  # just written, by its clock
+        _lease_of_another_host(url, live[:1], time.time() - 600)  # just written, by its clock
+        _lease_of_another_host(url, live[1:], time.time() - 600, pid=4343)  # another process of that host
         with caplog.at_level(logging.WARNING, logger="ckpt_core"):
             report = engine.gc(url)
-    assert report.deleted == [] and report.kept_leased == 2 and report.leases == 1, report
-    said = [r.getMessage() for r in caplog.records]
-    assert any("host another-host/boot/1 (pid 4242) is 600 s behind the storage's" in m for m in said), said
+    assert report.deleted == [] and report.kept_leased == 2 and report.leases == 2, report
+    said = [r.getMessage() for r in caplog.records if "behind the storage's" in r.getMessage()]
+    assert len(said) == 1 and "host another-host/boot/1 is 600 s behind the storage's" in said[0], said  # per host
+
+
+def test_a_forged_lifetime_does_not_keep_a_lease_for_decades(tmp_path):
+    """A lease object written at 0 that expired 10 s ago, dated now: by its file's age it would live ~56 years
+    (h167). Its age-based lifetime is bounded by a day; by its expiry it is dead: collected."""
+    url = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        dead = _orphans(url, n=2)
+        _lease_of_another_host(url, dead, 0.0, expires=time.time() - 10)
+        for lease in (Path(url) / ".checkrun" / "leases").iterdir():  # its file dated two days ago
+            os.utime(lease, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+        report = engine.gc(url)
+    assert sorted(report.deleted) == sorted(dead) and report.leases == 0, report
 
 
 def test_a_collector_whose_clock_is_ahead_keeps_live_leases_and_young_temp_files(tmp_path, monkeypatch, caplog):

@@ -413,6 +413,24 @@ def test_verify_of_a_checkpoint_removed_while_its_blobs_are_read_says_so(run):
     assert not report.ok and len(report.problems) == 1 and "was removed while it was being read" in report.problems[0]
 
 
+def test_verify_of_a_checkpoint_removed_while_it_is_decoded_says_so(run, monkeypatch):
+    """The removal after the checksums were read, while verify decodes (its second read of every blob): still
+    "missing blob" after the first fix (h167)."""
+    from ckpt_core.loading import reader
+
+    real = reader._decode_all
+
+    def removed_meanwhile(*args, **kwargs):
+        run.victim.unlink()
+        for blob in run.own_blobs:
+            blob.unlink()
+        return real(*args, **kwargs)
+    monkeypatch.setattr(reader, "_decode_all", removed_meanwhile)
+    with CheckpointEngine(config()) as engine:
+        report = engine.verify(run.victim)
+    assert not report.ok and "was removed while it was being read" in report.problems[0], report.problems
+
+
 def test_a_blob_missing_under_an_unchanged_manifest_is_still_corrupt(run):
     run.own_blobs[0].unlink()
     with CheckpointEngine(config()) as engine:
