@@ -394,7 +394,7 @@ class AcceleratorCheckpointer:
             self._resumed.add(layout.checkpoint_key(url))
         if self._steplog is not None:  # every rank: the steps logged after it, into the live objects
             self._steplog.after_load(urls[0], replicated.get(TREE_KEY), replay=resumes and replay,
-                                     own=self._saves_into(url))
+                                     own=self._saves_into(url), branch=resumes and not replay)
         return folder
 
     def latest(self, directory: str | os.PathLike | None = None) -> str | None:

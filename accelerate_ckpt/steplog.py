@@ -145,10 +145,15 @@ class AccelerateStepLog:
         if self.rank == 0:
             self.close()
 
-    def after_load(self, part_url: str, saved: dict | None, replay: bool = True, own: bool = True) -> int:
+    def after_load(self, part_url: str, saved: dict | None, replay: bool = True, own: bool = True,
+                   branch: bool = False) -> int:
         """Every rank: replay the steps logged after ``part_url`` (rank 0's part of the loaded
         checkpoint) into the live optimizer and scheduler; returns how many. ``replay=False`` (an older
         checkpoint loaded by name: a rewind; or asked for): none; rank 0's log starts a chain of its own there.
+        ``branch`` (the newest checkpoint loaded with ``replay=False``: a rollback): that chain branches off at the
+        checkpoint, so a later resume from it follows the steps logged from now on (h168); a rewind does not
+        (the newer checkpoints stay the ones to resume: a branch there made the next resume warn of a late commit,
+        h169).
         ``own``: the checkpoint is in the directory this Accelerator saves to, where rank 0 logs on at
         once; else (another project's checkpoint, a folder of its own) the log starts at the next save,
         in its directory (logging on in the loaded one made a later resume of that project replay this
@@ -161,12 +166,12 @@ class AccelerateStepLog:
         replayed = 0
         self._replaying = True
         try:
-            if not replay:  # a replay of no step: the chain ends at the checkpoint, so the steps logged from here
-                # on branch off there and a later resume from it follows them, not the abandoned ones (h168)
+            if not replay:
                 log.info("accelerate_ckpt: %s loaded as saved, no step replayed (older than the newest checkpoint, "
                          "or replay=False; load_state() resumes to the newest logged step)", part_url)
-                self.engine.replay(directory, optimizer, scheduler, after=part_url, max_steps=0, rng=False,
-                                   storage_options=self.storage_options)
+                if branch:  # a replay of no step: the chain ends at the checkpoint (see the docstring)
+                    self.engine.replay(directory, optimizer, scheduler, after=part_url, max_steps=0, rng=False,
+                                       storage_options=self.storage_options)
             else:
                 replayed = self.engine.replay(directory, optimizer, scheduler, after=part_url,
                                               storage_options=self.storage_options, scaler=self.accelerator.scaler,

@@ -85,7 +85,8 @@ class LeaseRecord:
             return False
         lifetime = min(self.expires - self.written, MAX_LIFETIME)  # a forged or damaged object: bounded (h167)
         aged = stored is not None and storage_now is not None and storage_now <= stored + lifetime
-        return now <= self.expires or aged
+        # by its expiry only if written less than a day ahead of this clock: a writer years ahead kept it (h169)
+        return (now <= self.expires and self.written <= now + MAX_LIFETIME) or aged
 
     def to_bytes(self) -> bytes:
         body = {"_checkrun": _MAGIC, "version": _VERSION, "kind": self.kind, "writer": self.writer,

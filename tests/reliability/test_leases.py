@@ -227,6 +227,21 @@ def test_a_lease_of_a_writer_whose_clock_is_behind_protects_while_its_file_is_yo
     assert len(said) == 1 and "host another-host/boot/1 is 600 s behind the storage's" in said[0], said  # per host
 
 
+def test_a_dead_writer_years_ahead_does_not_keep_its_lease_for_years(tmp_path):
+    """A writer whose clock ran 10 years ahead died: its lease expires in 10 years by its clock. Its expiry
+    counts only if it was written less than a day ahead of the collector's clock; by its file's age (2 days)
+    it is dead (h169: its blobs were kept for years)."""
+    url = str(tmp_path / "run")
+    with CheckpointEngine(config()) as engine:
+        engine.save(state(1), f"{url}/a1.ckpt").result()
+        dead = _orphans(url, n=2)
+        _lease_of_another_host(url, dead, time.time() + 10 * 365 * 86400)
+        for lease in (Path(url) / ".checkrun" / "leases").iterdir():
+            os.utime(lease, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+        report = engine.gc(url)
+    assert sorted(report.deleted) == sorted(dead) and report.leases == 0, report
+
+
 def test_a_forged_lifetime_does_not_keep_a_lease_for_decades(tmp_path):
     """A lease object written at 0 that expired 10 s ago, dated now: by its file's age it would live ~56 years
     (h167). Its age-based lifetime is bounded by a day; by its expiry it is dead: collected."""
